@@ -1,0 +1,33 @@
+"""jax-dos: Adam(W) for JAX whose optimizer state lives in host memory.
+
+A port of *Deep Optimizer States* (Maurya et al., 2024: interleaved offloading)
+to JAX/XLA. Public API::
+
+    tx = jax_dos.interleaved_adam(3e-4, weight_decay=0.1)   # an optax transformation
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)        # eager: the fast engine
+"""
+
+from jax_dos.adam_math import AdamHyper
+from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
+from jax_dos.transform import (
+    DEFAULT_SUBGROUP_SIZE,
+    InterleavedAdamState,
+    get_plan,
+    interleaved_adam,
+    interleaved_adamw,
+)
+
+__all__ = [
+    "AdamHyper",
+    "DEFAULT_SUBGROUP_SIZE",
+    "InterleavedAdamState",
+    "PLACEMENTS",
+    "Plan",
+    "get_plan",
+    "interleaved_adam",
+    "interleaved_adamw",
+    "partition_leaves",
+    "resolve_plan",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,91 @@
+"""The AdamW arithmetic, written once, in exactly ``optax.adamw``'s order.
+
+For a leaf with gradient ``g``, fp32 master weights ``p``, moments ``m, v`` and
+step ``t = count + 1`` (optax's ``safe_increment``)::
+
+    m   <- (1 - b1) * g + b1 * m
+    v   <- (1 - b2) * g**2 + b2 * v
+    u   <- (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t) + eps_root) + eps)
+    u   <- u + wd * p                       (wd = 0 where ``mask`` is False)
+    u   <- (-lr(count)) * u
+    p   <- p + u
+
+All in float32. The per-step scalars ``(-lr, 1 - b1**t, 1 - b2**t)`` are
+computed by :func:`step_scalars` with the same XLA ops optax uses, so the host
+kernel (``host_kernels.py``) receives bit-identical values. The update handed
+back to the caller is ``u`` for float32 parameters, and
+``cast(p_new, dtype) - param`` (in float32) for lower-precision parameters, so
+that ``optax.apply_updates`` yields exactly the new master cast to the
+parameter's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+
+ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamHyper:
+  """Hyperparameters of AdamW, as in ``optax.adamw``."""
+
+  learning_rate: ScalarOrSchedule
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  eps_root: float = 0.0
+  weight_decay: float = 0.0
+
+
+def step_scalars(hyper: AdamHyper, count: jax.Array) -> jax.Array:
+  """``[-lr(count), 1 - b1**(count+1), 1 - b2**(count+1)]`` as float32[3]."""
+  count_inc = safe_increment(count)
+  lr = hyper.learning_rate(count) if callable(hyper.learning_rate) else hyper.learning_rate
+  neg_lr = jnp.asarray(-1 * lr, dtype=jnp.float32)
+  bc1 = 1 - hyper.b1**count_inc
+  bc2 = 1 - hyper.b2**count_inc
+  return jnp.stack([neg_lr, bc1.astype(jnp.float32), bc2.astype(jnp.float32)])
+
+
+def safe_increment(count: jax.Array) -> jax.Array:
+  """``count + 1``, saturating at the dtype's maximum (optax's rule)."""
+  max_value = jnp.iinfo(count.dtype).max
+  return jnp.where(count < max_value, count + 1, max_value).astype(count.dtype)
+
+
+def leaf_update(
+    grad: jax.Array,
+    master: jax.Array,
+    mu: jax.Array,
+    nu: jax.Array,
+    param: jax.Array,
+    scalars: jax.Array,
+    hyper: AdamHyper,
+    decay: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """One leaf's AdamW step. Returns ``(update, master, mu, nu)``."""
+  g = grad.astype(jnp.float32)
+  mu = (1 - hyper.b1) * g + hyper.b1 * mu
+  nu = (1 - hyper.b2) * (g**2) + hyper.b2 * nu
+  mu_hat = mu / scalars[1]
+  nu_hat = nu / scalars[2]
+  u = mu_hat / (jnp.sqrt(nu_hat + hyper.eps_root) + hyper.eps)
+  if decay:
+    u = u + hyper.weight_decay * master
+  u = scalars[0] * u
+  master = master + u
+  return to_param_update(u, master, param), master, mu, nu
+
+
+def to_param_update(u: jax.Array, master: jax.Array, param: Any) -> jax.Array:
+  """The update that takes ``param`` to ``master`` cast to ``param``'s dtype."""
+  dtype = jnp.result_type(param)
+  if dtype == jnp.float32:
+    return u
+  return master.astype(dtype).astype(jnp.float32) - jnp.asarray(param).astype(jnp.float32)

@@ -1,0 +1,179 @@
+"""The eager engine: runs one :class:`~jax_dos.plan.Plan` outside ``jit``.
+
+Per step, everything is issued up front and waited on as late as possible:
+
+1. the step scalars ``[-lr, 1 - b1**t, 1 - b2**t]`` (tiny jitted call);
+2. gradients of host subgroups are copied to fresh ``pinned_host`` buffers
+   (asynchronous ``device_put``);
+3. all resident (``device``) subgroups update in one jitted call, state donated;
+4. a worker thread runs the fused host kernel subgroup by subgroup, in plan
+   order, as soon as each subgroup's gradients have arrived, writing the
+   update into the gradient buffer and sending it to the accelerator at once;
+5. meanwhile the calling thread streams ``stream`` subgroups: asynchronous
+   host-to-device copies of master/mu/nu, the jitted update, asynchronous
+   device-to-host copies of the new state, with at most ``plan.stream_slots``
+   subgroups in flight so their staging memory stays bounded.
+
+Jitted functions are cached by jax per input signature, so a plan compiles
+once. Host state is updated in place: ``update`` consumes the state passed to
+it, like a donated argument. A registry of what each host buffer last held
+turns accidental reuse of a consumed state into a clear error.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dos import adam_math, host_kernels, memory
+from jax_dos.plan import MEMORY_KIND, Plan
+
+
+def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
+  outs = [adam_math.leaf_update(*leaf, scalars, hyper, d) for leaf, d in zip(zip(grads, masters, mus, nus, params), decay)]
+  return tuple(list(x) for x in zip(*outs)) if outs else ([], [], [], [])
+
+
+_jit_update = jax.jit(_update_group, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3))
+_jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
+_jit_increment = jax.jit(adam_math.safe_increment)
+_jit_to_param_update = jax.jit(adam_math.to_param_update)
+_jit_to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
+
+
+class _WriteRegistry:
+  """Remembers, per host state buffer, the step count it now holds."""
+
+  def __init__(self):
+    self._step: dict[int, int] = {}
+    self._lock = threading.Lock()
+
+  def check_and_mark(self, arrays: Sequence[jax.Array], count: int) -> None:
+    with self._lock:
+      for a in arrays:
+        held = self._step.get(id(a))
+        if held is not None and held != count:
+          raise ValueError(
+              "this optimizer state was already consumed by an earlier update (its host buffers are"
+              f" updated in place and now hold step {held}, but the state says step {count}). Pass the"
+              " state returned by the latest update, or copy the state (jax_dos.copy_state) before updating."
+          )
+      for a in arrays:
+        if id(a) not in self._step:
+          weakref.finalize(a, self._forget, id(a))
+        self._step[id(a)] = count + 1
+
+  def _forget(self, key: int) -> None:
+    with self._lock:
+      self._step.pop(key, None)
+
+
+_REGISTRY = _WriteRegistry()
+
+
+def _shards(x: jax.Array) -> list[jax.Array]:
+  return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+
+
+def _put(x: jax.Array, kind: str, like: jax.Array | None = None) -> jax.Array:
+  return jax.device_put(x, memory.with_kind(x if like is None else like, kind), may_alias=False)
+
+
+class Engine:
+  """Eager execution of one plan for one parameter-tree signature."""
+
+  def __init__(self, hyper: adam_math.AdamHyper, plan: Plan, decay: Sequence[bool]):
+    self.hyper = hyper
+    self.plan = plan
+    self.decay = tuple(decay)
+    self.leaf_placement = plan.leaf_placements()
+
+  def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
+    """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
+    return [
+        a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
+        for a, p in zip(leaves, self.leaf_placement)
+    ]
+
+  def update(self, grads, masters, mus, nus, params, count) -> tuple[list, list, list, list, jax.Array]:
+    """One step. All arguments are flat lists of leaves (``count`` a scalar)."""
+    plan, hyper = self.plan, self.hyper
+    masters, mus, nus = (self.place_state(x) for x in (masters, mus, nus))
+    n = len(grads)
+    updates: list[Any] = [None] * n
+    new = [list(masters), list(mus), list(nus)]
+
+    scalars = _jit_scalars(hyper, count)
+    host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
+    host_grads = {i: _put(grads[i] if grads[i].dtype == jnp.float32 else _jit_to_f32(grads[i]), "pinned_host") for i in host_leaves}
+
+    def pick(idx, *lists):
+      return [[lst[i] for i in idx] for lst in lists]
+
+    dev_leaves = [i for s in plan.indices("device") for i in plan.subgroups[s]]
+    if dev_leaves:
+      outs = _jit_update(*pick(dev_leaves, grads, masters, mus, nus, params), scalars, hyper, tuple(self.decay[i] for i in dev_leaves))
+      self._scatter(dev_leaves, outs, updates, new)
+
+    host_error: list[BaseException] = []
+    worker = None
+    if host_leaves:
+      worker = threading.Thread(
+          target=self._host_worker, args=(host_grads, masters, mus, nus, params, grads, count, scalars, updates, host_error), daemon=True
+      )
+      worker.start()
+
+    in_flight: deque = deque()
+    for s in plan.indices("stream"):
+      idx = list(plan.subgroups[s])
+      if len(in_flight) >= plan.stream_slots:
+        jax.block_until_ready(in_flight.popleft())
+      dev_state = [[_put(lst[i], "device") for i in idx] for lst in (masters, mus, nus)]
+      g, p = pick(idx, grads, params)
+      u, m32, m1, m2 = _jit_update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
+      back = [[_put(a, "pinned_host") for a in lst] for lst in (m32, m1, m2)]
+      self._scatter(idx, (u, *back), updates, new)
+      in_flight.append(back)
+
+    if worker is not None:
+      worker.join()
+      if host_error:
+        raise host_error[0]
+    return updates, new[0], new[1], new[2], _jit_increment(count)
+
+  @staticmethod
+  def _scatter(idx, outs, updates, new) -> None:
+    u, m32, m1, m2 = outs
+    for j, i in enumerate(idx):
+      updates[i] = u[j]
+      new[0][i], new[1][i], new[2][i] = m32[j], m1[j], m2[j]
+
+  def _host_worker(self, host_grads, masters, mus, nus, params, grads, count, scalars, updates, error) -> None:
+    try:
+      hyper, plan = self.hyper, self.plan
+      step = int(count)
+      scalars_np = np.asarray(scalars)
+      for s in plan.indices("host"):
+        for i in plan.subgroups[s]:
+          g = host_grads[i]
+          low_precision = jnp.result_type(params[i]) != jnp.float32
+          _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
+          g.block_until_ready()
+          for gs, ps, ms, vs in zip(*(_shards(a) for a in (g, masters[i], mus[i], nus[i]))):
+            host_kernels.adam_inplace(
+                *(host_kernels.writable_view(a) for a in (gs, ps, ms, vs)),
+                b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
+                weight_decay=hyper.weight_decay, decay=self.decay[i], scalars=scalars_np,
+                out_mode=host_kernels.OUT_MASTER if low_precision else host_kernels.OUT_UPDATE,
+            )
+          out = _put(g, "device", like=grads[i])
+          updates[i] = _jit_to_param_update(out, out, params[i]) if low_precision else out
+    except BaseException as e:  # re-raised on the calling thread
+      error.append(e)

@@ -1,0 +1,84 @@
+"""Memory kinds: where an array lives, and moving it there (eagerly or traced).
+
+Every offloaded array keeps its parameter's sharding and differs only in its
+memory kind, so host state sits per addressable shard, next to the device that
+owns it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Sharding, SingleDeviceSharding
+
+
+def is_traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def sharding_of(x: Any) -> Sharding:
+  """The sharding of a concrete array, or the default device's for anything else."""
+  if isinstance(x, jax.Array) and not is_traced(x):
+    return x.sharding
+  return SingleDeviceSharding(jax.devices()[0])
+
+
+def with_kind(x: Any, kind: str) -> Sharding:
+  """``x``'s sharding, in memory ``kind`` (``"device"`` or ``"pinned_host"``)."""
+  return sharding_of(x).with_memory_kind(kind)
+
+
+def memory_kind(x: Any) -> str | None:
+  if isinstance(x, jax.Array) and not is_traced(x):
+    return x.sharding.memory_kind
+  return None
+
+
+def traced_put(x: jax.Array, kind: str) -> jax.Array:
+  """In-jit transfer to ``kind`` (XLA schedules it; the MaxText idiom)."""
+  space = jax.memory.Space.Host if kind == "pinned_host" else jax.memory.Space.Device
+  return jax.device_put(x, space)
+
+
+def host_memory_available() -> int:
+  """Bytes of host memory available for new allocations (``MemAvailable``)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> None:
+  """Raises ``MemoryError`` with advice if ``nbytes`` cannot fit in host RAM."""
+  available = host_memory_available()
+  if nbytes > available:
+    raise MemoryError(
+        f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but only"
+        f" {available / 2**30:.2f} GiB is available. Keep more subgroups on the device"
+        " (plan='device' or a larger resident budget), use a smaller model, or add host RAM."
+    )
+
+
+def zeros_like_in(x: Any, kind: str, dtype=jnp.float32) -> jax.Array:
+  """A fresh float32 zero array shaped like ``x`` in memory ``kind``."""
+  if is_traced(x):
+    return traced_put(jnp.zeros(jnp.shape(x), dtype), kind)
+  sharding = with_kind(x, kind)
+  return jax.jit(lambda: jnp.zeros(jnp.shape(x), dtype), out_shardings=sharding)()
+
+
+def copy_in(x: Any, kind: str, dtype=jnp.float32) -> jax.Array:
+  """A fresh float32 copy of ``x`` in memory ``kind`` (never an alias of ``x``)."""
+  if is_traced(x):
+    return traced_put(jnp.asarray(x, dtype), kind)
+  x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+  sharding = with_kind(x, kind)
+  # A jitted computation without donation always writes a new buffer.
+  return jax.jit(lambda a: a.astype(dtype) + jnp.zeros((), dtype), out_shardings=sharding)(x)

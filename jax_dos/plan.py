@@ -1,0 +1,171 @@
+"""Subgroups of the parameter tree and where each one's Adam state is updated.
+
+A *subgroup* is a set of whole leaves, consecutive in tree-flatten order, packed
+greedily up to ``subgroup_size`` elements (a larger leaf is a subgroup of its
+own; ``subgroup_size=1`` makes every leaf its own subgroup). Each subgroup has a
+*placement*:
+
+* ``"device"``: master, mu and nu stay in accelerator memory (fastest, costs
+  12 bytes per parameter of accelerator memory);
+* ``"stream"``: state lives in ``pinned_host`` memory, is copied to the
+  accelerator for the update and copied back;
+* ``"host"``: state lives in ``pinned_host`` memory and is updated in place by
+  the fused host kernel; only gradients and updates cross PCIe.
+
+A :class:`Plan` is a plain, inspectable value: the subgroups, their placements
+and, when the performance model chose it, the predicted time of each path and
+the calibration it came from. Because subgroups are whole leaves in flatten
+order, the optimizer state (and so a checkpoint) never depends on the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import jax
+import numpy as np
+
+Placement = Literal["device", "stream", "host"]
+PLACEMENTS: tuple[str, ...] = ("device", "stream", "host")
+MEMORY_KIND: dict[str, str] = {"device": "device", "stream": "pinned_host", "host": "pinned_host"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Placement of every subgroup of one parameter tree.
+
+  Attributes:
+    subgroups: for each subgroup, the flat indices of its leaves (tree-flatten
+      order of the parameter tree).
+    placements: one of ``"device" | "stream" | "host"`` per subgroup.
+    sizes: number of elements per subgroup.
+    stream_slots: how many streamed subgroups may be in flight on the
+      accelerator at once (their staging memory is ``stream_slots`` times the
+      largest streamed subgroup's 12 bytes per parameter).
+    predicted: predicted seconds per path and in total (empty if the plan was
+      not chosen by the performance model).
+    source: how the plan was made (``"user"``, ``"default"``, ``"model"``).
+    calibration: the calibration the model used, as a dict (or ``None``).
+  """
+
+  subgroups: tuple[tuple[int, ...], ...]
+  placements: tuple[str, ...]
+  sizes: tuple[int, ...]
+  stream_slots: int = 2
+  predicted: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
+  source: str = "user"
+  calibration: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+
+  def __post_init__(self):
+    if len(self.placements) != len(self.subgroups):
+      raise ValueError(
+          f"plan has {len(self.placements)} placements for {len(self.subgroups)} subgroups;"
+          " give exactly one placement per subgroup (see jax_dos.partition_leaves)."
+      )
+    for i, p in enumerate(self.placements):
+      if p not in PLACEMENTS:
+        raise ValueError(f"subgroup {i}: unknown placement {p!r}; use one of {PLACEMENTS}.")
+    if self.stream_slots < 1:
+      raise ValueError(f"stream_slots must be >= 1, got {self.stream_slots}.")
+
+  @property
+  def num_leaves(self) -> int:
+    return sum(len(s) for s in self.subgroups)
+
+  def leaf_placements(self) -> tuple[str, ...]:
+    """The placement of every leaf, in flatten order."""
+    out = [""] * self.num_leaves
+    for leaves, placement in zip(self.subgroups, self.placements):
+      for i in leaves:
+        out[i] = placement
+    return tuple(out)
+
+  def indices(self, placement: str) -> list[int]:
+    """Indices of the subgroups with this placement, in plan order."""
+    return [i for i, p in enumerate(self.placements) if p == placement]
+
+  def elements(self, placement: str) -> int:
+    return sum(self.sizes[i] for i in self.indices(placement))
+
+  def with_placements(self, placements: Sequence[str], **changes) -> Plan:
+    return dataclasses.replace(self, placements=tuple(placements), **changes)
+
+  def describe(self) -> str:
+    """A few lines a person can read: what goes where, and the predicted times."""
+    total = sum(self.sizes) or 1
+    lines = [f"Plan ({self.source}): {len(self.subgroups)} subgroups, {total:,} parameters"]
+    for p in PLACEMENTS:
+      n = self.elements(p)
+      lines.append(
+          f"  {p:>6}: {len(self.indices(p)):4d} subgroups, {n:>15,} params ({100 * n / total:5.1f}%)"
+      )
+    if self.indices("stream"):
+      lines.append(f"  stream slots in flight: {self.stream_slots}")
+    if self.predicted:
+      lines.append("  predicted: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.predicted.items()))
+    return "\n".join(lines)
+
+  __str__ = describe
+
+
+PlanSpec = Union[str, Sequence[str], Plan]
+
+
+def _leaf_size(x) -> int:
+  return int(np.prod(np.shape(x), dtype=np.int64))
+
+
+def partition_leaves(params: Any, subgroup_size: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+  """Packs the leaves of ``params`` into subgroups, in flatten order.
+
+  Returns ``(subgroups, sizes)``: per subgroup the flat leaf indices and the
+  total number of elements. Empty leaves join the current subgroup.
+  """
+  if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, (int, np.integer)) or subgroup_size < 1:
+    raise ValueError(f"subgroup_size must be an integer >= 1, got {subgroup_size!r}.")
+  sizes = [_leaf_size(x) for x in jax.tree.leaves(params)]
+  groups: list[list[int]] = []
+  group_sizes: list[int] = []
+  for i, n in enumerate(sizes):
+    if groups and group_sizes[-1] + n <= subgroup_size:
+      groups[-1].append(i)
+      group_sizes[-1] += n
+    else:
+      groups.append([i])
+      group_sizes.append(n)
+  return tuple(tuple(g) for g in groups), tuple(group_sizes)
+
+
+def resolve_plan(spec: PlanSpec, params: Any, subgroup_size: int, *, default: str = "host") -> Plan:
+  """Turns a user's ``plan=`` argument into a :class:`Plan` for ``params``.
+
+  ``spec`` is a placement name (for every subgroup), a sequence of placement
+  names (one per subgroup), or a :class:`Plan` (checked against the tree).
+  ``"auto"`` is handled by the caller (the performance model); here it falls
+  back to ``default``.
+  """
+  subgroups, sizes = partition_leaves(params, subgroup_size)
+  if isinstance(spec, Plan):
+    if spec.subgroups != subgroups:
+      if spec.num_leaves != sum(len(s) for s in subgroups):
+        raise ValueError(
+            f"the given Plan covers {spec.num_leaves} leaves but the parameter tree has"
+            f" {sum(len(s) for s in subgroups)}; make the plan for this tree."
+        )
+      return spec  # a plan may group leaves differently from subgroup_size; leaves are what count.
+    return spec
+  if isinstance(spec, str):
+    if spec == "auto":
+      spec = default
+    if spec not in PLACEMENTS:
+      raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
+    return Plan(subgroups, (spec,) * len(subgroups), sizes, source="default" if spec == default else "user")
+  placements = tuple(spec)
+  if len(placements) != len(subgroups):
+    raise ValueError(
+        f"plan lists {len(placements)} placements but the tree packs into {len(subgroups)} subgroups"
+        f" with subgroup_size={subgroup_size}; pass one placement per subgroup."
+    )
+  return Plan(subgroups, placements, sizes, source="user")

@@ -1,0 +1,40 @@
+"""The traced update: pure XLA, for calls of ``update`` inside ``jax.jit``.
+
+Every leaf's state is brought to the accelerator with an in-jit
+``device_put`` (a no-op for resident state), updated there, and put back into
+the memory kind its placement asks for. XLA schedules the copies; it does not
+pipeline them (see MEASUREMENTS.md), which is why the eager engine exists.
+This path is also the baseline the engine is measured against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from jax_dos import adam_math, memory
+from jax_dos.plan import MEMORY_KIND
+
+
+def update_leaves(
+    grads: Sequence[jax.Array],
+    masters: Sequence[jax.Array],
+    mus: Sequence[jax.Array],
+    nus: Sequence[jax.Array],
+    params: Sequence[jax.Array],
+    count: jax.Array,
+    leaf_placements: Sequence[str],
+    decay: Sequence[bool],
+    hyper: adam_math.AdamHyper,
+):
+  """Returns ``(updates, masters, mus, nus, count)`` as flat lists."""
+  scalars = adam_math.step_scalars(hyper, count)
+  out = ([], [], [], [])
+  for g, p32, m, v, p, placement, d in zip(grads, masters, mus, nus, params, leaf_placements, decay):
+    kind = MEMORY_KIND[placement]
+    p32, m, v = (memory.traced_put(a, "device") for a in (p32, m, v))
+    u, p32, m, v = adam_math.leaf_update(g, p32, m, v, p, scalars, hyper, d)
+    for acc, a in zip(out, (u, memory.traced_put(p32, kind), memory.traced_put(m, kind), memory.traced_put(v, kind))):
+      acc.append(a)
+  return (*out, adam_math.safe_increment(count))

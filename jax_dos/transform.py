@@ -1,0 +1,213 @@
+"""``interleaved_adam``: optax's AdamW with its state offloaded to host memory.
+
+Drop-in for ``optax.adamw``: same hyperparameters, same numbers. The state is
+a pytree of ordinary ``jax.Array`` s mirroring the parameters (fp32 master
+weights, mu, nu) plus a step count; each leaf lives in ``pinned_host`` or
+``device`` memory according to the plan (see ``plan.py``).
+
+``update`` runs one of two ways, with the same arithmetic:
+
+* **traced** (called inside ``jax.jit``, or under ``optax.MultiSteps`` whose
+  ``lax.cond`` traces it): pure XLA with in-jit ``device_put`` (``traced.py``);
+* **eager** (called on concrete arrays): the engine (``engine.py``), which
+  pipelines streamed subgroups and runs the host kernel concurrently. This is
+  the fast path; it consumes ``state`` like a donated argument.
+
+Gradient accumulation on the fast path: accumulate in the jitted gradient
+step and call ``update`` eagerly every ``k`` micro-batches (see README), since
+``optax.MultiSteps`` always traces its inner update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_dos import memory, traced
+from jax_dos.adam_math import AdamHyper, ScalarOrSchedule
+from jax_dos.engine import Engine
+from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, resolve_plan
+
+DEFAULT_SUBGROUP_SIZE = 64 * 2**20  # 256 MiB of fp32 per state array; see docs/design.md
+
+
+class InterleavedAdamState(NamedTuple):
+  """State of :func:`interleaved_adam`: trees mirroring the parameters."""
+
+  count: jax.Array  # int32 scalar: steps taken
+  master: optax.Params  # fp32 master weights
+  mu: optax.Updates  # first moment, fp32
+  nu: optax.Updates  # second moment, fp32
+
+
+def _leaves_with_paths(tree: Any, what: str) -> tuple[list[Any], Any]:
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = []
+  for path, leaf in path_leaves:
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"interleaved_adam: {what} leaf {jax.tree_util.keystr(path)} has dtype {dtype}; every leaf must be a"
+          " floating-point array. Keep integer buffers out of the optimized tree (e.g. with optax.masked or a"
+          " flax.nnx filter)."
+      )
+    leaves.append(leaf)
+  return leaves, treedef
+
+
+def _decay_flags(mask, params, weight_decay: float) -> tuple[bool, ...]:
+  n = len(jax.tree.leaves(params))
+  if weight_decay == 0.0:
+    return (False,) * n
+  if mask is None:
+    return (True,) * n
+  mask_tree = mask(params) if callable(mask) else mask
+  flags = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), mask_tree, params)
+  out = tuple(jax.tree.leaves(flags))
+  if len(out) != n:
+    raise ValueError("mask must have the structure of params (or a prefix of it).")
+  return out
+
+
+class _InterleavedAdam:
+  """Holds the hyperparameters and caches a plan and an engine per tree signature."""
+
+  def __init__(self, hyper: AdamHyper, mask, subgroup_size: int, plan: PlanSpec, planner: Optional[Callable]):
+    if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, (int, np.integer)) or subgroup_size < 1:
+      raise ValueError(f"subgroup_size must be an integer >= 1, got {subgroup_size!r}.")
+    self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
+    self._plans: dict[Any, Plan] = {}
+    self._engines: dict[Any, Engine] = {}
+
+  def plan_for(self, params: Any) -> Plan:
+    leaves, treedef = jax.tree.flatten(params)
+    key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+    if key not in self._plans:
+      if isinstance(self.plan_spec, str) and self.plan_spec == "auto" and self.planner is not None:
+        self._plans[key] = self.planner(params, self.subgroup_size)
+      else:
+        self._plans[key] = resolve_plan(self.plan_spec, params, self.subgroup_size)
+    return self._plans[key]
+
+  def init(self, params: optax.Params) -> InterleavedAdamState:
+    leaves, treedef = _leaves_with_paths(params, "params")
+    plan = self.plan_for(params)
+    kinds = [MEMORY_KIND[p] for p in plan.leaf_placements()]
+    if not any(memory.is_traced(x) for x in leaves):
+      host_elems = sum(int(np.prod(np.shape(x))) for x, k in zip(leaves, kinds) if k == "pinned_host")
+      memory.check_host_capacity(12 * host_elems)
+    master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
+    mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
+    nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
+    unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
+    return InterleavedAdamState(jnp.zeros([], jnp.int32), unflat(master), unflat(mu), unflat(nu))
+
+  def update(self, updates: optax.Updates, state: InterleavedAdamState, params: Optional[optax.Params] = None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("interleaved_adam.update needs params (like optax.adamw): call tx.update(grads, state, params).")
+    if not isinstance(state, InterleavedAdamState):
+      raise TypeError(f"expected an InterleavedAdamState, got {type(state).__name__}; pass the state made by this optimizer's init.")
+    grads, gdef = _leaves_with_paths(updates, "gradient")
+    sdef = jax.tree.structure(state.master)
+    if gdef != sdef:
+      raise ValueError(f"gradient tree does not match the optimizer state.\n  gradients: {gdef}\n  state:     {sdef}")
+    param_leaves, pdef = _leaves_with_paths(params, "params")
+    if pdef != sdef:
+      raise ValueError(f"params tree does not match the optimizer state.\n  params: {pdef}\n  state:  {sdef}")
+    for g, p, path in zip(grads, param_leaves, jax.tree_util.tree_flatten_with_path(params)[0]):
+      if np.shape(g) != np.shape(p):
+        raise ValueError(f"gradient for {jax.tree_util.keystr(path[0])} has shape {np.shape(g)}, params have {np.shape(p)}.")
+    plan = self.plan_for(params)
+    decay = _decay_flags(self.mask, params, self.hyper.weight_decay)
+    masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
+    args = (grads, masters, mus, nus, param_leaves)
+    if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count)):
+      out = traced.update_leaves(*args, state.count, plan.leaf_placements(), decay, self.hyper)
+    else:
+      out = self._engine(plan, decay).update(*args, state.count)
+    u, m32, m1, m2, count = out
+    unflat = lambda xs: jax.tree.unflatten(sdef, xs)  # noqa: E731
+    return unflat(u), InterleavedAdamState(count, unflat(m32), unflat(m1), unflat(m2))
+
+  def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
+    key = (plan, decay)
+    if key not in self._engines:
+      self._engines[key] = Engine(self.hyper, plan, decay)
+    return self._engines[key]
+
+
+def interleaved_adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    weight_decay: float = 0.0,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    *,
+    subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+    plan: PlanSpec = "auto",
+    planner: Optional[Callable[[Any, int], Plan]] = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""AdamW whose fp32 master weights and moments live in host memory.
+
+  The maths is exactly ``optax.adamw``'s (see ``adam_math.py``)::
+
+      m_t = b1 m_{t-1} + (1 - b1) g_t          v_t = b2 v_{t-1} + (1 - b2) g_t^2
+      u_t = -lr_t ( m_t / (1 - b1^t) / (sqrt(v_t / (1 - b2^t) + eps_root) + eps) + wd p_{t-1} )
+
+  with ``wd`` applied where ``mask`` is True. The update returned makes
+  ``optax.apply_updates(params, updates)`` equal the new fp32 master cast to
+  each parameter's dtype. Non-finite gradients propagate exactly as in optax.
+
+  Args:
+    learning_rate: a float or an optax schedule ``count -> lr``.
+    b1, b2, eps, eps_root: as in ``optax.adam``.
+    weight_decay: decoupled weight decay (``optax.adamw``'s ``weight_decay``).
+    mask: tree of bools (or a function of params returning one, or a prefix of
+      the params tree) saying which leaves get weight decay.
+    subgroup_size: leaves are packed into subgroups of at most this many
+      elements (a larger leaf is a subgroup of its own).
+    plan: ``"auto"``, one of ``"device" | "stream" | "host"`` for every
+      subgroup, a sequence with one placement per subgroup, or a ``jax_dos.Plan``.
+    planner: function ``(params, subgroup_size) -> Plan`` used by ``"auto"``;
+      defaults to the performance model (``jax_dos.auto_planner()``). Without
+      one, ``"auto"`` puts every subgroup on the host.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``. Its ``update`` requires
+    ``params``. Eagerly (outside ``jit``) it consumes ``state`` in place; inside
+    ``jit`` it is pure.
+  """
+  hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay)
+  opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner)
+  tx = optax.GradientTransformationExtraArgs(opt.init, opt.update)
+  return tx
+
+
+def interleaved_adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    weight_decay: float = 1e-4,
+    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+    **kwargs,
+) -> optax.GradientTransformationExtraArgs:
+  """:func:`interleaved_adam` with ``optax.adamw``'s default ``weight_decay=1e-4``."""
+  return interleaved_adam(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, **kwargs)
+
+
+def get_plan(tx: optax.GradientTransformation, params: Any) -> Plan:
+  """The :class:`Plan` an ``interleaved_adam`` transformation uses for ``params``."""
+  owner = getattr(tx.update, "__self__", None)
+  if not isinstance(owner, _InterleavedAdam):
+    raise TypeError("get_plan takes the transformation returned by jax_dos.interleaved_adam (not a chain of it).")
+  return owner.plan_for(params)
