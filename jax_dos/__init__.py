@@ -8,8 +8,11 @@ to JAX/XLA. Public API::
     updates, state = tx.update(grads, state, params)        # eager: the fast engine
 """
 
+from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper
+from jax_dos.checkpoint import CheckpointManager
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
+from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
     DEFAULT_SUBGROUP_SIZE,
     InterleavedAdamState,
@@ -20,14 +23,18 @@ from jax_dos.transform import (
 
 __all__ = [
     "AdamHyper",
+    "CheckpointManager",
     "DEFAULT_SUBGROUP_SIZE",
+    "from_optax_adamw_state",
     "InterleavedAdamState",
     "PLACEMENTS",
     "Plan",
     "get_plan",
     "interleaved_adam",
     "interleaved_adamw",
+    "multi_steps",
     "partition_leaves",
     "resolve_plan",
+    "to_optax_adamw_state",
 ]
 __version__ = "0.1.0"

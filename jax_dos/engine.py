@@ -86,6 +86,14 @@ def _put(x: jax.Array, kind: str, like: jax.Array | None = None) -> jax.Array:
   return jax.device_put(x, memory.with_kind(x if like is None else like, kind), may_alias=False)
 
 
+def _like_state(grad: jax.Array, master: jax.Array) -> jax.Array:
+  """``grad`` on the accelerator with the state's sharding, so that shards line up leaf by leaf."""
+  target = master.sharding.with_memory_kind("device")
+  if grad.sharding.is_equivalent_to(target, grad.ndim):
+    return grad
+  return jax.device_put(grad, target)
+
+
 class Engine:
   """Eager execution of one plan for one parameter-tree signature."""
 
@@ -110,6 +118,7 @@ class Engine:
     updates: list[Any] = [None] * n
     new = [list(masters), list(mus), list(nus)]
 
+    grads = [_like_state(g, m) for g, m in zip(grads, masters)]
     scalars = _jit_scalars(hyper, count)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
     host_grads = {i: _put(grads[i] if grads[i].dtype == jnp.float32 else _jit_to_f32(grads[i]), "pinned_host") for i in host_leaves}

@@ -67,6 +67,10 @@ def adam_inplace(
 
   ``scalars`` is ``[-lr, 1 - b1**t, 1 - b2**t]`` as float32 (``adam_math.step_scalars``).
   """
+  if not (g.shape == p.shape == m.shape == v.shape) or g.ndim != 1:
+    raise ValueError(f"host kernel needs four flat buffers of one size, got {g.shape}, {p.shape}, {m.shape}, {v.shape}.")
+  if any(a.dtype != np.float32 for a in (g, p, m, v)):
+    raise TypeError("host kernel buffers must be float32.")
   if g.size == 0:
     return
   f = np.float32

@@ -43,6 +43,12 @@ def traced_put(x: jax.Array, kind: str) -> jax.Array:
   return jax.device_put(x, space)
 
 
+def traced_put_like(x: jax.Array, ref) -> jax.Array:
+  """In-jit transfer of ``x`` to the memory space of ``ref`` (a tracer or an abstract value)."""
+  space = str(getattr(ref if isinstance(ref, jax.core.AbstractValue) else jax.typeof(ref), "memory_space", "Device"))
+  return traced_put(x, "pinned_host" if space.endswith("Host") else "device")
+
+
 def host_memory_available() -> int:
   """Bytes of host memory available for new allocations (``MemAvailable``)."""
   try:

@@ -1,0 +1,397 @@
+"""Calibration: the rates of each update path, measured on this machine.
+
+The performance model (``planner.py``) needs five rates, in parameters per
+second, and a few fixed costs, all measured with the real engine on synthetic
+flat fp32 parameter trees (eager ``tx.update`` of an ``interleaved_adam`` with
+an explicit plan, timed with ``block_until_ready``):
+
+* ``host_rate``: every subgroup on the host kernel, including the gradient
+  device-to-host copy and the update host-to-device copy that path needs;
+* ``stream_rate``: every subgroup streamed through the accelerator with two
+  subgroups in flight (both PCIe directions busy); ``stream_rate_single``
+  with one in flight (directions serialised);
+* ``device_rate``: state resident in accelerator memory;
+* ``host_rate_concurrent`` / ``stream_rate_concurrent``: each path's rate
+  while the other one runs (two engines in two threads; only iterations that
+  lie wholly inside the window where both run are counted). On one-socket
+  machines whose host DRAM bandwidth binds, these sum to about the larger solo
+  rate, not to the sum of the solo rates (see MEASUREMENTS.md);
+* fixed costs, in seconds: ``subgroup_overhead_host`` / ``_stream`` per
+  subgroup (from many tiny subgroups against one), ``device_call_overhead``
+  for the single jitted call that updates all resident subgroups, and
+  ``step_overhead`` paid by every step (step scalars, count increment).
+
+``device_free_bytes`` is the accelerator memory free when calibrating
+(``bytes_limit - bytes_in_use``; ``None`` on the CPU backend); the planner
+prefers the memory free at plan time.
+
+Calibrations are cached as JSON in ``$XDG_CACHE_HOME/jax_dos/`` (default
+``~/.cache/jax_dos/``), keyed by platform, device kind, hostname and jax
+version. Override with a :class:`Calibration`, a dict, a JSON path, or the
+environment variable ``JAX_DOS_CALIBRATION`` (a JSON path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, Union
+
+ENV_OVERRIDE = "JAX_DOS_CALIBRATION"
+GPU_DEFAULT_SIZE = 64 * 2**20  # 256 MiB per fp32 array: ~1 GiB of state + grads per path
+CPU_DEFAULT_SIZE = 2**16  # CPU backend: code paths only, no performance signal
+_RATE_FIELDS = (
+  "host_rate",
+  "stream_rate",
+  "stream_rate_single",
+  "device_rate",
+  "host_rate_concurrent",
+  "stream_rate_concurrent",
+)
+_TIME_FIELDS = ("subgroup_overhead_host", "subgroup_overhead_stream", "device_call_overhead", "step_overhead")
+_MIN_TIME = 1e-9  # clamp for differences of noisy timings
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """Measured rates (params/s) and fixed costs (s) of the update paths; see the module docstring."""
+
+  host_rate: float
+  stream_rate: float
+  device_rate: float
+  host_rate_concurrent: float
+  stream_rate_concurrent: float
+  stream_rate_single: float = 0.0  # 0: unknown, the model takes stream_rate / 2
+  subgroup_overhead_host: float = 0.0
+  subgroup_overhead_stream: float = 0.0
+  device_call_overhead: float = 0.0
+  step_overhead: float = 0.0
+  device_free_bytes: int | None = None
+  platform: str = ""
+  device_kind: str = ""
+  hostname: str = ""
+  jax_version: str = ""
+  size: int = 0  # parameters per measurement
+  measured_at: str = ""
+
+  def __post_init__(self):
+    for name in _RATE_FIELDS:
+      v = getattr(self, name)
+      ok = math.isfinite(v) and (v > 0 or (name == "stream_rate_single" and v == 0))
+      if not ok:
+        raise ValueError(f"Calibration.{name} must be a positive finite rate in params/s, got {v!r}.")
+    for name in _TIME_FIELDS:
+      v = getattr(self, name)
+      if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"Calibration.{name} must be a finite number of seconds >= 0, got {v!r}.")
+
+  @property
+  def key(self) -> str:
+    """Cache key: platform, device kind, hostname, jax version."""
+    return _key(self.platform, self.device_kind, self.hostname, self.jax_version)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> Calibration:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"unknown Calibration fields {unknown}; known fields: {sorted(names)}.")
+    missing = [n for n in ("host_rate", "stream_rate", "device_rate") if n not in d]
+    if missing:
+      raise ValueError(f"a Calibration needs at least {missing} (params/s).")
+    d = dict(d)
+    # Unknown concurrency defaults to no slowdown (the paths add up); say so by giving them.
+    d.setdefault("host_rate_concurrent", d["host_rate"])
+    d.setdefault("stream_rate_concurrent", d["stream_rate"])
+    return cls(**d)
+
+  def summary(self) -> str:
+    g = lambda r: f"{r / 1e9:.3g} G/s"  # noqa: E731
+    return (
+      f"host {g(self.host_rate)}, stream {g(self.stream_rate)}, device {g(self.device_rate)},"
+      f" concurrent host {g(self.host_rate_concurrent)} + stream {g(self.stream_rate_concurrent)}"
+    )
+
+
+CalibrationSpec = Union[Calibration, dict, str, os.PathLike, None]
+
+
+def _slug(s: str) -> str:
+  return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "unknown"
+
+
+def _key(platform: str, device_kind: str, hostname: str, jax_version: str) -> str:
+  return "-".join(_slug(x) for x in (platform, device_kind, hostname, "jax" + jax_version))
+
+
+def cache_dir() -> Path:
+  """``$XDG_CACHE_HOME/jax_dos`` (or ``~/.cache/jax_dos``)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return Path(base) / "jax_dos"
+
+
+def current_key() -> str:
+  """The cache key of this process's default backend."""
+  import jax
+
+  d = jax.devices()[0]
+  return _key(d.platform, d.device_kind, socket.gethostname(), jax.__version__)
+
+
+def cache_path(key: str | None = None) -> Path:
+  return cache_dir() / f"calibration-{key or current_key()}.json"
+
+
+def save(cal: Calibration, path: str | os.PathLike | None = None) -> Path:
+  """Writes ``cal`` as JSON (atomically) to ``path`` or its cache file."""
+  path = Path(path) if path is not None else cache_path(cal.key)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(f".tmp{os.getpid()}")
+  tmp.write_text(json.dumps(cal.to_dict(), indent=1, sort_keys=True))
+  os.replace(tmp, path)
+  return path
+
+
+def load_cached(key: str | None = None) -> Calibration | None:
+  """The cached calibration for ``key`` (default: this machine), or ``None``."""
+  key = key or current_key()
+  path = cache_path(key)
+  if not path.exists():
+    return None
+  try:
+    cal = Calibration.from_dict(json.loads(path.read_text()))
+  except (ValueError, TypeError, json.JSONDecodeError):
+    return None  # a stale or damaged cache file is remeasured, not trusted
+  return cal if cal.key == key else None
+
+
+def as_calibration(spec: Calibration | dict | str | os.PathLike) -> Calibration:
+  """A :class:`Calibration` from itself, a dict of its fields, or a JSON file path."""
+  if isinstance(spec, Calibration):
+    return spec
+  if isinstance(spec, dict):
+    return Calibration.from_dict(spec)
+  if isinstance(spec, (str, os.PathLike)):
+    path = Path(spec)
+    if not path.exists():
+      raise FileNotFoundError(f"calibration file {str(path)!r} does not exist (from a path or ${ENV_OVERRIDE}).")
+    return Calibration.from_dict(json.loads(path.read_text()))
+  raise TypeError(f"expected a Calibration, a dict or a JSON path, got {type(spec).__name__}.")
+
+
+def get_calibration(spec: CalibrationSpec = None, **calibrate_kwargs) -> Calibration:
+  """Resolves a calibration: ``spec`` if given, else ``$JAX_DOS_CALIBRATION``, else the cache, else measures."""
+  if spec is not None:
+    return as_calibration(spec)
+  env = os.environ.get(ENV_OVERRIDE)
+  if env:
+    return as_calibration(env)
+  return calibrate(**calibrate_kwargs)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def device_free_bytes() -> int | None:
+  """Smallest free accelerator memory over local devices (``bytes_limit - bytes_in_use``), or ``None``."""
+  import jax
+
+  free = []
+  for d in jax.local_devices():
+    try:
+      stats = d.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+      stats = None
+    if not stats or "bytes_limit" not in stats:
+      return None
+    free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+  return min(free) if free else None
+
+
+def _tree(n_leaves: int, leaf: int, seed: int):
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.key(seed), 2 * n_leaves)
+  params = {f"w{i:03d}": jax.random.normal(keys[i], (leaf,), jnp.float32) for i in range(n_leaves)}
+  grads = {f"w{i:03d}": 1e-3 * jax.random.normal(keys[n_leaves + i], (leaf,), jnp.float32) for i in range(n_leaves)}
+  return params, grads
+
+
+class _Runner:
+  """An ``interleaved_adam`` with an explicit plan over a synthetic tree, stepped eagerly."""
+
+  def __init__(self, n_leaves: int, leaf: int, plan, stream_slots: int = 2, seed: int = 0):
+    import jax
+
+    import jax_dos
+    from jax_dos.plan import Plan, partition_leaves
+
+    self.params, self.grads = _tree(n_leaves, leaf, seed)
+    self.size = n_leaves * leaf
+    subgroups, sizes = partition_leaves(self.params, leaf)
+    placements = (plan,) * len(subgroups) if isinstance(plan, str) else tuple(plan)
+    plan_obj = Plan(subgroups, placements, sizes, stream_slots=stream_slots, source="calibration")
+    self.tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=leaf, plan=plan_obj)
+    self.state = self.tx.init(self.params)
+    jax.block_until_ready(self.state)
+
+  def step(self) -> float:
+    import jax
+
+    t = time.perf_counter()
+    updates, self.state = self.tx.update(self.grads, self.state, self.params)
+    jax.block_until_ready((updates, self.state))
+    return time.perf_counter() - t
+
+  def time(self, reps: int, reduce=statistics.median) -> float:
+    self.step()  # warm-up: compile, numba load
+    return reduce([self.step() for _ in range(reps)])
+
+
+def _concurrent(a: _Runner, b: _Runner, reps: int) -> tuple[float, float]:
+  """Median step time of ``a`` and of ``b`` over steps that ran wholly while the other was running.
+
+  Each runner steps in its own thread until both have done ``reps + 1`` steps,
+  so the faster one keeps the slower one company to the end.
+  """
+  a.step(), b.step()  # warm-up
+  runners = {"a": a, "b": b}
+  logs: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+  done = {"a": threading.Event(), "b": threading.Event()}
+  errors: list[BaseException] = []
+
+  def loop(name: str, other: str):
+    try:
+      while not (done[name].is_set() and done[other].is_set()):
+        t0 = time.perf_counter()
+        runners[name].step()
+        logs[name].append((t0, time.perf_counter()))
+        if len(logs[name]) >= reps + 1:
+          done[name].set()
+    except BaseException as e:
+      errors.append(e)
+      done["a"].set(), done["b"].set()
+
+  thread = threading.Thread(target=loop, args=("b", "a"), daemon=True)
+  thread.start()
+  loop("a", "b")
+  thread.join()
+  if errors:
+    raise errors[0]
+  lo = max(logs["a"][0][0], logs["b"][0][0])
+  hi = min(logs["a"][-1][1], logs["b"][-1][1])
+
+  def inside(log):
+    ts = [t1 - t0 for t0, t1 in log if t0 >= lo and t1 <= hi] or [t1 - t0 for t0, t1 in log]
+    return statistics.median(ts)
+
+  return inside(logs["a"]), inside(logs["b"])
+
+
+def measure(
+  *, size: int | None = None, n_subgroups: int = 8, reps: int = 3, tiny_subgroups: int | None = None
+) -> Calibration:
+  """Measures a :class:`Calibration` now (no cache).
+
+  ``size`` parameters per path, in ``n_subgroups`` equal subgroups; fixed
+  costs from ``tiny_subgroups`` subgroups of 8 parameters (default 32; 8 on
+  the CPU backend).
+  """
+  import jax
+
+  dev = jax.devices()[0]
+  free = device_free_bytes()
+  on_cpu = dev.platform == "cpu"
+  if size is None:
+    size = CPU_DEFAULT_SIZE if on_cpu else GPU_DEFAULT_SIZE
+  tiny_subgroups = tiny_subgroups or (8 if on_cpu else 32)
+  leaf = max(1, size // n_subgroups)
+  n = leaf * n_subgroups
+  # Fixed costs first (fastest of the repetitions: noise only adds): many tiny subgroups against one.
+  tiny = 8
+
+  def fixed(path: str) -> tuple[float, float]:
+    t_one = _Runner(1, tiny, path).time(reps, min)
+    t_many = _Runner(tiny_subgroups, tiny, path).time(reps, min)
+    return t_one, max(_MIN_TIME, (t_many - t_one) / (tiny_subgroups - 1))
+
+  t1_host, ovh_host = fixed("host")
+  t1_stream, ovh_stream = fixed("stream")
+  t1_dev = _Runner(1, tiny, "device").time(reps, min)
+  step = max(_MIN_TIME, min(t1_host - ovh_host, t1_stream - ovh_stream, t1_dev / 2))
+  dev_call = max(_MIN_TIME, t1_dev - step)
+
+  # Rates net of the fixed costs the model adds back (at most 3/4 of a time is taken as fixed).
+  def rate(params: int, t: float, fixed_s: float) -> float:
+    return params / max(t - fixed_s, 0.25 * t)
+
+  timed = lambda path, slots=2: _Runner(n_subgroups, leaf, path, slots).time(reps)  # noqa: E731
+  host_rate = rate(n, timed("host"), step + n_subgroups * ovh_host)
+  device_rate = rate(n, timed("device"), step + dev_call)
+  stream_rate = rate(n, timed("stream"), step + n_subgroups * ovh_stream)
+  stream_rate_single = rate(n, timed("stream", 1), step + n_subgroups * ovh_stream)
+
+  # Concurrent: half the size on each path, two engines in two threads (as the engine's worker thread does).
+  half = max(1, n_subgroups // 2)
+  runner_h = _Runner(half, leaf, "host", seed=1)
+  runner_s = _Runner(half, leaf, "stream", seed=2)
+  t_h, t_s = _concurrent(runner_h, runner_s, reps)
+  host_c = rate(half * leaf, t_h, step + half * ovh_host)
+  stream_c = rate(half * leaf, t_s, step + half * ovh_stream)
+  del runner_h, runner_s
+
+  return Calibration(
+    host_rate=host_rate,
+    stream_rate=stream_rate,
+    device_rate=device_rate,
+    host_rate_concurrent=host_c,
+    stream_rate_concurrent=stream_c,
+    stream_rate_single=stream_rate_single,
+    subgroup_overhead_host=ovh_host,
+    subgroup_overhead_stream=ovh_stream,
+    device_call_overhead=dev_call,
+    step_overhead=step,
+    device_free_bytes=free,
+    platform=dev.platform,
+    device_kind=dev.device_kind,
+    hostname=socket.gethostname(),
+    jax_version=jax.__version__,
+    size=n,
+    measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  )
+
+
+def calibrate(*, size: int | None = None, force: bool = False, cache: bool = True, reps: int = 3) -> Calibration:
+  """This machine's :class:`Calibration`: from the cache, or measured (and cached).
+
+  Args:
+    size: parameters per measured path (default: 64 Mi on an accelerator, i.e.
+      256 MiB per fp32 array; 64 Ki on the CPU backend).
+    force: measure even if a cached calibration exists.
+    cache: read and write the cache (``cache_dir()``).
+    reps: timed repetitions per measurement (median, after one warm-up).
+  """
+  if cache and not force:
+    cal = load_cached()
+    if cal is not None:
+      return cal
+  cal = measure(size=size, reps=reps)
+  if cache:
+    try:
+      save(cal)
+    except OSError:
+      pass  # a read-only home is no reason to fail; the calibration is still returned
+  return cal

@@ -1,0 +1,409 @@
+"""The performance model and the plan it chooses (``plan="auto"``).
+
+Model of one eager update step (``engine.py``), from a :class:`Calibration`
+(rates ``h, s, d`` of the host, stream and device paths in params/s; ``h_c,
+s_c`` the host and stream rates while both run; fixed costs ``o``)::
+
+    W_D = o_call + N_D / d                  one jitted call for all resident subgroups
+    W_H = N_H / h + K_H o_host               host kernel, incl. gradient D2H and update H2D
+    W_S = N_S / s + K_S o_stream             streamed through the accelerator
+
+``W`` is each path's work in *solo seconds*. The host path starts at 0; the
+stream path starts at ``W_D`` (its jitted updates queue behind the resident
+update on the accelerator, a slightly pessimistic assumption). While both run,
+the host path advances at ``h_c / h`` of its solo speed and the stream path at
+``s_c / s`` of its own: host kernel and DMA draw on the same host DRAM, and on a
+one-socket machine where DRAM binds, ``h_c + s_c`` is about ``max(h, s)``, not
+``h + s``. When one path finishes the other continues at its solo speed. The
+predicted time is ``o_step + max(W_D, finish_H, finish_S)``. ``K`` counts leaves
+(the engine's fixed costs are per leaf: one kernel call and one transfer each);
+with one stream slot in flight (no overlap of the two PCIe directions) ``s``
+is the calibration's ``stream_rate_single``.
+
+The engine runs each path's subgroups in plan order and all gradients exist
+before the step begins, so the prediction depends only on which subgroups go
+where, not on their order.
+
+Choice (deterministic, see :func:`plan_sizes`):
+
+1. *resident*: fill the resident budget (12 B per parameter per device:
+   master, mu, nu) first-fit by decreasing size; accelerator memory is worth
+   ~30x the host's rate, so a full budget is almost always best, but an empty
+   device set is also tried;
+2. *stream slots*: a streamed subgroup in flight needs ~16 B per parameter of
+   staging memory (state in, the update out); ``stream_slots = min(max_slots,
+   staging // (16 * largest streamed subgroup))``. A subgroup too large to
+   stage even alone is host-only; if none can be staged, nothing streams;
+3. *split*: for each possible slot count, the best streamed fraction of the
+   rest is found by a 1-D search of the model, the subgroups nearest that
+   fraction are picked greedily by size, then improved by moving single
+   subgroups between host and stream while the prediction drops;
+4. the single-path plans (all host, all stream, resident + all host, resident
+   + all stream) are candidates too and win ties, so the chosen plan is never
+   predicted slower than any of them.
+
+Budgets (:func:`resolve_budgets`): by default the resident budget is
+``resident_fraction`` (0.4) of the accelerator memory free when planning
+(``memory_stats``: ``bytes_limit - bytes_in_use``, smallest over local
+devices), which must leave room for activations; the staging budget is
+``staging_fraction`` (0.5) of what is left, memory that activations occupy
+during forward/backward but that is free during the update phase. With no
+accelerator memory statistics (the CPU backend) the resident budget is 0 and
+staging is unbounded, so ``"auto"`` still makes an offloaded plan there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax_dos.perf_model import Calibration, CalibrationSpec, as_calibration, device_free_bytes, get_calibration
+from jax_dos.plan import Plan, partition_leaves
+
+STATE_BYTES = 12  # resident: fp32 master, mu, nu
+STAGING_BYTES = 16  # a streamed subgroup in flight: master, mu, nu in, the fp32 update out
+DEFAULT_RESIDENT_FRACTION = 0.4
+DEFAULT_STAGING_FRACTION = 0.5
+DEFAULT_MAX_STREAM_SLOTS = 2
+_REL_TOL = 1e-9  # a candidate must beat the incumbent by this much (ties go to the simpler plan)
+_GRID = 256
+_MAX_SWEEPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The planner's answer for a list of subgroups."""
+
+  placements: tuple[str, ...]
+  stream_slots: int
+  predicted: dict[str, float]
+  name: str  # which candidate won: "host", "stream", "resident+host", "split(m slots)", ...
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _two_paths(w1: float, start1: float, slow1: float, w2: float, start2: float, slow2: float) -> tuple[float, float]:
+  """Finish times of two paths with ``w`` solo-seconds of work each, starting at ``start``.
+
+  Alone a path advances at speed 1; while both run, at ``1 / slow``. A path
+  with no work finishes at 0.
+  """
+  rem, start, slow = [w1, w2], [start1, start2], [slow1, slow2]
+  fin = [0.0 if w <= 0 else math.inf for w in rem]
+  t = min((start[i] for i in (0, 1) if fin[i] == math.inf), default=0.0)
+  while math.inf in fin:
+    active = [i for i in (0, 1) if fin[i] == math.inf and start[i] <= t]
+    speed = {i: (1.0 / slow[i] if len(active) == 2 else 1.0) for i in active}
+    ends = {i: t + rem[i] / speed[i] for i in active}
+    pending = [start[i] for i in (0, 1) if fin[i] == math.inf and start[i] > t]
+    t_next = min([*ends.values(), *pending])
+    for i in active:
+      if ends[i] <= t_next:
+        fin[i], rem[i] = t_next, 0.0
+      else:
+        rem[i] -= (t_next - t) * speed[i]
+    t = t_next
+  return fin[0], fin[1]
+
+
+def _stream_rates(cal: Calibration, stream_slots: int) -> tuple[float, float]:
+  if stream_slots >= 2:
+    return cal.stream_rate, cal.stream_rate_concurrent
+  single = cal.stream_rate_single or cal.stream_rate / 2
+  return single, cal.stream_rate_concurrent * single / cal.stream_rate
+
+
+def predict(
+  cal: Calibration,
+  *,
+  n_device: float = 0,
+  n_host: float = 0,
+  n_stream: float = 0,
+  k_host: float = 0,
+  k_stream: float = 0,
+  stream_slots: int = DEFAULT_MAX_STREAM_SLOTS,
+) -> dict[str, float]:
+  """Predicted seconds of one step: when each path finishes, and ``"total"`` (see module docstring).
+
+  ``n_*`` are parameters per path, ``k_*`` leaves per path (fixed costs).
+  """
+  s, s_c = _stream_rates(cal, stream_slots)
+  w_d = cal.device_call_overhead + n_device / cal.device_rate if n_device > 0 else 0.0
+  w_h = n_host / cal.host_rate + k_host * cal.subgroup_overhead_host if (n_host > 0 or k_host > 0) else 0.0
+  w_s = n_stream / s + k_stream * cal.subgroup_overhead_stream if (n_stream > 0 or k_stream > 0) else 0.0
+  slow_h = max(1.0, cal.host_rate / cal.host_rate_concurrent)
+  slow_s = max(1.0, s / s_c)
+  fin_h, fin_s = _two_paths(w_h, 0.0, slow_h, w_s, w_d, slow_s)
+  total = cal.step_overhead + max(w_d, fin_h, fin_s)
+  return {"device": w_d, "host": fin_h, "stream": fin_s, "total": total}
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+def fill_resident(dev_sizes: Sequence[int], budget: int) -> frozenset[int]:
+  """First-fit by decreasing size (ties: lower index) of ``12 * size`` bytes into ``budget``."""
+  chosen, used = [], 0
+  for i in sorted(range(len(dev_sizes)), key=lambda i: (-dev_sizes[i], i)):
+    need = STATE_BYTES * dev_sizes[i]
+    if dev_sizes[i] > 0 and used + need <= budget:
+      chosen.append(i)
+      used += need
+  return frozenset(chosen)
+
+
+def stream_slots_for(
+  stream: Sequence[int], dev_sizes: Sequence[int], staging: int | None, max_slots: int = DEFAULT_MAX_STREAM_SLOTS
+) -> int:
+  """Streamed subgroups in flight: ``min(max_slots, staging // (16 B x largest streamed subgroup))``, >= 1."""
+  largest = max((STAGING_BYTES * dev_sizes[i] for i in stream), default=0)
+  if staging is None or largest == 0:
+    return max_slots
+  return max(1, min(max_slots, staging // largest))
+
+
+class _Problem:
+  """Subgroup sizes, leaf counts and budgets, with the model evaluated on index sets."""
+
+  def __init__(self, sizes, dev_sizes, leaf_counts, cal, staging, max_slots):
+    self.sizes, self.dev_sizes, self.leaves = sizes, dev_sizes, leaf_counts
+    self.cal, self.staging, self.max_slots = cal, staging, max_slots
+
+  def placements(self, device: frozenset[int], stream: frozenset[int]) -> tuple[str, ...]:
+    return tuple("device" if i in device else "stream" if i in stream else "host" for i in range(len(self.sizes)))
+
+  def evaluate(self, device: frozenset[int], stream: frozenset[int], slots: int | None = None) -> dict[str, float]:
+    if slots is None:
+      slots = stream_slots_for(sorted(stream), self.dev_sizes, self.staging, self.max_slots)
+    host = [i for i in range(len(self.sizes)) if i not in device and i not in stream]
+    return predict(
+      self.cal,
+      n_device=sum(self.sizes[i] for i in device),
+      n_host=sum(self.sizes[i] for i in host),
+      n_stream=sum(self.sizes[i] for i in stream),
+      k_host=sum(self.leaves[i] for i in host),
+      k_stream=sum(self.leaves[i] for i in stream),
+      stream_slots=slots,
+    )
+
+  def split(self, device: frozenset[int], eligible: list[int], slots: int) -> frozenset[int]:
+    """Streamed subset of ``eligible`` minimising the model, for fixed ``slots``."""
+    rest = [i for i in range(len(self.sizes)) if i not in device]
+    n_d = sum(self.sizes[i] for i in device)
+    n_rest, k_rest = sum(self.sizes[i] for i in rest), sum(self.leaves[i] for i in rest)
+    n_el, k_el = sum(self.sizes[i] for i in eligible), sum(self.leaves[i] for i in eligible)
+    if n_el == 0:
+      return frozenset()
+
+    def total(n_s, k_s):
+      kw = dict(n_device=n_d, n_host=n_rest - n_s, n_stream=n_s, k_host=k_rest - k_s, k_stream=k_s)
+      return predict(self.cal, **kw, stream_slots=slots)["total"]
+
+    f = lambda x: total(x, k_el * x / n_el)  # noqa: E731
+    lo, hi = 0.0, float(n_el)
+    for _ in range(2):  # a grid, then a finer grid around its best point
+      xs = [lo + (hi - lo) * j / _GRID for j in range(_GRID + 1)]
+      best = min(range(len(xs)), key=lambda j: (f(xs[j]), j))
+      step = (hi - lo) / _GRID
+      lo, hi, target = max(0.0, xs[best] - step), min(float(n_el), xs[best] + step), xs[best]
+
+    chosen, n_s, k_s = set(), 0, 0
+    for i in sorted(eligible, key=lambda i: (-self.sizes[i], i)):
+      if n_s + self.sizes[i] / 2 < target:
+        chosen.add(i)
+        n_s, k_s = n_s + self.sizes[i], k_s + self.leaves[i]
+
+    current = total(n_s, k_s)  # improve by single moves between host and stream
+    for _ in range(_MAX_SWEEPS):
+      improved = False
+      for i in eligible:
+        sign = -1 if i in chosen else 1
+        t = total(n_s + sign * self.sizes[i], k_s + sign * self.leaves[i])
+        if t < current * (1 - _REL_TOL):
+          chosen.symmetric_difference_update({i})
+          n_s, k_s, current, improved = n_s + sign * self.sizes[i], k_s + sign * self.leaves[i], t, True
+      if not improved:
+        break
+    return frozenset(chosen)
+
+
+def plan_sizes(
+  sizes: Sequence[int],
+  calibration: Calibration,
+  *,
+  resident_budget_bytes: int = 0,
+  staging_budget_bytes: int | None = None,
+  device_sizes: Sequence[int] | None = None,
+  leaf_counts: Sequence[int] | None = None,
+  max_stream_slots: int = DEFAULT_MAX_STREAM_SLOTS,
+) -> Choice:
+  """Chooses a placement per subgroup to minimise the predicted step time.
+
+  Args:
+    sizes: parameters per subgroup (global).
+    calibration: the rates to plan with.
+    resident_budget_bytes: accelerator memory (per device) for resident state.
+    staging_budget_bytes: accelerator memory (per device) for streamed
+      subgroups in flight; ``None`` means unbounded.
+    device_sizes: parameters per subgroup held by one device (default:
+      ``sizes``; smaller when leaves are sharded); budgets count these.
+    leaf_counts: leaves per subgroup (default 1 each), for fixed costs.
+    max_stream_slots: most streamed subgroups in flight.
+  """
+  n = len(sizes)
+  dev_sizes = list(device_sizes) if device_sizes is not None else list(sizes)
+  leaves = list(leaf_counts) if leaf_counts is not None else [1] * n
+  if len(dev_sizes) != n or len(leaves) != n:
+    raise ValueError(f"device_sizes and leaf_counts need one entry per subgroup ({n}).")
+  if max_stream_slots < 1:
+    raise ValueError(f"max_stream_slots must be >= 1, got {max_stream_slots}.")
+  if any(x < 0 for x in (*sizes, *dev_sizes)):
+    raise ValueError("subgroup sizes must be >= 0.")
+  budget = max(0, int(resident_budget_bytes or 0))
+  staging = None if staging_budget_bytes is None else max(0, int(staging_budget_bytes))
+  prob = _Problem(list(sizes), dev_sizes, leaves, calibration, staging, max_stream_slots)
+
+  fit = fill_resident(dev_sizes, budget)
+  candidates: list[tuple[str, frozenset[int], frozenset[int]]] = []
+  for device, tag in ((frozenset(), ""), (fit, "resident+")):
+    if tag and not fit:
+      continue
+    rest = [i for i in range(n) if i not in device]
+    candidates.append((tag + "host", device, frozenset()))
+    stageable = lambda i, m: staging is None or STAGING_BYTES * dev_sizes[i] * m <= staging  # noqa: E731
+    if rest and all(stageable(i, 1) for i in rest):
+      candidates.append((tag + "stream", device, frozenset(rest)))
+  for device, tag in ((frozenset(), ""), (fit, "resident+")):
+    if tag and not fit:
+      continue
+    rest = [i for i in range(n) if i not in device]
+    seen: set[tuple[int, ...]] = set()
+    for m in range(max_stream_slots, 0, -1):  # more slots first; fewer only if they admit more subgroups
+      eligible = [i for i in rest if staging is None or STAGING_BYTES * dev_sizes[i] * m <= staging]
+      if not eligible or tuple(eligible) in seen:
+        continue
+      seen.add(tuple(eligible))
+      stream = prob.split(device, eligible, m)
+      if stream:
+        candidates.append((f"{tag}split({m} slots)", device, stream))
+
+  best = None
+  for name, device, stream in candidates:
+    pred = prob.evaluate(device, stream)
+    if best is None or pred["total"] < best[1]["total"] * (1 - _REL_TOL):
+      best = (name, pred, device, stream)
+  name, pred, device, stream = best
+  slots = stream_slots_for(sorted(stream), dev_sizes, staging, max_stream_slots)
+  return Choice(prob.placements(device, stream), slots, pred, name)
+
+
+# ----------------------------------------------------------------------------- trees and budgets
+
+
+def _device_elements(x: Any) -> int:
+  """Elements of ``x`` held by one device (its shard), or all of them."""
+  shape = tuple(getattr(x, "shape", ()))
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None:
+    try:
+      shape = tuple(sharding.shard_shape(shape))
+    except Exception:  # traced values and exotic shardings: count the whole leaf
+      pass
+  return math.prod(shape)
+
+
+def resolve_budgets(
+  calibration: Calibration | None = None,
+  *,
+  resident_budget_bytes: int | None = None,
+  staging_budget_bytes: int | None = None,
+  resident_fraction: float = DEFAULT_RESIDENT_FRACTION,
+  staging_fraction: float = DEFAULT_STAGING_FRACTION,
+  free_bytes: int | None = None,
+) -> tuple[int, int | None]:
+  """``(resident, staging)`` budgets in bytes per device; explicit values win (see module docstring).
+
+  ``free_bytes`` defaults to the accelerator memory free now, else the
+  calibration's; with neither (CPU backend) the resident default is 0 and the
+  staging default unbounded (``None``).
+  """
+  for name, frac in (("resident_fraction", resident_fraction), ("staging_fraction", staging_fraction)):
+    if not 0 <= frac <= 1:
+      raise ValueError(f"{name} must be in [0, 1], got {frac}.")
+  if free_bytes is None:
+    free_bytes = device_free_bytes()
+  if free_bytes is None and calibration is not None:
+    free_bytes = calibration.device_free_bytes
+  if resident_budget_bytes is None:
+    resident_budget_bytes = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
+  if staging_budget_bytes is None and free_bytes is not None:
+    staging_budget_bytes = int(staging_fraction * max(0, free_bytes - resident_budget_bytes))
+  return max(0, int(resident_budget_bytes)), staging_budget_bytes
+
+
+def make_plan(
+  params: Any,
+  subgroup_size: int,
+  calibration: CalibrationSpec,
+  *,
+  resident_budget_bytes: int | None = None,
+  staging_budget_bytes: int | None = None,
+  resident_fraction: float = DEFAULT_RESIDENT_FRACTION,
+  staging_fraction: float = DEFAULT_STAGING_FRACTION,
+  max_stream_slots: int = DEFAULT_MAX_STREAM_SLOTS,
+) -> Plan:
+  """The model's :class:`~jax_dos.plan.Plan` for ``params`` (see :func:`plan_sizes`, :func:`resolve_budgets`)."""
+  import jax
+
+  cal = as_calibration(calibration)
+  subgroups, sizes = partition_leaves(params, subgroup_size)
+  per_leaf = [_device_elements(x) for x in jax.tree.leaves(params)]
+  dev_sizes = [sum(per_leaf[i] for i in g) for g in subgroups]
+  resident, staging = resolve_budgets(
+    cal,
+    resident_budget_bytes=resident_budget_bytes,
+    staging_budget_bytes=staging_budget_bytes,
+    resident_fraction=resident_fraction,
+    staging_fraction=staging_fraction,
+  )
+  choice = plan_sizes(
+    sizes,
+    cal,
+    resident_budget_bytes=resident,
+    staging_budget_bytes=staging,
+    device_sizes=dev_sizes,
+    leaf_counts=[max(1, len(g)) for g in subgroups],
+    max_stream_slots=max_stream_slots,
+  )
+  return Plan(
+    subgroups,
+    choice.placements,
+    sizes,
+    stream_slots=choice.stream_slots,
+    predicted=choice.predicted,
+    source="model",
+    calibration=cal.to_dict(),
+  )
+
+
+def auto_planner(calibration: CalibrationSpec = None, **plan_kwargs) -> Callable[[Any, int], Plan]:
+  """The planner ``interleaved_adam(plan="auto")`` uses: ``(params, subgroup_size) -> Plan``.
+
+  The calibration is resolved on first use (``calibration`` if given, else
+  ``$JAX_DOS_CALIBRATION``, else the cache, else measured now: a few seconds)
+  and kept. ``plan_kwargs`` go to :func:`make_plan` (budgets, fractions,
+  ``max_stream_slots``); budgets left out are read from free memory at plan time.
+  """
+  if calibration is not None:
+    calibration = as_calibration(calibration)  # fail early on a bad override
+  held: list[Calibration] = []
+
+  def planner(params: Any, subgroup_size: int) -> Plan:
+    if not held:
+      held.append(get_calibration(calibration))
+    return make_plan(params, subgroup_size, held[0], **plan_kwargs)
+
+  return planner

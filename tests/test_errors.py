@@ -1,0 +1,85 @@
+"""Bad input gets a clear error that says what to change."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_tree
+
+import jax_dos
+from jax_dos import memory
+
+
+@pytest.fixture
+def params():
+  return random_tree(np.random.default_rng())
+
+
+def test_non_float_leaf_is_named(params):
+  bad = dict(params, step=jnp.zeros((), jnp.int32))
+  with pytest.raises(TypeError, match=r"\['step'\].*int32"):
+    jax_dos.interleaved_adam(1e-3).init(bad)
+
+
+def test_gradient_tree_must_match_state(params):
+  tx = jax_dos.interleaved_adam(1e-3, plan="host")
+  state = tx.init(params)
+  grads = dict(params)
+  del grads["scale"]
+  with pytest.raises(ValueError, match="gradient tree does not match"):
+    tx.update(grads, state, params)
+
+
+def test_gradient_shape_must_match(params):
+  tx = jax_dos.interleaved_adam(1e-3, plan="host")
+  state = tx.init(params)
+  grads = dict(params, scale=jnp.ones((2,)))
+  with pytest.raises(ValueError, match=r"\['scale'\] has shape \(2,\)"):
+    tx.update(grads, state, params)
+
+
+def test_update_needs_params(params):
+  tx = jax_dos.interleaved_adam(1e-3)
+  with pytest.raises(ValueError, match="needs params"):
+    tx.update(params, tx.init(params))
+
+
+def test_plan_of_wrong_length(params):
+  with pytest.raises(ValueError, match="placements but the tree packs into"):
+    jax_dos.interleaved_adam(1e-3, subgroup_size=1, plan=["host", "device"]).init(params)
+
+
+@pytest.mark.parametrize("plan", ["gpu", ["host", "nvme", "host", "host"]])
+def test_unknown_placement(params, plan):
+  with pytest.raises(ValueError, match="unknown"):
+    jax_dos.interleaved_adam(1e-3, subgroup_size=100, plan=plan).init(params)
+
+
+@pytest.mark.parametrize("size", [0, -3, 2.5, True])
+def test_subgroup_size_must_be_a_positive_integer(size):
+  with pytest.raises(ValueError, match="subgroup_size must be an integer >= 1"):
+    jax_dos.interleaved_adam(1e-3, subgroup_size=size)
+
+
+def test_plan_for_another_tree_is_refused(params):
+  other = jax_dos.resolve_plan("host", {"w": jnp.ones(3)}, 1)
+  with pytest.raises(ValueError, match="covers 1 leaves"):
+    jax_dos.interleaved_adam(1e-3, plan=other).init(params)
+
+
+def test_host_memory_request_that_cannot_be_met():
+  huge = {"w": jax.ShapeDtypeStruct((memory.host_memory_available() // 4,), jnp.float32)}
+  with pytest.raises(MemoryError, match="pinned host memory"):
+    jax_dos.interleaved_adam(1e-3, plan="host").init(huge)
+
+
+def test_state_from_another_optimizer_is_refused(params):
+  import optax
+
+  with pytest.raises(TypeError, match="InterleavedAdamState"):
+    jax_dos.interleaved_adam(1e-3).update(params, optax.adamw(1e-3).init(params), params)
+
+
+def test_multi_steps_every_k_must_be_positive():
+  with pytest.raises(ValueError, match="every_k"):
+    jax_dos.multi_steps(jax_dos.interleaved_adam(1e-3), 0)
