@@ -11,30 +11,36 @@ to JAX/XLA. Public API::
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper
 from jax_dos.checkpoint import CheckpointManager
+from jax_dos.perf_model import Calibration, calibrate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
+from jax_dos.planner import auto_planner, make_plan
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
-    DEFAULT_SUBGROUP_SIZE,
-    InterleavedAdamState,
-    get_plan,
-    interleaved_adam,
-    interleaved_adamw,
+  DEFAULT_SUBGROUP_SIZE,
+  InterleavedAdamState,
+  get_plan,
+  interleaved_adam,
+  interleaved_adamw,
 )
 
 __all__ = [
-    "AdamHyper",
-    "CheckpointManager",
-    "DEFAULT_SUBGROUP_SIZE",
-    "from_optax_adamw_state",
-    "InterleavedAdamState",
-    "PLACEMENTS",
-    "Plan",
-    "get_plan",
-    "interleaved_adam",
-    "interleaved_adamw",
-    "multi_steps",
-    "partition_leaves",
-    "resolve_plan",
-    "to_optax_adamw_state",
+  "AdamHyper",
+  "Calibration",
+  "CheckpointManager",
+  "DEFAULT_SUBGROUP_SIZE",
+  "auto_planner",
+  "calibrate",
+  "from_optax_adamw_state",
+  "InterleavedAdamState",
+  "PLACEMENTS",
+  "Plan",
+  "get_plan",
+  "interleaved_adam",
+  "interleaved_adamw",
+  "make_plan",
+  "multi_steps",
+  "partition_leaves",
+  "resolve_plan",
+  "to_optax_adamw_state",
 ]
 __version__ = "0.1.0"

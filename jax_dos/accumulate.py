@@ -45,11 +45,11 @@ def multi_steps(inner: optax.GradientTransformation, every_k: int) -> optax.Grad
 
   def init(params):
     return optax.MultiStepsState(
-        mini_step=jnp.zeros([], jnp.int32),
-        gradient_step=jnp.zeros([], jnp.int32),
-        inner_opt_state=inner.init(params),
-        acc_grads=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params),
-        skip_state=(),
+      mini_step=jnp.zeros([], jnp.int32),
+      gradient_step=jnp.zeros([], jnp.int32),
+      inner_opt_state=inner.init(params),
+      acc_grads=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params),
+      skip_state=(),
     )
 
   def update(updates, state, params=None, **extra_args):
@@ -58,17 +58,23 @@ def multi_steps(inner: optax.GradientTransformation, every_k: int) -> optax.Grad
       return _traced_update(updates, state, params, **extra_args)
     acc = _jit_welford(updates, state.acc_grads, state.mini_step)
     if int(state.mini_step) < every_k - 1:
-      zeros = jax.eval_shape(lambda a, s, p: inner.update(optax.tree.cast_like(a, updates), s, p, **extra_args)[0],
-                             acc, state.inner_opt_state, params)
+      zeros = jax.eval_shape(
+        lambda a, s, p: inner.update(optax.tree.cast_like(a, updates), s, p, **extra_args)[0],
+        acc,
+        state.inner_opt_state,
+        params,
+      )
       new_updates = jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros)
       return new_updates, state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
-    new_updates, inner_state = inner.update(optax.tree.cast_like(acc, updates), state.inner_opt_state, params, **extra_args)
+    new_updates, inner_state = inner.update(
+      optax.tree.cast_like(acc, updates), state.inner_opt_state, params, **extra_args
+    )
     return new_updates, optax.MultiStepsState(
-        mini_step=jnp.zeros([], jnp.int32),
-        gradient_step=optax.safe_increment(state.gradient_step),
-        inner_opt_state=inner_state,
-        acc_grads=_jit_zeros_like(acc),
-        skip_state=(),
+      mini_step=jnp.zeros([], jnp.int32),
+      gradient_step=optax.safe_increment(state.gradient_step),
+      inner_opt_state=inner_state,
+      acc_grads=_jit_zeros_like(acc),
+      skip_state=(),
     )
 
   def _traced_update(updates, state, params, **extra_args):
@@ -87,11 +93,11 @@ def multi_steps(inner: optax.GradientTransformation, every_k: int) -> optax.Grad
 
     new_updates, inner_state = jax.lax.cond(emit, apply, skip, acc, state.inner_opt_state, params)
     return new_updates, optax.MultiStepsState(
-        mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
-        gradient_step=jnp.where(emit, optax.safe_increment(state.gradient_step), state.gradient_step),
-        inner_opt_state=inner_state,
-        acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc),
-        skip_state=(),
+      mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
+      gradient_step=jnp.where(emit, optax.safe_increment(state.gradient_step), state.gradient_step),
+      inner_opt_state=inner_state,
+      acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc),
+      skip_state=(),
     )
 
   return optax.GradientTransformationExtraArgs(init, update)

@@ -60,14 +60,14 @@ def safe_increment(count: jax.Array) -> jax.Array:
 
 
 def leaf_update(
-    grad: jax.Array,
-    master: jax.Array,
-    mu: jax.Array,
-    nu: jax.Array,
-    param: jax.Array,
-    scalars: jax.Array,
-    hyper: AdamHyper,
-    decay: bool,
+  grad: jax.Array,
+  master: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  param: jax.Array,
+  scalars: jax.Array,
+  hyper: AdamHyper,
+  decay: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """One leaf's AdamW step. Returns ``(update, master, mu, nu)``."""
   g = grad.astype(jnp.float32)
@@ -83,9 +83,20 @@ def leaf_update(
   return to_param_update(u, master, param), master, mu, nu
 
 
+def update_from_master(master: jax.Array, param: Any) -> jax.Array:
+  """The update taking ``param`` to ``master`` cast to its dtype, from the new master alone.
+
+  Used where only the new master reaches the accelerator (host subgroups). For
+  float32 it equals ``u`` wherever ``p`` and ``p + u`` are within a factor of
+  two (Sterbenz), i.e. everywhere but where a step moves a weight past twice
+  its size; there it differs from optax's by float32 rounding of the weight.
+  """
+  param = jnp.asarray(param)
+  return master.astype(param.dtype).astype(jnp.float32) - param.astype(jnp.float32)
+
+
 def to_param_update(u: jax.Array, master: jax.Array, param: Any) -> jax.Array:
   """The update that takes ``param`` to ``master`` cast to ``param``'s dtype."""
-  dtype = jnp.result_type(param)
-  if dtype == jnp.float32:
+  if jnp.result_type(param) == jnp.float32:
     return u
-  return master.astype(dtype).astype(jnp.float32) - jnp.asarray(param).astype(jnp.float32)
+  return update_from_master(master, param)

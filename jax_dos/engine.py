@@ -7,8 +7,8 @@ Per step, everything is issued up front and waited on as late as possible:
    (asynchronous ``device_put``);
 3. all resident (``device``) subgroups update in one jitted call, state donated;
 4. a worker thread runs the fused host kernel subgroup by subgroup, in plan
-   order, as soon as each subgroup's gradients have arrived, writing the
-   update into the gradient buffer and sending it to the accelerator at once;
+   order, as soon as each subgroup's gradients have arrived, and sends each
+   new master to the accelerator at once, where the update is formed;
 5. meanwhile the calling thread streams ``stream`` subgroups: asynchronous
    host-to-device copies of master/mu/nu, the jitted update, asynchronous
    device-to-host copies of the new state, with at most ``plan.stream_slots``
@@ -37,14 +37,16 @@ from jax_dos.plan import MEMORY_KIND, Plan
 
 
 def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
-  outs = [adam_math.leaf_update(*leaf, scalars, hyper, d) for leaf, d in zip(zip(grads, masters, mus, nus, params), decay)]
+  outs = [
+    adam_math.leaf_update(*leaf, scalars, hyper, d) for leaf, d in zip(zip(grads, masters, mus, nus, params), decay)
+  ]
   return tuple(list(x) for x in zip(*outs)) if outs else ([], [], [], [])
 
 
 _jit_update = jax.jit(_update_group, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3))
 _jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
 _jit_increment = jax.jit(adam_math.safe_increment)
-_jit_to_param_update = jax.jit(adam_math.to_param_update)
+_jit_update_from_master = jax.jit(adam_math.update_from_master)
 _jit_to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
 
 
@@ -61,9 +63,9 @@ class _WriteRegistry:
         held = self._step.get(id(a))
         if held is not None and held != count:
           raise ValueError(
-              "this optimizer state was already consumed by an earlier update (its host buffers are"
-              f" updated in place and now hold step {held}, but the state says step {count}). Pass the"
-              " state returned by the latest update, or copy the state (jax_dos.copy_state) before updating."
+            "this optimizer state was already consumed by an earlier update (its host buffers are"
+            f" updated in place and now hold step {held}, but the state says step {count}). Pass the"
+            " state returned by the latest update, or copy the state (jax_dos.copy_state) before updating."
           )
       for a in arrays:
         if id(a) not in self._step:
@@ -102,12 +104,13 @@ class Engine:
     self.plan = plan
     self.decay = tuple(decay)
     self.leaf_placement = plan.leaf_placements()
+    self._reading_host_state: list[jax.Array] = []  # transfers of the last step that read host state
 
   def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
     """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
     return [
-        a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
-        for a, p in zip(leaves, self.leaf_placement)
+      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
+      for a, p in zip(leaves, self.leaf_placement)
     ]
 
   def update(self, grads, masters, mus, nus, params, count) -> tuple[list, list, list, list, jax.Array]:
@@ -121,21 +124,27 @@ class Engine:
     grads = [_like_state(g, m) for g, m in zip(grads, masters)]
     scalars = _jit_scalars(hyper, count)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
-    host_grads = {i: _put(grads[i] if grads[i].dtype == jnp.float32 else _jit_to_f32(grads[i]), "pinned_host") for i in host_leaves}
+    host_grads = {
+      i: _put(grads[i] if grads[i].dtype == jnp.float32 else _jit_to_f32(grads[i]), "pinned_host") for i in host_leaves
+    }
 
     def pick(idx, *lists):
       return [[lst[i] for i in idx] for lst in lists]
 
     dev_leaves = [i for s in plan.indices("device") for i in plan.subgroups[s]]
     if dev_leaves:
-      outs = _jit_update(*pick(dev_leaves, grads, masters, mus, nus, params), scalars, hyper, tuple(self.decay[i] for i in dev_leaves))
+      outs = _jit_update(
+        *pick(dev_leaves, grads, masters, mus, nus, params), scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
+      )
       self._scatter(dev_leaves, outs, updates, new)
 
     host_error: list[BaseException] = []
     worker = None
     if host_leaves:
       worker = threading.Thread(
-          target=self._host_worker, args=(host_grads, masters, mus, nus, params, grads, count, scalars, updates, host_error), daemon=True
+        target=self._host_worker,
+        args=(host_grads, masters, mus, nus, params, grads, count, scalars, updates, host_error),
+        daemon=True,
       )
       worker.start()
 
@@ -169,20 +178,26 @@ class Engine:
       hyper, plan = self.hyper, self.plan
       step = int(count)
       scalars_np = np.asarray(scalars)
+      jax.block_until_ready(self._reading_host_state)  # never write a buffer a transfer still reads
+      reading = []
       for s in plan.indices("host"):
         for i in plan.subgroups[s]:
-          g = host_grads[i]
-          low_precision = jnp.result_type(params[i]) != jnp.float32
           _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
-          g.block_until_ready()
+          g = host_grads[i].block_until_ready()
           for gs, ps, ms, vs in zip(*(_shards(a) for a in (g, masters[i], mus[i], nus[i]))):
             host_kernels.adam_inplace(
-                *(host_kernels.writable_view(a) for a in (gs, ps, ms, vs)),
-                b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
-                weight_decay=hyper.weight_decay, decay=self.decay[i], scalars=scalars_np,
-                out_mode=host_kernels.OUT_MASTER if low_precision else host_kernels.OUT_UPDATE,
+              *(host_kernels.writable_view(a) for a in (gs, ps, ms, vs)),
+              b1=hyper.b1,
+              b2=hyper.b2,
+              eps=hyper.eps,
+              eps_root=hyper.eps_root,
+              weight_decay=hyper.weight_decay,
+              decay=self.decay[i],
+              scalars=scalars_np,
             )
-          out = _put(g, "device", like=grads[i])
-          updates[i] = _jit_to_param_update(out, out, params[i]) if low_precision else out
+          new_master = _put(masters[i], "device", like=grads[i])
+          reading.append(new_master)
+          updates[i] = _jit_update_from_master(new_master, params[i])
+      self._reading_host_state = reading
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)

@@ -1,8 +1,9 @@
 """Fused, multi-threaded AdamW on host buffers (numba), updating in place.
 
-One pass over ``g, p, m, v`` per leaf: reads 16 bytes, writes 12 (p, m, v) plus
-4 bytes of output (the update, or the new master for low-precision
-parameters) into the gradient buffer itself. The loop is ``prange``-parallel
+One pass over ``g, p, m, v`` per leaf: reads 16 bytes and writes 12 (p, m, v),
+the least any in-place Adam can move (torch's fused CPU AdamW moves the same).
+The engine sends the new master itself to the accelerator and forms the
+update there, so no output buffer is written. The loop is ``prange``-parallel
 over all cores, compiled with ``nogil=True`` so the engine's Python thread keeps
 dispatching accelerator work while it runs, and written float32-clean: every
 constant is a float32 argument, so nothing is promoted to float64. No
@@ -10,9 +11,10 @@ constant is a float32 argument, so nothing is promoted to float64. No
 ``adam_math.py``), so host results match the accelerator's to rounding.
 
 Ownership (why in-place writes are safe): the engine only passes buffers it
-owns. Master, mu and nu belong to the optimizer state, which ``update``
-consumes like a donated argument; gradient buffers are fresh ``pinned_host``
-arrays made by the engine's own jitted transfer for this step.
+owns: master, mu and nu belong to the optimizer state, which ``update``
+consumes like a donated argument, and the engine waits for every transfer that
+reads them (the previous step's master to the accelerator, say) before it
+writes them again. Gradients are only read.
 """
 
 from __future__ import annotations
@@ -23,12 +25,9 @@ import os
 import numba
 import numpy as np
 
-OUT_UPDATE = 0  # write u into the gradient buffer (float32 parameters)
-OUT_MASTER = 1  # write the new master into the gradient buffer (low-precision parameters)
-
 
 @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
-def _adam_inplace(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, decay, out_mode):
+def _adam_inplace(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, decay):
   for i in numba.prange(g.shape[0]):
     gi = g[i]
     mi = one_minus_b1 * gi + b1 * m[i]
@@ -42,33 +41,30 @@ def _adam_inplace(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root,
     m[i] = mi
     v[i] = vi
     p[i] = pi
-    if out_mode == 0:
-      g[i] = u
-    else:
-      g[i] = pi
 
 
 def adam_inplace(
-    g: np.ndarray,
-    p: np.ndarray,
-    m: np.ndarray,
-    v: np.ndarray,
-    *,
-    b1: float,
-    b2: float,
-    eps: float,
-    eps_root: float,
-    weight_decay: float,
-    decay: bool,
-    scalars: np.ndarray,
-    out_mode: int = OUT_UPDATE,
+  g: np.ndarray,
+  p: np.ndarray,
+  m: np.ndarray,
+  v: np.ndarray,
+  *,
+  b1: float,
+  b2: float,
+  eps: float,
+  eps_root: float,
+  weight_decay: float,
+  decay: bool,
+  scalars: np.ndarray,
 ) -> None:
-  """AdamW step on flat float32 buffers, in place (see module docstring).
+  """AdamW step on flat float32 buffers: updates ``p, m, v`` in place from ``g``.
 
   ``scalars`` is ``[-lr, 1 - b1**t, 1 - b2**t]`` as float32 (``adam_math.step_scalars``).
   """
   if not (g.shape == p.shape == m.shape == v.shape) or g.ndim != 1:
-    raise ValueError(f"host kernel needs four flat buffers of one size, got {g.shape}, {p.shape}, {m.shape}, {v.shape}.")
+    raise ValueError(
+      f"host kernel needs four flat buffers of one size, got {g.shape}, {p.shape}, {m.shape}, {v.shape}."
+    )
   if any(a.dtype != np.float32 for a in (g, p, m, v)):
     raise TypeError("host kernel buffers must be float32.")
   if g.size == 0:
@@ -76,8 +72,21 @@ def adam_inplace(
   f = np.float32
   # (1 - b) is rounded from a Python double, exactly as JAX does for optax.
   _adam_inplace(
-      g, p, m, v, f(b1), f(1 - b1), f(b2), f(1 - b2), f(eps), f(eps_root), f(weight_decay),
-      f(scalars[0]), f(scalars[1]), f(scalars[2]), bool(decay), int(out_mode),
+    g,
+    p,
+    m,
+    v,
+    f(b1),
+    f(1 - b1),
+    f(b2),
+    f(1 - b2),
+    f(eps),
+    f(eps_root),
+    f(weight_decay),
+    f(scalars[0]),
+    f(scalars[1]),
+    f(scalars[2]),
+    bool(decay),
   )
 
 

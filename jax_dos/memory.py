@@ -66,9 +66,9 @@ def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> 
   available = host_memory_available()
   if nbytes > available:
     raise MemoryError(
-        f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but only"
-        f" {available / 2**30:.2f} GiB is available. Keep more subgroups on the device"
-        " (plan='device' or a larger resident budget), use a smaller model, or add host RAM."
+      f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but only"
+      f" {available / 2**30:.2f} GiB is available. Keep more subgroups on the device"
+      " (plan='device' or a larger resident budget), use a smaller model, or add host RAM."
     )
 
 
@@ -85,6 +85,9 @@ def copy_in(x: Any, kind: str, dtype=jnp.float32) -> jax.Array:
   if is_traced(x):
     return traced_put(jnp.asarray(x, dtype), kind)
   x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-  sharding = with_kind(x, kind)
-  # A jitted computation without donation always writes a new buffer.
-  return jax.jit(lambda a: a.astype(dtype) + jnp.zeros((), dtype), out_shardings=sharding)(x)
+  if x.dtype != dtype:
+    # Cast where arithmetic is allowed (accelerator memory), then move.
+    x = jax.jit(lambda a: a.astype(dtype), out_shardings=with_kind(x, "device"))(
+      jax.device_put(x, with_kind(x, "device"))
+    )
+  return jax.device_put(x, with_kind(x, kind), may_alias=False)

@@ -61,8 +61,8 @@ class Plan:
   def __post_init__(self):
     if len(self.placements) != len(self.subgroups):
       raise ValueError(
-          f"plan has {len(self.placements)} placements for {len(self.subgroups)} subgroups;"
-          " give exactly one placement per subgroup (see jax_dos.partition_leaves)."
+        f"plan has {len(self.placements)} placements for {len(self.subgroups)} subgroups;"
+        " give exactly one placement per subgroup (see jax_dos.partition_leaves)."
       )
     for i, p in enumerate(self.placements):
       if p not in PLACEMENTS:
@@ -98,9 +98,7 @@ class Plan:
     lines = [f"Plan ({self.source}): {len(self.subgroups)} subgroups, {total:,} parameters"]
     for p in PLACEMENTS:
       n = self.elements(p)
-      lines.append(
-          f"  {p:>6}: {len(self.indices(p)):4d} subgroups, {n:>15,} params ({100 * n / total:5.1f}%)"
-      )
+      lines.append(f"  {p:>6}: {len(self.indices(p)):4d} subgroups, {n:>15,} params ({100 * n / total:5.1f}%)")
     if self.indices("stream"):
       lines.append(f"  stream slots in flight: {self.stream_slots}")
     if self.predicted:
@@ -151,8 +149,8 @@ def resolve_plan(spec: PlanSpec, params: Any, subgroup_size: int, *, default: st
     if spec.subgroups != subgroups:
       if spec.num_leaves != sum(len(s) for s in subgroups):
         raise ValueError(
-            f"the given Plan covers {spec.num_leaves} leaves but the parameter tree has"
-            f" {sum(len(s) for s in subgroups)}; make the plan for this tree."
+          f"the given Plan covers {spec.num_leaves} leaves but the parameter tree has"
+          f" {sum(len(s) for s in subgroups)}; make the plan for this tree."
         )
       return spec  # a plan may group leaves differently from subgroup_size; leaves are what count.
     return spec
@@ -165,7 +163,7 @@ def resolve_plan(spec: PlanSpec, params: Any, subgroup_size: int, *, default: st
   placements = tuple(spec)
   if len(placements) != len(subgroups):
     raise ValueError(
-        f"plan lists {len(placements)} placements but the tree packs into {len(subgroups)} subgroups"
-        f" with subgroup_size={subgroup_size}; pass one placement per subgroup."
+      f"plan lists {len(placements)} placements but the tree packs into {len(subgroups)} subgroups"
+      f" with subgroup_size={subgroup_size}; pass one placement per subgroup."
     )
   return Plan(subgroups, placements, sizes, source="user")

@@ -18,15 +18,15 @@ from jax_dos.plan import MEMORY_KIND
 
 
 def update_leaves(
-    grads: Sequence[jax.Array],
-    masters: Sequence[jax.Array],
-    mus: Sequence[jax.Array],
-    nus: Sequence[jax.Array],
-    params: Sequence[jax.Array],
-    count: jax.Array,
-    leaf_placements: Sequence[str],
-    decay: Sequence[bool],
-    hyper: adam_math.AdamHyper,
+  grads: Sequence[jax.Array],
+  masters: Sequence[jax.Array],
+  mus: Sequence[jax.Array],
+  nus: Sequence[jax.Array],
+  params: Sequence[jax.Array],
+  count: jax.Array,
+  leaf_placements: Sequence[str],
+  decay: Sequence[bool],
+  hyper: adam_math.AdamHyper,
 ):
   """Returns ``(updates, masters, mus, nus, count)`` as flat lists."""
   scalars = adam_math.step_scalars(hyper, count)

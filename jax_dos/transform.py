@@ -20,7 +20,7 @@ step and call ``update`` eagerly every ``k`` micro-batches (see README), since
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -32,6 +32,7 @@ from jax_dos import memory, traced
 from jax_dos.adam_math import AdamHyper, ScalarOrSchedule
 from jax_dos.engine import Engine
 from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, resolve_plan
+from jax_dos.planner import auto_planner
 
 DEFAULT_SUBGROUP_SIZE = 64 * 2**20  # 256 MiB of fp32 per state array; see docs/design.md
 
@@ -52,9 +53,9 @@ def _leaves_with_paths(tree: Any, what: str) -> tuple[list[Any], Any]:
     dtype = jnp.result_type(leaf)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(
-          f"interleaved_adam: {what} leaf {jax.tree_util.keystr(path)} has dtype {dtype}; every leaf must be a"
-          " floating-point array. Keep integer buffers out of the optimized tree (e.g. with optax.masked or a"
-          " flax.nnx filter)."
+        f"interleaved_adam: {what} leaf {jax.tree_util.keystr(path)} has dtype {dtype}; every leaf must be a"
+        " floating-point array. Keep integer buffers out of the optimized tree (e.g. with optax.masked or a"
+        " flax.nnx filter)."
       )
     leaves.append(leaf)
   return leaves, treedef
@@ -88,7 +89,9 @@ class _InterleavedAdam:
     leaves, treedef = jax.tree.flatten(params)
     key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
     if key not in self._plans:
-      if isinstance(self.plan_spec, str) and self.plan_spec == "auto" and self.planner is not None:
+      if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
+        if self.planner is None:
+          self.planner = auto_planner()
         self._plans[key] = self.planner(params, self.subgroup_size)
       else:
         self._plans[key] = resolve_plan(self.plan_spec, params, self.subgroup_size)
@@ -107,12 +110,16 @@ class _InterleavedAdam:
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
     return InterleavedAdamState(jnp.zeros([], jnp.int32), unflat(master), unflat(mu), unflat(nu))
 
-  def update(self, updates: optax.Updates, state: InterleavedAdamState, params: Optional[optax.Params] = None, **extra_args):
+  def update(
+    self, updates: optax.Updates, state: InterleavedAdamState, params: Optional[optax.Params] = None, **extra_args
+  ):
     del extra_args
     if params is None:
       raise ValueError("interleaved_adam.update needs params (like optax.adamw): call tx.update(grads, state, params).")
     if not isinstance(state, InterleavedAdamState):
-      raise TypeError(f"expected an InterleavedAdamState, got {type(state).__name__}; pass the state made by this optimizer's init.")
+      raise TypeError(
+        f"expected an InterleavedAdamState, got {type(state).__name__}; pass the state made by this optimizer's init."
+      )
     grads, gdef = _leaves_with_paths(updates, "gradient")
     sdef = jax.tree.structure(state.master)
     if gdef != sdef:
@@ -122,7 +129,9 @@ class _InterleavedAdam:
       raise ValueError(f"params tree does not match the optimizer state.\n  params: {pdef}\n  state:  {sdef}")
     for g, p, path in zip(grads, param_leaves, jax.tree_util.tree_flatten_with_path(params)[0]):
       if np.shape(g) != np.shape(p):
-        raise ValueError(f"gradient for {jax.tree_util.keystr(path[0])} has shape {np.shape(g)}, params have {np.shape(p)}.")
+        raise ValueError(
+          f"gradient for {jax.tree_util.keystr(path[0])} has shape {np.shape(g)}, params have {np.shape(p)}."
+        )
     plan = self.plan_for(params)
     decay = _decay_flags(self.mask, params, self.hyper.weight_decay)
     masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
@@ -143,17 +152,17 @@ class _InterleavedAdam:
 
 
 def interleaved_adam(
-    learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    weight_decay: float = 0.0,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
-    *,
-    subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
-    plan: PlanSpec = "auto",
-    planner: Optional[Callable[[Any, int], Plan]] = None,
+  learning_rate: ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  weight_decay: float = 0.0,
+  mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+  *,
+  subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
+  plan: PlanSpec = "auto",
+  planner: Optional[Callable[[Any, int], Plan]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
@@ -177,8 +186,10 @@ def interleaved_adam(
     plan: ``"auto"``, one of ``"device" | "stream" | "host"`` for every
       subgroup, a sequence with one placement per subgroup, or a ``jax_dos.Plan``.
     planner: function ``(params, subgroup_size) -> Plan`` used by ``"auto"``;
-      defaults to the performance model (``jax_dos.auto_planner()``). Without
-      one, ``"auto"`` puts every subgroup on the host.
+      defaults to the performance model, ``jax_dos.auto_planner()``, which
+      calibrates this machine once (cached) and fills the resident budget
+      from free accelerator memory. Pass ``jax_dos.auto_planner(
+      resident_budget_bytes=..., staging_budget_bytes=...)`` to set budgets.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update`` requires
@@ -192,14 +203,14 @@ def interleaved_adam(
 
 
 def interleaved_adamw(
-    learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    weight_decay: float = 1e-4,
-    mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
-    **kwargs,
+  learning_rate: ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  weight_decay: float = 1e-4,
+  mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+  **kwargs,
 ) -> optax.GradientTransformationExtraArgs:
   """:func:`interleaved_adam` with ``optax.adamw``'s default ``weight_decay=1e-4``."""
   return interleaved_adam(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, **kwargs)

@@ -7,13 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-SHAPES = {"embed": (13, 8), "blocks": [{"w": (8, 8), "b": (8,)}, {"w": (8, 16), "b": (16,)}], "scale": (), "empty": (0, 3)}
+SHAPES = {
+  "embed": (13, 8),
+  "blocks": [{"w": (8, 8), "b": (8,)}, {"w": (8, 16), "b": (16,)}],
+  "scale": (),
+  "empty": (0, 3),
+}
 
 
 def random_tree(rng: np.random.Generator, shapes=SHAPES, dtype=jnp.float32, scale: float = 1.0):
   """A tree of ``shapes`` filled with fresh normal samples."""
   return jax.tree.map(
-      lambda s: jnp.asarray(scale * rng.standard_normal(s), dtype), shapes, is_leaf=lambda s: isinstance(s, tuple)
+    lambda s: jnp.asarray(scale * rng.standard_normal(s), dtype), shapes, is_leaf=lambda s: isinstance(s, tuple)
   )
 
 

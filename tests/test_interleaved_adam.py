@@ -10,10 +10,10 @@ from helpers import SHAPES, max_rel_diff, random_tree, run_pair
 import jax_dos
 
 PLANS = {
-    "device": "device",
-    "stream": "stream",
-    "host": "host",
-    "mixed": ["host", "stream", "device", "host"],  # 4 subgroups at subgroup_size=100
+  "device": "device",
+  "stream": "stream",
+  "host": "host",
+  "mixed": ["host", "stream", "device", "host"],  # 4 subgroups at subgroup_size=100
 }
 TOL = 1e-6
 STEPS = 20
@@ -24,24 +24,26 @@ def decay_mask(params):
 
 
 SCENARIOS = {
-    "constant_lr_masked_decay": (
-        lambda tx_kw: jax_dos.interleaved_adam(1e-2, weight_decay=0.1, mask=decay_mask, **tx_kw),
-        lambda: optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask),
+  "constant_lr_masked_decay": (
+    lambda tx_kw: jax_dos.interleaved_adam(1e-2, weight_decay=0.1, mask=decay_mask, **tx_kw),
+    lambda: optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask),
+  ),
+  "schedule": (
+    lambda tx_kw: jax_dos.interleaved_adam(
+      optax.warmup_cosine_decay_schedule(0.0, 3e-2, 5, 20), b1=0.8, eps=1e-6, eps_root=1e-9, weight_decay=0.01, **tx_kw
     ),
-    "schedule": (
-        lambda tx_kw: jax_dos.interleaved_adam(optax.warmup_cosine_decay_schedule(0.0, 3e-2, 5, 20), b1=0.8, eps=1e-6,
-                                               eps_root=1e-9, weight_decay=0.01, **tx_kw),
-        lambda: optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-2, 5, 20), b1=0.8, eps=1e-6, eps_root=1e-9,
-                            weight_decay=0.01),
+    lambda: optax.adamw(
+      optax.warmup_cosine_decay_schedule(0.0, 3e-2, 5, 20), b1=0.8, eps=1e-6, eps_root=1e-9, weight_decay=0.01
     ),
-    "after_clip_in_chain": (
-        lambda tx_kw: optax.chain(optax.clip_by_global_norm(1.0), jax_dos.interleaved_adamw(1e-2, **tx_kw)),
-        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
-    ),
-    "multi_steps": (
-        lambda tx_kw: jax_dos.multi_steps(jax_dos.interleaved_adam(1e-2, weight_decay=0.1, **tx_kw), 3),
-        lambda: optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), 3),
-    ),
+  ),
+  "after_clip_in_chain": (
+    lambda tx_kw: optax.chain(optax.clip_by_global_norm(1.0), jax_dos.interleaved_adamw(1e-2, **tx_kw)),
+    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+  ),
+  "multi_steps": (
+    lambda tx_kw: jax_dos.multi_steps(jax_dos.interleaved_adam(1e-2, weight_decay=0.1, **tx_kw), 3),
+    lambda: optax.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), 3),
+  ),
 }
 
 

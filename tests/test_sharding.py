@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 SCRIPT = textwrap.dedent(
-    """
+  """
     import jax, jax.numpy as jnp, numpy as np, optax, sys
     from jax.sharding import NamedSharding, PartitionSpec as P
     sys.path.insert(0, "tests")
@@ -40,7 +40,8 @@ SCRIPT = textwrap.dedent(
     tx, ref = jax_dos.interleaved_adam(1e-2, plan="host"), optax.adamw(1e-2, weight_decay=0.0)
     grads = {k: jnp.asarray(rng.standard_normal(shapes[k]), jnp.float32) for k in shapes}
     u, _ = tx.update(grads, tx.init(params), params)
-    ref_u, _ = ref.update({k: jax.device_put(g, params[k].sharding) for k, g in grads.items()}, ref.init(params), params)
+    laid_out = {k: jax.device_put(g, params[k].sharding) for k, g in grads.items()}
+    ref_u, _ = ref.update(laid_out, ref.init(params), params)
     assert max_rel_diff(u, ref_u) <= 1e-6
     print("ok resharded grads")
     """
@@ -50,6 +51,8 @@ SCRIPT = textwrap.dedent(
 def test_sharded_params_match_optax():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   root = Path(__file__).resolve().parents[1]
-  result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+    [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600
+  )
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok ") == 9

@@ -1,0 +1,204 @@
+"""The performance model and the planner, on synthetic calibrations (no timing)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_dos
+from jax_dos.perf_model import Calibration
+from jax_dos.planner import STAGING_BYTES, STATE_BYTES, auto_planner, make_plan, plan_sizes, predict
+
+G = 1e9
+
+
+def cal(h, s, d=100.0, h_c=None, s_c=None, **kw) -> Calibration:
+  """Rates in G params/s; concurrent rates default to the solo ones (paths add up)."""
+  return Calibration(
+    host_rate=h * G,
+    stream_rate=s * G,
+    device_rate=d * G,
+    host_rate_concurrent=(h if h_c is None else h_c) * G,
+    stream_rate_concurrent=(s if s_c is None else s_c) * G,
+    **kw,
+  )
+
+
+def random_cal(rng) -> Calibration:
+  h, s = rng.uniform(0.5, 8.0, size=2)
+  share = rng.uniform(0.3, 1.0, size=2)  # concurrency: each path keeps a share of its solo rate
+  return cal(
+    h,
+    s,
+    d=rng.uniform(20, 200),
+    h_c=h * share[0],
+    s_c=s * share[1],
+    stream_rate_single=s * G * rng.uniform(0.3, 1),
+    subgroup_overhead_host=rng.uniform(0, 1e-3),
+    subgroup_overhead_stream=rng.uniform(0, 1e-3),
+    device_call_overhead=rng.uniform(0, 1e-3),
+    step_overhead=rng.uniform(0, 1e-3),
+  )
+
+
+def counts(choice):
+  return {p: choice.placements.count(p) for p in ("device", "stream", "host")}
+
+
+def single_path_totals(sizes, c, resident, staging, max_slots=2):
+  """Predicted totals of the single-path plans a person would try, computed with `predict` directly."""
+  fit, used = set(), 0
+  for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    if used + STATE_BYTES * sizes[i] <= resident:
+      fit.add(i)
+      used += STATE_BYTES * sizes[i]
+  out = []
+  for dev in (set(), fit):
+    rest = [sizes[i] for i in range(len(sizes)) if i not in dev]
+    n_d = sum(sizes[i] for i in dev)
+    out.append(predict(c, n_device=n_d, n_host=sum(rest), k_host=len(rest))["total"])
+    largest = STAGING_BYTES * max(rest, default=0)
+    if rest and (staging is None or largest <= staging):
+      slots = max_slots if staging is None or largest == 0 else min(max_slots, staging // largest)
+      out.append(predict(c, n_device=n_d, n_stream=sum(rest), k_stream=len(rest), stream_slots=slots)["total"])
+  return out
+
+
+@pytest.mark.parametrize("h,s,n", [(4.0, 2.0, 30), (3.0, 1.0, 40), (1.0, 1.0, 24), (2.5, 5.0, 45)])
+def test_additive_paths_split_in_proportion_to_rates(h, s, n):
+  # Paths that add up: both finish together when N_S / N = s / (h + s), in time N / (h + s).
+  sizes = [1000] * n
+  choice = plan_sizes(sizes, cal(h, s))
+  assert counts(choice)["stream"] == round(n * s / (h + s))
+  assert counts(choice)["device"] == 0
+  assert choice.predicted["total"] == pytest.approx(sum(sizes) / ((h + s) * G), rel=1e-9)
+
+
+@pytest.mark.parametrize("h,s", [(4.0, 3.0), (3.0, 4.0), (4.2, 3.6)])
+def test_full_contention_picks_a_single_path(h, s):
+  # Concurrent total equals the larger solo rate: splitting cannot win, so one path takes all.
+  top = max(h, s)
+  c = cal(h, s, h_c=top * h / (h + s), s_c=top * s / (h + s))
+  choice = plan_sizes([1000] * 20, c)
+  assert set(choice.placements) == {"host" if h >= s else "stream"}
+  assert choice.predicted["total"] == pytest.approx(20000 / (top * G), rel=1e-9)
+
+
+@pytest.mark.parametrize("fast", ["host", "stream"])
+def test_one_path_far_faster_takes_everything(fast):
+  # Running both slows each by 10% (shared DRAM): the slow path's share cannot pay for that.
+  c = cal(100.0, 1.0, h_c=90.0, s_c=0.9) if fast == "host" else cal(1.0, 100.0, h_c=0.9, s_c=90.0)
+  choice = plan_sizes([5000] * 7 + [300] * 5, c)
+  assert set(choice.placements) == {fast}
+
+
+def test_resident_budget_filled_and_respected():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    sizes = [int(x) for x in rng.integers(1, 10_000, size=int(rng.integers(1, 40)))]
+    budget = int(rng.integers(0, STATE_BYTES * sum(sizes)))
+    choice = plan_sizes(sizes, cal(4.2, 3.2, h_c=2.3, s_c=1.9), resident_budget_bytes=budget)
+    resident = sum(n for n, p in zip(sizes, choice.placements, strict=True) if p == "device")
+    assert STATE_BYTES * resident <= budget
+    # Device is ~30x faster: whatever is left is too big for the rest of the budget.
+    left = [n for n, p in zip(sizes, choice.placements, strict=True) if p != "device"]
+    assert all(STATE_BYTES * (resident + n) > budget for n in left)
+
+
+def test_staging_budget_bounds_stream_slots():
+  rng = np.random.default_rng(1)
+  for _ in range(30):
+    sizes = [int(x) for x in rng.integers(1, 10_000, size=int(rng.integers(1, 30)))]
+    staging = int(rng.integers(0, STAGING_BYTES * 3 * max(sizes)))
+    max_slots = int(rng.integers(1, 5))
+    choice = plan_sizes(sizes, cal(2.0, 4.0), staging_budget_bytes=staging, max_stream_slots=max_slots)
+    streamed = [n for n, p in zip(sizes, choice.placements, strict=True) if p == "stream"]
+    assert 1 <= choice.stream_slots <= max_slots
+    if streamed:
+      assert choice.stream_slots * STAGING_BYTES * max(streamed) <= staging
+
+
+def test_too_small_budgets_fall_back_to_host():
+  sizes = [4096, 1000, 8192]
+  choice = plan_sizes(sizes, cal(1.0, 50.0), resident_budget_bytes=0, staging_budget_bytes=STAGING_BYTES * 999)
+  assert choice.placements == ("host",) * 3
+  choice = plan_sizes(sizes, cal(1.0, 50.0), resident_budget_bytes=5, staging_budget_bytes=0)
+  assert choice.placements == ("host",) * 3
+  # Only the smallest subgroup can be staged, one at a time.
+  choice = plan_sizes(sizes, cal(1.0, 50.0), staging_budget_bytes=STAGING_BYTES * 1000)
+  assert choice.placements == ("host", "stream", "host") and choice.stream_slots == 1
+  assert plan_sizes([], cal(1.0, 1.0)).placements == ()
+
+
+def test_never_predicted_slower_than_a_single_path():
+  rng = np.random.default_rng(2)
+  for _ in range(40):
+    c = random_cal(rng)
+    sizes = [int(x) for x in rng.integers(0, 2**22, size=int(rng.integers(1, 25)))]
+    resident = int(rng.choice([0, rng.integers(0, STATE_BYTES * sum(sizes) + 1)]))
+    staging = None if rng.random() < 0.3 else int(rng.integers(0, STAGING_BYTES * 3 * max(sizes) + 1))
+    choice = plan_sizes(sizes, c, resident_budget_bytes=resident, staging_budget_bytes=staging)
+    for t in single_path_totals(sizes, c, resident, staging):
+      assert choice.predicted["total"] <= t * (1 + 1e-12)
+
+
+def test_concurrency_model_by_hand():
+  # Host 3 s solo work at half speed while streaming; stream 1 s at half speed, starting after 0.5 s of device work.
+  c = cal(1.0, 1.0, d=1.0, h_c=0.5, s_c=0.5)
+  p = predict(c, n_device=0.5 * G, n_host=3 * G, n_stream=1 * G)
+  # 0-0.5: host alone (2.5 left); 0.5-2.5: both at half speed (host 1.5 left, stream done); 2.5-4: host alone.
+  assert p["device"] == pytest.approx(0.5)
+  assert p["stream"] == pytest.approx(2.5)
+  assert p["host"] == pytest.approx(4.0)
+  assert p["total"] == pytest.approx(4.0)
+
+
+def test_deterministic():
+  rng = np.random.default_rng(3)
+  c = random_cal(rng)
+  sizes = [int(x) for x in rng.integers(1, 2**20, size=50)]
+  kw = dict(resident_budget_bytes=STATE_BYTES * sum(sizes) // 4, staging_budget_bytes=STAGING_BYTES * 2**21)
+  assert plan_sizes(sizes, c, **kw) == plan_sizes(list(sizes), c, **kw)
+
+
+def _params(rng, shapes):
+  return {f"l{i}": jnp.asarray(rng.normal(size=s), jnp.float32) for i, s in enumerate(shapes)}
+
+
+def test_make_plan_on_a_tree():
+  rng = np.random.default_rng(4)
+  params = _params(rng, [(64, 32), (32,), (128, 16), (7,), (256,)])
+  c = cal(4.2, 3.2, h_c=2.3, s_c=1.9)
+  plan = make_plan(params, 2048, c, resident_budget_bytes=STATE_BYTES * 2048, staging_budget_bytes=None)
+  assert plan.source == "model" and plan.calibration == c.to_dict()
+  assert STATE_BYTES * plan.elements("device") <= STATE_BYTES * 2048
+  assert plan.elements("device") > 0 and "total" in plan.predicted
+  assert plan == make_plan(params, 2048, c.to_dict(), resident_budget_bytes=STATE_BYTES * 2048)
+  # CPU backend, no budgets given: nothing resident, so CI exercises offload.
+  plan = make_plan(params, 1000, c)
+  assert plan.elements("device") == 0 and len(plan.indices("host") + plan.indices("stream")) == len(plan.sizes)
+
+
+def test_auto_planner_drives_interleaved_adam_like_optax():
+  rng = np.random.default_rng(5)
+  params = _params(rng, [(32, 16), (16,), (64,), (8, 8)])
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+  c = cal(1.0, 1.0, h_c=0.6, s_c=0.6)  # split pays: both paths get used
+  tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=600, planner=auto_planner(c))
+  plan = jax_dos.get_plan(tx, params)
+  assert plan.source == "model" and {"host", "stream"} <= set(plan.placements)
+  ref = optax.adamw(1e-2, weight_decay=0.1)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  expected, _ = ref.update(grads, ref.init(params), params)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+
+
+def test_bad_input_is_explained():
+  with pytest.raises(ValueError, match="positive finite"):
+    cal(0.0, 1.0)
+  with pytest.raises(ValueError, match="one entry per subgroup"):
+    plan_sizes([1, 2], cal(1.0, 1.0), leaf_counts=[1])
+  with pytest.raises(ValueError, match="max_stream_slots"):
+    plan_sizes([1], cal(1.0, 1.0), max_stream_slots=0)
