@@ -39,9 +39,9 @@ def pinned_buffers(n: int, seed: int) -> list[jax.Array]:
   device = jax.devices()[0]
   host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
   keys = jax.random.split(jax.random.key(seed), 4)
-  make = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.float32), out_shardings=host)
-  g, p, m, v = (make(k) for k in keys)
-  v = jax.jit(jnp.abs, out_shardings=host)(v)
+  make = jax.jit(lambda k, sign: sign * jax.random.normal(k, (n,), jnp.float32), out_shardings=host)
+  g, p, m = (make(k, 1.0) for k in keys[:3])
+  v = jax.jit(lambda k: jnp.abs(jax.random.normal(k, (n,), jnp.float32)), out_shardings=host)(keys[3])
   return [jax.block_until_ready(x) for x in (g, p, m, v)]
 
 

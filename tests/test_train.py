@@ -1,0 +1,194 @@
+"""train/: the data pipeline and the training script, run end to end on tiny models."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from train import data as D
+from train import gpt as T
+
+# A model small enough that each run takes seconds on a CPU.
+TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--batch", "4", "--seq-len", "32", "--eval-batches", "1",
+        "--quiet"]  # fmt: skip
+HAVE_CHECKPOINT = importlib.util.find_spec("jax_dos.checkpoint") is not None
+
+
+def _run(tmp_path, name: str, *flags: str) -> dict:
+  return T.main([*TINY, "--out", str(tmp_path / name), *flags])
+
+
+def _same_tree(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      np.array_equal(np.asarray(x), np.asarray(y)) and x.dtype == y.dtype
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_stdlib_corpus_is_deterministic_real_text():
+  a, b = D.stdlib_corpus(50_000), D.stdlib_corpus(50_000)
+  assert a.dtype == np.uint8 and len(a) == 50_000
+  np.testing.assert_array_equal(a, b)
+  assert b"def " in a.tobytes() and b"import " in a.tobytes()
+  files = D.stdlib_files()
+  assert files == sorted(files, key=lambda p: os.path.relpath(p, os.path.dirname(os.__file__)))
+  assert not any("site-packages" in f for f in files)
+
+
+def test_split_and_batches_are_deterministic():
+  tokens = np.arange(1000, dtype=np.uint16)
+  s = D.split(tokens, 0.1)
+  assert len(s.train) == 900 and len(s.val) == 100
+  np.testing.assert_array_equal(np.concatenate([s.train, s.val]), tokens)
+  x, y = D.get_batch(s.train, 5, 16, seed=3, index=7)
+  x2, y2 = D.get_batch(s.train, 5, 16, seed=3, index=7)
+  np.testing.assert_array_equal(x, x2)
+  np.testing.assert_array_equal(y, y2)
+  np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
+  assert x.shape == (5, 16) and x.dtype == np.int32 and int(y.max()) < 900
+  assert not np.array_equal(x, D.get_batch(s.train, 5, 16, seed=3, index=8)[0])
+  assert not np.array_equal(x, D.get_batch(s.train, 5, 16, seed=3, index=7, stream=D.VAL_STREAM)[0])
+
+
+def test_bin_file_is_memory_mapped_uint16(tmp_path):
+  ids = np.random.default_rng(0).integers(0, 50257, 5000).astype(np.uint16)
+  path = tmp_path / "train.bin"
+  ids.tofile(path)
+  tokens, vocab, desc = D.load_tokens(str(path))
+  assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16 and vocab == 65536
+  np.testing.assert_array_equal(tokens, ids)
+  assert "5,000" in desc
+
+
+def test_text_file_is_read_as_bytes(tmp_path):
+  path = tmp_path / "corpus.txt"
+  path.write_text("héllo world\n" * 10)
+  tokens, vocab, _ = D.load_tokens(str(path))
+  assert vocab == 256
+  assert tokens.tobytes() == path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "content, name, match",
+    [(None, "missing.txt", "not found"), (b"", "empty.txt", "is empty"), (b"\x01\x02\x03", "odd.bin", "uint16")],
+)
+def test_bad_data_files(tmp_path, content, name, match):
+  path = tmp_path / name
+  if content is not None:
+    path.write_bytes(content)
+  with pytest.raises((FileNotFoundError, ValueError), match=match) as e:
+    D.load_tokens(str(path))
+  assert str(path) in str(e.value)
+  with pytest.raises(SystemExit, match=match):  # the script turns it into a clean exit naming the flag
+    _run(tmp_path, "run", "--data", str(path), "--steps", "1")
+
+
+def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
+  path = tmp_path / "short.txt"
+  path.write_bytes(b"print('hi')\n")
+  with pytest.raises(SystemExit, match="seq-len"):
+    _run(tmp_path, "run", "--data", str(path), "--steps", "1")
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--preset", "gpt-9000"], "invalid choice"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--seq-len", "129"], "block size"),
+        (["--offload", "none", "--param-dtype", "bfloat16"], "--param-dtype float32"),
+        (["--warmup", "10", "--steps", "10"], "--warmup"),
+        (["--n-head", "3"], "divisible"),
+        (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+        (["--offload", "gpu"], "invalid choice"),
+        (["--resume", "--overwrite"], "contradict"),
+    ],
+)
+def test_bad_flags_are_argparse_errors(flags, match, capsys):
+  with pytest.raises(SystemExit) as e:
+    T.parse_args(["--d-model", "32", *flags])
+  assert e.value.code == 2
+  assert match in capsys.readouterr().err
+
+
+def test_defaults():
+  args = T.parse_args([])
+  assert (args.preset, args.offload, args.param_dtype) == ("tiny", "auto", "bfloat16")
+  assert args.compute_dtype == ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+  assert args.seq_len == 128 and args.out == os.path.join("runs", "tiny")
+  assert T.parse_args(["--offload", "none"]).param_dtype == "float32"
+
+
+def test_weight_decay_mask_skips_vectors():
+  mask = T.decay_mask({"w": np.zeros((2, 3)), "b": np.zeros(3), "emb": {"e": np.zeros((4, 2))}, "s": np.zeros(())})
+  assert mask == {"w": True, "b": False, "emb": {"e": True}, "s": False}
+
+
+# ----------------------------------------------------------------------------- training runs
+
+
+def test_training_loss_falls_and_logs(tmp_path):
+  out = _run(tmp_path, "run", "--steps", "30", "--lr", "1e-2", "--eval-every", "15", "--log-every", "5", "--plot")
+  losses = [out["losses"][s] for s in sorted(out["losses"])]
+  assert len(losses) == 30 and out["step"] == 30
+  assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
+  assert sorted(out["val_losses"]) == [0, 15, 30] and out["val_losses"][30] < out["val_losses"][0]
+  assert out["tokens_per_s"] > 0 and "host" in out["plan"]
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  assert [r["step"] for r in rows if "loss" in r] == list(range(1, 31))
+  assert {"step", "loss", "val_loss", "lr", "tokens_per_s", "mfu", "time"} <= set(rows[-1])
+  assert os.path.getsize(tmp_path / "run" / "loss.png") > 0
+
+
+def test_offload_none_and_host_give_the_same_loss_curve(tmp_path):
+  common = ["--steps", "4", "--lr", "3e-3", "--warmup", "1", "--eval-every", "0", "--log-every", "1",
+            "--param-dtype", "float32"]  # fmt: skip
+  ref = _run(tmp_path, "none", *common, "--offload", "none")
+  for mode in ("host", "stream"):
+    got = _run(tmp_path, mode, *common, "--offload", mode)
+    np.testing.assert_allclose(list(got["losses"].values()), list(ref["losses"].values()), rtol=1e-4, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(ref["params"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+@pytest.mark.parametrize("offload", ["host", "none"])
+def test_resume_is_bit_exact(tmp_path, offload):
+  # One run of 2N steps vs N steps + resume for N more, with the same schedule horizon (--decay-steps).
+  common = ["--offload", offload, "--decay-steps", "6", "--warmup", "2", "--eval-every", "3", "--log-every", "1"]
+  full = _run(tmp_path, "full", *common, "--steps", "6", "--ckpt-every", "2")
+  first = _run(tmp_path, "split", *common, "--steps", "3")
+  second = _run(tmp_path, "split", *common, "--steps", "6", "--resume")
+  assert second["start_step"] == 3 and second["step"] == 6
+  assert _same_tree(full["params"], second["params"])
+  assert {**first["losses"], **second["losses"]} == full["losses"]
+  assert second["val_losses"] == {s: v for s, v in full["val_losses"].items() if s > 3}
+  # The metrics log of the split run reads as one run, identical to the full run's losses.
+  rows = lambda name: [(r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, open(tmp_path / name / "metrics.jsonl"))]  # noqa: E731
+  assert rows("split") == rows("full")
+  # Resuming a finished run does nothing; the checkpoint holds the final step.
+  again = _run(tmp_path, "split", *common, "--steps", "6", "--resume")
+  assert again["step"] == 6 and again["losses"] == {} and _same_tree(again["params"], full["params"])
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+def test_checkpoint_directory_guards(tmp_path):
+  with pytest.raises(SystemExit, match="no checkpoint"):
+    _run(tmp_path, "fresh", "--steps", "1", "--resume")
+  _run(tmp_path, "run", "--steps", "1", "--eval-every", "0")
+  with pytest.raises(SystemExit, match="--resume to continue"):
+    _run(tmp_path, "run", "--steps", "2")
+  with pytest.raises(SystemExit, match="model differs"):
+    _run(tmp_path, "run", "--steps", "2", "--resume", "--d-model", "64")
+  assert _run(tmp_path, "run", "--steps", "1", "--eval-every", "0", "--overwrite")["start_step"] == 0
