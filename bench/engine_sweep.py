@@ -62,17 +62,22 @@ def main() -> None:
     print(f"{name:>28}: {n / t / 1e9:6.2f} G params/s  ({t * 1e3:7.1f} ms)", flush=True)
     del box
 
-  measure("traced (one jit, all pinned)", jax_dos.interleaved_adam(1e-4, subgroup_size=args.leaf, plan="stream"),
-          jit=True)
+  measure(
+    "traced (one jit, all pinned)", jax_dos.interleaved_adam(1e-4, subgroup_size=args.leaf, plan="stream"), jit=True
+  )
   for k in (int(x) for x in args.streamed.split(",")):
     for slots in (int(s) for s in args.slots.split(",")) if k else (1,):
       placements = ["stream"] * k + ["host"] * (args.leaves - k)
       plan = dataclasses.replace(base, placements=tuple(placements), stream_slots=slots)
-      measure(f"stream {k}/{args.leaves} slots {slots}", jax_dos.interleaved_adam(1e-4, plan=plan),
-              streamed=k, slots=slots)
+      measure(
+        f"stream {k}/{args.leaves} slots {slots}", jax_dos.interleaved_adam(1e-4, plan=plan), streamed=k, slots=slots
+      )
   with open(os.path.join(os.environ.get("OUT", "."), "engine_sweep.json"), "w") as f:
-    json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, leaves=args.leaves, leaf=args.leaf,
-                   rows=rows), f, indent=1)
+    json.dump(
+      dict(jax=jax.__version__, device=jax.devices()[0].device_kind, leaves=args.leaves, leaf=args.leaf, rows=rows),
+      f,
+      indent=1,
+    )
 
 
 if __name__ == "__main__":

@@ -49,11 +49,11 @@ def main() -> None:
   dt = time.perf_counter() - t
   after = dev.memory_stats() or {}
   out["pinned_copy"] = {
-      "GBps": 4 * 2**30 / dt / 1e9,
-      "fresh_buffer": x.unsafe_buffer_pointer() != y.unsafe_buffer_pointer(),
-      "device_peak_before": before.get("peak_bytes_in_use"),
-      "device_peak_after": after.get("peak_bytes_in_use"),
-      "memory_kind": y.sharding.memory_kind,
+    "GBps": 4 * 2**30 / dt / 1e9,
+    "fresh_buffer": x.unsafe_buffer_pointer() != y.unsafe_buffer_pointer(),
+    "device_peak_before": before.get("peak_bytes_in_use"),
+    "device_peak_after": after.get("peak_bytes_in_use"),
+    "memory_kind": y.sharding.memory_kind,
   }
   del x, y
   print("pinned copy", out["pinned_copy"], flush=True)

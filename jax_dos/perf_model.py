@@ -12,10 +12,12 @@ an explicit plan, timed with ``block_until_ready``):
   with one in flight (directions serialised);
 * ``device_rate``: state resident in accelerator memory;
 * ``host_rate_concurrent`` / ``stream_rate_concurrent``: each path's rate
-  while the other one runs (two engines in two threads; only iterations that
-  lie wholly inside the window where both run are counted). On one-socket
-  machines whose host DRAM bandwidth binds, these sum to about the larger solo
-  rate, not to the sum of the solo rates (see MEASUREMENTS.md);
+  while the other one runs, fitted to the real engine running mixed plans at
+  two host/stream splits (:func:`fit_concurrent_rates`). Host kernel and DMA
+  share host DRAM, so each path slows down while the other runs; on the H100
+  machine the two together still beat either alone (BENCHMARKS.md). An
+  earlier version timed two engines in two Python threads, which measured
+  their contention for the GIL rather than for DRAM;
 * fixed costs, in seconds: ``subgroup_overhead_host`` / ``_stream`` per
   subgroup (from many tiny subgroups against one), ``device_call_overhead``
   for the single jitted call that updates all resident subgroups, and
@@ -41,7 +43,6 @@ import os
 import re
 import socket
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any, Union
@@ -132,8 +133,11 @@ def _slug(s: str) -> str:
   return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "unknown"
 
 
+CACHE_FORMAT = 2  # bump when what is measured changes, so stale caches are measured again
+
+
 def _key(platform: str, device_kind: str, hostname: str, jax_version: str) -> str:
-  return "-".join(_slug(x) for x in (platform, device_kind, hostname, "jax" + jax_version))
+  return "-".join(_slug(x) for x in (platform, device_kind, hostname, "jax" + jax_version, f"v{CACHE_FORMAT}"))
 
 
 def cache_dir() -> Path:
@@ -261,44 +265,33 @@ class _Runner:
     return reduce([self.step() for _ in range(reps)])
 
 
-def _concurrent(a: _Runner, b: _Runner, reps: int) -> tuple[float, float]:
-  """Median step time of ``a`` and of ``b`` over steps that ran wholly while the other was running.
+def fit_concurrent_rates(solo: Calibration, leaf: int, n_subgroups: int, mixes) -> tuple[float, float]:
+  """Host and stream rates while both run, fitted to measured mixed-plan step times.
 
-  Each runner steps in its own thread until both have done ``reps + 1`` steps,
-  so the faster one keeps the slower one company to the end.
+  ``mixes`` holds ``(streamed subgroups, seconds)`` of plans that stream that
+  many of the ``n_subgroups`` subgroups of ``leaf`` parameters and update the
+  rest on the host. The slowdown of each path while the other runs is chosen
+  so that the planner's own model (``planner.predict``) reproduces those times
+  best (least squares of the relative error, on a grid): the model is then
+  calibrated on exactly what it predicts.
   """
-  a.step(), b.step()  # warm-up
-  runners = {"a": a, "b": b}
-  logs: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
-  done = {"a": threading.Event(), "b": threading.Event()}
-  errors: list[BaseException] = []
+  from jax_dos import planner  # the model lives there; it imports this module
 
-  def loop(name: str, other: str):
-    try:
-      while not (done[name].is_set() and done[other].is_set()):
-        t0 = time.perf_counter()
-        runners[name].step()
-        logs[name].append((t0, time.perf_counter()))
-        if len(logs[name]) >= reps + 1:
-          done[name].set()
-    except BaseException as e:
-      errors.append(e)
-      done["a"].set(), done["b"].set()
-
-  thread = threading.Thread(target=loop, args=("b", "a"), daemon=True)
-  thread.start()
-  loop("a", "b")
-  thread.join()
-  if errors:
-    raise errors[0]
-  lo = max(logs["a"][0][0], logs["b"][0][0])
-  hi = min(logs["a"][-1][1], logs["b"][-1][1])
-
-  def inside(log):
-    ts = [t1 - t0 for t0, t1 in log if t0 >= lo and t1 <= hi] or [t1 - t0 for t0, t1 in log]
-    return statistics.median(ts)
-
-  return inside(logs["a"]), inside(logs["b"])
+  best = (math.inf, 1.0, 1.0)
+  grid = [1.0 + 0.025 * i for i in range(161)]  # slowdowns 1x .. 5x
+  for slow_h in grid:
+    for slow_s in grid:
+      cal = dataclasses.replace(
+        solo, host_rate_concurrent=solo.host_rate / slow_h, stream_rate_concurrent=solo.stream_rate / slow_s
+      )
+      err = 0.0
+      for k_s, t in mixes:
+        k_h = n_subgroups - k_s
+        pred = planner.predict(cal, n_host=k_h * leaf, n_stream=k_s * leaf, k_host=k_h, k_stream=k_s)["total"]
+        err += ((pred - t) / t) ** 2
+      if err < best[0]:
+        best = (err, slow_h, slow_s)
+  return solo.host_rate / best[1], solo.stream_rate / best[2]
 
 
 def measure(
@@ -344,15 +337,25 @@ def measure(
   stream_rate = rate(n, timed("stream"), step + n_subgroups * ovh_stream)
   stream_rate_single = rate(n, timed("stream", 1), step + n_subgroups * ovh_stream)
 
-  # Concurrent: half the size on each path, two engines in two threads (as the engine's worker thread does).
-  half = max(1, n_subgroups // 2)
-  runner_h = _Runner(half, leaf, "host", seed=1)
-  runner_s = _Runner(half, leaf, "stream", seed=2)
-  t_h, t_s = _concurrent(runner_h, runner_s, reps)
-  host_c = rate(half * leaf, t_h, step + half * ovh_host)
-  stream_c = rate(half * leaf, t_s, step + half * ovh_stream)
-  del runner_h, runner_s
-
+  solo = Calibration(
+    host_rate=host_rate,
+    stream_rate=stream_rate,
+    device_rate=device_rate,
+    host_rate_concurrent=host_rate,
+    stream_rate_concurrent=stream_rate,
+    stream_rate_single=stream_rate_single,
+    subgroup_overhead_host=ovh_host,
+    subgroup_overhead_stream=ovh_stream,
+    device_call_overhead=dev_call,
+    step_overhead=step,
+  )
+  # Concurrent: the real engine on mixed plans (host worker thread + streaming at once), at two splits.
+  mixes = []
+  for k_stream in sorted({max(1, n_subgroups * 3 // 8), max(1, n_subgroups - n_subgroups * 3 // 8)}):
+    k_stream = min(k_stream, n_subgroups - 1) if n_subgroups > 1 else 1
+    placements = ["stream"] * k_stream + ["host"] * (n_subgroups - k_stream)
+    mixes.append((k_stream, timed(placements)))
+  host_c, stream_c = fit_concurrent_rates(solo, leaf, n_subgroups, mixes)
   return Calibration(
     host_rate=host_rate,
     stream_rate=stream_rate,

@@ -177,9 +177,6 @@ def test_resume_is_bit_exact(tmp_path, offload):
   # The metrics log of the split run reads as one run, identical to the full run's losses.
   rows = lambda name: [(r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, open(tmp_path / name / "metrics.jsonl"))]  # noqa: E731
   assert rows("split") == rows("full")
-  # Resuming a finished run does nothing; the checkpoint holds the final step.
-  again = _run(tmp_path, "split", *common, "--steps", "6", "--resume")
-  assert again["step"] == 6 and again["losses"] == {} and _same_tree(again["params"], full["params"])
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
@@ -191,4 +188,7 @@ def test_checkpoint_directory_guards(tmp_path):
     _run(tmp_path, "run", "--steps", "2")
   with pytest.raises(SystemExit, match="model differs"):
     _run(tmp_path, "run", "--steps", "2", "--resume", "--d-model", "64")
-  assert _run(tmp_path, "run", "--steps", "1", "--eval-every", "0", "--overwrite")["start_step"] == 0
+  assert os.listdir(tmp_path / "run" / "ckpt")
+  with pytest.raises(SystemExit, match="not found"):  # --overwrite clears the old run before anything else
+    _run(tmp_path, "run", "--steps", "2", "--overwrite", "--data", str(tmp_path / "missing.txt"))
+  assert not os.path.exists(tmp_path / "run" / "ckpt") and not os.path.exists(tmp_path / "run" / "metrics.jsonl")
