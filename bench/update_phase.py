@@ -185,7 +185,6 @@ class Bench:
     """(a) optax.adamw, state on the accelerator; takes (donates) ``params``, returns the new ones."""
     import optax
 
-    from jax_dos import planner
 
     jax, ref = self.jax, optax.adamw(1e-3, weight_decay=0.01)
 
