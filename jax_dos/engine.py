@@ -181,20 +181,20 @@ class Engine:
       jax.block_until_ready(self._reading_host_state)  # never write a buffer a transfer still reads
       reading = []
       for s in plan.indices("host"):
-        for i in plan.subgroups[s]:
+        leaves = plan.subgroups[s]
+        for i in leaves:
           _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
-          g = host_grads[i].block_until_ready()
-          for gs, ps, ms, vs in zip(*(_shards(a) for a in (g, masters[i], mus[i], nus[i]))):
-            host_kernels.adam_inplace(
-              *(host_kernels.writable_view(a) for a in (gs, ps, ms, vs)),
-              b1=hyper.b1,
-              b2=hyper.b2,
-              eps=hyper.eps,
-              eps_root=hyper.eps_root,
-              weight_decay=hyper.weight_decay,
-              decay=self.decay[i],
-              scalars=scalars_np,
-            )
+        buffers, decay = [], []
+        for i in leaves:
+          shards = zip(*(_shards(a) for a in (host_grads[i].block_until_ready(), masters[i], mus[i], nus[i])))
+          for quad in shards:
+            buffers.append(quad)
+            decay.append(self.decay[i])
+        host_kernels.adam_many(
+            buffers, decay, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
+            weight_decay=hyper.weight_decay, scalars=scalars_np,
+        )  # fmt: skip
+        for i in leaves:
           new_master = _put(masters[i], "device", like=grads[i])
           reading.append(new_master)
           updates[i] = _jit_update_from_master(new_master, params[i])

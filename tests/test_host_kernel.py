@@ -1,0 +1,48 @@
+"""The fused host kernel computes adam_math's step on many buffers at once."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_dos import adam_math, host_kernels
+
+
+def test_many_buffers_match_the_shared_maths():
+  rng = np.random.default_rng()
+  hyper = adam_math.AdamHyper(3e-3, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-10, weight_decay=0.05)
+  count = jnp.asarray(int(rng.integers(0, 50)), jnp.int32)
+  scalars = adam_math.step_scalars(hyper, count)
+  sizes = [0, 1, 7, host_kernels.CHUNK - 1, 2 * host_kernels.CHUNK + 5]
+  decay = [bool(i % 2) for i in range(len(sizes))]
+  buffers, expected = [], []
+  for n, d in zip(sizes, decay):
+    g, p, m = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    v = np.abs(rng.standard_normal(n)).astype(np.float32)
+    _, p_new, m_new, v_new = adam_math.leaf_update(g, p, m, v, p, scalars, hyper, d)
+    expected.append((p_new, m_new, v_new))
+    buffers.append((g, p, m, v))
+  host_kernels.adam_many(
+    buffers,
+    decay,
+    b1=hyper.b1,
+    b2=hyper.b2,
+    eps=hyper.eps,
+    eps_root=hyper.eps_root,
+    weight_decay=hyper.weight_decay,
+    scalars=np.asarray(scalars),
+  )
+  for (_, p, m, v), (p_new, m_new, v_new) in zip(buffers, expected):
+    np.testing.assert_allclose(m, m_new, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(v, v_new, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(p, p_new, rtol=1e-6, atol=1e-7)
+
+
+def test_mismatched_buffers_are_refused_before_any_write():
+  a, b = np.ones(4, np.float32), np.ones(5, np.float32)
+  kw = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0, scalars=np.ones(3, np.float32))
+  with pytest.raises(ValueError, match="one size"):
+    host_kernels.adam_many([(a, a.copy(), a.copy(), b)], [False], **kw)
+  with pytest.raises(TypeError, match="float32"):
+    host_kernels.adam_many([(a, a.copy(), a.copy(), a.astype(np.float64))], [False], **kw)
+  with pytest.raises(ValueError, match="decay flags"):
+    host_kernels.adam_many([(a, a.copy(), a.copy(), a.copy())], [], **kw)
