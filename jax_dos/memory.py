@@ -7,6 +7,7 @@ owns it.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -72,12 +73,21 @@ def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> 
     )
 
 
+@functools.lru_cache(maxsize=512)
+def _zeros_fn(shape: tuple[int, ...], dtype, sharding: Sharding):
+  return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=512)
+def _cast_fn(dtype, sharding: Sharding):
+  return jax.jit(lambda a: a.astype(dtype), out_shardings=sharding)
+
+
 def zeros_like_in(x: Any, kind: str, dtype=jnp.float32) -> jax.Array:
   """A fresh float32 zero array shaped like ``x`` in memory ``kind``."""
   if is_traced(x):
     return traced_put(jnp.zeros(jnp.shape(x), dtype), kind)
-  sharding = with_kind(x, kind)
-  return jax.jit(lambda: jnp.zeros(jnp.shape(x), dtype), out_shardings=sharding)()
+  return _zeros_fn(tuple(jnp.shape(x)), jnp.dtype(dtype), with_kind(x, kind))()
 
 
 def copy_in(x: Any, kind: str, dtype=jnp.float32) -> jax.Array:
@@ -87,7 +97,5 @@ def copy_in(x: Any, kind: str, dtype=jnp.float32) -> jax.Array:
   x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
   if x.dtype != dtype:
     # Cast where arithmetic is allowed (accelerator memory), then move.
-    x = jax.jit(lambda a: a.astype(dtype), out_shardings=with_kind(x, "device"))(
-      jax.device_put(x, with_kind(x, "device"))
-    )
+    x = _cast_fn(jnp.dtype(dtype), with_kind(x, "device"))(jax.device_put(x, with_kind(x, "device")))
   return jax.device_put(x, with_kind(x, kind), may_alias=False)

@@ -12,7 +12,7 @@ def test_many_buffers_match_the_shared_maths():
   hyper = adam_math.AdamHyper(3e-3, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-10, weight_decay=0.05)
   count = jnp.asarray(int(rng.integers(0, 50)), jnp.int32)
   scalars = adam_math.step_scalars(hyper, count)
-  sizes = [0, 1, 7, host_kernels.CHUNK - 1, 2 * host_kernels.CHUNK + 5]
+  sizes = [0, 1, 7, 1000, 262_145]
   decay = [bool(i % 2) for i in range(len(sizes))]
   buffers, expected = [], []
   for n, d in zip(sizes, decay):
@@ -31,10 +31,12 @@ def test_many_buffers_match_the_shared_maths():
     weight_decay=hyper.weight_decay,
     scalars=np.asarray(scalars),
   )
+  # Inputs are O(1); differences of an ulp of the operands (XLA may fuse a multiply-add, numba does not)
+  # are what float32 rounding allows, also where m cancels to near zero.
   for (_, p, m, v), (p_new, m_new, v_new) in zip(buffers, expected):
-    np.testing.assert_allclose(m, m_new, rtol=1e-6, atol=0)
-    np.testing.assert_allclose(v, v_new, rtol=1e-6, atol=0)
-    np.testing.assert_allclose(p, p_new, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m, m_new, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(v, v_new, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(p, p_new, rtol=1e-6, atol=1e-6)
 
 
 def test_mismatched_buffers_are_refused_before_any_write():

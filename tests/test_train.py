@@ -25,8 +25,8 @@ def _run(tmp_path, name: str, *flags: str) -> dict:
 
 def _same_tree(a, b) -> bool:
   return jax.tree.structure(a) == jax.tree.structure(b) and all(
-      np.array_equal(np.asarray(x), np.asarray(y)) and x.dtype == y.dtype
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    np.array_equal(np.asarray(x), np.asarray(y)) and x.dtype == y.dtype
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
   )
 
 
@@ -77,8 +77,8 @@ def test_text_file_is_read_as_bytes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content, name, match",
-    [(None, "missing.txt", "not found"), (b"", "empty.txt", "is empty"), (b"\x01\x02\x03", "odd.bin", "uint16")],
+  "content, name, match",
+  [(None, "missing.txt", "not found"), (b"", "empty.txt", "is empty"), (b"\x01\x02\x03", "odd.bin", "uint16")],
 )
 def test_bad_data_files(tmp_path, content, name, match):
   path = tmp_path / name
@@ -89,6 +89,13 @@ def test_bad_data_files(tmp_path, content, name, match):
   assert str(path) in str(e.value)
   with pytest.raises(SystemExit, match=match):  # the script turns it into a clean exit naming the flag
     _run(tmp_path, "run", "--data", str(path), "--steps", "1")
+
+
+def test_bin_tokens_beyond_the_vocabulary_are_an_error(tmp_path):
+  path = tmp_path / "tokens.bin"
+  np.arange(2000, dtype=np.uint16).tofile(path)
+  with pytest.raises(SystemExit, match="--vocab-size above"):
+    _run(tmp_path, "run", "--data", str(path), "--vocab-size", "1000", "--steps", "1")
 
 
 def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
@@ -102,18 +109,18 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flags, match",
-    [
-        (["--preset", "gpt-9000"], "invalid choice"),
-        (["--steps", "0"], "--steps must be >= 1"),
-        (["--seq-len", "129"], "block size"),
-        (["--offload", "none", "--param-dtype", "bfloat16"], "--param-dtype float32"),
-        (["--warmup", "10", "--steps", "10"], "--warmup"),
-        (["--n-head", "3"], "divisible"),
-        (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
-        (["--offload", "gpu"], "invalid choice"),
-        (["--resume", "--overwrite"], "contradict"),
-    ],
+  "flags, match",
+  [
+    (["--preset", "gpt-9000"], "invalid choice"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--seq-len", "129"], "block size"),
+    (["--offload", "none", "--param-dtype", "bfloat16"], "--param-dtype float32"),
+    (["--warmup", "10", "--steps", "10"], "--warmup"),
+    (["--n-head", "3"], "divisible"),
+    (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+    (["--offload", "gpu"], "invalid choice"),
+    (["--resume", "--overwrite"], "contradict"),
+  ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
   with pytest.raises(SystemExit) as e:
@@ -175,7 +182,9 @@ def test_resume_is_bit_exact(tmp_path, offload):
   assert {**first["losses"], **second["losses"]} == full["losses"]
   assert second["val_losses"] == {s: v for s, v in full["val_losses"].items() if s > 3}
   # The metrics log of the split run reads as one run, identical to the full run's losses.
-  rows = lambda name: [(r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, open(tmp_path / name / "metrics.jsonl"))]  # noqa: E731
+  rows = lambda name: [
+    (r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, open(tmp_path / name / "metrics.jsonl"))
+  ]  # noqa: E731
   assert rows("split") == rows("full")
 
 

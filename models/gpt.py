@@ -1,0 +1,263 @@
+"""A GPT in Flax NNX, nanoGPT style: one file, config at the top.
+
+Architecture (GPT-2): token + learned position embeddings, ``n_layer`` pre-norm
+blocks ``x += attn(norm(x)); x += mlp(norm(x))``, a final norm and an output
+head tied to the token embedding::
+
+    logits = norm_f(x) @ wte.T                       (float32)
+
+* attention is ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``, so a
+  GPU gets a fused (cuDNN) kernel and a CPU the XLA implementation;
+* the MLP is ``Linear(d, 4d) -> GELU(tanh) -> Linear(4d, d)``;
+* ``param_dtype`` (storage) and ``dtype`` (compute) are separate; norms,
+  logits and the loss are always computed in float32;
+* ``remat=True`` rematerialises each block's activations in the backward pass
+  (``nnx.remat``), trading compute for activation memory.
+
+Initialisation as GPT-2: N(0, 0.02) weights, zero biases, and residual output
+projections scaled by ``1 / sqrt(2 n_layer)``.
+
+For a jitted gradient step, split the model into a static graph and a plain
+dict of parameter arrays and use the pure loss::
+
+    graphdef, params = init_params(config, seed=0)
+    loss_fn = make_loss_fn(graphdef)        # (params, (x, y)) -> mean cross-entropy, fp32
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, (x, y))
+
+:func:`param_count` and :func:`flops_per_token` compute from the config alone;
+:func:`abstract_params` builds the parameter tree with ``nnx.eval_shape`` (no
+memory), so even the largest preset can be inspected on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+DTYPES = ("float32", "bfloat16")
+NORMS = ("layernorm", "rmsnorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  """Model hyperparameters. Dtypes are names (``"float32"``/``"bfloat16"``) so the config is JSON-able."""
+
+  vocab_size: int = 256  # 256 = bytes (the default data); 50304 for GPT-2 BPE padded to a multiple of 64
+  block_size: int = 128  # maximum sequence length (size of the position embedding)
+  n_layer: int = 4
+  n_head: int = 4
+  d_model: int = 128
+  bias: bool = True  # biases in Linear layers and LayerNorms (GPT-2: True)
+  norm: str = "layernorm"  # or "rmsnorm"
+  dtype: str = "float32"  # compute dtype of matmuls and the residual stream
+  param_dtype: str = "float32"  # storage dtype of the parameters
+  remat: bool = False  # rematerialise block activations in the backward pass
+
+  def __post_init__(self):
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+    if self.d_model % self.n_head:
+      raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}.")
+    if self.norm not in NORMS:
+      raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}.")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"GPTConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_head
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+# Named sizes. gpt-1.3b is GPT-3 XL's shape (d2048 L24 H16, 1.3B with a 50k vocabulary), not GPT-2 XL (1.5B).
+PRESETS: dict[str, dict[str, int]] = {
+  "tiny": dict(n_layer=4, n_head=4, d_model=128, block_size=128),  # ~0.8M params: trains on a laptop CPU in minutes
+  "small": dict(n_layer=6, n_head=6, d_model=384, block_size=256),  # nanoGPT's shakespeare-char size
+  "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, block_size=1024),
+  "gpt2-350m": dict(n_layer=24, n_head=16, d_model=1024, block_size=1024),
+  "gpt-1.3b": dict(n_layer=24, n_head=16, d_model=2048, block_size=2048),
+  "gpt-2.7b": dict(n_layer=32, n_head=32, d_model=2560, block_size=2048),
+  "gpt-6.7b": dict(n_layer=32, n_head=32, d_model=4096, block_size=2048),
+}
+
+
+def get_config(preset: str, **overrides: Any) -> GPTConfig:
+  """The :class:`GPTConfig` of a named preset, with fields overridden (e.g. ``vocab_size=50304``)."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+  return GPTConfig(**{**PRESETS[preset], **overrides})
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _linear(cfg: GPTConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(
+      d_in, d_out, use_bias=cfg.bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+      kernel_init=nnx.initializers.normal(std), bias_init=nnx.initializers.zeros, rngs=rngs,
+  )  # fmt: skip
+
+
+class Norm(nnx.Module):
+  """LayerNorm or RMSNorm computed in float32; returns the compute dtype."""
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    kw = dict(epsilon=1e-5, dtype=jnp.float32, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.out_dtype = cfg.dtype
+    if cfg.norm == "layernorm":
+      self.norm = nnx.LayerNorm(cfg.d_model, use_bias=cfg.bias, **kw)
+    else:
+      self.norm = nnx.RMSNorm(cfg.d_model, **kw)
+
+  def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
+    return self.norm(x.astype(jnp.float32)).astype(out_dtype or self.out_dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.n_head = cfg.n_head
+    self.qkv = _linear(cfg, cfg.d_model, 3 * cfg.d_model, 0.02, rngs)
+    self.proj = _linear(cfg, cfg.d_model, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, d = x.shape
+    q, k, v = (y.reshape(b, t, self.n_head, d // self.n_head) for y in jnp.split(self.qkv(x), 3, axis=-1))
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [b, t, heads, head_dim]
+    return self.proj(y.reshape(b, t, d))
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.fc = _linear(cfg, cfg.d_model, 4 * cfg.d_model, 0.02, rngs)
+    self.proj = _linear(cfg, 4 * cfg.d_model, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.ln1 = Norm(cfg, rngs)
+    self.attn = CausalSelfAttention(cfg, rngs)
+    self.ln2 = Norm(cfg, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.ln1(x))
+    return x + self.mlp(self.ln2(x))
+
+
+def _apply_block(block: Block, x: jax.Array) -> jax.Array:
+  return block(x)
+
+
+class GPT(nnx.Module):
+  """``GPT(config, rngs)(tokens[b, t]) -> logits[b, t, vocab]`` in float32."""
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    emb = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, **emb)
+    self.wpe = nnx.Embed(cfg.block_size, cfg.d_model, **emb)
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
+    self.ln_f = Norm(cfg, rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    _, t = tokens.shape
+    if t > self.cfg.block_size:
+      raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}.")
+    x = self.wte(tokens) + self.wpe(jnp.arange(t))[None]
+    apply = nnx.remat(_apply_block) if self.cfg.remat else _apply_block
+    for block in self.blocks:
+      x = apply(block, x)
+    x = self.ln_f(x, out_dtype=jnp.float32)
+    return x @ self.wte.embedding[...].astype(jnp.float32).T  # tied head, float32 logits
+
+
+# ----------------------------------------------------------------------------- parameters, loss
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init(cfg: GPTConfig, seed: jax.Array) -> dict:
+  return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(jax.random.key(seed))), nnx.Param))
+
+
+def init_params(cfg: GPTConfig, seed: int = 0) -> tuple[nnx.GraphDef, dict]:
+  """Builds the model; returns ``(graphdef, params)`` with ``params`` a plain nested dict of arrays.
+
+  Initialisation is one jitted call (compiled once per config), not one dispatch per initializer.
+  """
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  return graphdef, _init(cfg, jnp.asarray(seed, jnp.uint32))
+
+
+def abstract_params(cfg: GPTConfig) -> dict:
+  """The parameter tree as ``jax.ShapeDtypeStruct`` s, built with ``nnx.eval_shape`` (allocates nothing)."""
+  model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def tree_size(tree: Any) -> int:
+  """Number of elements in a tree of arrays (or ``ShapeDtypeStruct`` s)."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def param_count(cfg: GPTConfig) -> int:
+  r"""Parameters of the model, from the config alone.
+
+  .. math:: N = V d + T d + L (12 d^2 + b_l + 2 n_l) + n_l
+
+  with ``b_l = 9d`` biases per block (``0`` without bias) and ``n_l`` the
+  parameters of one norm (``2d`` for LayerNorm with bias, ``d`` otherwise).
+  """
+  d, n_layer = cfg.d_model, cfg.n_layer
+  norm = 2 * d if (cfg.norm == "layernorm" and cfg.bias) else d
+  biases = 9 * d if cfg.bias else 0
+  return cfg.vocab_size * d + cfg.block_size * d + n_layer * (12 * d * d + biases + 2 * norm) + norm
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
+  r"""Training FLOPs per token (forward + backward), as in nanoGPT / PaLM (appendix B).
+
+  .. math:: 6 N + 12 L d T
+
+  where ``N`` excludes the position embedding (a lookup, no matmul; the token
+  embedding counts because the tied head multiplies by it) and ``T`` is the
+  sequence length (default ``block_size``). Rematerialisation's extra forward
+  pass is not counted: MFU measures useful work.
+  """
+  t = cfg.block_size if seq_len is None else seq_len
+  n = param_count(cfg) - cfg.block_size * cfg.d_model
+  return 6 * n + 12 * cfg.n_layer * cfg.d_model * t
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean token cross-entropy (natural log) in float32."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+
+def loss(graphdef: nnx.GraphDef, params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """Mean cross-entropy of the model ``merge(graphdef, params)`` on ``batch = (x, y)``; pure.
+
+  ``graphdef`` is hashable, so ``jax.jit(loss, static_argnums=0)`` compiles once per model shape.
+  """
+  x, y = batch
+  return cross_entropy(nnx.merge(graphdef, params)(x), y)
+
+
+def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[dict, tuple[jax.Array, jax.Array]], jax.Array]:
+  """A pure ``loss_fn(params, (x, y)) -> scalar`` for ``jax.grad``/``jax.jit``: merges and runs the model."""
+  return functools.partial(loss, graphdef)

@@ -1,0 +1,128 @@
+"""Token data for the training script, and deterministic batches from it.
+
+Sources:
+
+* default (no download): the Python standard library's own ``.py`` sources,
+  read in sorted path order and concatenated as bytes up to ``max_bytes``;
+  each byte is a token (vocabulary 256). Real text on every Python install.
+* ``--data FILE.bin``: ``uint16`` tokens in nanoGPT's ``.bin`` layout (read
+  with ``np.memmap``, nothing loaded up front);
+* ``--data FILE`` (any other extension): a file of text, tokenised as bytes.
+
+The first ``1 - val_fraction`` of the tokens is the training split, the rest
+the validation split.
+
+Batches are a pure function of ``(seed, step)``: batch ``i`` draws its
+``batch`` window offsets from ``np.random.default_rng([seed, 0, i])``. The data
+position is therefore just the step number, and a resumed run sees exactly the
+batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+DEFAULT_MAX_BYTES = 4 * 2**20
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_files() -> list[str]:
+  """The standard library's ``.py`` files, sorted by path relative to its root (third-party packages excluded)."""
+  root = os.path.dirname(os.__file__)
+  out = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+    out.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+  return sorted(out, key=lambda p: os.path.relpath(p, root))
+
+
+def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+  """The default corpus: stdlib sources concatenated (sorted order) up to ``max_bytes``, as ``uint8`` tokens."""
+  chunks, total = [], 0
+  for path in stdlib_files():
+    try:
+      with open(path, "rb") as f:
+        data = f.read()
+    except OSError:
+      continue
+    data = data[: max_bytes - total]
+    chunks.append(data)
+    total += len(data)
+    if total >= max_bytes:
+      break
+  if total == 0:
+    raise ValueError(f"found no Python sources under {os.path.dirname(os.__file__)}; pass --data PATH.")
+  return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def load_tokens(path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[np.ndarray, int, str]:
+  """Returns ``(tokens, vocab_size, description)``.
+
+  ``path=None`` gives the stdlib corpus; ``*.bin`` is read as ``uint16``
+  tokens (vocabulary 65536 at most: the model's ``vocab_size`` must cover the
+  largest token, checked by the caller); any other file as bytes (vocabulary 256).
+  """
+  if path is None:
+    tokens = stdlib_corpus(max_bytes)
+    return tokens, 256, f"Python stdlib sources ({len(tokens):,} bytes)"
+  if not os.path.isfile(path):
+    raise FileNotFoundError(
+      f"data file {path!r} not found. Pass --data with an existing text file or a nanoGPT-style uint16 .bin token"
+      " file, or leave --data out to train on the Python standard library's sources."
+    )
+  size = os.path.getsize(path)
+  if path.endswith(".bin"):
+    if size < 2 or size % 2:
+      raise ValueError(
+        f"data file {path!r} has {size} bytes; a .bin token file must hold a whole, non-zero number of uint16"
+        " tokens (nanoGPT layout: np.array(ids, dtype=np.uint16).tofile(path))."
+      )
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    return tokens, 65536, f"{path} ({len(tokens):,} uint16 tokens)"
+  if size == 0:
+    raise ValueError(f"data file {path!r} is empty; give a text file with some content (it is read as bytes).")
+  tokens = np.fromfile(path, dtype=np.uint8)
+  return tokens, 256, f"{path} ({len(tokens):,} bytes)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+  train: np.ndarray
+  val: np.ndarray
+
+
+def split(tokens: np.ndarray, val_fraction: float = 0.1) -> Splits:
+  """First ``1 - val_fraction`` of the tokens for training, the rest for validation (views, no copy)."""
+  if not 0.0 < val_fraction < 1.0:
+    raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
+  n = int(len(tokens) * (1.0 - val_fraction))
+  return Splits(tokens[:n], tokens[n:])
+
+
+def check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+  if len(tokens) < seq_len + 1:
+    raise ValueError(
+      f"the {what} split has {len(tokens):,} tokens, fewer than seq_len + 1 = {seq_len + 1}; use more data or a"
+      " smaller --seq-len."
+    )
+
+
+TRAIN_STREAM, VAL_STREAM = 0, 1
+
+
+def get_batch(
+  tokens: np.ndarray, batch: int, seq_len: int, seed: int, index: int, stream: int = TRAIN_STREAM
+) -> tuple[np.ndarray, np.ndarray]:
+  """Batch number ``index``: ``(x, y)`` int32 ``[batch, seq_len]``, ``y`` = ``x`` shifted by one token.
+
+  Window offsets come from ``np.random.default_rng([seed, stream, index])``, so
+  the batch depends only on these three numbers (``stream`` separates training
+  batches from validation batches).
+  """
+  rng = np.random.default_rng([seed, stream, index])
+  starts = rng.integers(0, len(tokens) - seq_len, size=batch)
+  windows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts]).astype(np.int32)
+  return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,437 @@
+"""Train a GPT with AdamW whose state lives in host memory (``python -m train.gpt``).
+
+    python -m train.gpt                                   # tiny preset on Python's own sources, a few minutes on a CPU
+    python -m train.gpt --preset gpt2-124m --batch 8 --steps 2000 --offload auto --plot
+    python -m train.gpt --resume                          # continue from <out>/ckpt
+
+One step, nanoGPT style, with the optimizer update outside ``jit`` so that
+``jax_dos.interleaved_adam`` runs its pipelined host/stream/device engine::
+
+    loss, grads = grad_step(graphdef, params, batch)          # jitted value_and_grad
+    updates, opt_state = tx.update(grads, opt_state, params)  # eager: clip (jitted) -> AdamW
+    params = apply_updates(params, updates)                   # jitted optax.apply_updates, params donated
+
+``--offload none`` is the baseline: ``optax.adamw`` with float32 parameters and
+state on the accelerator (its update jitted, state donated). The other modes
+use ``jax_dos.interleaved_adam(plan=<mode>)``: float32 master weights and
+moments in host memory, parameters in ``--param-dtype`` (bfloat16 by default)
+on the accelerator.
+
+Batches depend only on ``(seed, step)`` (``train/data.py``), so a checkpoint
+(parameters, optimizer state, step) resumes bit-exactly: ``N + N`` steps with
+``--resume`` end with the same parameters as ``2N`` steps in one go (give both
+the same ``--steps`` horizon, or the same ``--decay-steps``, so the learning-rate
+schedule is the same).
+
+Outputs in ``--out`` (default ``runs/<preset>``): ``metrics.jsonl`` (one JSON
+object per logged step: step, loss, val_loss, lr, tokens_per_s, mfu, time),
+``ckpt/`` (Orbax, through ``jax_dos.checkpoint``) and with ``--plot`` ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import jax_dos
+from models import gpt as gpt_model
+from train import data as data_lib
+from train import progress
+
+OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
+
+# Learning rate per preset when --lr is not given (smaller models tolerate larger steps).
+DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4}
+FALLBACK_LR = 2e-4
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+    prog="python -m train.gpt",
+    description="Train a GPT (Flax NNX) with jax_dos.interleaved_adam: AdamW whose state lives in host memory.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  m = p.add_argument_group("model")
+  m.add_argument("--preset", default="tiny", choices=sorted(gpt_model.PRESETS), help="model size")
+  m.add_argument("--n-layer", type=int, default=None, help="override the preset's number of blocks")
+  m.add_argument("--n-head", type=int, default=None, help="override the preset's attention heads")
+  m.add_argument("--d-model", type=int, default=None, help="override the preset's width")
+  m.add_argument("--vocab-size", type=int, default=None, help="default: 256 for byte data, 50304 for a .bin file")
+  m.add_argument("--param-dtype", choices=gpt_model.DTYPES, default=None,
+                 help="parameter storage; default float32 for --offload none, bfloat16 otherwise")  # fmt: skip
+  m.add_argument("--compute-dtype", choices=gpt_model.DTYPES, default=None,
+                 help="default bfloat16 on a GPU, float32 otherwise")  # fmt: skip
+  m.add_argument("--remat", action="store_true", help="rematerialise block activations (less memory, more compute)")
+
+  d = p.add_argument_group("data")
+  d.add_argument("--data", default=None, help="text file (read as bytes) or nanoGPT uint16 .bin token file;"
+                 " default: the Python standard library's sources")  # fmt: skip
+  d.add_argument("--batch", type=int, default=16, help="sequences per step")
+  d.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default: the preset's block size")
+
+  o = p.add_argument_group("optimization")
+  o.add_argument("--steps", type=int, default=500, help="optimizer steps to train to (total, counting resumed ones)")
+  o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default per preset {DEFAULT_LR}")
+  o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay; default lr/10")
+  o.add_argument("--warmup", type=int, default=None, help="linear warm-up steps; default min(100, steps/10)")
+  o.add_argument("--decay-steps", type=int, default=None, help="length of warm-up + cosine decay; default --steps")
+  o.add_argument("--beta1", type=float, default=0.9)
+  o.add_argument("--beta2", type=float, default=0.95)
+  o.add_argument("--weight-decay", type=float, default=0.1, help="decoupled, on matrices/embeddings only")
+  o.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
+  o.add_argument("--seed", type=int, default=0)
+
+  x = p.add_argument_group("optimizer offload")
+  x.add_argument("--offload", choices=OFFLOAD_MODES, default="auto",
+                 help="none: optax.adamw on the accelerator; else jax_dos.interleaved_adam(plan=<mode>)")  # fmt: skip
+  x.add_argument("--subgroup-size", type=int, default=jax_dos.DEFAULT_SUBGROUP_SIZE, help="elements per subgroup")
+
+  r = p.add_argument_group("evaluation, logging, checkpoints")
+  r.add_argument("--eval-every", type=int, default=100, help="steps between validation passes (0 = only at the end)")
+  r.add_argument("--eval-batches", type=int, default=8, help="validation batches per pass")
+  r.add_argument("--log-every", type=int, default=10, help="steps between metric rows / progress updates")
+  r.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU; default: detected GPU")
+  r.add_argument("--out", default=None, help="output directory; default runs/<preset>")
+  r.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0 = only at the end)")
+  r.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+  r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in <out>/ckpt")
+  r.add_argument("--overwrite", action="store_true", help="delete <out>/ckpt and the metrics of an earlier run")
+  r.add_argument("--plot", action="store_true", help="write <out>/loss.png")
+  r.add_argument("--quiet", action="store_true", help="no progress bar or messages")
+  return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """Parses and checks the flags; any inconsistency is an argparse error saying what to change."""
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  err = parser.error
+  positive = ("batch", "steps", "eval_batches", "log_every", "keep", "subgroup_size")
+  for name in positive:
+    if getattr(args, name) < 1:
+      err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+  for name in ("eval_every", "ckpt_every", "clip", "weight_decay"):
+    if getattr(args, name) < 0:
+      err(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}.")
+  for name in ("n_layer", "n_head", "d_model", "vocab_size"):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
+      err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+  shape = {**gpt_model.PRESETS[args.preset], **model_overrides(args)}
+  if shape["d_model"] % shape["n_head"]:
+    err(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}.")
+  block = shape["block_size"]
+  args.seq_len = block if args.seq_len is None else args.seq_len
+  if not 1 <= args.seq_len <= block:
+    err(f"--seq-len {args.seq_len} must be between 1 and the block size of preset {args.preset!r} ({block}).")
+  args.lr = DEFAULT_LR.get(args.preset, FALLBACK_LR) if args.lr is None else args.lr
+  if args.lr <= 0:
+    err(f"--lr must be > 0, got {args.lr}.")
+  args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+  if not 0 <= args.min_lr <= args.lr:
+    err(f"--min-lr must be in [0, --lr={args.lr}], got {args.min_lr}.")
+  args.decay_steps = args.steps if args.decay_steps is None else args.decay_steps
+  args.warmup = min(100, args.decay_steps // 10) if args.warmup is None else args.warmup
+  if not 0 <= args.warmup < args.decay_steps:
+    err(f"--warmup must be in [0, --decay-steps={args.decay_steps}), got {args.warmup}.")
+  for name in ("beta1", "beta2"):
+    if not 0 <= getattr(args, name) < 1:
+      err(f"--{name} must be in [0, 1), got {getattr(args, name)}.")
+  if args.peak_flops is not None and args.peak_flops <= 0:
+    err(f"--peak-flops must be > 0, got {args.peak_flops}.")
+  if args.param_dtype is None:
+    args.param_dtype = "float32" if args.offload == "none" else "bfloat16"
+  if args.offload == "none" and args.param_dtype != "float32":
+    err("--offload none trains float32 parameters with plain optax.adamw (no float32 master copy);"
+        " use --param-dtype float32, or an offload mode for bfloat16 parameters.")  # fmt: skip
+  if args.compute_dtype is None:
+    args.compute_dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+  if args.resume and args.overwrite:
+    err("--resume and --overwrite contradict each other; pick one.")
+  args.out = os.path.join("runs", args.preset) if args.out is None else args.out
+  return args
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, int]:
+  """The model-shape flags that were given (they override the preset)."""
+  return {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model") if getattr(args, k) is not None}
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def decay_mask(params: Any) -> Any:
+  """Weight decay on matrices and embeddings only (``ndim >= 2``), not on norms or biases."""
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+# Jitted at module level (the model's graphdef is a static, hashable argument) so that runs of the same model in one
+# process share compiled code.
+grad_step = jax.jit(jax.value_and_grad(gpt_model.loss, argnums=1), static_argnums=0)
+eval_step = jax.jit(gpt_model.loss, static_argnums=0)
+apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)
+
+
+@jax.jit
+def _clip(updates: Any, max_norm: jax.Array) -> Any:
+  return optax.clip_by_global_norm(max_norm).update(updates, optax.EmptyState())[0]
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """``optax.clip_by_global_norm`` as one jitted call (an eager ``optax.chain`` calls it op by op otherwise)."""
+  return optax.GradientTransformation(
+    lambda params: optax.EmptyState(), lambda updates, state, params=None: (_clip(updates, max_norm), state)
+  )
+
+
+def make_optimizer(args: argparse.Namespace) -> tuple[optax.GradientTransformation, Any, Any]:
+  """Returns ``(tx, adam, schedule)``: ``tx`` = clip -> AdamW, ``adam`` the AdamW part alone."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
+  kw = dict(b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay, mask=decay_mask)
+  if args.offload == "none":
+    adam = optax.adamw(schedule, **kw)
+  else:
+    adam = jax_dos.interleaved_adam(schedule, **kw, subgroup_size=args.subgroup_size, plan=args.offload)
+  parts = [clip_by_global_norm(args.clip)] if args.clip > 0 else []
+  tx = optax.chain(*parts, adam)
+  if args.offload == "none":  # pure: jit the whole update, donating the state.
+    tx = optax.GradientTransformation(tx.init, jax.jit(tx.update, donate_argnums=1))
+  return tx, adam, schedule
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "bias", "norm")
+
+
+def _prepare_out(args: argparse.Namespace, ckpt_dir: str) -> None:
+  """Refuses to mix a new run into an old run's checkpoints unless told how."""
+  has_ckpt = os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
+  if args.overwrite:
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    for name in ("metrics.jsonl", "loss.png"):
+      if os.path.exists(os.path.join(args.out, name)):
+        os.remove(os.path.join(args.out, name))
+  elif has_ckpt and not args.resume:
+    raise SystemExit(
+      f"error: {ckpt_dir} already holds checkpoints of an earlier run. Pass --resume to continue it,"
+      " --overwrite to start again, or a different --out."
+    )
+  elif args.resume and not has_ckpt:
+    raise SystemExit(f"error: --resume: no checkpoint in {ckpt_dir}. Run without --resume to start a new run.")
+
+
+def _restore(manager, cfg: gpt_model.GPTConfig, params, opt_state, args) -> tuple[Any, Any, int]:
+  step = manager.latest_step()
+  if step is None:
+    raise SystemExit(f"error: --resume: no valid checkpoint in {os.path.join(args.out, 'ckpt')}.")
+  try:
+    params, opt_state, meta = manager.restore(step, params=params, opt_state=opt_state)
+  except ValueError as e:  # the checkpoint module's template mismatch: a different model or optimizer chain
+    raise SystemExit(
+      f"error: --resume: the checkpoint's model differs from this run's; give the same --preset, --n-layer,"
+      f" --n-head, --d-model, --vocab-size and --clip (0 or not) as the run that wrote it.\n{e}"
+    ) from None
+  saved = meta.get("config", {})
+  diff = {k: (saved.get(k), getattr(cfg, k)) for k in MODEL_FIELDS if saved.get(k) != getattr(cfg, k)}
+  if diff:
+    raise SystemExit(f"error: --resume: the checkpoint's model differs from this run's (saved, now): {diff}.")
+  if meta.get("seed") != args.seed:
+    raise SystemExit(f"error: --resume: the checkpoint was trained with --seed {meta.get('seed')}, not {args.seed}.")
+  return params, opt_state, int(meta["step"])
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _say(args: argparse.Namespace, msg: str) -> None:
+  if not args.quiet:
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+  """Runs training. Returns a dict of results when given ``argv`` (tests, notebooks); ``None`` from the command line.
+
+  Result keys: ``step`` (final), ``start_step``, ``losses`` and ``val_losses``
+  (``{step: loss}`` of this invocation), ``tokens_per_s``, ``mfu`` (or
+  ``None``), ``num_params``, ``plan`` (text or ``None``), ``out``, ``params``.
+  """
+  args = parse_args(argv)
+  results = train(args)
+  return results if argv is not None else None
+
+
+def cli() -> None:
+  """Console entry point (exit status 0 on success)."""
+  main(None)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+  """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
+  ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
+  _prepare_out(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
+  # --- data
+  try:
+    tokens, data_vocab, data_desc = data_lib.load_tokens(args.data)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: --data: {e}") from None
+  vocab = args.vocab_size or (50304 if data_vocab > 256 else 256)
+  if data_vocab > 256 and int(np.max(tokens)) >= vocab:
+    raise SystemExit(f"error: {args.data} holds token ids up to {int(np.max(tokens))}; pass --vocab-size above that.")
+  if vocab < 256 and data_vocab == 256:
+    raise SystemExit(f"error: byte-level data needs --vocab-size >= 256, got {vocab}.")
+  splits = data_lib.split(tokens)
+  try:
+    data_lib.check_length(splits.train, args.seq_len, "training")
+    data_lib.check_length(splits.val, args.seq_len, "validation")
+  except ValueError as e:
+    raise SystemExit(f"error: --data: {e}") from None
+
+  # --- model and optimizer
+  cfg = gpt_model.get_config(
+    args.preset,
+    **model_overrides(args),
+    vocab_size=vocab,
+    dtype=args.compute_dtype,
+    param_dtype=args.param_dtype,
+    remat=args.remat,
+  )
+  graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
+  num_params = gpt_model.tree_size(params)
+  tx, adam, schedule = make_optimizer(args)
+  opt_state = tx.init(params)
+  plan = None if args.offload == "none" else jax_dos.get_plan(adam, params)
+
+  # --- output, checkpoints, resume
+  os.makedirs(args.out, exist_ok=True)
+  manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
+  start_step = 0
+  if args.resume:
+    params, opt_state, start_step = _restore(manager, cfg, params, opt_state, args)
+  log = progress.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if args.resume else None)
+
+  tokens_per_step = args.batch * args.seq_len
+  flops_tok = gpt_model.flops_per_token(cfg, args.seq_len)
+  peak = args.peak_flops or progress.detect_peak_flops(args.compute_dtype)
+  val_batches = [
+    data_lib.get_batch(splits.val, args.batch, args.seq_len, args.seed, i, data_lib.VAL_STREAM)
+    for i in range(args.eval_batches)
+  ]
+
+  def evaluate() -> float:
+    return float(np.mean([float(eval_step(graphdef, params, b)) for b in val_batches]))
+
+  def meta(step: int) -> dict[str, Any]:
+    data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": step, "seed": args.seed, "source": data_desc}
+    return {"step": step, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": vars(args)}
+
+  _say(args, f"model   {args.preset}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
+  _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
+  _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
+       f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}")  # fmt: skip
+  if plan is not None:
+    _say(args, str(plan))
+  if start_step:
+    _say(args, f"resumed from step {start_step} ({ckpt_dir})")
+  if start_step >= args.steps:
+    _say(args, f"already at step {start_step} >= --steps {args.steps}: nothing to do.")
+
+  losses: dict[int, float] = {}
+  val_losses: dict[int, float] = {}
+  if start_step == 0 and args.eval_every > 0 and start_step < args.steps:
+    val_losses[0] = evaluate()
+    log.write({"step": 0, "val_loss": val_losses[0], "time": 0.0})
+
+  from tqdm import tqdm
+
+  bar = tqdm(total=args.steps, initial=start_step, unit="step", disable=args.quiet, dynamic_ncols=True, file=sys.stderr)
+  t_start = time.perf_counter()
+  t_mark, step_mark = None, start_step
+  tok_s = mfu = None
+  pending: list[tuple[int, jax.Array]] = []
+  step = start_step
+  for it in range(start_step, args.steps):
+    batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, it)
+    loss, grads = grad_step(graphdef, params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = apply_updates(params, updates)
+    step = it + 1
+    pending.append((step, loss))
+    if t_mark is None:  # the first step compiles: start the clock after it
+      jax.block_until_ready(params)
+      t_mark, step_mark = time.perf_counter(), step
+    do_eval = step == args.steps or (args.eval_every > 0 and step % args.eval_every == 0)
+    do_ckpt = manager is not None and (step == args.steps or (args.ckpt_every > 0 and step % args.ckpt_every == 0))
+    if not (do_eval or do_ckpt or step % args.log_every == 0):
+      continue
+    # --- log: the losses since the last row (one sync per interval)
+    rows = [(s, float(x)) for s, x in pending]
+    pending.clear()
+    now = time.perf_counter()
+    if step > step_mark:
+      tok_s = (step - step_mark) * tokens_per_step / (now - t_mark)
+      mfu = flops_tok * tok_s / peak if peak else None
+      t_mark, step_mark = now, step
+    for s, value in rows:
+      losses[s] = value
+    row = {"step": step, "loss": rows[-1][1], "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "mfu": mfu}
+    if do_eval:
+      val_losses[step] = row["val_loss"] = evaluate()
+    row["time"] = log.time_offset + now - t_start
+    for s, value in rows[:-1]:
+      log.write({"step": s, "loss": value})
+    log.write(row)
+    postfix = {"loss": f"{rows[-1][1]:.3f}"}
+    if val_losses:
+      postfix["val"] = f"{val_losses[max(val_losses)]:.3f}"
+    if tok_s:
+      postfix["tok/s"] = progress.fmt_rate(tok_s)
+    postfix["mfu"] = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+    bar.set_postfix(postfix, refresh=False)
+    bar.update(step - bar.n)
+    if do_eval and not args.quiet:
+      bar.write(f"step {step}: train loss {rows[-1][1]:.4f}, val loss {val_losses[step]:.4f}", file=sys.stderr)
+    if do_ckpt:
+      # Returns once the arrays are copied (host state included), so the next in-place update is safe.
+      manager.save(step, params=params, opt_state=opt_state, meta=meta(step), force=True)
+    if do_eval or do_ckpt:
+      t_mark = time.perf_counter()  # tokens/s measures training only
+  bar.close()
+  if manager is not None:
+    manager.wait_until_finished()
+    manager.close()
+
+  if args.plot:
+    png = os.path.join(args.out, "loss.png")
+    progress.plot_losses(progress.read_metrics(log.path), png, title=f"{args.preset}, offload {args.offload}")
+    _say(args, f"wrote {png}")
+  final = losses[max(losses)] if losses else None
+  if final is not None:
+    _say(args, f"done: step {step}, train loss {final:.4f}, val loss {val_losses.get(step, math.nan):.4f}")
+  return {
+    "step": step,
+    "start_step": start_step,
+    "losses": losses,
+    "val_losses": val_losses,
+    "tokens_per_s": tok_s,
+    "mfu": mfu,
+    "num_params": num_params,
+    "plan": None if plan is None else str(plan),
+    "out": args.out,
+    "params": params,
+  }
+
+
+if __name__ == "__main__":
+  cli()

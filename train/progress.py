@@ -1,0 +1,94 @@
+"""What a person watching a run sees: peak FLOP/s for MFU, the JSONL metrics log, the loss plot.
+
+MFU (model FLOPs utilisation, PaLM appendix B) is ``flops_per_token * tokens_per_s / peak``
+with the peak dense matmul rate of one chip for the compute dtype (float32
+matmuls on NVIDIA GPUs run as TF32 under JAX's default precision).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+
+# Dense peak FLOP/s per chip (no sparsity), by substring of ``device.device_kind``.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+  "H200": {"bfloat16": 989e12, "float32": 494.5e12},
+  "H100": {"bfloat16": 989e12, "float32": 494.5e12},
+  "A100": {"bfloat16": 312e12, "float32": 156e12},
+}
+
+
+def detect_peak_flops(compute_dtype: str, device: jax.Device | None = None) -> float | None:
+  """Peak FLOP/s of ``device`` (default: the first) for ``compute_dtype``, or ``None`` if unknown (e.g. a CPU)."""
+  device = device or jax.devices()[0]
+  kind = getattr(device, "device_kind", "") or ""
+  for name, peaks in PEAK_FLOPS.items():
+    if name.lower() in kind.lower():
+      return peaks[compute_dtype]
+  return None
+
+
+class MetricsLog:
+  """Appends one JSON object per line to ``path``.
+
+  A fresh run truncates the file; a resumed run keeps the rows up to the
+  resumed step and drops later ones (logged after the checkpoint it resumes
+  from), so the file always reads as one run.
+  """
+
+  def __init__(self, path: str, resume_step: int | None = None):
+    self.path = path
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step] if resume_step is not None else []
+    times = [r["time"] for r in keep if "time" in r]
+    self.time_offset = max(times) if times else 0.0  # a resumed run's clock continues from the kept rows
+    with open(path, "w") as f:
+      for row in keep:
+        f.write(json.dumps(row) + "\n")
+
+  def write(self, row: dict[str, Any]) -> None:
+    with open(self.path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+  """The rows of a metrics log (empty if it does not exist)."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+  """Training and validation loss against step, written to ``path`` (PNG, matplotlib's Agg backend)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+  val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  if train:
+    ax.plot(*zip(*train), lw=0.8, alpha=0.8, label="train")
+  if val:
+    ax.plot(*zip(*val), "o-", ms=3, label="validation")
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats/token)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def fmt_rate(x: float) -> str:
+  """``12345.6 -> '12.3k'``."""
+  for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if abs(x) >= scale:
+      return f"{x / scale:.1f}{unit}"
+  return f"{x:.0f}"
