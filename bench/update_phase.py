@@ -302,9 +302,15 @@ class Bench:
         kw = {f"n_{name}": n_off, f"k_{name}": k_rest}
         pred = planner.predict(cal, n_device=n_dev, stream_slots=plan.stream_slots, **kw)["total"]
       if self.state is None:
+        gc.collect()
         init_tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=args.subgroup_size, plan="host")
-        self.state = init_tx.init(params)
-        self.block(self.state)
+        try:
+          self.state = init_tx.init(params)
+          self.block(self.state)
+        except Exception as e:  # recorded like any variant's failure
+          out["variants"][name] = {"error": f"init: {type(e).__name__}: {str(e)[:300]}"}
+          self.state = None
+          continue
       out["variants"][name] = self.variant(name, plan, params, grads, n, pred)
     print(f"     floor : {floor:.4f} s (32 B/param over {self.bw / 1e9:.1f} GB/s)", flush=True)
     return out

@@ -22,6 +22,7 @@ turns accidental reuse of a consumed state into a clear error.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections import deque
@@ -42,6 +43,8 @@ def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
   ]
   return tuple(list(x) for x in zip(*outs)) if outs else ([], [], [], [])
 
+
+GIL_SWITCH_INTERVAL = 2e-4  # seconds, while the host worker and the stream loop both run
 
 _jit_update = jax.jit(_update_group, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3))
 _jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
@@ -104,7 +107,7 @@ class Engine:
     self.plan = plan
     self.decay = tuple(decay)
     self.leaf_placement = plan.leaf_placements()
-    self._reading_host_state: list[jax.Array] = []  # transfers of the last step that read host state
+    self._reading_host_state: list[jax.Array] = []  # last step's updates, formed from host state sent over
 
   def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
     """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
@@ -140,31 +143,40 @@ class Engine:
 
     host_error: list[BaseException] = []
     worker = None
-    if host_leaves:
-      worker = threading.Thread(
-        target=self._host_worker,
-        args=(host_grads, masters, mus, nus, params, grads, count, scalars, updates, host_error),
-        daemon=True,
-      )
-      worker.start()
+    switch_interval = sys.getswitchinterval()
+    if host_leaves and plan.indices("stream"):
+      # Two threads feed the hardware; let the GIL change hands often (default 5 ms) so neither waits long.
+      sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+    try:
+      if host_leaves:
+        worker = threading.Thread(
+          target=self._host_worker,
+          args=(host_grads, masters, mus, nus, params, grads, count, scalars, updates, host_error),
+          daemon=True,
+        )
+        worker.start()
+      self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new)
+      if worker is not None:
+        worker.join()
+    finally:
+      sys.setswitchinterval(switch_interval)
+    if host_error:
+      raise host_error[0]
+    return updates, new[0], new[1], new[2], _jit_increment(count)
 
+  def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new) -> None:
+    """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
     in_flight: deque = deque()
     for s in plan.indices("stream"):
       idx = list(plan.subgroups[s])
       if len(in_flight) >= plan.stream_slots:
         jax.block_until_ready(in_flight.popleft())
       dev_state = [[_put(lst[i], "device") for i in idx] for lst in (masters, mus, nus)]
-      g, p = pick(idx, grads, params)
+      g, p = [grads[i] for i in idx], [params[i] for i in idx]
       u, m32, m1, m2 = _jit_update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
       back = [[_put(a, "pinned_host") for a in lst] for lst in (m32, m1, m2)]
       self._scatter(idx, (u, *back), updates, new)
       in_flight.append(back)
-
-    if worker is not None:
-      worker.join()
-      if host_error:
-        raise host_error[0]
-    return updates, new[0], new[1], new[2], _jit_increment(count)
 
   @staticmethod
   def _scatter(idx, outs, updates, new) -> None:
@@ -178,7 +190,10 @@ class Engine:
       hyper, plan = self.hyper, self.plan
       step = int(count)
       scalars_np = np.asarray(scalars)
-      jax.block_until_ready(self._reading_host_state)  # never write a buffer a transfer still reads
+      # Never write a buffer a transfer still reads: wait for last step's updates, each of which was
+      # formed from a master sent to the device. (One the caller donated is consumed downstream; in a
+      # training loop the gradients just waited for depend on it anyway.)
+      jax.block_until_ready([u for u in self._reading_host_state if not u.is_deleted()])
       reading = []
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
@@ -195,9 +210,8 @@ class Engine:
             weight_decay=hyper.weight_decay, scalars=scalars_np,
         )  # fmt: skip
         for i in leaves:
-          new_master = _put(masters[i], "device", like=grads[i])
-          reading.append(new_master)
-          updates[i] = _jit_update_from_master(new_master, params[i])
+          updates[i] = _jit_update_from_master(_put(masters[i], "device", like=grads[i]), params[i])
+          reading.append(updates[i])  # not the master's device copy: that is freed once the update is formed
       self._reading_host_state = reading
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)

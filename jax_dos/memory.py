@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -50,26 +51,51 @@ def traced_put_like(x: jax.Array, ref) -> jax.Array:
   return traced_put(x, "pinned_host" if space.endswith("Host") else "device")
 
 
-def host_memory_available() -> int:
-  """Bytes of host memory available for new allocations (``MemAvailable``)."""
+def _meminfo(field: str) -> int | None:
   try:
     with open("/proc/meminfo") as f:
       for line in f:
-        if line.startswith("MemAvailable:"):
+        if line.startswith(field + ":"):
           return int(line.split()[1]) * 1024
   except OSError:
     pass
-  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  return None
+
+
+def host_memory_total() -> int:
+  """Bytes of physical host memory (``MemTotal``)."""
+  return _meminfo("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_memory_available() -> int:
+  """Bytes of host memory available for new allocations (``MemAvailable``)."""
+  return _meminfo("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> None:
-  """Raises ``MemoryError`` with advice if ``nbytes`` cannot fit in host RAM."""
-  available = host_memory_available()
-  if nbytes > available:
+  """Fails early, with advice, if ``nbytes`` of pinned host memory cannot be had.
+
+  Raises ``MemoryError`` when the request exceeds the machine's physical
+  memory. When it exceeds what the OS reports available, only warns: XLA's
+  pinned-host pool keeps memory it has freed (a previous state's, say), which
+  the OS counts as used, so that figure understates what a new state can get.
+  """
+  advice = (
+    "Keep more subgroups on the device (plan='device' or a larger resident budget), use a smaller model,"
+    " or add host RAM."
+  )
+  total, available = host_memory_total(), host_memory_available()
+  if nbytes > total:
     raise MemoryError(
-      f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but only"
-      f" {available / 2**30:.2f} GiB is available. Keep more subgroups on the device"
-      " (plan='device' or a larger resident budget), use a smaller model, or add host RAM."
+      f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but this machine has"
+      f" {total / 2**30:.2f} GiB of RAM in all. {advice}"
+    )
+  if nbytes > available:
+    warnings.warn(
+      f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory and the OS reports {available / 2**30:.2f} GiB"
+      " available; this fits only if memory already held by this process (XLA's pinned pool) is reused.",
+      ResourceWarning,
+      stacklevel=3,
     )
 
 
