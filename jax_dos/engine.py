@@ -22,7 +22,6 @@ turns accidental reuse of a consumed state into a clear error.
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from collections import deque
@@ -43,8 +42,6 @@ def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
   ]
   return tuple(list(x) for x in zip(*outs)) if outs else ([], [], [], [])
 
-
-GIL_SWITCH_INTERVAL = 2e-4  # seconds, while the host worker and the stream loop both run
 
 _jit_update = jax.jit(_update_group, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3))
 _jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
@@ -143,23 +140,16 @@ class Engine:
 
     host_error: list[BaseException] = []
     worker = None
-    switch_interval = sys.getswitchinterval()
-    if host_leaves and plan.indices("stream"):
-      # Two threads feed the hardware; let the GIL change hands often (default 5 ms) so neither waits long.
-      sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-    try:
-      if host_leaves:
-        worker = threading.Thread(
-          target=self._host_worker,
-          args=(host_grads, masters, mus, nus, params, grads, count, scalars, updates, host_error),
-          daemon=True,
-        )
-        worker.start()
-      self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new)
-      if worker is not None:
-        worker.join()
-    finally:
-      sys.setswitchinterval(switch_interval)
+    if host_leaves:
+      worker = threading.Thread(
+        target=self._host_worker,
+        args=(host_grads, masters, mus, nus, params, grads, count, scalars, updates, host_error),
+        daemon=True,
+      )
+      worker.start()
+    self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new)
+    if worker is not None:
+      worker.join()
     if host_error:
       raise host_error[0]
     return updates, new[0], new[1], new[2], _jit_increment(count)
