@@ -50,8 +50,10 @@ def main(argv: list[str]) -> None:
     a, b = smooth(np.array([base[i] for i in common])), smooth(np.array([train[i] for i in common]))
     half = len(a) // 2
     diff = np.abs(a[half:] - b[half:])
-    print(f"{label:>8}: final val {val[max(val)]:.4f}; smoothed train loss vs {base_label} over the last half: "
-          f"mean |diff| {diff.mean():.4f}, max {diff.max():.4f}")
+    print(
+      f"{label:>8}: final val {val[max(val)]:.4f}; smoothed train loss vs {base_label} over the last half: "
+      f"mean |diff| {diff.mean():.4f}, max {diff.max():.4f}"
+    )
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats/byte)")
   ax.legend()

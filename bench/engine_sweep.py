@@ -13,23 +13,12 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
-import time
 
+import common
 import jax
 import jax.numpy as jnp
 
 import jax_dos
-
-
-def seconds(fn, reps: int) -> float:
-  fn()
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t)
-  return statistics.median(ts)
 
 
 def main() -> None:
@@ -57,7 +46,7 @@ def main() -> None:
       u, box[0] = update(grads, box[0], params)
       jax.block_until_ready((u, box[0]))
 
-    t = seconds(step, args.reps)
+    t = common.timed(step, reps=args.reps)["time_s"]
     rows.append(dict(name=name, time_s=t, Gps=n / t / 1e9, **extra))
     print(f"{name:>28}: {n / t / 1e9:6.2f} G params/s  ({t * 1e3:7.1f} ms)", flush=True)
     box.clear()  # free the state before the next plan

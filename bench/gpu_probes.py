@@ -14,25 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jax_dos
-
-
-def seconds(fn, reps=3):
-  fn()
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t)
-  return statistics.median(ts)
 
 
 def main() -> None:
@@ -85,7 +75,7 @@ def main() -> None:
       u, box[0] = update(grads, box[0], params)
       jax.block_until_ready((u, box[0]))
 
-    rates[plan] = n / seconds(step) / 1e9
+    rates[plan] = n / common.timed(step)["time_s"] / 1e9
     del box
     print(f"{plan:>7}: {rates[plan]:.2f} G params/s", flush=True)
   out["engine_Gps_256Mi"] = rates

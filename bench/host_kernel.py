@@ -14,24 +14,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_dos import adam_math, host_kernels
-
-
-def median_seconds(fn, repeats: int) -> float:
-  fn()  # warm-up (and numba compilation)
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
 
 
 def pinned_buffers(n: int, seed: int) -> list[jax.Array]:
@@ -90,8 +79,8 @@ def main() -> None:
     torch.set_num_threads(threads)
     # Our kernel overwrites g with the update (which the engine sends to the GPU), so repeated runs feed
     # on their own output: the same bytes move and the values stay finite.
-    t_ours = median_seconds(ours_kernel_only, args.repeats)
-    t_torch = median_seconds(torch_fused, args.repeats)
+    t_ours = common.timed(ours_kernel_only, reps=args.repeats)["time_s"]  # warm-up compiles
+    t_torch = common.timed(torch_fused, reps=args.repeats)["time_s"]
     rows.append(
       dict(
         threads=threads,

@@ -185,7 +185,6 @@ class Bench:
     """(a) optax.adamw, state on the accelerator; takes (donates) ``params``, returns the new ones."""
     import optax
 
-
     jax, ref = self.jax, optax.adamw(1e-3, weight_decay=0.01)
 
     def opt_step(params, state, grads):

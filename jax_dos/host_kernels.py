@@ -94,6 +94,28 @@ def adam_inplace(g: np.ndarray, p: np.ndarray, m: np.ndarray, v: np.ndarray, *, 
   adam_many([(g, p, m, v)], [decay], **hyper)
 
 
+@numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
+def _copy(dst, src):
+  for i in numba.prange(src.shape[0]):
+    dst[i] = src[i]
+
+
+def snapshot(x) -> np.ndarray:
+  """A copy of a host-resident jax array in ordinary memory, made by all cores.
+
+  XLA's host-to-host ``device_put`` copies on one thread (1.7 GB/s measured on
+  the H100 machine); this copies at DRAM speed. Multi-device arrays are
+  assembled by ``np.asarray``, which already copies.
+  """
+  if len(x.addressable_shards) != 1:
+    return np.asarray(x)
+  src = np.asarray(x)
+  out = np.empty(src.shape, src.dtype)
+  if src.size:
+    _copy(out.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
+  return out
+
+
 def writable_view(array_shard, dtype=np.float32) -> np.ndarray:
   """A writable, flat numpy view of one single-device host-memory jax array.
 
