@@ -84,8 +84,10 @@ def _shards(x: jax.Array) -> list[jax.Array]:
   return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
 
 
-def _put(x: jax.Array, kind: str, like: jax.Array | None = None) -> jax.Array:
-  return jax.device_put(x, memory.with_kind(x if like is None else like, kind), may_alias=False)
+def _put(xs: list[jax.Array], kind: str, likes: list[jax.Array] | None = None) -> list[jax.Array]:
+  """Fresh copies of ``xs`` in memory ``kind`` (sharded like ``likes``), as one batched ``device_put``."""
+  shardings = [memory.with_kind(x, kind) for x in (xs if likes is None else likes)]
+  return list(jax.device_put(list(xs), shardings, may_alias=False))
 
 
 def _like_state(grad: jax.Array, master: jax.Array) -> jax.Array:
@@ -124,9 +126,8 @@ class Engine:
     grads = [_like_state(g, m) for g, m in zip(grads, masters)]
     scalars = _jit_scalars(hyper, count)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
-    host_grads = {
-      i: _put(grads[i] if grads[i].dtype == jnp.float32 else _jit_to_f32(grads[i]), "pinned_host") for i in host_leaves
-    }
+    f32_grads = [grads[i] if grads[i].dtype == jnp.float32 else _jit_to_f32(grads[i]) for i in host_leaves]
+    host_grads = dict(zip(host_leaves, _put(f32_grads, "pinned_host")))
 
     def pick(idx, *lists):
       return [[lst[i] for i in idx] for lst in lists]
@@ -161,10 +162,12 @@ class Engine:
       idx = list(plan.subgroups[s])
       if len(in_flight) >= plan.stream_slots:
         jax.block_until_ready(in_flight.popleft())
-      dev_state = [[_put(lst[i], "device") for i in idx] for lst in (masters, mus, nus)]
+      moved = _put([lst[i] for lst in (masters, mus, nus) for i in idx], "device")
+      dev_state = [moved[k * len(idx) : (k + 1) * len(idx)] for k in range(3)]
       g, p = [grads[i] for i in idx], [params[i] for i in idx]
       u, m32, m1, m2 = _jit_update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
-      back = [[_put(a, "pinned_host") for a in lst] for lst in (m32, m1, m2)]
+      moved = _put([*m32, *m1, *m2], "pinned_host")
+      back = [moved[k * len(idx) : (k + 1) * len(idx)] for k in range(3)]
       self._scatter(idx, (u, *back), updates, new)
       in_flight.append(back)
 
@@ -199,9 +202,11 @@ class Engine:
             buffers, decay, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
             weight_decay=hyper.weight_decay, scalars=scalars_np,
         )  # fmt: skip
-        for i in leaves:
-          updates[i] = _jit_update_from_master(_put(masters[i], "device", like=grads[i]), params[i])
+        sent = _put([masters[i] for i in leaves], "device", likes=[grads[i] for i in leaves])
+        for i, master in zip(leaves, sent):
+          updates[i] = _jit_update_from_master(master, params[i])
           reading.append(updates[i])  # not the master's device copy: that is freed once the update is formed
+        del sent
       self._reading_host_state = reading
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)
