@@ -129,14 +129,10 @@ class Engine:
     f32_grads = [grads[i] if grads[i].dtype == jnp.float32 else _jit_to_f32(grads[i]) for i in host_leaves]
     host_grads = dict(zip(host_leaves, _put(f32_grads, "pinned_host")))
 
-    def pick(idx, *lists):
-      return [[lst[i] for i in idx] for lst in lists]
-
     dev_leaves = [i for s in plan.indices("device") for i in plan.subgroups[s]]
     if dev_leaves:
-      outs = _jit_update(
-        *pick(dev_leaves, grads, masters, mus, nus, params), scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
-      )
+      leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
+      outs = _jit_update(*leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves))
       self._scatter(dev_leaves, outs, updates, new)
 
     host_error: list[BaseException] = []
