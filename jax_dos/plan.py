@@ -115,14 +115,18 @@ def _leaf_size(x) -> int:
   return int(np.prod(np.shape(x), dtype=np.int64))
 
 
+def check_subgroup_size(subgroup_size: int) -> None:
+  if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, (int, np.integer)) or subgroup_size < 1:
+    raise ValueError(f"subgroup_size must be an integer >= 1, got {subgroup_size!r}.")
+
+
 def partition_leaves(params: Any, subgroup_size: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
   """Packs the leaves of ``params`` into subgroups, in flatten order.
 
   Returns ``(subgroups, sizes)``: per subgroup the flat leaf indices and the
   total number of elements. Empty leaves join the current subgroup.
   """
-  if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, (int, np.integer)) or subgroup_size < 1:
-    raise ValueError(f"subgroup_size must be an integer >= 1, got {subgroup_size!r}.")
+  check_subgroup_size(subgroup_size)
   sizes = [_leaf_size(x) for x in jax.tree.leaves(params)]
   groups: list[list[int]] = []
   group_sizes: list[int] = []
@@ -146,13 +150,13 @@ def resolve_plan(spec: PlanSpec, params: Any, subgroup_size: int, *, default: st
   """
   subgroups, sizes = partition_leaves(params, subgroup_size)
   if isinstance(spec, Plan):
-    if spec.subgroups != subgroups:
-      if spec.num_leaves != sum(len(s) for s in subgroups):
-        raise ValueError(
-          f"the given Plan covers {spec.num_leaves} leaves but the parameter tree has"
-          f" {sum(len(s) for s in subgroups)}; make the plan for this tree."
-        )
-      return spec  # a plan may group leaves differently from subgroup_size; leaves are what count.
+    # A plan may group leaves differently from subgroup_size; leaves are what count.
+    n_leaves = sum(len(s) for s in subgroups)
+    if spec.num_leaves != n_leaves:
+      raise ValueError(
+        f"the given Plan covers {spec.num_leaves} leaves but the parameter tree has {n_leaves}; make the plan for"
+        " this tree."
+      )
     return spec
   if isinstance(spec, str):
     if spec == "auto":

@@ -31,7 +31,7 @@ import optax
 from jax_dos import memory, traced
 from jax_dos.adam_math import AdamHyper, ScalarOrSchedule
 from jax_dos.engine import Engine
-from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, resolve_plan
+from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, check_subgroup_size, resolve_plan
 from jax_dos.planner import auto_planner
 
 DEFAULT_SUBGROUP_SIZE = 64 * 2**20  # 256 MiB of fp32 per state array; see docs/design.md
@@ -79,8 +79,7 @@ class _InterleavedAdam:
   """Holds the hyperparameters and caches a plan and an engine per tree signature."""
 
   def __init__(self, hyper: AdamHyper, mask, subgroup_size: int, plan: PlanSpec, planner: Optional[Callable]):
-    if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, (int, np.integer)) or subgroup_size < 1:
-      raise ValueError(f"subgroup_size must be an integer >= 1, got {subgroup_size!r}.")
+    check_subgroup_size(subgroup_size)
     self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
