@@ -6,11 +6,15 @@ to JAX/XLA. Public API::
     tx = jax_dos.interleaved_adam(3e-4, weight_decay=0.1)   # an optax transformation
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)        # eager: the fast engine
+
+Inside the jitted gradient function, ``jax_dos.flush_gradients(tx, grads, params)``
+sends host subgroups' gradients to host memory during the backward pass.
 """
 
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper
 from jax_dos.checkpoint import CheckpointManager
+from jax_dos.engine import wait_for_host_updates
 from jax_dos.perf_model import Calibration, calibrate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planner import auto_planner, make_plan
@@ -18,7 +22,10 @@ from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,
   InterleavedAdamState,
+  flush_gradients,
   get_plan,
+  gradient_memory_kinds,
+  gradient_shardings,
   interleaved_adam,
   interleaved_adamw,
 )
@@ -30,11 +37,14 @@ __all__ = [
   "DEFAULT_SUBGROUP_SIZE",
   "auto_planner",
   "calibrate",
+  "flush_gradients",
   "from_optax_adamw_state",
   "InterleavedAdamState",
   "PLACEMENTS",
   "Plan",
   "get_plan",
+  "gradient_memory_kinds",
+  "gradient_shardings",
   "interleaved_adam",
   "interleaved_adamw",
   "make_plan",
@@ -42,5 +52,10 @@ __all__ = [
   "partition_leaves",
   "resolve_plan",
   "to_optax_adamw_state",
+  "wait_for_host_updates",
 ]
 __version__ = "0.1.0"
+
+from jax_dos import memory as _memory  # noqa: E402
+
+_memory.raise_pinned_pool_limit()

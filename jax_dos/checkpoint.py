@@ -65,6 +65,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jax_dos import host_kernels, memory
+from jax_dos.engine import wait_for_host_updates
 from jax_dos.state_convert import from_optax_adamw_state, split_adam, to_optax_adamw_state
 
 __all__ = ["FORMAT", "CheckpointManager", "from_optax_adamw_state", "to_optax_adamw_state"]
@@ -241,6 +242,7 @@ class CheckpointManager:
       raise TypeError(f"meta must be JSON-serializable (dicts, lists, str, numbers, bool, None): {e}") from e
     if not force and not self._mgr.should_save(step):
       return False
+    wait_for_host_updates()  # a delayed host update may still be writing the state
     parts = split_adam(opt_state)
     canon = {"count": parts.count, "mu": parts.mu, "nu": parts.nu}
     if parts.extra:

@@ -14,6 +14,17 @@ Per step, everything is issued up front and waited on as late as possible:
    device-to-host copies of the new state, with at most ``plan.stream_slots``
    subgroups in flight so their staging memory stays bounded.
 
+Gradients of host subgroups that arrive already in ``pinned_host`` memory
+(flushed by the gradient function, see ``flush_gradients``) skip step 2.
+
+With ``delay=1`` (after ``delay_warmup`` normal steps) host subgroups are
+updated one step late, as ZeRO-Offload's delayed parameter update: the update
+returned at step ``t`` takes their parameters to the masters of step ``t - 1``
+(already on the host), and the host kernel for step ``t``'s gradients runs in
+the background, overlapping the caller's next forward/backward pass. The next
+``update`` (or :func:`wait_for_host_updates`, which checkpointing calls) waits
+for it.
+
 Jitted functions are cached by jax per input signature, so a plan compiles
 once. Host state is updated in place: ``update`` consumes the state passed to
 it, like a donated argument. A registry of what each host buffer last held
@@ -80,6 +91,46 @@ class _WriteRegistry:
 _REGISTRY = _WriteRegistry()
 
 
+class _Background:
+  """Delayed host updates still running, one per engine at most."""
+
+  def __init__(self):
+    self._jobs: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
+    self._lock = threading.Lock()
+
+  def start(self, owner: object, target, *args) -> None:
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=target, args=(*args, errors), daemon=True)
+    with self._lock:
+      self._jobs[id(owner)] = (thread, errors)
+    thread.start()
+
+  def wait(self, owner: object | None = None) -> None:
+    """Joins the job of ``owner`` (all jobs if ``None``); re-raises the first error."""
+    with self._lock:
+      keys = list(self._jobs) if owner is None else [id(owner)] if id(owner) in self._jobs else []
+      jobs = [self._jobs.pop(k) for k in keys]
+    errors = []
+    for thread, errs in jobs:
+      thread.join()
+      errors += errs
+    if errors:
+      raise errors[0]
+
+
+_BACKGROUND = _Background()
+
+
+def wait_for_host_updates() -> None:
+  """Blocks until every delayed host update has written its state (no-op without ``delay``).
+
+  With ``delay=1`` the host part of the state returned by ``update`` is still
+  being written when ``update`` returns; call this before reading it (the
+  checkpoint manager and the optax state converters do).
+  """
+  _BACKGROUND.wait()
+
+
 def _shards(x: jax.Array) -> list[jax.Array]:
   return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
 
@@ -90,21 +141,44 @@ def _put(xs: list[jax.Array], kind: str, likes: list[jax.Array] | None = None) -
   return list(jax.device_put(list(xs), shardings, may_alias=False))
 
 
-def _like_state(grad: jax.Array, master: jax.Array) -> jax.Array:
-  """``grad`` on the accelerator with the state's sharding, so that shards line up leaf by leaf."""
-  target = master.sharding.with_memory_kind("device")
-  if grad.sharding.is_equivalent_to(target, grad.ndim):
+def _like_state(grad: jax.Array, master: jax.Array, kind: str = "device") -> jax.Array:
+  """``grad`` in memory ``kind`` with the state's sharding, so that shards line up leaf by leaf."""
+  target = master.sharding.with_memory_kind(kind)
+  if grad.sharding.is_equivalent_to(target, grad.ndim) and grad.sharding.memory_kind == kind:
     return grad
   return jax.device_put(grad, target)
+
+
+def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array]:
+  """float32 gradients of the host leaves in ``pinned_host`` memory (copied there unless flushed already)."""
+  out, to_copy = {}, []
+  for i in leaves:
+    g = grads[i]
+    if g.sharding.memory_kind == "pinned_host":
+      if g.dtype != jnp.float32:
+        raise TypeError(
+          f"gradient leaf {i} is in pinned_host memory as {g.dtype}; the host kernel needs float32. Flush"
+          " gradients with jax_dos.flush_gradients (which casts), or cast before moving them to the host."
+        )
+      out[i] = _like_state(g, masters[i], "pinned_host")
+    else:
+      to_copy.append(i)
+  f32 = [_like_state(grads[i], masters[i]) for i in to_copy]
+  f32 = [g if g.dtype == jnp.float32 else _jit_to_f32(g) for g in f32]
+  out.update(zip(to_copy, _put(f32, "pinned_host")))
+  return out
 
 
 class Engine:
   """Eager execution of one plan for one parameter-tree signature."""
 
-  def __init__(self, hyper: adam_math.AdamHyper, plan: Plan, decay: Sequence[bool]):
+  def __init__(
+    self, hyper: adam_math.AdamHyper, plan: Plan, decay: Sequence[bool], delay: int = 0, delay_warmup: int = 0
+  ):
     self.hyper = hyper
     self.plan = plan
     self.decay = tuple(decay)
+    self.delay, self.delay_warmup = delay, delay_warmup
     self.leaf_placement = plan.leaf_placements()
     self._reading_host_state: list[jax.Array] = []  # last step's updates, formed from host state sent over
 
@@ -117,17 +191,21 @@ class Engine:
 
   def update(self, grads, masters, mus, nus, params, count) -> tuple[list, list, list, list, jax.Array]:
     """One step. All arguments are flat lists of leaves (``count`` a scalar)."""
+    _BACKGROUND.wait(self)  # last step's delayed host update, if any
     plan, hyper = self.plan, self.hyper
     masters, mus, nus = (self.place_state(x) for x in (masters, mus, nus))
     n = len(grads)
     updates: list[Any] = [None] * n
     new = [list(masters), list(mus), list(nus)]
 
-    grads = [_like_state(g, m) for g, m in zip(grads, masters)]
-    scalars = _jit_scalars(hyper, count)
+    step = int(count)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
-    f32_grads = [grads[i] if grads[i].dtype == jnp.float32 else _jit_to_f32(grads[i]) for i in host_leaves]
-    host_grads = dict(zip(host_leaves, _put(f32_grads, "pinned_host")))
+    for i in host_leaves:
+      _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
+    host_grads = _host_gradients(grads, masters, host_leaves)
+    host_set = set(host_leaves)
+    grads = [g if i in host_set else _like_state(g, masters[i]) for i, g in enumerate(grads)]
+    scalars = _jit_scalars(hyper, count)
 
     dev_leaves = [i for s in plan.indices("device") for i in plan.subgroups[s]]
     if dev_leaves:
@@ -135,21 +213,32 @@ class Engine:
       outs = _jit_update(*leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves))
       self._scatter(dev_leaves, outs, updates, new)
 
+    delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
+    if delayed:
+      # Parameters go to the masters as they are now (step t - 1); the kernel for step t runs in the background.
+      self._updates_from_masters(host_leaves, masters, params, grads, updates)
+      self._reading_host_state = [updates[i] for i in host_leaves]
+    worker_args = (host_grads, masters, mus, nus, params, grads, step, scalars, updates, not delayed)
     host_error: list[BaseException] = []
     worker = None
-    if host_leaves:
-      worker = threading.Thread(
-        target=self._host_worker,
-        args=(host_grads, masters, mus, nus, params, grads, count, scalars, updates, host_error),
-        daemon=True,
-      )
+    if host_leaves and not delayed:
+      worker = threading.Thread(target=self._host_worker, args=(*worker_args, host_error), daemon=True)
       worker.start()
     self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new)
+    if delayed:
+      _BACKGROUND.start(self, self._host_worker, *worker_args)
     if worker is not None:
       worker.join()
     if host_error:
       raise host_error[0]
     return updates, new[0], new[1], new[2], _jit_increment(count)
+
+  @staticmethod
+  def _updates_from_masters(leaves, masters, params, grads, updates) -> None:
+    """Sends the masters of ``leaves`` to the accelerator and forms each update ``cast(master) - param`` there."""
+    sent = _put([masters[i] for i in leaves], "device", likes=[params[i] for i in leaves])
+    for i, master in zip(leaves, sent):
+      updates[i] = _jit_update_from_master(master, params[i])
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new) -> None:
     """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
@@ -174,20 +263,18 @@ class Engine:
       updates[i] = u[j]
       new[0][i], new[1][i], new[2][i] = m32[j], m1[j], m2[j]
 
-  def _host_worker(self, host_grads, masters, mus, nus, params, grads, count, scalars, updates, error) -> None:
+  def _host_worker(self, host_grads, masters, mus, nus, params, grads, step, scalars, updates, send, error) -> None:
+    """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update."""
     try:
       hyper, plan = self.hyper, self.plan
-      step = int(count)
       scalars_np = np.asarray(scalars)
-      # Never write a buffer a transfer still reads: wait for last step's updates, each of which was
-      # formed from a master sent to the device. (One the caller donated is consumed downstream; in a
-      # training loop the gradients just waited for depend on it anyway.)
+      # Never write a buffer a transfer still reads: wait for the updates formed from masters sent to the device.
+      # (One the caller donated is consumed downstream; in a training loop the gradients just waited for depend
+      # on it anyway.)
       jax.block_until_ready([u for u in self._reading_host_state if not u.is_deleted()])
       reading = []
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
-        for i in leaves:
-          _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
         buffers, decay = [], []
         for i in leaves:
           shards = zip(*(_shards(a) for a in (host_grads[i].block_until_ready(), masters[i], mus[i], nus[i])))
@@ -198,11 +285,10 @@ class Engine:
             buffers, decay, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
             weight_decay=hyper.weight_decay, scalars=scalars_np,
         )  # fmt: skip
-        sent = _put([masters[i] for i in leaves], "device", likes=[grads[i] for i in leaves])
-        for i, master in zip(leaves, sent):
-          updates[i] = _jit_update_from_master(master, params[i])
-          reading.append(updates[i])  # not the master's device copy: that is freed once the update is formed
-        del sent
-      self._reading_host_state = reading
+        if send:
+          self._updates_from_masters(leaves, masters, params, grads, updates)
+          reading += [updates[i] for i in leaves]  # not the masters' device copies: freed once updates exist
+      if send:
+        self._reading_host_state = reading
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)

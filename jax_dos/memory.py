@@ -72,13 +72,47 @@ def host_memory_available() -> int:
   return _meminfo("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+POOL_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+XLA_DEFAULT_POOL_GIB = 64  # XLA's GPU client caps its pinned host allocator here unless POOL_LIMIT_ENV says otherwise
+DEFAULT_POOL_FRACTION = 0.9
+
+
+def _backends_started() -> bool:
+  from jax._src import xla_bridge
+
+  return xla_bridge.backends_are_initialized()
+
+
+def raise_pinned_pool_limit(fraction: float = DEFAULT_POOL_FRACTION) -> None:
+  """Lets XLA's GPU client pin up to ``fraction`` of host RAM (its default is 64 GiB).
+
+  XLA reads ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` once, when the backend starts,
+  so this only acts before the first computation; a value the user set is kept.
+  ``import jax_dos`` calls it.
+  """
+  if POOL_LIMIT_ENV in os.environ or _backends_started():
+    return
+  os.environ[POOL_LIMIT_ENV] = str(max(XLA_DEFAULT_POOL_GIB, int(fraction * host_memory_total() / 2**30)))
+
+
+def pinned_pool_limit() -> int | None:
+  """Bytes XLA's pinned host pool may hold on a GPU backend (``None`` elsewhere: no such cap)."""
+  if jax.default_backend() != "gpu":
+    return None
+  try:
+    return int(float(os.environ.get(POOL_LIMIT_ENV, XLA_DEFAULT_POOL_GIB)) * 2**30)
+  except ValueError:
+    return XLA_DEFAULT_POOL_GIB * 2**30
+
+
 def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> None:
   """Fails early, with advice, if ``nbytes`` of pinned host memory cannot be had.
 
   Raises ``MemoryError`` when the request exceeds the machine's physical
-  memory. When it exceeds what the OS reports available, only warns: XLA's
-  pinned-host pool keeps memory it has freed (a previous state's, say), which
-  the OS counts as used, so that figure understates what a new state can get.
+  memory or XLA's pinned pool limit on a GPU. When it exceeds what the OS
+  reports available, only warns: XLA's pinned-host pool keeps memory it has
+  freed (a previous state's, say), which the OS counts as used, so that figure
+  understates what a new state can get.
   """
   advice = (
     "Keep more subgroups on the device (plan='device' or a larger resident budget), use a smaller model,"
@@ -89,6 +123,13 @@ def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> 
     raise MemoryError(
       f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but this machine has"
       f" {total / 2**30:.2f} GiB of RAM in all. {advice}"
+    )
+  pool = pinned_pool_limit()
+  if pool is not None and nbytes > pool:
+    raise MemoryError(
+      f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but XLA's pinned pool is capped at"
+      f" {pool / 2**30:.0f} GiB. Set {POOL_LIMIT_ENV} (GiB) above that before jax starts, or import jax_dos"
+      f" before running anything with jax (it raises the cap to {DEFAULT_POOL_FRACTION:.0%} of RAM). {advice}"
     )
   if nbytes > available:
     warnings.warn(

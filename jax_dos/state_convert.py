@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from jax_dos import memory
+from jax_dos.engine import wait_for_host_updates
 from jax_dos.plan import MEMORY_KIND, Plan
 from jax_dos.transform import InterleavedAdamState
 
@@ -72,6 +73,7 @@ def to_optax_adamw_state(
   """
   if not isinstance(state, InterleavedAdamState):
     raise TypeError(f"to_optax_adamw_state takes an InterleavedAdamState, got {type(state).__name__}.")
+  wait_for_host_updates()
   move = (lambda x: memory.copy_in(x, memory_kind)) if memory_kind else (lambda x: x)
   mu, nu = jax.tree.map(move, state.mu), jax.tree.map(move, state.nu)
   decay_state = optax.MaskedState(inner_state=optax.EmptyState()) if masked else optax.EmptyState()

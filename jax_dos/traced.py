@@ -5,6 +5,10 @@ Every leaf's state is brought to the accelerator with an in-jit
 the memory kind its placement asks for. XLA schedules the copies; it does not
 pipeline them (see MEASUREMENTS.md), which is why the eager engine exists.
 This path is also the baseline the engine is measured against.
+
+With ``delay=1`` it computes what the engine's delayed update does: from step
+``delay_warmup`` on, host subgroups' updates take the parameters to the
+masters *before* this step's update.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jax_dos import adam_math, memory
 from jax_dos.plan import MEMORY_KIND
@@ -27,14 +32,18 @@ def update_leaves(
   leaf_placements: Sequence[str],
   decay: Sequence[bool],
   hyper: adam_math.AdamHyper,
+  delay: int = 0,
+  delay_warmup: int = 0,
 ):
   """Returns ``(updates, masters, mus, nus, count)`` as flat lists."""
   scalars = adam_math.step_scalars(hyper, count)
   out = ([], [], [], [])
   for g, p32, m, v, p, placement, d in zip(grads, masters, mus, nus, params, leaf_placements, decay):
     kind = MEMORY_KIND[placement]
-    p32, m, v = (memory.traced_put(a, "device") for a in (p32, m, v))
-    u, p32, m, v = adam_math.leaf_update(g, p32, m, v, p, scalars, hyper, d)
+    g, old, m, v = (memory.traced_put(a, "device") for a in (g, p32, m, v))  # flushed gradients come back too
+    u, p32, m, v = adam_math.leaf_update(g, old, m, v, p, scalars, hyper, d)
+    if delay and placement == "host":
+      u = jnp.where(count >= delay_warmup, adam_math.update_from_master(old, p), u)
     for acc, a in zip(out, (u, memory.traced_put(p32, kind), memory.traced_put(m, kind), memory.traced_put(v, kind))):
       acc.append(a)
   return (*out, adam_math.safe_increment(count))

@@ -13,6 +13,12 @@ weights, mu, nu) plus a step count; each leaf lives in ``pinned_host`` or
   pipelines streamed subgroups and runs the host kernel concurrently. This is
   the fast path; it consumes ``state`` like a donated argument.
 
+Gradient flush: inside the jitted gradient function, ``flush_gradients(tx,
+grads, params)`` casts the gradients of host subgroups to float32 and moves
+them to ``pinned_host`` memory, so XLA copies each one out as soon as the
+backward pass has produced it (``gradient_shardings`` gives the same placement
+as ``out_shardings``). The engine then finds them on the host already.
+
 Gradient accumulation on the fast path: accumulate in the jitted gradient
 step and call ``update`` eagerly every ``k`` micro-batches (see README), since
 ``optax.MultiSteps`` always traces its inner update.
@@ -78,9 +84,23 @@ def _decay_flags(mask, params, weight_decay: float) -> tuple[bool, ...]:
 class _InterleavedAdam:
   """Holds the hyperparameters and caches a plan and an engine per tree signature."""
 
-  def __init__(self, hyper: AdamHyper, mask, subgroup_size: int, plan: PlanSpec, planner: Optional[Callable]):
+  def __init__(
+    self,
+    hyper: AdamHyper,
+    mask,
+    subgroup_size: int,
+    plan: PlanSpec,
+    planner: Optional[Callable],
+    delay: int = 0,
+    delay_warmup: int = 0,
+  ):
     check_subgroup_size(subgroup_size)
+    if delay not in (0, 1) or isinstance(delay, bool):
+      raise ValueError(f"delay must be 0 (off) or 1 (host subgroups update one step late), got {delay!r}.")
+    if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, (int, np.integer)) or delay_warmup < 0:
+      raise ValueError(f"delay_warmup must be an integer >= 0 (normal steps before the delay), got {delay_warmup!r}.")
     self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
+    self.delay, self.delay_warmup = int(delay), int(delay_warmup)
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
 
@@ -101,8 +121,7 @@ class _InterleavedAdam:
     plan = self.plan_for(params)
     kinds = [MEMORY_KIND[p] for p in plan.leaf_placements()]
     if not any(memory.is_traced(x) for x in leaves):
-      host_elems = sum(int(np.prod(np.shape(x))) for x, k in zip(leaves, kinds) if k == "pinned_host")
-      memory.check_host_capacity(12 * host_elems)
+      memory.check_host_capacity(host_state_bytes(plan, leaves))
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
     nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
@@ -136,7 +155,9 @@ class _InterleavedAdam:
     masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
     args = (grads, masters, mus, nus, param_leaves)
     if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count)):
-      out = traced.update_leaves(*args, state.count, plan.leaf_placements(), decay, self.hyper)
+      out = traced.update_leaves(
+        *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup
+      )
     else:
       out = self._engine(plan, decay).update(*args, state.count)
     u, m32, m1, m2, count = out
@@ -146,8 +167,16 @@ class _InterleavedAdam:
   def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
     key = (plan, decay)
     if key not in self._engines:
-      self._engines[key] = Engine(self.hyper, plan, decay)
+      self._engines[key] = Engine(self.hyper, plan, decay, self.delay, self.delay_warmup)
     return self._engines[key]
+
+
+def host_state_bytes(plan: Plan, leaves: list[Any]) -> int:
+  """Pinned host bytes a plan needs: 12 B per offloaded parameter (master, mu, nu), 4 more for host gradients."""
+  placements = plan.leaf_placements()
+  size = lambda x: int(np.prod(np.shape(x)))  # noqa: E731
+  state = sum(12 * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
+  return state + sum(4 * size(x) for x, p in zip(leaves, placements) if p == "host")
 
 
 def interleaved_adam(
@@ -162,6 +191,8 @@ def interleaved_adam(
   subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
   plan: PlanSpec = "auto",
   planner: Optional[Callable[[Any, int], Plan]] = None,
+  delay: int = 0,
+  delay_warmup: int = 10,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
@@ -189,6 +220,14 @@ def interleaved_adam(
       calibrates this machine once (cached) and fills the resident budget
       from free accelerator memory. Pass ``jax_dos.auto_planner(
       resident_budget_bytes=..., staging_budget_bytes=...)`` to set budgets.
+    delay: ``1`` updates host subgroups one step late (ZeRO-Offload's delayed
+      parameter update), so that the host kernel of step ``t`` runs while the
+      accelerator computes step ``t + 1``: from step ``delay_warmup`` on, the
+      update returned at step ``t`` takes host subgroups' parameters to their
+      masters after step ``t - 1``, and step ``t + 1``'s gradients are taken at
+      those parameters. Moments and masters follow Adam exactly on the
+      gradients they are given. ``0`` (default) is optax's AdamW.
+    delay_warmup: normal steps before the delay starts (default 10).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update`` requires
@@ -196,7 +235,7 @@ def interleaved_adam(
     ``jit`` it is pure.
   """
   hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay)
-  opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner)
+  opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner, delay, delay_warmup)
   tx = optax.GradientTransformationExtraArgs(opt.init, opt.update)
   return tx
 
@@ -215,9 +254,51 @@ def interleaved_adamw(
   return interleaved_adam(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, **kwargs)
 
 
-def get_plan(tx: optax.GradientTransformation, params: Any) -> Plan:
-  """The :class:`Plan` an ``interleaved_adam`` transformation uses for ``params``."""
+def _owner(tx: optax.GradientTransformation, what: str) -> _InterleavedAdam:
   owner = getattr(tx.update, "__self__", None)
   if not isinstance(owner, _InterleavedAdam):
-    raise TypeError("get_plan takes the transformation returned by jax_dos.interleaved_adam (not a chain of it).")
-  return owner.plan_for(params)
+    raise TypeError(f"{what} takes the transformation returned by jax_dos.interleaved_adam (not a chain of it).")
+  return owner
+
+
+def get_plan(tx: optax.GradientTransformation, params: Any) -> Plan:
+  """The :class:`Plan` an ``interleaved_adam`` transformation uses for ``params``."""
+  return _owner(tx, "get_plan").plan_for(params)
+
+
+def gradient_memory_kinds(tx: optax.GradientTransformation, params: Any) -> Any:
+  """A tree like ``params``: ``"pinned_host"`` for leaves of host subgroups, ``"device"`` for the others."""
+  plan = _owner(tx, "gradient_memory_kinds").plan_for(params)
+  kinds = ["pinned_host" if p == "host" else "device" for p in plan.leaf_placements()]
+  return jax.tree.unflatten(jax.tree.structure(params), kinds)
+
+
+def gradient_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
+  """Output shardings for a jitted gradient function: each parameter's sharding, in host memory for host subgroups.
+
+  For ``jax.jit(..., out_shardings=...)``. The host kernel reads float32, so
+  cast those gradients in the function (:func:`flush_gradients` does both).
+  """
+  kinds = gradient_memory_kinds(tx, params)
+  return jax.tree.map(lambda p, k: memory.with_kind(p, k), params, kinds)
+
+
+def flush_gradients(tx: optax.GradientTransformation, grads: Any, params: Any) -> Any:
+  """Moves the gradients of host subgroups to ``pinned_host`` memory as float32; leaves the others.
+
+  Call it on the gradients inside the jitted gradient function (after any
+  clipping, which needs them on the accelerator): XLA then copies each one to
+  the host as soon as the backward pass produces it, overlapping the rest of
+  the backward pass. Outside ``jit`` it is an ordinary asynchronous copy.
+  """
+  kinds = gradient_memory_kinds(tx, params)
+
+  def flush(g, kind):
+    if kind == "device":
+      return g
+    g = g.astype(jnp.float32)
+    if memory.is_traced(g):
+      return memory.traced_put(g, kind)
+    return jax.device_put(g, memory.with_kind(g, kind))
+
+  return jax.tree.map(flush, grads, kinds)

@@ -120,6 +120,7 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
     (["--offload", "gpu"], "invalid choice"),
     (["--resume", "--overwrite"], "contradict"),
+    (["--offload", "none", "--delay", "1"], "--delay 1"),
   ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
@@ -162,18 +163,19 @@ def test_offload_none_and_host_give_the_same_loss_curve(tmp_path):
   common = ["--steps", "4", "--lr", "3e-3", "--warmup", "1", "--eval-every", "0", "--log-every", "1",
             "--param-dtype", "float32"]  # fmt: skip
   ref = _run(tmp_path, "none", *common, "--offload", "none")
-  for mode in ("host", "stream"):
-    got = _run(tmp_path, mode, *common, "--offload", mode)
+  for mode in ("host", "stream", "host --no-grad-flush"):
+    got = _run(tmp_path, mode.replace(" ", ""), *common, "--offload", *mode.split())
     np.testing.assert_allclose(list(got["losses"].values()), list(ref["losses"].values()), rtol=1e-4, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(ref["params"])):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
-@pytest.mark.parametrize("offload", ["host", "none"])
+@pytest.mark.parametrize("offload", ["host", "none", "host --delay 1 --delay-warmup 1"])
 def test_resume_is_bit_exact(tmp_path, offload):
   # One run of 2N steps vs N steps + resume for N more, with the same schedule horizon (--decay-steps).
-  common = ["--offload", offload, "--decay-steps", "6", "--warmup", "2", "--eval-every", "3", "--log-every", "1"]
+  schedule = ["--decay-steps", "6", "--warmup", "2"]
+  common = ["--offload", *offload.split(), *schedule, "--eval-every", "3", "--log-every", "1"]
   full = _run(tmp_path, "full", *common, "--steps", "6", "--ckpt-every", "2")
   first = _run(tmp_path, "split", *common, "--steps", "3")
   second = _run(tmp_path, "split", *common, "--steps", "6", "--resume")

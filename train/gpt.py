@@ -7,9 +7,15 @@
 One step, nanoGPT style, with the optimizer update outside ``jit`` so that
 ``jax_dos.interleaved_adam`` runs its pipelined host/stream/device engine::
 
-    loss, grads = grad_step(graphdef, params, batch)          # jitted value_and_grad
-    updates, opt_state = tx.update(grads, opt_state, params)  # eager: clip (jitted) -> AdamW
+    loss, grads = grad_step(graphdef, params, batch)          # jitted: value_and_grad, clip, flush to host
+    updates, opt_state = tx.update(grads, opt_state, params)  # eager AdamW
     params = apply_updates(params, updates)                   # jitted optax.apply_updates, params donated
+
+The gradient step clips by global norm on the accelerator and then, with
+``jax_dos.flush_gradients``, sends the gradients of host-updated subgroups to
+host memory inside the same ``jit``, so the copies overlap the backward pass.
+``--delay 1`` updates host subgroups one step late (their kernel then runs
+during the next step's forward/backward; see ``jax_dos.interleaved_adam``).
 
 ``--offload none`` is the baseline: ``optax.adamw`` with float32 parameters and
 state on the accelerator (its update jitted, state donated). The other modes
@@ -94,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--offload", choices=OFFLOAD_MODES, default="auto",
                  help="none: optax.adamw on the accelerator; else jax_dos.interleaved_adam(plan=<mode>)")  # fmt: skip
   x.add_argument("--subgroup-size", type=int, default=jax_dos.DEFAULT_SUBGROUP_SIZE, help="elements per subgroup")
+  x.add_argument("--delay", type=int, choices=(0, 1), default=0,
+                 help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
+  x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
+  x.add_argument("--no-grad-flush", action="store_true",
+                 help="keep all gradients on the accelerator (the engine copies host ones after the step)")  # fmt: skip
 
   r = p.add_argument_group("evaluation, logging, checkpoints")
   r.add_argument("--eval-every", type=int, default=100, help="steps between validation passes (0 = only at the end)")
@@ -119,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   for name in positive:
     if getattr(args, name) < 1:
       err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-  for name in ("eval_every", "ckpt_every", "clip", "weight_decay"):
+  for name in ("eval_every", "ckpt_every", "clip", "weight_decay", "delay_warmup"):
     if getattr(args, name) < 0:
       err(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}.")
   for name in ("n_layer", "n_head", "d_model", "vocab_size"):
@@ -154,6 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         " use --param-dtype float32, or an offload mode for bfloat16 parameters.")  # fmt: skip
   if args.compute_dtype is None:
     args.compute_dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+  if args.delay and args.offload == "none":
+    err("--delay 1 delays the host update of jax_dos; it needs an offload mode, not --offload none.")
   if args.resume and args.overwrite:
     err("--resume and --overwrite contradict each other; pick one.")
   args.out = os.path.join("runs", args.preset) if args.out is None else args.out
@@ -175,36 +188,35 @@ def decay_mask(params: Any) -> Any:
 
 # Jitted at module level (the model's graphdef is a static, hashable argument) so that runs of the same model in one
 # process share compiled code.
-grad_step = jax.jit(jax.value_and_grad(gpt_model.loss, argnums=1), static_argnums=0)
 eval_step = jax.jit(gpt_model.loss, static_argnums=0)
 apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)
 
 
-@jax.jit
-def _clip(updates: Any, max_norm: jax.Array) -> Any:
-  return optax.clip_by_global_norm(max_norm).update(updates, optax.EmptyState())[0]
+def _grad_step(graphdef, params, batch, clip: float, flush_to: optax.GradientTransformation | None):
+  loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
+  if clip > 0:
+    grads = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())[0]
+  if flush_to is not None:
+    grads = jax_dos.flush_gradients(flush_to, grads, params)
+  return loss, grads
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-  """``optax.clip_by_global_norm`` as one jitted call (an eager ``optax.chain`` calls it op by op otherwise)."""
-  return optax.GradientTransformation(
-    lambda params: optax.EmptyState(), lambda updates, state, params=None: (_clip(updates, max_norm), state)
-  )
+grad_step = jax.jit(_grad_step, static_argnums=(0, 3, 4))
 
 
-def make_optimizer(args: argparse.Namespace) -> tuple[optax.GradientTransformation, Any, Any]:
-  """Returns ``(tx, adam, schedule)``: ``tx`` = clip -> AdamW, ``adam`` the AdamW part alone."""
+def make_optimizer(args: argparse.Namespace) -> tuple[optax.GradientTransformation, Any]:
+  """Returns ``(tx, schedule)``: AdamW (``optax.adamw`` for ``--offload none``, else ``jax_dos``).
+
+  Clipping happens in the jitted gradient step, before the gradients of host subgroups leave the accelerator.
+  """
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
   kw = dict(b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay, mask=decay_mask)
-  if args.offload == "none":
-    adam = optax.adamw(schedule, **kw)
-  else:
-    adam = jax_dos.interleaved_adam(schedule, **kw, subgroup_size=args.subgroup_size, plan=args.offload)
-  parts = [clip_by_global_norm(args.clip)] if args.clip > 0 else []
-  tx = optax.chain(*parts, adam)
   if args.offload == "none":  # pure: jit the whole update, donating the state.
-    tx = optax.GradientTransformation(tx.init, jax.jit(tx.update, donate_argnums=1))
-  return tx, adam, schedule
+    tx = optax.adamw(schedule, **kw)
+    return optax.GradientTransformation(tx.init, jax.jit(tx.update, donate_argnums=1)), schedule
+  offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
+  tx = jax_dos.interleaved_adam(schedule, **kw, **offload)
+  return tx, schedule
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -239,7 +251,7 @@ def _restore(manager, cfg: gpt_model.GPTConfig, params, opt_state, args) -> tupl
   except ValueError as e:  # the checkpoint module's template mismatch: a different model or optimizer chain
     raise SystemExit(
       f"error: --resume: the checkpoint's model differs from this run's; give the same --preset, --n-layer,"
-      f" --n-head, --d-model, --vocab-size and --clip (0 or not) as the run that wrote it.\n{e}"
+      f" --n-head, --d-model and --vocab-size as the run that wrote it.\n{e}"
     ) from None
   saved = meta.get("config", {})
   diff = {k: (saved.get(k), getattr(cfg, k)) for k in MODEL_FIELDS if saved.get(k) != getattr(cfg, k)}
@@ -309,9 +321,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   )
   graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
   num_params = gpt_model.tree_size(params)
-  tx, adam, schedule = make_optimizer(args)
+  tx, schedule = make_optimizer(args)
   opt_state = tx.init(params)
-  plan = None if args.offload == "none" else jax_dos.get_plan(adam, params)
+  plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
+  flush_to = None if args.offload == "none" or args.no_grad_flush else tx
 
   # --- output, checkpoints, resume
   os.makedirs(args.out, exist_ok=True)
@@ -339,7 +352,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   _say(args, f"model   {args.preset}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
   _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
-       f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}")  # fmt: skip
+       f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
+       + (f", delay 1 after {args.delay_warmup} steps" if args.delay else ""))  # fmt: skip
   if plan is not None:
     _say(args, str(plan))
   if start_step:
@@ -363,7 +377,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   step = start_step
   for it in range(start_step, args.steps):
     batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, it)
-    loss, grads = grad_step(graphdef, params, batch)
+    loss, grads = grad_step(graphdef, params, batch, args.clip, flush_to)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = apply_updates(params, updates)
     step = it + 1

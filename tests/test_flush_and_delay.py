@@ -1,0 +1,146 @@
+"""Gradient flush (host subgroups' gradients straight to pinned_host) and the one-step delayed update."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import SHAPES, max_rel_diff, random_tree
+
+import jax_dos
+
+MIXED = ["host", "stream", "device", "host"]  # the helpers' tree packs into 4 subgroups at subgroup_size=100
+TOL = 1e-6
+
+
+def quadratic_loss(params, targets):
+  """A loss whose gradient depends on the parameters, so that a delay changes the trajectory."""
+  return sum(
+    jnp.sum((p.astype(jnp.float32) - t) ** 2) for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets))
+  )
+
+
+def make_grad_fn(tx, params, how: str):
+  """A jitted gradient function that flushes host gradients (``how``: flush_gradients or out_shardings)."""
+  if how == "flush_gradients":
+    return jax.jit(lambda p, t: jax_dos.flush_gradients(tx, jax.grad(quadratic_loss)(p, t), p))
+  shardings = jax_dos.gradient_shardings(tx, params)
+  return jax.jit(lambda p, t: jax.grad(quadratic_loss)(p, t), out_shardings=shardings)
+
+
+@pytest.mark.parametrize("how", ["flush_gradients", "out_shardings"])
+def test_flushed_gradients_land_in_pinned_host_and_match_optax(how):
+  rng = np.random.default_rng()
+  params = random_tree(rng)
+  tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan=MIXED)
+  ref = optax.adamw(1e-2, weight_decay=0.1)
+  state, ref_state, ref_params = tx.init(params), ref.init(params), params
+  grad_fn = make_grad_fn(tx, params, how)
+  kinds = jax.tree.leaves(jax_dos.gradient_memory_kinds(tx, params))
+  placements = jax_dos.get_plan(tx, params).leaf_placements()
+  assert kinds == ["pinned_host" if p == "host" else "device" for p in placements]
+  assert "pinned_host" in kinds and "device" in kinds
+  for _ in range(5):
+    targets = random_tree(rng)
+    grads = grad_fn(params, targets)
+    for g, kind in zip(jax.tree.leaves(grads), kinds):
+      assert g.sharding.memory_kind == kind
+      assert g.dtype == jnp.float32
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    ref_updates, ref_state = ref.update(jax.grad(quadratic_loss)(ref_params, targets), ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, ref_updates)
+  assert max_rel_diff(params, ref_params) < TOL
+
+
+def test_flush_casts_bf16_gradients_to_float32():
+  rng = np.random.default_rng()
+  params = random_tree(rng, dtype=jnp.bfloat16)
+  tx = jax_dos.interleaved_adam(1e-2, subgroup_size=100, plan="host")
+  grads = jax.jit(lambda p, t: jax_dos.flush_gradients(tx, jax.grad(quadratic_loss)(p, t), p))(params, random_tree(rng))
+  assert {(g.dtype, g.sharding.memory_kind) for g in jax.tree.leaves(grads)} == {(np.dtype(np.float32), "pinned_host")}
+
+
+def test_low_precision_gradients_on_the_host_are_refused():
+  rng = np.random.default_rng()
+  params = random_tree(rng, dtype=jnp.bfloat16)
+  tx = jax_dos.interleaved_adam(1e-2, subgroup_size=100, plan="host")
+  state = tx.init(params)
+  grads = jax.tree.map(lambda g: jax.device_put(g, g.sharding.with_memory_kind("pinned_host")), params)
+  with pytest.raises(TypeError, match="flush_gradients"):
+    tx.update(grads, state, params)
+
+
+def delayed_reference(params, targets_per_step, plan_leaf_placements, warmup, lr=1e-2, wd=0.1):
+  """optax.adamw on the masters; host leaves' parameters trail their masters by one step from ``warmup`` on."""
+  ref = optax.adamw(lr, weight_decay=wd)
+  masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  state = ref.init(masters)
+  treedef = jax.tree.structure(params)
+  history = []
+  for t, targets in enumerate(targets_per_step):
+    grads = jax.grad(quadratic_loss)(params, targets)
+    before = masters
+    updates, state = ref.update(grads, state, masters)
+    masters = optax.apply_updates(masters, updates)
+    delayed = t >= warmup
+    leaves = [
+      (b if delayed and placement == "host" else m)
+      for b, m, placement in zip(jax.tree.leaves(before), jax.tree.leaves(masters), plan_leaf_placements)
+    ]
+    params = jax.tree.unflatten(treedef, [x.astype(p.dtype) for x, p in zip(leaves, jax.tree.leaves(params))])
+    history.append(params)
+  return history, masters
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_delay_one_semantics(jit):
+  """Host subgroups' parameters at step t+1 are those of step t-1; the first ``delay_warmup`` steps are normal."""
+  rng = np.random.default_rng()
+  params0 = random_tree(rng)
+  warmup, steps = 3, 8
+  tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan=MIXED, delay=1, delay_warmup=warmup)
+  placements = jax_dos.get_plan(tx, params0).leaf_placements()
+  targets = [random_tree(rng) for _ in range(steps)]
+  expected, expected_masters = delayed_reference(params0, targets, placements, warmup)
+  normal, _ = delayed_reference(params0, targets, placements, warmup=steps)
+
+  params, state = params0, tx.init(params0)
+  grad_fn = make_grad_fn(tx, params0, "flush_gradients")
+  update = jax.jit(tx.update) if jit else tx.update
+  for t in range(steps):
+    updates, state = update(grad_fn(params, targets[t]), state, params)
+    params = optax.apply_updates(params, updates)
+    assert max_rel_diff(params, expected[t]) < TOL, f"step {t}"
+    if t < warmup:
+      assert max_rel_diff(params, normal[t]) < TOL, f"warm-up step {t} was delayed"
+  jax_dos.wait_for_host_updates()
+  assert max_rel_diff(state.master, expected_masters) < TOL
+  # From the warm-up on, the delay really changes host leaves (the test can fail).
+  host = [i for i, p in enumerate(placements) if p == "host" and np.size(jax.tree.leaves(params)[i])]
+  assert max(max_rel_diff(jax.tree.leaves(params)[i], jax.tree.leaves(normal[-1])[i]) for i in host) > 1e-4
+
+
+def test_delayed_state_is_complete_when_checkpointed(tmp_path):
+  """Saving right after a delayed update checkpoints the finished host state, not a half-written one."""
+  rng = np.random.default_rng()
+  params = random_tree(rng, {k: v for k, v in SHAPES.items() if k != "empty"})  # Orbax refuses zero-size arrays
+  targets = [random_tree(rng, jax.tree.map(jnp.shape, params)) for _ in range(3)]
+  tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan="host", delay=1, delay_warmup=0)
+  _, expected_masters = delayed_reference(params, targets, ("host",) * len(jax.tree.leaves(params)), warmup=0)
+  state = tx.init(params)
+  for t in targets:
+    updates, state = tx.update(jax.grad(quadratic_loss)(params, t), state, params)
+    params = optax.apply_updates(params, updates)
+  with jax_dos.CheckpointManager(tmp_path / "ckpt") as mgr:
+    mgr.save(3, params=params, opt_state=state)  # must wait for the delayed host update
+    mgr.wait_until_finished()
+    _, restored, _ = mgr.restore(3, params=params, opt_state=tx.init(params))
+  assert max_rel_diff(restored.master, expected_masters) < TOL
+  assert int(restored.count) == 3
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(delay=2), "delay must be"), (dict(delay_warmup=-1), "delay_warmup")])
+def test_bad_delay_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jax_dos.interleaved_adam(1e-3, **kwargs)
