@@ -111,7 +111,12 @@ class _InterleavedAdam:
       if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
         if self.planner is None:
           self.planner = auto_planner()
-        self._plans[key] = self.planner(params, self.subgroup_size)
+        plan = self.planner(params, self.subgroup_size)
+        if self.delay and plan.indices("stream"):
+          # Delayed host work overlaps the next forward/backward pass, streamed work does not: stream nothing.
+          placements = [p if p != "stream" else "host" for p in plan.placements]
+          plan = plan.with_placements(placements, source="model+delay", predicted={})
+        self._plans[key] = plan
       else:
         self._plans[key] = resolve_plan(self.plan_spec, params, self.subgroup_size)
     return self._plans[key]
@@ -226,7 +231,9 @@ def interleaved_adam(
       update returned at step ``t`` takes host subgroups' parameters to their
       masters after step ``t - 1``, and step ``t + 1``'s gradients are taken at
       those parameters. Moments and masters follow Adam exactly on the
-      gradients they are given. ``0`` (default) is optax's AdamW.
+      gradients they are given. ``0`` (default) is optax's AdamW. With
+      ``plan="auto"``, subgroups the model would stream are host-updated
+      instead, since only host work is hidden behind the next step.
     delay_warmup: normal steps before the delay starts (default 10).
 
   Returns:

@@ -6,8 +6,9 @@ head tied to the token embedding::
 
     logits = norm_f(x) @ wte.T                       (float32)
 
-* attention is ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``, so a
-  GPU gets a fused (cuDNN) kernel and a CPU the XLA implementation;
+* attention is ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``,
+  asking for cuDNN's fused kernel on a GPU in bfloat16 (jax's default is the
+  XLA implementation, which materialises the T x T scores) and XLA elsewhere;
 * the MLP is ``Linear(d, 4d) -> GELU(tanh) -> Linear(4d, d)``;
 * ``param_dtype`` (storage) and ``dtype`` (compute) are separate; norms,
   logits and the loss are always computed in float32;
@@ -126,6 +127,12 @@ class Norm(nnx.Module):
     return self.norm(x.astype(jnp.float32)).astype(out_dtype or self.out_dtype)
 
 
+def _attention_impl(q: jax.Array) -> str | None:
+  """cuDNN's fused (flash) attention on a GPU in 16-bit; XLA's otherwise (jax's ``None`` means XLA)."""
+  fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
+  return "cudnn" if fused and q.shape[-1] <= 128 else None
+
+
 class CausalSelfAttention(nnx.Module):
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
     self.n_head = cfg.n_head
@@ -135,7 +142,7 @@ class CausalSelfAttention(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
     q, k, v = (y.reshape(b, t, self.n_head, d // self.n_head) for y in jnp.split(self.qkv(x), 3, axis=-1))
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [b, t, heads, head_dim]
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(q))  # [b, t, h, hd]
     return self.proj(y.reshape(b, t, d))
 
 

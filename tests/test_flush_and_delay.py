@@ -144,3 +144,12 @@ def test_delayed_state_is_complete_when_checkpointed(tmp_path):
 def test_bad_delay_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     jax_dos.interleaved_adam(1e-3, **kwargs)
+
+
+def test_auto_plan_with_delay_streams_nothing():
+  params = random_tree(np.random.default_rng())
+  streaming = lambda params, size: jax_dos.resolve_plan(MIXED, params, size)  # noqa: E731  (a planner's answer)
+  plain = jax_dos.interleaved_adam(1e-3, subgroup_size=100, planner=streaming)
+  delayed = jax_dos.interleaved_adam(1e-3, subgroup_size=100, planner=streaming, delay=1)
+  assert jax_dos.get_plan(plain, params).placements == tuple(MIXED)
+  assert jax_dos.get_plan(delayed, params).placements == ("host", "host", "device", "host")

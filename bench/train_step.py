@@ -1,0 +1,317 @@
+"""Benchmark of whole training steps: GPT with AdamW state offloaded, jax_dos against the baselines, side by side.
+
+Each variant runs in its own subprocess (so each starts with empty GPU and
+pinned memory), on the same model, batch and data (the embedded corpus):
+
+  ``peak``   bf16 matmul FLOP/s of this GPU (the MFU denominator, measured in the same run);
+  ``idiom``  (1) the JAX idiom: AdamW state in ``pinned_host``, the whole step (forward/backward, clip,
+             update, apply) in one jit that moves the state to the GPU and back (MaxText's
+             ``optimizer_memory_host_offload``; here ``interleaved_adam(plan="stream")`` traced), donated;
+  ``host``   (2) jax_dos, every subgroup on the host kernel (ZeRO-Offload's way), gradient flush;
+  ``auto``   (3) jax_dos with the performance model's plan, gradient flush;
+  ``delay``  (4) as (3) with ``delay=1`` (host subgroups one step late, their kernel overlapping the next step);
+  ``none``   ``optax.adamw`` with everything on the GPU (only where it fits).
+
+Per variant: step time (median over timed steps), tokens/s, MFU against the
+measured peak and against the nominal one, forward+backward time (the
+variant's gradient function alone; for (2)-(4) it includes the gradient flush),
+exposed update = step - forward/backward, peak GPU memory, host memory. The
+plan (with its predicted update time) is recorded for jax_dos variants.
+
+Usage (GPU machine)::
+
+    python bench/train_step.py --preset gpt-6.7b --batch 16 --variants peak,idiom,host --out $OUT/a.json
+    python bench/train_step.py --preset gpt-1.3b --param-dtype float32 --variants none,auto --out $OUT/fit.json
+    python bench/train_step.py --smoke          # a tiny model on the CPU: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import common  # noqa: E402  (sets nothing until setup_env is called)
+
+VARIANTS = ("peak", "idiom", "host", "auto", "delay", "none")
+GIB = 2**30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="gpt-6.7b")
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--seq-len", type=int, default=2048)
+  p.add_argument("--vocab-size", type=int, default=50304)
+  p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  p.add_argument("--no-remat", action="store_true", help="keep block activations (default: rematerialise)")
+  p.add_argument("--variants", default="peak,idiom,host,auto,delay", help="comma list of " + ", ".join(VARIANTS))
+  p.add_argument("--steps", type=int, default=4, help="timed steps")
+  p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation, delay warm-up)")
+  p.add_argument("--fb-reps", type=int, default=3, help="timed forward/backward-only calls")
+  p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
+  p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
+  p.add_argument("--mem-fraction", default="0.94", help="XLA_PYTHON_CLIENT_MEM_FRACTION")
+  p.add_argument("--timeout", type=int, default=480, help="seconds per variant")
+  p.add_argument("--out", default=None, help="JSON file (default bench/results/train_step.json)")
+  p.add_argument("--smoke", action="store_true", help="tiny model, CPU is fine")
+  p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # internal: run one variant in this process
+  p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.smoke:
+    args.preset, args.batch, args.seq_len, args.vocab_size = "tiny", 4, 64, 256
+    args.steps, args.warmup, args.fb_reps = 2, 2, 1
+  for v in args.variants.split(","):
+    if v not in VARIANTS:
+      p.error(f"unknown variant {v!r}; choose from {VARIANTS}.")
+  return args
+
+
+# ----------------------------------------------------------------------------- one variant (subprocess)
+
+
+def _memory(jax) -> dict:
+  stats = jax.devices()[0].memory_stats() or {}
+  meminfo = {}
+  with open("/proc/meminfo") as f:
+    for line in f:
+      key, value = line.split(":", 1)
+      meminfo[key] = int(value.split()[0]) * 1024
+  return {
+    "gpu_peak_bytes": stats.get("peak_bytes_in_use"),
+    "gpu_limit_bytes": stats.get("bytes_limit"),
+    "host_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "host_used_bytes": meminfo.get("MemTotal", 0) - meminfo.get("MemAvailable", 0),
+    "host_total_bytes": meminfo.get("MemTotal"),
+  }
+
+
+def _peak(jax, jnp) -> dict:
+  best = {}
+  matmul = jax.jit(lambda a, b: a @ b)
+  for n in (4096, 8192, 16384):
+    a = jnp.ones((n, n), jnp.bfloat16)
+    t = common.timed(lambda a=a: matmul(a, a).block_until_ready(), reps=5, warmup=2)["time_s"]
+    best[str(n)] = 2 * n**3 / t
+  return {"peak_flops": max(best.values()), "by_size": best}
+
+
+def run_variant(args: argparse.Namespace) -> dict:
+  env = common.setup_env(pinned_fraction=0.9, gpu_mem_fraction=args.mem_fraction)
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import jax_dos
+  from models import gpt
+  from train import data
+
+  out = {"variant": args.variant, "env": env, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+  if args.variant == "peak":
+    return {**out, **_peak(jax, jnp)}
+
+  cfg = gpt.get_config(
+    args.preset,
+    vocab_size=args.vocab_size,
+    block_size=max(args.seq_len, gpt.PRESETS[args.preset]["block_size"]),
+    dtype="bfloat16" if jax.default_backend() == "gpu" else "float32",
+    param_dtype=args.param_dtype,
+    remat=not args.no_remat,
+  )
+  graphdef, params = gpt.init_params(cfg, seed=0)
+  tokens = data.load_tokens(None)[0]
+  batches = [jax.device_put(data.get_batch(tokens, args.batch, args.seq_len, 0, i)) for i in range(2)]
+  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+  hyper = dict(b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)
+  lr = 1e-5
+
+  def loss_and_grads(params, batch):
+    loss, grads = jax.value_and_grad(gpt.loss, argnums=1)(graphdef, params, batch)
+    return loss, optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())[0]
+
+  apply = jax.jit(optax.apply_updates, donate_argnums=0)
+  t0 = time.perf_counter()
+  if args.variant == "idiom":
+    tx = jax_dos.interleaved_adam(lr, **hyper, plan="stream")
+    fb = jax.jit(loss_and_grads)
+
+    @jax.jit
+    def _step(params, state, batch):
+      loss, grads = loss_and_grads(params, batch)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state, loss
+
+    donate = jax.default_backend() != "cpu"  # jax 0.10's CPU client aborts when donating pinned_host buffers
+    step_fn = jax.jit(_step, donate_argnums=(0, 1) if donate else ())
+  elif args.variant == "none":
+    tx = optax.adamw(lr, **hyper)
+    fb = jax.jit(loss_and_grads)
+    update = jax.jit(tx.update, donate_argnums=1)
+
+    def step_fn(params, state, batch):
+      loss, grads = fb(params, batch)
+      updates, state = update(grads, state, params)
+      return apply(params, updates), state, loss
+  else:
+    budgets = {}
+    if args.resident_gb is not None:
+      budgets["resident_budget_bytes"] = int(args.resident_gb * GIB)
+    if args.staging_gb is not None:
+      budgets["staging_budget_bytes"] = int(args.staging_gb * GIB)
+    plan = "host" if args.variant == "host" else "auto"
+    delay = dict(delay=1, delay_warmup=1) if args.variant == "delay" else {}
+    tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=jax_dos.auto_planner(**budgets), **delay)
+    fb = jax.jit(lambda p, b: (lambda loss, g: (loss, jax_dos.flush_gradients(tx, g, p)))(*loss_and_grads(p, b)))
+
+    def step_fn(params, state, batch):
+      loss, grads = fb(params, batch)
+      updates, state = tx.update(grads, state, params)
+      return apply(params, updates), state, loss
+
+  state = tx.init(params)
+  if args.variant in ("host", "auto", "delay"):
+    p = jax_dos.get_plan(tx, params)
+    out["plan"] = str(p)
+    out["plan_predicted_s"] = p.predicted
+    out["plan_elements"] = {k: p.elements(k) for k in ("device", "stream", "host")}
+  out["init_s"] = time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  losses = []
+  for i in range(args.warmup):
+    params, state, loss = step_fn(params, state, batches[i % 2])
+    losses.append(float(loss))
+  jax.block_until_ready(params)
+  out["warmup_s"] = time.perf_counter() - t0
+
+  fb_times = []
+  for i in range(args.fb_reps + 1):  # the first call may compile (the idiom's fb is a separate program)
+    t = time.perf_counter()
+    jax.block_until_ready(fb(params, batches[i % 2]))
+    fb_times.append(time.perf_counter() - t)
+  fb_times = fb_times[1:]
+
+  step_times = []
+  t_all = time.perf_counter()
+  for i in range(args.steps):
+    t = time.perf_counter()
+    params, state, loss = step_fn(params, state, batches[i % 2])
+    jax.block_until_ready(params)
+    step_times.append(time.perf_counter() - t)
+    losses.append(float(loss))
+  jax_dos.wait_for_host_updates()
+  total = time.perf_counter() - t_all
+
+  tokens_per_step = args.batch * args.seq_len
+  step_s = statistics.median(step_times)
+  fb_s = statistics.median(fb_times)
+  out.update(
+    num_params=gpt.tree_size(params),
+    flops_per_token=gpt.flops_per_token(cfg, args.seq_len),
+    tokens_per_step=tokens_per_step,
+    step_s=step_s,
+    step_times_s=step_times,
+    steps_total_s=total,
+    tokens_per_s=tokens_per_step / step_s,
+    fb_s=fb_s,
+    fb_times_s=fb_times,
+    exposed_update_s=max(0.0, step_s - fb_s),
+    exposed_fraction=max(0.0, step_s - fb_s) / step_s,
+    losses=losses,
+    **_memory(jax),
+  )
+  return out
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _child(args: argparse.Namespace, variant: str, result: str) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--variant", variant, "--result", result]
+  t = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+  except subprocess.TimeoutExpired as e:
+    return {"variant": variant, "error": f"timed out after {args.timeout} s", "stderr_tail": str(e.stderr)[-3000:]}
+  if proc.returncode != 0 or not os.path.exists(result):
+    tail = (proc.stderr or "")[-4000:]
+    oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
+    return {"variant": variant, "error": "out of memory" if oom else f"exit {proc.returncode}", "stderr_tail": tail}
+  with open(result) as f:
+    res = json.load(f)
+  res["wall_s"] = time.perf_counter() - t
+  return res
+
+
+def summarize(results: list[dict]) -> list[str]:
+  peak = next((r["peak_flops"] for r in results if r.get("variant") == "peak" and "peak_flops" in r), None)
+  by = {r["variant"]: r for r in results}
+  head = f"{'variant':8} {'tok/s':>9} {'step s':>7} {'f/b s':>7} {'exposed':>8} {'MFU':>6} {'GPU GiB':>8}"
+  lines = [head + "  vs idiom  vs host"]
+  for r in results:
+    v = r["variant"]
+    if v == "peak":
+      lines.append(f"peak     {r.get('peak_flops', 0) / 1e12:.0f} TFLOP/s bf16 (measured)")
+      continue
+    if "error" in r:
+      lines.append(f"{v:8} {r['error']}")
+      continue
+    mfu = r["flops_per_token"] * r["tokens_per_s"] / peak if peak else None
+    r["mfu_measured_peak"] = mfu
+
+    def ratio(base: str, r=r) -> str:
+      if "tokens_per_s" not in by.get(base, {}):
+        return f"{'-':>9}"
+      return f"{r['tokens_per_s'] / by[base]['tokens_per_s']:8.2f}x"
+
+    lines.append(
+      f"{v:8} {r['tokens_per_s']:9.0f} {r['step_s']:7.3f} {r['fb_s']:7.3f} {100 * r['exposed_fraction']:7.1f}%"
+      f" {'' if mfu is None else f'{100 * mfu:5.1f}%':>6} {(r['gpu_peak_bytes'] or 0) / GIB:8.1f} {ratio('idiom')}"
+      f" {ratio('host')}"
+    )
+  return lines
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+  if args.variant:
+    res = run_variant(args)
+    with open(args.result, "w") as f:
+      json.dump(res, f)
+    return
+  out_path = args.out or os.path.join(HERE, "results", "train_step.json")
+  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+  results = []
+  for v in args.variants.split(","):
+    res = _child(args, v, f"{out_path}.{v}.tmp")
+    if os.path.exists(f"{out_path}.{v}.tmp"):
+      os.remove(f"{out_path}.{v}.tmp")
+    results.append(res)
+    keys = ("variant", "error", "tokens_per_s", "step_s", "fb_s", "plan", "stderr_tail")
+    print(json.dumps({k: res.get(k) for k in keys}), flush=True)
+  lines = summarize(results)
+  doc = {
+    "config": {k: v for k, v in vars(args).items() if k not in ("variant", "result")},
+    "command": " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+    "host": socket.gethostname(),
+    "python": platform.python_version(),
+    "results": results,
+    "table": lines,
+  }
+  with open(out_path, "w") as f:
+    json.dump(doc, f, indent=1)
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
