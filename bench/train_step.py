@@ -171,7 +171,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     plan = "host" if args.variant == "host" else "auto"
     delay = dict(delay=1, delay_warmup=1) if args.variant == "delay" else {}
     tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=jax_dos.auto_planner(**budgets), **delay)
-    fb = jax.jit(lambda p, b: (lambda loss, g: (loss, jax_dos.flush_gradients(tx, g, p)))(*loss_and_grads(p, b)))
+    fb = jax.jit(loss_and_grads, out_shardings=(None, jax_dos.gradient_shardings(tx, params)))
 
     def step_fn(params, state, batch):
       loss, grads = fb(params, batch)

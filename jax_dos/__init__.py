@@ -7,8 +7,8 @@ to JAX/XLA. Public API::
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)        # eager: the fast engine
 
-Inside the jitted gradient function, ``jax_dos.flush_gradients(tx, grads, params)``
-sends host subgroups' gradients to host memory during the backward pass.
+Jit the gradient function with ``out_shardings=(None, jax_dos.gradient_shardings(tx, params))``
+to send host subgroups' gradients to host memory during the backward pass.
 """
 
 from jax_dos.accumulate import multi_steps
@@ -22,7 +22,6 @@ from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,
   InterleavedAdamState,
-  flush_gradients,
   get_plan,
   gradient_memory_kinds,
   gradient_shardings,
@@ -37,7 +36,6 @@ __all__ = [
   "DEFAULT_SUBGROUP_SIZE",
   "auto_planner",
   "calibrate",
-  "flush_gradients",
   "from_optax_adamw_state",
   "InterleavedAdamState",
   "PLACEMENTS",

@@ -4,7 +4,7 @@ Per step, everything is issued up front and waited on as late as possible:
 
 1. the step scalars ``[-lr, 1 - b1**t, 1 - b2**t]`` (tiny jitted call);
 2. gradients of host subgroups are copied to fresh ``pinned_host`` buffers
-   (asynchronous ``device_put``);
+   (asynchronous ``device_put``; float32 or bfloat16 as they are);
 3. all resident (``device``) subgroups update in one jitted call, state donated;
 4. a worker thread runs the fused host kernel subgroup by subgroup, in plan
    order, as soon as each subgroup's gradients have arrived, and sends each
@@ -15,7 +15,8 @@ Per step, everything is issued up front and waited on as late as possible:
    subgroups in flight so their staging memory stays bounded.
 
 Gradients of host subgroups that arrive already in ``pinned_host`` memory
-(flushed by the gradient function, see ``flush_gradients``) skip step 2.
+(the gradient function's ``out_shardings``, see ``gradient_shardings``) skip
+step 2. bfloat16 gradients cross PCIe as they are; the kernel widens them.
 
 With ``delay=1`` (after ``delay_warmup`` normal steps) host subgroups are
 updated one step late, as ZeRO-Offload's delayed parameter update: the update
@@ -150,22 +151,25 @@ def _like_state(grad: jax.Array, master: jax.Array, kind: str = "device") -> jax
 
 
 def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array]:
-  """float32 gradients of the host leaves in ``pinned_host`` memory (copied there unless flushed already)."""
+  """Gradients of the host leaves in ``pinned_host`` memory (copied there unless flushed already).
+
+  The host kernel reads float32 or bfloat16; other dtypes are cast to float32 on the accelerator first.
+  """
   out, to_copy = {}, []
   for i in leaves:
     g = grads[i]
     if g.sharding.memory_kind == "pinned_host":
-      if g.dtype != jnp.float32:
+      if str(g.dtype) not in host_kernels.GRAD_DTYPES:
         raise TypeError(
-          f"gradient leaf {i} is in pinned_host memory as {g.dtype}; the host kernel needs float32. Flush"
-          " gradients with jax_dos.flush_gradients (which casts), or cast before moving them to the host."
+          f"gradient leaf {i} is in pinned_host memory as {g.dtype}; the host kernel reads"
+          f" {' or '.join(host_kernels.GRAD_DTYPES)}. Cast it before it leaves the accelerator."
         )
       out[i] = _like_state(g, masters[i], "pinned_host")
     else:
       to_copy.append(i)
-  f32 = [_like_state(grads[i], masters[i]) for i in to_copy]
-  f32 = [g if g.dtype == jnp.float32 else _jit_to_f32(g) for g in f32]
-  out.update(zip(to_copy, _put(f32, "pinned_host")))
+  on_device = [_like_state(grads[i], masters[i]) for i in to_copy]
+  on_device = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else _jit_to_f32(g) for g in on_device]
+  out.update(zip(to_copy, _put(on_device, "pinned_host")))
   return out
 
 

@@ -13,11 +13,12 @@ weights, mu, nu) plus a step count; each leaf lives in ``pinned_host`` or
   pipelines streamed subgroups and runs the host kernel concurrently. This is
   the fast path; it consumes ``state`` like a donated argument.
 
-Gradient flush: inside the jitted gradient function, ``flush_gradients(tx,
-grads, params)`` casts the gradients of host subgroups to float32 and moves
-them to ``pinned_host`` memory, so XLA copies each one out as soon as the
-backward pass has produced it (``gradient_shardings`` gives the same placement
-as ``out_shardings``). The engine then finds them on the host already.
+Gradient flush: jit the gradient function with
+``out_shardings=gradient_shardings(tx, params)`` (for its gradient output):
+XLA then writes the gradients of host subgroups to ``pinned_host`` memory
+itself, copying each one out of the accelerator inside the backward pass, and
+the engine finds them on the host already (float32 or bfloat16, which the
+host kernel reads as they are).
 
 Gradient accumulation on the fast path: accumulate in the jitted gradient
 step and call ``update`` eagerly every ``k`` micro-batches (see README), since
@@ -283,29 +284,11 @@ def gradient_memory_kinds(tx: optax.GradientTransformation, params: Any) -> Any:
 def gradient_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
   """Output shardings for a jitted gradient function: each parameter's sharding, in host memory for host subgroups.
 
-  For ``jax.jit(..., out_shardings=...)``. The host kernel reads float32, so
-  cast those gradients in the function (:func:`flush_gradients` does both).
+  Use as the gradients' part of ``jax.jit(..., out_shardings=...)``::
+
+      grad_fn = jax.jit(jax.value_and_grad(loss), out_shardings=(None, jax_dos.gradient_shardings(tx, params)))
+
+  Gradients must be float32 or bfloat16 (the host kernel reads either).
   """
   kinds = gradient_memory_kinds(tx, params)
   return jax.tree.map(lambda p, k: memory.with_kind(p, k), params, kinds)
-
-
-def flush_gradients(tx: optax.GradientTransformation, grads: Any, params: Any) -> Any:
-  """Moves the gradients of host subgroups to ``pinned_host`` memory as float32; leaves the others.
-
-  Call it on the gradients inside the jitted gradient function (after any
-  clipping, which needs them on the accelerator): XLA then copies each one to
-  the host as soon as the backward pass produces it, overlapping the rest of
-  the backward pass. Outside ``jit`` it is an ordinary asynchronous copy.
-  """
-  kinds = gradient_memory_kinds(tx, params)
-
-  def flush(g, kind):
-    if kind == "device":
-      return g
-    g = g.astype(jnp.float32)
-    if memory.is_traced(g):
-      return memory.traced_put(g, kind)
-    return jax.device_put(g, memory.with_kind(g, kind))
-
-  return jax.tree.map(flush, grads, kinds)

@@ -20,22 +20,18 @@ def quadratic_loss(params, targets):
   )
 
 
-def make_grad_fn(tx, params, how: str):
-  """A jitted gradient function that flushes host gradients (``how``: flush_gradients or out_shardings)."""
-  if how == "flush_gradients":
-    return jax.jit(lambda p, t: jax_dos.flush_gradients(tx, jax.grad(quadratic_loss)(p, t), p))
-  shardings = jax_dos.gradient_shardings(tx, params)
-  return jax.jit(lambda p, t: jax.grad(quadratic_loss)(p, t), out_shardings=shardings)
+def make_grad_fn(tx, params):
+  """A jitted gradient function whose out_shardings put host subgroups' gradients in pinned_host."""
+  return jax.jit(jax.grad(quadratic_loss), out_shardings=jax_dos.gradient_shardings(tx, params))
 
 
-@pytest.mark.parametrize("how", ["flush_gradients", "out_shardings"])
-def test_flushed_gradients_land_in_pinned_host_and_match_optax(how):
+def test_flushed_gradients_land_in_pinned_host_and_match_optax():
   rng = np.random.default_rng()
   params = random_tree(rng)
   tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan=MIXED)
   ref = optax.adamw(1e-2, weight_decay=0.1)
   state, ref_state, ref_params = tx.init(params), ref.init(params), params
-  grad_fn = make_grad_fn(tx, params, how)
+  grad_fn = make_grad_fn(tx, params)
   kinds = jax.tree.leaves(jax_dos.gradient_memory_kinds(tx, params))
   placements = jax_dos.get_plan(tx, params).leaf_placements()
   assert kinds == ["pinned_host" if p == "host" else "device" for p in placements]
@@ -43,9 +39,7 @@ def test_flushed_gradients_land_in_pinned_host_and_match_optax(how):
   for _ in range(5):
     targets = random_tree(rng)
     grads = grad_fn(params, targets)
-    for g, kind in zip(jax.tree.leaves(grads), kinds):
-      assert g.sharding.memory_kind == kind
-      assert g.dtype == jnp.float32
+    assert [g.sharding.memory_kind for g in jax.tree.leaves(grads)] == kinds
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     ref_updates, ref_state = ref.update(jax.grad(quadratic_loss)(ref_params, targets), ref_state, ref_params)
@@ -53,21 +47,33 @@ def test_flushed_gradients_land_in_pinned_host_and_match_optax(how):
   assert max_rel_diff(params, ref_params) < TOL
 
 
-def test_flush_casts_bf16_gradients_to_float32():
+def test_bfloat16_gradients_on_the_host_match_optax_on_their_float32_values():
   rng = np.random.default_rng()
   params = random_tree(rng, dtype=jnp.bfloat16)
-  tx = jax_dos.interleaved_adam(1e-2, subgroup_size=100, plan="host")
-  grads = jax.jit(lambda p, t: jax_dos.flush_gradients(tx, jax.grad(quadratic_loss)(p, t), p))(params, random_tree(rng))
-  assert {(g.dtype, g.sharding.memory_kind) for g in jax.tree.leaves(grads)} == {(np.dtype(np.float32), "pinned_host")}
+  tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan=MIXED)
+  ref = optax.adamw(1e-2, weight_decay=0.1)
+  masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  state, ref_state = tx.init(params), ref.init(masters)
+  flush = jax.jit(lambda g: g, out_shardings=jax_dos.gradient_shardings(tx, params))
+  for _ in range(5):
+    grads = flush(random_tree(rng, dtype=jnp.bfloat16))
+    host = [g for g in jax.tree.leaves(grads) if g.sharding.memory_kind == "pinned_host"]
+    assert host and {g.dtype for g in host} == {np.dtype(jnp.bfloat16)}
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    wide = jax.tree.map(lambda g: jax.device_put(g, g.sharding.with_memory_kind("device")).astype(jnp.float32), grads)
+    ref_updates, ref_state = ref.update(wide, ref_state, masters)
+    masters = optax.apply_updates(masters, ref_updates)
+  assert max_rel_diff(state.master, masters) < TOL
 
 
-def test_low_precision_gradients_on_the_host_are_refused():
+def test_gradients_the_host_kernel_cannot_read_are_refused():
   rng = np.random.default_rng()
-  params = random_tree(rng, dtype=jnp.bfloat16)
+  params = random_tree(rng, dtype=jnp.float16)
   tx = jax_dos.interleaved_adam(1e-2, subgroup_size=100, plan="host")
   state = tx.init(params)
   grads = jax.tree.map(lambda g: jax.device_put(g, g.sharding.with_memory_kind("pinned_host")), params)
-  with pytest.raises(TypeError, match="flush_gradients"):
+  with pytest.raises(TypeError, match="float32 or bfloat16"):
     tx.update(grads, state, params)
 
 
@@ -106,7 +112,7 @@ def test_delay_one_semantics(jit):
   normal, _ = delayed_reference(params0, targets, placements, warmup=steps)
 
   params, state = params0, tx.init(params0)
-  grad_fn = make_grad_fn(tx, params0, "flush_gradients")
+  grad_fn = make_grad_fn(tx, params0)
   update = jax.jit(tx.update) if jit else tx.update
   for t in range(steps):
     updates, state = update(grad_fn(params, targets[t]), state, params)

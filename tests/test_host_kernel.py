@@ -48,3 +48,21 @@ def test_mismatched_buffers_are_refused_before_any_write():
     host_kernels.adam_many([(a, a.copy(), a.copy(), a.astype(np.float64))], [False], **kw)
   with pytest.raises(ValueError, match="decay flags"):
     host_kernels.adam_many([(a, a.copy(), a.copy(), a.copy())], [], **kw)
+
+
+def test_bfloat16_gradients_are_widened_exactly():
+  """bf16 gradients give the float32 kernel's result on the same (widened) values, bit for bit."""
+  rng = np.random.default_rng()
+  n = 100_003
+  g16 = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+  p, m = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+  v = np.abs(rng.standard_normal(n)).astype(np.float32)
+  scalars = np.asarray([-1e-3, 0.1, 0.05], np.float32)
+  kw = dict(b1=0.9, b2=0.95, eps=1e-8, eps_root=0.0, weight_decay=0.1, scalars=scalars)
+  wide = [np.asarray(g16, np.float32), p.copy(), m.copy(), v.copy()]
+  narrow = [np.asarray(g16), p.copy(), m.copy(), v.copy()]
+  host_kernels.adam_many([wide], [True], **kw)
+  host_kernels.adam_many([narrow], [True], **kw)
+  for a, b in zip(wide[1:], narrow[1:]):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(narrow[1], p)

@@ -11,9 +11,10 @@ One step, nanoGPT style, with the optimizer update outside ``jit`` so that
     updates, opt_state = tx.update(grads, opt_state, params)  # eager AdamW
     params = apply_updates(params, updates)                   # jitted optax.apply_updates, params donated
 
-The gradient step clips by global norm on the accelerator and then, with
-``jax_dos.flush_gradients``, sends the gradients of host-updated subgroups to
-host memory inside the same ``jit``, so the copies overlap the backward pass.
+The gradient step clips by global norm on the accelerator, and its
+``out_shardings`` (``jax_dos.gradient_shardings``) put the gradients of
+host-updated subgroups in host memory: XLA copies them out inside the same
+program, overlapping the backward pass.
 ``--delay 1`` updates host subgroups one step late (their kernel then runs
 during the next step's forward/backward; see ``jax_dos.interleaved_adam``).
 
@@ -192,16 +193,24 @@ eval_step = jax.jit(gpt_model.loss, static_argnums=0)
 apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)
 
 
-def _grad_step(graphdef, params, batch, clip: float, flush_to: optax.GradientTransformation | None):
+def _grad_step(graphdef, params, batch, clip: float):
   loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
   if clip > 0:
     grads = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())[0]
-  if flush_to is not None:
-    grads = jax_dos.flush_gradients(flush_to, grads, params)
   return loss, grads
 
 
-grad_step = jax.jit(_grad_step, static_argnums=(0, 3, 4))
+_grad_step_on_device = jax.jit(_grad_step, static_argnums=(0, 3))
+
+
+def make_grad_step(tx: optax.GradientTransformation | None, params: Any):
+  """``grad_step(graphdef, params, batch, clip) -> (loss, grads)``, jitted.
+
+  With ``tx`` (a ``jax_dos`` optimizer), host subgroups' gradients come out in host memory.
+  """
+  if tx is None:
+    return _grad_step_on_device
+  return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, jax_dos.gradient_shardings(tx, params)))
 
 
 def make_optimizer(args: argparse.Namespace) -> tuple[optax.GradientTransformation, Any]:
@@ -324,7 +333,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   tx, schedule = make_optimizer(args)
   opt_state = tx.init(params)
   plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
-  flush_to = None if args.offload == "none" or args.no_grad_flush else tx
+  grad_step = make_grad_step(None if args.offload == "none" or args.no_grad_flush else tx, params)
 
   # --- output, checkpoints, resume
   os.makedirs(args.out, exist_ok=True)
@@ -377,7 +386,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   step = start_step
   for it in range(start_step, args.steps):
     batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, it)
-    loss, grads = grad_step(graphdef, params, batch, args.clip, flush_to)
+    loss, grads = grad_step(graphdef, params, batch, args.clip)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = apply_updates(params, updates)
     step = it + 1
