@@ -275,9 +275,14 @@ def get_plan(tx: optax.GradientTransformation, params: Any) -> Plan:
 
 
 def gradient_memory_kinds(tx: optax.GradientTransformation, params: Any) -> Any:
-  """A tree like ``params``: ``"pinned_host"`` for leaves of host subgroups, ``"device"`` for the others."""
+  """A tree like ``params``: ``"pinned_host"`` for leaves of host subgroups, ``"device"`` for the others.
+
+  Empty leaves stay on the device: nothing to move, and jax 0.11 reports a
+  zero-size output of ``pinned_host`` sharding as device memory.
+  """
   plan = _owner(tx, "gradient_memory_kinds").plan_for(params)
-  kinds = ["pinned_host" if p == "host" else "device" for p in plan.leaf_placements()]
+  leaves = jax.tree.leaves(params)
+  kinds = ["pinned_host" if p == "host" and np.size(x) else "device" for p, x in zip(plan.leaf_placements(), leaves)]
   return jax.tree.unflatten(jax.tree.structure(params), kinds)
 
 
