@@ -299,17 +299,17 @@ def main(argv=None) -> None:
     results.append(res)
     keys = ("variant", "error", "tokens_per_s", "step_s", "fb_s", "plan", "stderr_tail")
     print(json.dumps({k: res.get(k) for k in keys}), flush=True)
-  lines = summarize(results)
-  doc = {
-    "config": {k: v for k, v in vars(args).items() if k not in ("variant", "result")},
-    "command": " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
-    "host": socket.gethostname(),
-    "python": platform.python_version(),
-    "results": results,
-    "table": lines,
-  }
-  with open(out_path, "w") as f:
-    json.dump(doc, f, indent=1)
+    lines = summarize(results)
+    doc = {
+      "config": {k: v for k, v in vars(args).items() if k not in ("variant", "result")},
+      "command": " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+      "host": socket.gethostname(),
+      "python": platform.python_version(),
+      "results": results,
+      "table": lines,
+    }
+    with open(out_path, "w") as f:  # after every variant: a run cut short keeps what it measured
+      json.dump(doc, f, indent=1)
   print("\n".join(lines))
 
 
