@@ -81,18 +81,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _memory(jax) -> dict:
+  from jax_dos import memory
+
   stats = jax.devices()[0].memory_stats() or {}
-  meminfo = {}
-  with open("/proc/meminfo") as f:
-    for line in f:
-      key, value = line.split(":", 1)
-      meminfo[key] = int(value.split()[0]) * 1024
+  total = memory.host_memory_total()
   return {
     "gpu_peak_bytes": stats.get("peak_bytes_in_use"),
     "gpu_limit_bytes": stats.get("bytes_limit"),
     "host_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    "host_used_bytes": meminfo.get("MemTotal", 0) - meminfo.get("MemAvailable", 0),
-    "host_total_bytes": meminfo.get("MemTotal"),
+    "host_used_bytes": total - memory.host_memory_available(),
+    "host_total_bytes": total,
   }
 
 

@@ -93,7 +93,7 @@ _REGISTRY = _WriteRegistry()
 
 
 class _Background:
-  """Delayed host updates still running, one per engine at most."""
+  """Host-kernel workers still running, one per engine at most (delayed ones outlive their ``update``)."""
 
   def __init__(self):
     self._jobs: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
@@ -220,25 +220,17 @@ class Engine:
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
     if delayed:
       # Parameters go to the masters as they are now (step t - 1); the kernel for step t runs in the background.
-      self._updates_from_masters(host_leaves, masters, params, grads, updates)
+      self._updates_from_masters(host_leaves, masters, params, updates)
       self._reading_host_state = [updates[i] for i in host_leaves]
-    worker_args = (host_grads, masters, mus, nus, params, grads, step, scalars, updates, not delayed)
-    host_error: list[BaseException] = []
-    worker = None
-    if host_leaves and not delayed:
-      worker = threading.Thread(target=self._host_worker, args=(*worker_args, host_error), daemon=True)
-      worker.start()
+    if host_leaves:
+      _BACKGROUND.start(self, self._host_worker, host_grads, masters, mus, nus, params, scalars, updates, not delayed)
     self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new)
-    if delayed:
-      _BACKGROUND.start(self, self._host_worker, *worker_args)
-    if worker is not None:
-      worker.join()
-    if host_error:
-      raise host_error[0]
+    if not delayed:
+      _BACKGROUND.wait(self)
     return updates, new[0], new[1], new[2], _jit_increment(count)
 
   @staticmethod
-  def _updates_from_masters(leaves, masters, params, grads, updates) -> None:
+  def _updates_from_masters(leaves, masters, params, updates) -> None:
     """Sends the masters of ``leaves`` to the accelerator and forms each update ``cast(master) - param`` there."""
     sent = _put([masters[i] for i in leaves], "device", likes=[params[i] for i in leaves])
     for i, master in zip(leaves, sent):
@@ -267,7 +259,7 @@ class Engine:
       updates[i] = u[j]
       new[0][i], new[1][i], new[2][i] = m32[j], m1[j], m2[j]
 
-  def _host_worker(self, host_grads, masters, mus, nus, params, grads, step, scalars, updates, send, error) -> None:
+  def _host_worker(self, host_grads, masters, mus, nus, params, scalars, updates, send, error) -> None:
     """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update."""
     try:
       hyper, plan = self.hyper, self.plan
@@ -290,7 +282,7 @@ class Engine:
             weight_decay=hyper.weight_decay, scalars=scalars_np,
         )  # fmt: skip
         if send:
-          self._updates_from_masters(leaves, masters, params, grads, updates)
+          self._updates_from_masters(leaves, masters, params, updates)
           reading += [updates[i] for i in leaves]  # not the masters' device copies: freed once updates exist
       if send:
         self._reading_host_state = reading
