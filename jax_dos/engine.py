@@ -77,7 +77,7 @@ class _WriteRegistry:
           raise ValueError(
             "this optimizer state was already consumed by an earlier update (its host buffers are"
             f" updated in place and now hold step {held}, but the state says step {count}). Pass the"
-            " state returned by the latest update, or copy the state (jax_dos.copy_state) before updating."
+            " state returned by the latest update."
           )
       for a in arrays:
         if id(a) not in self._step:
@@ -204,9 +204,9 @@ class Engine:
 
     step = int(count)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
+    host_grads = _host_gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing
     for i in host_leaves:
       _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
-    host_grads = _host_gradients(grads, masters, host_leaves)
     host_set = set(host_leaves)
     grads = [g if i in host_set else _like_state(g, masters[i]) for i, g in enumerate(grads)]
     scalars = _jit_scalars(hyper, count)

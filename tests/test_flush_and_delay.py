@@ -76,6 +76,8 @@ def test_gradients_the_host_kernel_cannot_read_are_refused():
   grads = jax.tree.map(lambda g: jax.device_put(g, g.sharding.with_memory_kind("pinned_host")), params)
   with pytest.raises(TypeError, match="float32 or bfloat16"):
     tx.update(grads, state, params)
+  updates, _ = tx.update(params, state, params)  # the refused call left the state usable
+  assert jax.tree.structure(updates) == jax.tree.structure(params)
 
 
 def delayed_reference(params, targets_per_step, plan_leaf_placements, warmup, lr=1e-2, wd=0.1):
