@@ -7,7 +7,7 @@
 One step, nanoGPT style, with the optimizer update outside ``jit`` so that
 ``jax_dos.interleaved_adam`` runs its pipelined host/stream/device engine::
 
-    loss, grads = grad_step(graphdef, params, batch)          # jitted: value_and_grad, clip, flush to host
+    loss, grads = grad_step(graphdef, params, batch, clip)    # jitted: value_and_grad, clip, flush to host
     updates, opt_state = tx.update(grads, opt_state, params)  # eager AdamW
     params = apply_updates(params, updates)                   # jitted optax.apply_updates, params donated
 
