@@ -12,7 +12,7 @@ to send host subgroups' gradients to host memory during the backward pass.
 """
 
 from jax_dos.accumulate import multi_steps
-from jax_dos.adam_math import AdamHyper
+from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.perf_model import Calibration, calibrate
@@ -36,6 +36,7 @@ __all__ = [
   "DEFAULT_SUBGROUP_SIZE",
   "auto_planner",
   "calibrate",
+  "clip_scale",
   "from_optax_adamw_state",
   "InterleavedAdamState",
   "PLACEMENTS",

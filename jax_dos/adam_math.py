@@ -1,8 +1,10 @@
 """The AdamW arithmetic, written once, in exactly ``optax.adamw``'s order.
 
-For a leaf with gradient ``g``, fp32 master weights ``p``, moments ``m, v`` and
-step ``t = count + 1`` (optax's ``safe_increment``)::
+For a leaf with gradient ``g``, fp32 master weights ``p``, moments ``m, v``,
+step ``t = count + 1`` (optax's ``safe_increment``) and gradient scale ``s``
+(``1`` unless the caller passes ``grad_scale``, e.g. a global-norm clip)::
 
+    g   <- s * g
     m   <- (1 - b1) * g + b1 * m
     v   <- (1 - b2) * g**2 + b2 * v
     u   <- (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t) + eps_root) + eps)
@@ -10,7 +12,7 @@ step ``t = count + 1`` (optax's ``safe_increment``)::
     u   <- (-lr(count)) * u
     p   <- p + u
 
-All in float32. The per-step scalars ``(-lr, 1 - b1**t, 1 - b2**t)`` are
+All in float32. The per-step scalars ``(-lr, 1 - b1**t, 1 - b2**t, s)`` are
 computed by :func:`step_scalars` with the same XLA ops optax uses, so the host
 kernel (``host_kernels.py``) receives bit-identical values. The update handed
 back to the caller is ``u`` for float32 parameters, and
@@ -43,14 +45,24 @@ class AdamHyper:
   weight_decay: float = 0.0
 
 
-def step_scalars(hyper: AdamHyper, count: jax.Array) -> jax.Array:
-  """``[-lr(count), 1 - b1**(count+1), 1 - b2**(count+1)]`` as float32[3]."""
+def step_scalars(hyper: AdamHyper, count: jax.Array, grad_scale: Any = 1.0) -> jax.Array:
+  """``[-lr(count), 1 - b1**(count+1), 1 - b2**(count+1), grad_scale]`` as float32[4]."""
   count_inc = safe_increment(count)
   lr = hyper.learning_rate(count) if callable(hyper.learning_rate) else hyper.learning_rate
   neg_lr = jnp.asarray(-1 * lr, dtype=jnp.float32)
   bc1 = 1 - hyper.b1**count_inc
   bc2 = 1 - hyper.b2**count_inc
-  return jnp.stack([neg_lr, bc1.astype(jnp.float32), bc2.astype(jnp.float32)])
+  scale = jnp.asarray(grad_scale, jnp.float32)
+  return jnp.stack([neg_lr, bc1.astype(jnp.float32), bc2.astype(jnp.float32), scale])
+
+
+def clip_scale(grad_norm: Any, max_norm: float) -> jax.Array:
+  """The factor ``optax.clip_by_global_norm(max_norm)`` applies to gradients of norm ``grad_norm``.
+
+  ``1`` if ``grad_norm < max_norm``, else ``max_norm / grad_norm`` (float32). Pass it as ``grad_scale``.
+  """
+  grad_norm = jnp.asarray(grad_norm, jnp.float32)
+  return jnp.where(grad_norm < max_norm, jnp.float32(1), jnp.float32(max_norm) / grad_norm)
 
 
 def safe_increment(count: jax.Array) -> jax.Array:
@@ -70,7 +82,7 @@ def leaf_update(
   decay: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """One leaf's AdamW step. Returns ``(update, master, mu, nu)``."""
-  g = grad.astype(jnp.float32)
+  g = grad.astype(jnp.float32) * scalars[3]
   mu = (1 - hyper.b1) * g + hyper.b1 * mu
   nu = (1 - hyper.b2) * (g**2) + hyper.b2 * nu
   mu_hat = mu / scalars[1]

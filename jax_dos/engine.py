@@ -2,7 +2,7 @@
 
 Per step, everything is issued up front and waited on as late as possible:
 
-1. the step scalars ``[-lr, 1 - b1**t, 1 - b2**t]`` (tiny jitted call);
+1. the step scalars ``[-lr, 1 - b1**t, 1 - b2**t, grad_scale]`` (tiny jitted call);
 2. gradients of host subgroups are copied to fresh ``pinned_host`` buffers
    (asynchronous ``device_put``; float32 or bfloat16 as they are);
 3. all resident (``device``) subgroups update in one jitted call, state donated;
@@ -193,8 +193,8 @@ class Engine:
       for a, p in zip(leaves, self.leaf_placement)
     ]
 
-  def update(self, grads, masters, mus, nus, params, count) -> tuple[list, list, list, list, jax.Array]:
-    """One step. All arguments are flat lists of leaves (``count`` a scalar)."""
+  def update(self, grads, masters, mus, nus, params, count, grad_scale=1.0) -> tuple[list, list, list, list, jax.Array]:
+    """One step. All arguments are flat lists of leaves (``count`` and ``grad_scale`` scalars)."""
     _BACKGROUND.wait(self)  # last step's delayed host update, if any
     plan, hyper = self.plan, self.hyper
     masters, mus, nus = (self.place_state(x) for x in (masters, mus, nus))
@@ -209,7 +209,7 @@ class Engine:
       _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
     host_set = set(host_leaves)
     grads = [g if i in host_set else _like_state(g, masters[i]) for i, g in enumerate(grads)]
-    scalars = _jit_scalars(hyper, count)
+    scalars = _jit_scalars(hyper, count, grad_scale)
 
     dev_leaves = [i for s in plan.indices("device") for i in plan.subgroups[s]]
     if dev_leaves:

@@ -1,6 +1,6 @@
 """Fused, multi-threaded AdamW on host buffers (numba), updating in place.
 
-One pass over ``g, p, m, v``: reads 16 bytes (14 with bfloat16 gradients,
+One pass over ``g, p, m, v`` (``g`` times the step's gradient scale): reads 16 bytes (14 with bfloat16 gradients,
 widened exactly in the loop) and writes 12 (p, m, v) per parameter, the
 least any in-place Adam can move (torch's fused CPU AdamW moves the same).
 The engine sends the new master itself to the accelerator and forms the
@@ -48,11 +48,11 @@ def _load_bf16(x):  # x: the uint16 bits of a bfloat16; widening is exact
 
 def _make_adam_kernel(load_grad):
   @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
-  def adam_inplace(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, decay):
+  def adam_inplace(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, decay):
     # Keep this a prange over whole arrays: numba's parfor lowering is what lets LLVM vectorize the loop
     # (a plain range loop, or a loop over pointer-made arrays, stayed scalar and ran 6x slower).
     for i in numba.prange(g.shape[0]):
-      gi = load_grad(g[i])
+      gi = load_grad(g[i]) * gs
       mi = one_minus_b1 * gi + b1 * m[i]
       vi = one_minus_b2 * (gi * gi) + b2 * v[i]
       u = (mi / bc1) / (np.sqrt(vi / bc2 + eps_root) + eps)
@@ -88,7 +88,7 @@ def adam_many(
   ``g`` is float32 or bfloat16. Each buffer is a numpy array or a
   single-device host-memory jax array (a shard); the four of a tuple must have one size. ``decay[j]`` says whether
   tuple ``j`` gets weight decay. ``scalars`` is ``[-lr, 1 - b1**t, 1 - b2**t]``
-  as float32 (``adam_math.step_scalars``).
+  or ``[-lr, 1 - b1**t, 1 - b2**t, grad_scale]`` as float32 (``adam_math.step_scalars``).
   """
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
@@ -107,7 +107,7 @@ def adam_many(
   f = np.float32
   # (1 - b) is rounded from a Python double, exactly as JAX does for optax.
   hyper = (f(b1), f(1 - b1), f(b2), f(1 - b2), f(eps), f(eps_root), f(weight_decay))
-  step = (f(scalars[0]), f(scalars[1]), f(scalars[2]))
+  step = (f(scalars[0]), f(scalars[1]), f(scalars[2]), f(scalars[3]) if len(scalars) > 3 else f(1))
   for (g, p, m, v), d in zip(views, decay):
     if g.size:
       _KERNELS["float32" if g.dtype == np.float32 else "bfloat16"](g, p, m, v, *hyper, *step, bool(d))

@@ -34,9 +34,10 @@ def update_leaves(
   hyper: adam_math.AdamHyper,
   delay: int = 0,
   delay_warmup: int = 0,
+  grad_scale=1.0,
 ):
   """Returns ``(updates, masters, mus, nus, count)`` as flat lists."""
-  scalars = adam_math.step_scalars(hyper, count)
+  scalars = adam_math.step_scalars(hyper, count, grad_scale)
   out = ([], [], [], [])
   for g, p32, m, v, p, placement, d in zip(grads, masters, mus, nus, params, leaf_placements, decay):
     kind = MEMORY_KIND[placement]

@@ -135,9 +135,15 @@ class _InterleavedAdam:
     return InterleavedAdamState(jnp.zeros([], jnp.int32), unflat(master), unflat(mu), unflat(nu))
 
   def update(
-    self, updates: optax.Updates, state: InterleavedAdamState, params: Optional[optax.Params] = None, **extra_args
+    self,
+    updates: optax.Updates,
+    state: InterleavedAdamState,
+    params: Optional[optax.Params] = None,
+    *,
+    grad_scale: Any = None,
+    **extra_args,
   ):
-    del extra_args
+    del extra_args  # optax's convention: a transformation ignores extra arguments it does not take
     if params is None:
       raise ValueError("interleaved_adam.update needs params (like optax.adamw): call tx.update(grads, state, params).")
     if not isinstance(state, InterleavedAdamState):
@@ -156,16 +162,17 @@ class _InterleavedAdam:
         raise ValueError(
           f"gradient for {jax.tree_util.keystr(path[0])} has shape {np.shape(g)}, params have {np.shape(p)}."
         )
+    grad_scale = _check_grad_scale(grad_scale)
     plan = self.plan_for(params)
     decay = _decay_flags(self.mask, params, self.hyper.weight_decay)
     masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
     args = (grads, masters, mus, nus, param_leaves)
-    if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count)):
+    if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count, grad_scale)):
       out = traced.update_leaves(
-        *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup
+        *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup, grad_scale
       )
     else:
-      out = self._engine(plan, decay).update(*args, state.count)
+      out = self._engine(plan, decay).update(*args, state.count, grad_scale)
     u, m32, m1, m2, count = out
     unflat = lambda xs: jax.tree.unflatten(sdef, xs)  # noqa: E731
     return unflat(u), InterleavedAdamState(count, unflat(m32), unflat(m1), unflat(m2))
@@ -175,6 +182,23 @@ class _InterleavedAdam:
     if key not in self._engines:
       self._engines[key] = Engine(self.hyper, plan, decay, self.delay, self.delay_warmup)
     return self._engines[key]
+
+
+def _check_grad_scale(grad_scale: Any) -> Any:
+  if grad_scale is None:
+    return 1.0
+  try:
+    dtype = jnp.result_type(grad_scale)
+    real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  except TypeError:
+    real = False
+  if not real or np.shape(grad_scale) != ():
+    raise ValueError(
+      f"grad_scale must be a real scalar (a float or a 0-d array) multiplying every gradient, got"
+      f" {type(grad_scale).__name__} of shape {np.shape(grad_scale)}. For a global-norm clip pass"
+      " jax_dos.clip_scale(optax.global_norm(grads), max_norm)."
+    )
+  return grad_scale
 
 
 def host_state_bytes(plan: Plan, leaves: list[Any]) -> int:
@@ -240,7 +264,12 @@ def interleaved_adam(
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update`` requires
     ``params``. Eagerly (outside ``jit``) it consumes ``state`` in place; inside
-    ``jit`` it is pure.
+    ``jit`` it is pure. ``update(grads, state, params, grad_scale=s)`` takes
+    ``s * grads`` as the gradients (a scalar, on any device); with
+    ``s = jax_dos.clip_scale(optax.global_norm(grads), max_norm)`` that is
+    ``optax.chain(optax.clip_by_global_norm(max_norm), adamw)`` without
+    rescaling the gradients on the accelerator first, which lets XLA flush
+    host subgroups' gradients during the backward pass (see ``docs/design.md``).
   """
   hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay)
   opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner, delay, delay_warmup)

@@ -18,8 +18,9 @@ def test_many_buffers_match_the_shared_maths():
   for n, d in zip(sizes, decay):
     g, p, m = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
     v = np.abs(rng.standard_normal(n)).astype(np.float32)
-    _, p_new, m_new, v_new = adam_math.leaf_update(g, p, m, v, p, scalars, hyper, d)
-    expected.append((p_new, m_new, v_new))
+    _, p_new, m_new, v_new = adam_math.leaf_update(*(jnp.array(x) for x in (g, p, m, v, p)), scalars, hyper, d)
+    # Materialise before the kernel writes p, m, v in place (jax dispatches asynchronously).
+    expected.append(tuple(np.array(x) for x in (p_new, m_new, v_new)))
     buffers.append((g, p, m, v))
   host_kernels.adam_many(
     buffers,

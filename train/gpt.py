@@ -7,14 +7,16 @@
 One step, nanoGPT style, with the optimizer update outside ``jit`` so that
 ``jax_dos.interleaved_adam`` runs its pipelined host/stream/device engine::
 
-    loss, grads = grad_step(graphdef, params, batch, clip)    # jitted: value_and_grad, clip, flush to host
-    updates, opt_state = tx.update(grads, opt_state, params)  # eager AdamW
-    params = apply_updates(params, updates)                   # jitted optax.apply_updates, params donated
+    loss, grads, scale = grad_step(graphdef, params, batch, clip)  # jitted: value_and_grad, flush to host
+    updates, opt_state = tx.update(grads, opt_state, params, grad_scale=scale)  # eager AdamW
+    params = apply_updates(params, updates)                         # jitted optax.apply_updates, params donated
 
-The gradient step clips by global norm on the accelerator, and its
-``out_shardings`` (``jax_dos.gradient_shardings``) put the gradients of
-host-updated subgroups in host memory: XLA copies them out inside the same
-program, overlapping the backward pass.
+The gradient step's ``out_shardings`` (``jax_dos.gradient_shardings``) put
+the gradients of host-updated subgroups in host memory: XLA copies them out
+inside the same program, overlapping the backward pass. The global-norm clip
+is the factor ``scale`` (``jax_dos.clip_scale``) the optimizer multiplies the
+gradients by: rescaling them on the accelerator before they leave made XLA
+keep every activation of a 6.7B model at once (``docs/design.md``).
 ``--delay 1`` updates host subgroups one step late (their kernel then runs
 during the next step's forward/backward; see ``jax_dos.interleaved_adam``).
 
@@ -46,6 +48,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -194,35 +197,40 @@ apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)
 
 
 def _grad_step(graphdef, params, batch, clip: float):
+  """``(loss, grads, scale)``: the raw gradients and the factor of the global-norm clip (1 when ``clip`` is 0)."""
   loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
-  if clip > 0:
-    grads = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())[0]
-  return loss, grads
+  scale = jax_dos.clip_scale(optax.global_norm(grads), clip) if clip > 0 else jnp.float32(1)
+  return loss, grads, scale
 
 
 _grad_step_on_device = jax.jit(_grad_step, static_argnums=(0, 3))
 
 
 def make_grad_step(tx: optax.GradientTransformation | None, params: Any):
-  """``grad_step(graphdef, params, batch, clip) -> (loss, grads)``, jitted.
+  """``grad_step(graphdef, params, batch, clip) -> (loss, grads, clip_scale)``, jitted.
 
   With ``tx`` (a ``jax_dos`` optimizer), host subgroups' gradients come out in host memory.
   """
   if tx is None:
     return _grad_step_on_device
-  return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, jax_dos.gradient_shardings(tx, params)))
+  shardings = (None, jax_dos.gradient_shardings(tx, params), None)
+  return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=shardings)
 
 
 def make_optimizer(args: argparse.Namespace) -> tuple[optax.GradientTransformation, Any]:
   """Returns ``(tx, schedule)``: AdamW (``optax.adamw`` for ``--offload none``, else ``jax_dos``).
 
-  Clipping happens in the jitted gradient step, before the gradients of host subgroups leave the accelerator.
+  Both take ``update(grads, state, params, grad_scale=s)``: AdamW on ``s * grads`` (the clip's factor).
   """
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
   kw = dict(b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay, mask=decay_mask)
   if args.offload == "none":  # pure: jit the whole update, donating the state.
     tx = optax.adamw(schedule, **kw)
-    return optax.GradientTransformation(tx.init, jax.jit(tx.update, donate_argnums=1)), schedule
+
+    def update(grads, state, params, grad_scale):
+      return tx.update(jax.tree.map(lambda g: g * grad_scale, grads), state, params)
+
+    return optax.GradientTransformationExtraArgs(tx.init, jax.jit(update, donate_argnums=1)), schedule
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
   tx = jax_dos.interleaved_adam(schedule, **kw, **offload)
   return tx, schedule
@@ -386,8 +394,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   step = start_step
   for it in range(start_step, args.steps):
     batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, it)
-    loss, grads = grad_step(graphdef, params, batch, args.clip)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    loss, grads, scale = grad_step(graphdef, params, batch, args.clip)
+    updates, opt_state = tx.update(grads, opt_state, params, grad_scale=scale)
     params = apply_updates(params, updates)
     step = it + 1
     pending.append((step, loss))
