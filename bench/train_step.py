@@ -10,6 +10,7 @@ pinned memory), on the same model, batch and data (the embedded corpus):
   ``host``   (2) jax_dos, every subgroup on the host kernel (ZeRO-Offload's way), gradient flush;
   ``auto``   (3) jax_dos with the performance model's plan, gradient flush;
   ``delay``  (4) as (3) with ``delay=1`` (host subgroups one step late, their kernel overlapping the next step);
+  ``hostdelay`` as (2) with ``delay=1``;
   ``none``   ``optax.adamw`` with everything on the GPU (only where it fits).
 
 Per variant: step time (median over timed steps), tokens/s, MFU against the
@@ -43,7 +44,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402  (sets nothing until setup_env is called)
 
-VARIANTS = ("peak", "idiom", "host", "auto", "delay", "none")
+VARIANTS = ("peak", "idiom", "host", "auto", "delay", "hostdelay", "none")
 GIB = 2**30
 
 
@@ -167,8 +168,8 @@ def run_variant(args: argparse.Namespace) -> dict:
       budgets["resident_budget_bytes"] = int(args.resident_gb * GIB)
     if args.staging_gb is not None:
       budgets["staging_budget_bytes"] = int(args.staging_gb * GIB)
-    plan = "host" if args.variant == "host" else "auto"
-    delay = dict(delay=1, delay_warmup=1) if args.variant == "delay" else {}
+    plan = "host" if args.variant in ("host", "hostdelay") else "auto"
+    delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "hostdelay") else {}
     tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=jax_dos.auto_planner(**budgets), **delay)
     flush = None if args.no_grad_flush else (None, jax_dos.gradient_shardings(tx, params), None)
     fb = jax.jit(loss_and_grads, out_shardings=flush)
@@ -179,7 +180,7 @@ def run_variant(args: argparse.Namespace) -> dict:
       return apply(params, updates), state, loss
 
   state = tx.init(params)
-  if args.variant in ("host", "auto", "delay"):
+  if args.variant in ("host", "auto", "delay", "hostdelay"):
     p = jax_dos.get_plan(tx, params)
     out["plan"] = str(p)
     out["plan_predicted_s"] = p.predicted

@@ -184,7 +184,6 @@ class Engine:
     self.decay = tuple(decay)
     self.delay, self.delay_warmup = delay, delay_warmup
     self.leaf_placement = plan.leaf_placements()
-    self._reading_host_state: list[jax.Array] = []  # last step's updates, formed from host state sent over
 
   def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
     """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
@@ -218,23 +217,28 @@ class Engine:
       self._scatter(dev_leaves, outs, updates, new)
 
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
+    reading: list[jax.Array] = []
     if delayed:
       # Parameters go to the masters as they are now (step t - 1); the kernel for step t runs in the background.
-      self._updates_from_masters(host_leaves, masters, params, updates)
-      self._reading_host_state = [updates[i] for i in host_leaves]
+      reading = self._updates_from_masters(host_leaves, masters, params, updates)
     if host_leaves:
-      _BACKGROUND.start(self, self._host_worker, host_grads, masters, mus, nus, params, scalars, updates, not delayed)
+      args = (host_grads, masters, mus, nus, params, scalars, updates, not delayed, reading)
+      _BACKGROUND.start(self, self._host_worker, *args)
     self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new)
     if not delayed:
       _BACKGROUND.wait(self)
     return updates, new[0], new[1], new[2], _jit_increment(count)
 
   @staticmethod
-  def _updates_from_masters(leaves, masters, params, updates) -> None:
-    """Sends the masters of ``leaves`` to the accelerator and forms each update ``cast(master) - param`` there."""
+  def _updates_from_masters(leaves, masters, params, updates) -> list[jax.Array]:
+    """Sends the masters of ``leaves`` to the accelerator and forms each update ``cast(master) - param`` there.
+
+    Returns the masters' device copies: once they are ready, the host masters may be written again.
+    """
     sent = _put([masters[i] for i in leaves], "device", likes=[params[i] for i in leaves])
     for i, master in zip(leaves, sent):
       updates[i] = _jit_update_from_master(master, params[i])
+    return sent
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new) -> None:
     """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
@@ -259,15 +263,16 @@ class Engine:
       updates[i] = u[j]
       new[0][i], new[1][i], new[2][i] = m32[j], m1[j], m2[j]
 
-  def _host_worker(self, host_grads, masters, mus, nus, params, scalars, updates, send, error) -> None:
-    """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update."""
+  def _host_worker(self, host_grads, masters, mus, nus, params, scalars, updates, send, reading, error) -> None:
+    """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update.
+
+    Never writes a host master that a transfer still reads: it first waits for ``reading`` (the delayed path's
+    transfers), and before returning for its own, so no step leaves a transfer for the next one to wait on.
+    """
     try:
       hyper, plan = self.hyper, self.plan
       scalars_np = np.asarray(scalars)
-      # Never write a buffer a transfer still reads: wait for the updates formed from masters sent to the device.
-      # (One the caller donated is consumed downstream; in a training loop the gradients just waited for depend
-      # on it anyway.)
-      jax.block_until_ready([u for u in self._reading_host_state if not u.is_deleted()])
+      jax.block_until_ready(reading)
       reading = []
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
@@ -282,9 +287,8 @@ class Engine:
             weight_decay=hyper.weight_decay, scalars=scalars_np,
         )  # fmt: skip
         if send:
-          self._updates_from_masters(leaves, masters, params, updates)
-          reading += [updates[i] for i in leaves]  # not the masters' device copies: freed once updates exist
-      if send:
-        self._reading_host_state = reading
+          jax.block_until_ready(reading)  # the previous subgroup's copies (long done), then let them go
+          reading = self._updates_from_masters(leaves, masters, params, updates)
+      jax.block_until_ready(reading)
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)
