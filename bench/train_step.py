@@ -116,6 +116,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   import jax_dos
   from models import gpt
   from train import data
+  from train import gpt as train_gpt
 
   out = {"variant": args.variant, "env": env, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   if args.variant == "peak":
@@ -132,8 +133,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   graphdef, params = gpt.init_params(cfg, seed=0)
   tokens = data.load_tokens(None)[0]
   batches = [jax.device_put(data.get_batch(tokens, args.batch, args.seq_len, 0, i)) for i in range(2)]
-  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
-  hyper = dict(b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)
+  hyper = dict(b1=0.9, b2=0.95, weight_decay=0.1, mask=train_gpt.decay_mask)
   lr = 1e-5
 
   def loss_and_grads(params, batch):  # raw gradients and the factor of a global-norm clip at 1.0 (grad_scale)

@@ -142,6 +142,12 @@ def _put(xs: list[jax.Array], kind: str, likes: list[jax.Array] | None = None) -
   return list(jax.device_put(list(xs), shardings, may_alias=False))
 
 
+def _put_groups(groups: list[list[jax.Array]], kind: str) -> list[list[jax.Array]]:
+  """:func:`_put` of several lists of arrays as one batched ``device_put``, split back into the lists."""
+  moved = iter(_put([x for g in groups for x in g], kind))
+  return [[next(moved) for _ in g] for g in groups]
+
+
 def _like_state(grad: jax.Array, master: jax.Array, kind: str = "device") -> jax.Array:
   """``grad`` in memory ``kind`` with the state's sharding, so that shards line up leaf by leaf."""
   target = master.sharding.with_memory_kind(kind)
@@ -247,12 +253,10 @@ class Engine:
       idx = list(plan.subgroups[s])
       if len(in_flight) >= plan.stream_slots:
         jax.block_until_ready(in_flight.popleft())
-      moved = _put([lst[i] for lst in (masters, mus, nus) for i in idx], "device")
-      dev_state = [moved[k * len(idx) : (k + 1) * len(idx)] for k in range(3)]
+      dev_state = _put_groups([[lst[i] for i in idx] for lst in (masters, mus, nus)], "device")
       g, p = [grads[i] for i in idx], [params[i] for i in idx]
       u, m32, m1, m2 = _jit_update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
-      moved = _put([*m32, *m1, *m2], "pinned_host")
-      back = [moved[k * len(idx) : (k + 1) * len(idx)] for k in range(3)]
+      back = _put_groups([m32, m1, m2], "pinned_host")
       self._scatter(idx, (u, *back), updates, new)
       in_flight.append(back)
 

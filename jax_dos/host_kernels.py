@@ -1,8 +1,9 @@
 """Fused, multi-threaded AdamW on host buffers (numba), updating in place.
 
-One pass over ``g, p, m, v`` (``g`` times the step's gradient scale): reads 16 bytes (14 with bfloat16 gradients,
-widened exactly in the loop) and writes 12 (p, m, v) per parameter, the
-least any in-place Adam can move (torch's fused CPU AdamW moves the same).
+One pass over ``g, p, m, v`` (``g`` times the step's gradient scale): reads
+16 bytes (14 with bfloat16 gradients, widened exactly in the loop) and writes
+12 (p, m, v) per parameter, the least any in-place Adam can move (torch's
+fused CPU AdamW moves the same).
 The engine sends the new master itself to the accelerator and forms the
 update there, so no output buffer is written. The arithmetic is IEEE float32
 in optax's order (see ``adam_math.py``): every constant is a float32
