@@ -56,8 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--vocab-size", type=int, default=50304)
   p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
   p.add_argument("--no-remat", action="store_true", help="keep block activations (default: rematerialise)")
-  p.add_argument("--no-grad-flush", action="store_true", help="jax_dos variants: gradients stay on the GPU (the engine"
-                 " copies host ones after the backward pass)")  # fmt: skip
+  p.add_argument("--grad-flush", default="host", choices=("host", "all", "none"),
+                 help="jax_dos variants: gradients the backward pass writes to host memory (gradient_shardings'"
+                      " flush; none: all stay on the GPU)")  # fmt: skip
   p.add_argument("--variants", default="peak,idiom,host,auto,delay", help="comma list of " + ", ".join(VARIANTS))
   p.add_argument("--steps", type=int, default=4, help="timed steps")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation, delay warm-up)")
@@ -171,7 +172,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     plan = "host" if args.variant in ("host", "hostdelay") else "auto"
     delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "hostdelay") else {}
     tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=jax_dos.auto_planner(**budgets), **delay)
-    flush = None if args.no_grad_flush else (None, jax_dos.gradient_shardings(tx, params), None)
+    flush = None if args.grad_flush == "none" else (None, jax_dos.gradient_shardings(tx, params, args.grad_flush), None)
     fb = jax.jit(loss_and_grads, out_shardings=flush)
 
     def step_fn(params, state, batch):

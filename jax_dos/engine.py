@@ -8,11 +8,13 @@ Per step, everything is issued up front and waited on as late as possible:
 3. all resident (``device``) subgroups update in one jitted call, state donated;
 4. a worker thread runs the fused host kernel subgroup by subgroup, in plan
    order, as soon as each subgroup's gradients have arrived, and sends each
-   new master to the accelerator at once, where the update is formed;
+   new master to the accelerator at once (for bfloat16 parameters, the
+   bfloat16 copy the kernel wrote in the same pass), where the update is formed;
 5. meanwhile the calling thread streams ``stream`` subgroups: asynchronous
-   host-to-device copies of master/mu/nu, the jitted update, asynchronous
-   device-to-host copies of the new state, with at most ``plan.stream_slots``
-   subgroups in flight so their staging memory stays bounded.
+   host-to-device copies of master/mu/nu (the host buffers are then released,
+   as donated ones are), the jitted update, asynchronous device-to-host copies
+   of the new state, with at most ``plan.stream_slots`` subgroups in flight so
+   their staging memory stays bounded.
 
 Gradients of host subgroups that arrive already in ``pinned_host`` memory
 (the gradient function's ``out_shardings``, see ``gradient_shardings``) skip
@@ -190,6 +192,8 @@ class Engine:
     self.decay = tuple(decay)
     self.delay, self.delay_warmup = delay, delay_warmup
     self.leaf_placement = plan.leaf_placements()
+    self._lows: dict[int, jax.Array] = {}  # host leaf -> its bfloat16 copy of the master (bf16 params only)
+    self._lows_hold: tuple | None = None  # (weak refs to the masters, step) the copies were last written for
 
   def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
     """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
@@ -202,6 +206,13 @@ class Engine:
     """One step. All arguments are flat lists of leaves (``count`` and ``grad_scale`` scalars)."""
     _BACKGROUND.wait(self)  # last step's delayed host update, if any
     plan, hyper = self.plan, self.hyper
+    streamed = [i for s in plan.indices("stream") for i in plan.subgroups[s]]
+    if any(lst[i].is_deleted() for lst in (masters, mus, nus) for i in streamed):
+      raise ValueError(
+        "this optimizer state was already consumed by an earlier update (its streamed subgroups' host"
+        " buffers were released when they were copied to the accelerator). Pass the state returned by the"
+        " latest update."
+      )
     masters, mus, nus = (self.place_state(x) for x in (masters, mus, nus))
     n = len(grads)
     updates: list[Any] = [None] * n
@@ -223,28 +234,55 @@ class Engine:
       self._scatter(dev_leaves, outs, updates, new)
 
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
-    reading: list[jax.Array] = []
+    lows = self._low_copies(host_leaves, masters, params, step, synced=delayed)
+    reading: dict[int, jax.Array] = {}
     if delayed:
       # Parameters go to the masters as they are now (step t - 1); the kernel for step t runs in the background.
-      reading = self._updates_from_masters(host_leaves, masters, params, updates)
+      reading = self._updates_from_masters(host_leaves, masters, lows, params, updates)
     if host_leaves:
-      args = (host_grads, masters, mus, nus, params, scalars, updates, not delayed, reading)
+      hold = ([weakref.ref(masters[i]) for i in lows], step + 1)
+      args = (host_grads, masters, mus, nus, lows, params, scalars, updates, not delayed, reading, hold)
       _BACKGROUND.start(self, self._host_worker, *args)
     self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new)
     if not delayed:
       _BACKGROUND.wait(self)
     return updates, new[0], new[1], new[2], _jit_increment(count)
 
-  @staticmethod
-  def _updates_from_masters(leaves, masters, params, updates) -> list[jax.Array]:
-    """Sends the masters of ``leaves`` to the accelerator and forms each update ``cast(master) - param`` there.
+  def _low_copies(self, leaves, masters, params, step, synced) -> dict[int, jax.Array]:
+    """The bfloat16 copies of the masters of ``leaves`` whose parameters are bfloat16 (host buffers the engine owns).
 
-    Returns the masters' device copies: once they are ready, the host masters may be written again.
+    The kernel rewrites them with each new master, so that 2 bytes a
+    parameter, not 4, cross to the accelerator. With ``synced`` they must
+    hold the current masters: made from them unless this engine's last step
+    wrote them for these very buffers.
     """
-    sent = _put([masters[i] for i in leaves], "device", likes=[params[i] for i in leaves])
+    wanted = [i for i in leaves if params[i].dtype == jnp.bfloat16]
+    missing = [i for i in wanted if i not in self._lows]
+    if missing:
+      bf16 = [jax.ShapeDtypeStruct(masters[i].shape, jnp.bfloat16, sharding=masters[i].sharding) for i in missing]
+      made = jax.jit(lambda: [jnp.zeros(x.shape, x.dtype) for x in bf16], out_shardings=[x.sharding for x in bf16])()
+      self._lows.update(zip(missing, made))
+    lows = {i: self._lows[i] for i in wanted}
+    held = self._lows_hold
+    current = held is not None and held[1] == step and len(held[0]) == len(wanted)
+    if synced and not (current and all(r() is masters[i] for r, i in zip(held[0], wanted))):
+      for i in wanted:
+        for low, master in zip(_shards(lows[i]), _shards(masters[i])):
+          host_kernels.round_to_bf16(low, master)
+    self._lows_hold = None  # until this step's kernel has written them
+    return lows
+
+  @staticmethod
+  def _updates_from_masters(leaves, masters, lows, params, updates) -> dict[int, jax.Array]:
+    """Sends the masters of ``leaves`` (their bfloat16 copies where made) to the accelerator; forms each update there.
+
+    The update is ``cast(master) - param``. Returns the device copies by leaf:
+    once one is ready, its host buffers may be written again.
+    """
+    sent = _put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
     for i, master in zip(leaves, sent):
       updates[i] = _jit_update_from_master(master, params[i])
-    return sent
+    return dict(zip(leaves, sent))
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new) -> None:
     """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
@@ -253,7 +291,10 @@ class Engine:
       idx = list(plan.subgroups[s])
       if len(in_flight) >= plan.stream_slots:
         jax.block_until_ready(in_flight.popleft())
-      dev_state = _put_groups([[lst[i] for i in idx] for lst in (masters, mus, nus)], "device")
+      old = [[lst[i] for i in idx] for lst in (masters, mus, nus)]
+      dev_state = _put_groups(old, "device")
+      for a in (a for group in old for a in group):
+        a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
       g, p = [grads[i] for i in idx], [params[i] for i in idx]
       u, m32, m1, m2 = _jit_update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
       back = _put_groups([m32, m1, m2], "pinned_host")
@@ -267,32 +308,36 @@ class Engine:
       updates[i] = u[j]
       new[0][i], new[1][i], new[2][i] = m32[j], m1[j], m2[j]
 
-  def _host_worker(self, host_grads, masters, mus, nus, params, scalars, updates, send, reading, error) -> None:
+  def _host_worker(self, host_grads, masters, mus, nus, lows, params, scalars, updates, send, reading, hold, error):
     """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update.
 
-    Never writes a host master that a transfer still reads: it first waits for ``reading`` (the delayed path's
-    transfers), and before returning for its own, so no step leaves a transfer for the next one to wait on.
+    Never writes a host buffer that a transfer still reads: before each
+    subgroup it waits for ``reading``'s transfers of that subgroup (the
+    delayed path's), and before returning for its own, so no step leaves a
+    transfer for the next one to wait on. Then records ``hold``: what the
+    bfloat16 copies now hold.
     """
     try:
       hyper, plan = self.hyper, self.plan
       scalars_np = np.asarray(scalars)
-      jax.block_until_ready(reading)
-      reading = []
+      sending: dict[int, jax.Array] = {}
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
+        jax.block_until_ready([reading.pop(i) for i in leaves if i in reading])
         buffers, decay = [], []
         for i in leaves:
-          shards = zip(*(_shards(a) for a in (host_grads[i].block_until_ready(), masters[i], mus[i], nus[i])))
-          for quad in shards:
-            buffers.append(quad)
+          arrays = (host_grads[i].block_until_ready(), masters[i], mus[i], nus[i], *([lows[i]] if i in lows else []))
+          for shards in zip(*(_shards(a) for a in arrays)):
+            buffers.append(shards)
             decay.append(self.decay[i])
         host_kernels.adam_many(
             buffers, decay, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
             weight_decay=hyper.weight_decay, scalars=scalars_np,
         )  # fmt: skip
         if send:
-          jax.block_until_ready(reading)  # the previous subgroup's copies (long done), then let them go
-          reading = self._updates_from_masters(leaves, masters, params, updates)
-      jax.block_until_ready(reading)
+          jax.block_until_ready(list(sending.values()))  # the previous subgroup's copies (long done), then let them go
+          sending = self._updates_from_masters(leaves, masters, lows, params, updates)
+      jax.block_until_ready([*reading.values(), *sending.values()])
+      self._lows_hold = hold
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)

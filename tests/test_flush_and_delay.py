@@ -23,32 +23,42 @@ def quadratic_loss(params, targets):
   )
 
 
-def make_grad_fn(tx, params):
-  """A jitted gradient function whose out_shardings put host subgroups' gradients in pinned_host."""
-  return jax.jit(jax.grad(quadratic_loss), out_shardings=jax_dos.gradient_shardings(tx, params))
+def make_grad_fn(tx, params, flush="host"):
+  """A jitted gradient function whose out_shardings flush gradients to pinned_host (host subgroups', or all)."""
+  return jax.jit(jax.grad(quadratic_loss), out_shardings=jax_dos.gradient_shardings(tx, params, flush))
 
 
-def test_flushed_gradients_land_in_pinned_host_and_match_optax():
+@pytest.mark.parametrize("flush, jit", [("host", False), ("all", False), ("all", True)])
+def test_flushed_gradients_land_in_pinned_host_and_match_optax(flush, jit):
   rng = np.random.default_rng()
   params = random_tree(rng)
   tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan=MIXED)
   ref = optax.adamw(1e-2, weight_decay=0.1)
   state, ref_state, ref_params = tx.init(params), ref.init(params), params
-  grad_fn = make_grad_fn(tx, params)
-  kinds = jax.tree.leaves(jax_dos.gradient_memory_kinds(tx, params))
+  grad_fn = make_grad_fn(tx, params, flush)
+  update = jax.jit(tx.update) if jit else tx.update
+  kinds = jax.tree.leaves(jax_dos.gradient_memory_kinds(tx, params, flush))
   placements = jax_dos.get_plan(tx, params).leaf_placements()
   sizes = [np.size(x) for x in jax.tree.leaves(params)]
-  assert kinds == ["pinned_host" if p == "host" and n else "device" for p, n in zip(placements, sizes)]
-  assert "pinned_host" in kinds and "device" in kinds
+  flushed = ("host", "stream", "device") if flush == "all" else ("host",)
+  assert kinds == ["pinned_host" if p in flushed and n else "device" for p, n in zip(placements, sizes)]
+  assert {k for k, n in zip(kinds, sizes) if n} == ({"pinned_host"} if flush == "all" else {"pinned_host", "device"})
   for _ in range(5):
     targets = random_tree(rng)
     grads = grad_fn(params, targets)
     assert [g.sharding.memory_kind for g in jax.tree.leaves(grads)] == kinds
-    updates, state = tx.update(grads, state, params)
+    updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
     ref_updates, ref_state = ref.update(jax.grad(quadratic_loss)(ref_params, targets), ref_state, ref_params)
     ref_params = optax.apply_updates(ref_params, ref_updates)
   assert max_rel_diff(params, ref_params) < TOL
+
+
+def test_an_unknown_flush_is_refused():
+  params = random_tree(np.random.default_rng())
+  tx = jax_dos.interleaved_adam(1e-2, subgroup_size=100, plan=MIXED)
+  with pytest.raises(ValueError, match="flush must be one of"):
+    jax_dos.gradient_shardings(tx, params, flush="device")
 
 
 def test_bfloat16_gradients_on_the_host_match_optax_on_their_float32_values():
@@ -182,3 +192,60 @@ def test_the_engine_keeps_no_reference_to_what_it_returns(delay):
   jax_dos.wait_for_host_updates()
   gc.collect()
   assert [r() for r in refs] == [None] * len(refs)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_delayed_bfloat16_parameters_are_the_previous_masters_rounded(jit):
+  """bf16 params land exactly on the masters rounded to bf16: those before the step for delayed host subgroups."""
+  rng = np.random.default_rng()
+  params = random_tree(rng, dtype=jnp.bfloat16)
+  warmup, steps = 2, 6
+  tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan=MIXED, delay=1, delay_warmup=warmup)
+  ref = optax.adamw(1e-2, weight_decay=0.1)
+  placements = jax_dos.get_plan(tx, params).leaf_placements()
+  masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  state, ref_state = tx.init(params), ref.init(masters)
+  flush = jax.jit(lambda g: g, out_shardings=jax_dos.gradient_shardings(tx, params))
+  update = jax.jit(tx.update) if jit else tx.update
+  history = [[np.array(x) for x in jax.tree.leaves(masters)]]
+  for t in range(steps):
+    grads = random_tree(rng, dtype=jnp.bfloat16)
+    updates, state = update(flush(grads), state, params)
+    params = optax.apply_updates(params, updates)
+    jax_dos.wait_for_host_updates()
+    history.append([np.array(x) for x in jax.tree.leaves(state.master)])
+    for i, (p, placement) in enumerate(zip(jax.tree.leaves(params), placements)):
+      source = history[t] if placement == "host" and t >= warmup else history[t + 1]
+      want = np.asarray(jnp.asarray(source[i]).astype(jnp.bfloat16))
+      np.testing.assert_array_equal(np.asarray(p).astype(np.float32), want.astype(np.float32), f"step {t} leaf {i}")
+    ref_updates, ref_state = ref.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref_state, masters)
+    masters = optax.apply_updates(masters, ref_updates)
+  assert max_rel_diff(state.master, masters) < TOL
+
+
+def test_a_delayed_engine_handed_another_state_starts_from_its_masters():
+  """With no warm-up the first update is already delayed: the engine's bf16 copies must come from this state."""
+  rng = np.random.default_rng()
+  params0 = random_tree(rng, dtype=jnp.bfloat16)
+  grads = [random_tree(rng, dtype=jnp.bfloat16) for _ in range(3)]
+
+  def run(tx, params):
+    state, history = tx.init(params), []
+    for g in grads:
+      updates, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, updates)
+      history.append(params)
+    jax_dos.wait_for_host_updates()
+    return history
+
+  def make():
+    return jax_dos.interleaved_adam(1e-2, subgroup_size=100, plan="host", delay=1, delay_warmup=0)
+
+  used = make()
+  run(used, random_tree(rng, dtype=jnp.bfloat16))  # another run first: its copies are stale for the next
+  got, fresh = run(used, params0), run(make(), params0)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fresh)):
+    np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+  # The first delayed step takes the parameters to the masters before it: the initial ones.
+  for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(params0)):
+    np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))

@@ -67,3 +67,42 @@ def test_bfloat16_gradients_are_widened_exactly():
   for a, b in zip(wide[1:], narrow[1:]):
     np.testing.assert_array_equal(a, b)
   assert not np.array_equal(narrow[1], p)
+
+
+def _awkward_float32(rng, n):
+  """Normal samples plus the values rounding to bfloat16 gets wrong most easily: ties, overflow, inf, nan."""
+  x = rng.standard_normal(n).astype(np.float32)
+  bits = x.view(np.uint32)
+  bits[: n // 8] = (bits[: n // 8] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # exact ties: round to even
+  special = [np.inf, -np.inf, np.nan, 0.0, -0.0, 3.4e38, -3.4e38, 1e-40, 1.00390625, 1.01171875]
+  x[n // 8 : n // 8 + len(special)] = special
+  return x
+
+
+def test_the_bfloat16_copy_of_new_weights_rounds_as_xla_does():
+  rng = np.random.default_rng()
+  n = 50_001
+  g = rng.standard_normal(n).astype(np.float32)
+  p = _awkward_float32(rng, n)
+  m, v = rng.standard_normal(n).astype(np.float32), np.abs(rng.standard_normal(n)).astype(np.float32)
+  low = np.zeros(n, jnp.bfloat16)
+  scalars = np.asarray([-1e-3, 0.1, 0.05], np.float32)
+  kw = dict(b1=0.9, b2=0.95, eps=1e-8, eps_root=0.0, weight_decay=0.1, scalars=scalars)
+  plain = [g, p.copy(), m.copy(), v.copy()]
+  host_kernels.adam_many([plain], [True], **kw)
+  with_low = [g, p.copy(), m.copy(), v.copy(), low]
+  host_kernels.adam_many([with_low], [True], **kw)
+  for a, b in zip(plain[1:], with_low[1:4]):
+    np.testing.assert_array_equal(a, b)  # the copy changes nothing else
+  want = np.asarray(jnp.asarray(with_low[1]).astype(jnp.bfloat16))
+  np.testing.assert_array_equal(low.astype(np.float32), want.astype(np.float32))  # (nan == nan here)
+
+
+def test_round_to_bf16_matches_xla():
+  x = _awkward_float32(np.random.default_rng(), 100_003)
+  out = np.zeros(x.size, jnp.bfloat16)
+  host_kernels.round_to_bf16(out, x)
+  want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16))
+  np.testing.assert_array_equal(out.astype(np.float32), want.astype(np.float32))  # (nan == nan here)
+  with pytest.raises(TypeError, match="float32 -> bfloat16"):
+    host_kernels.round_to_bf16(out, x.astype(np.float64))

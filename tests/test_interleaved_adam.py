@@ -146,6 +146,21 @@ def test_eager_update_consumes_host_state_and_reuse_is_an_error():
   tx.update(grads, new_state, params)  # the latest state is fine
 
 
+def test_eager_update_releases_streamed_state_and_reuse_is_an_error():
+  rng = np.random.default_rng()
+  params = random_tree(rng)
+  tx = jax_dos.interleaved_adam(1e-2, plan="stream")
+  state = tx.init(params)
+  grads = random_tree(rng)
+  _, new_state = tx.update(grads, state, params)
+  # Streamed leaves' old host buffers are released (host memory holds one copy of the state), as donated ones are.
+  assert all(a.is_deleted() for a in jax.tree.leaves(state.master) if a.size)
+  assert not any(a.is_deleted() for a in jax.tree.leaves(new_state.master))
+  with pytest.raises(ValueError, match="already consumed"):
+    tx.update(grads, state, params)
+  tx.update(grads, new_state, params)  # the latest state is fine
+
+
 def test_extra_args_are_accepted():
   params = random_tree(np.random.default_rng())
   tx = jax_dos.interleaved_adam(1e-3, plan="host")

@@ -163,7 +163,7 @@ def test_offload_none_and_host_give_the_same_loss_curve(tmp_path):
   common = ["--steps", "4", "--lr", "3e-3", "--warmup", "1", "--eval-every", "0", "--log-every", "1",
             "--param-dtype", "float32"]  # fmt: skip
   ref = _run(tmp_path, "none", *common, "--offload", "none")
-  for mode in ("host", "stream", "host --no-grad-flush"):
+  for mode in ("host", "stream", "host --grad-flush none", "auto --grad-flush all"):
     got = _run(tmp_path, mode.replace(" ", ""), *common, "--offload", *mode.split())
     np.testing.assert_allclose(list(got["losses"].values()), list(ref["losses"].values()), rtol=1e-4, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(ref["params"])):

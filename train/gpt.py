@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--delay", type=int, choices=(0, 1), default=0,
                  help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
   x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
-  x.add_argument("--no-grad-flush", action="store_true",
-                 help="keep all gradients on the accelerator (the engine copies host ones after the step)")  # fmt: skip
+  x.add_argument("--grad-flush", choices=("host", "all", "none"), default="host",
+                 help="gradients the backward pass writes to host memory: host subgroups' (host), every one"
+                      " (all: least accelerator memory, for the largest models) or none")  # fmt: skip
 
   r = p.add_argument_group("evaluation, logging, checkpoints")
   r.add_argument("--eval-every", type=int, default=100, help="steps between validation passes (0 = only at the end)")
@@ -206,14 +207,15 @@ def _grad_step(graphdef, params, batch, clip: float):
 _grad_step_on_device = jax.jit(_grad_step, static_argnums=(0, 3))
 
 
-def make_grad_step(tx: optax.GradientTransformation | None, params: Any):
+def make_grad_step(tx: optax.GradientTransformation | None, params: Any, flush: str = "host"):
   """``grad_step(graphdef, params, batch, clip) -> (loss, grads, clip_scale)``, jitted.
 
-  With ``tx`` (a ``jax_dos`` optimizer), host subgroups' gradients come out in host memory.
+  With ``tx`` (a ``jax_dos`` optimizer), gradients come out in host memory as
+  ``jax_dos.gradient_shardings(tx, params, flush)`` says.
   """
   if tx is None:
     return _grad_step_on_device
-  shardings = (None, jax_dos.gradient_shardings(tx, params), None)
+  shardings = (None, jax_dos.gradient_shardings(tx, params, flush), None)
   return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=shardings)
 
 
@@ -341,7 +343,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   tx, schedule = make_optimizer(args)
   opt_state = tx.init(params)
   plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
-  grad_step = make_grad_step(None if args.offload == "none" or args.no_grad_flush else tx, params)
+  flushing = args.offload != "none" and args.grad_flush != "none"
+  grad_step = make_grad_step(tx if flushing else None, params, args.grad_flush)
 
   # --- output, checkpoints, resume
   os.makedirs(args.out, exist_ok=True)
