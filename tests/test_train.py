@@ -203,3 +203,10 @@ def test_checkpoint_directory_guards(tmp_path):
   with pytest.raises(SystemExit, match="not found"):  # --overwrite clears the old run before anything else
     _run(tmp_path, "run", "--steps", "2", "--overwrite", "--data", str(tmp_path / "missing.txt"))
   assert not os.path.exists(tmp_path / "run" / "ckpt") and not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_budget_flags_reach_the_planner(tmp_path):
+  # No accelerator memory for resident or streamed state: the performance model can only choose the host.
+  out = _run(tmp_path, "budget", "--steps", "2", "--eval-every", "0", "--offload", "auto", "--resident-gb", "0",
+             "--staging-gb", "0")  # fmt: skip
+  assert "host:    1 subgroups" in out["plan"] and "(100.0%)" in out["plan"].split("host:")[1], out["plan"]

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--offload", choices=OFFLOAD_MODES, default="auto",
                  help="none: optax.adamw on the accelerator; else jax_dos.interleaved_adam(plan=<mode>)")  # fmt: skip
   x.add_argument("--subgroup-size", type=int, default=jax_dos.DEFAULT_SUBGROUP_SIZE, help="elements per subgroup")
+  x.add_argument("--resident-gb", type=float, default=None,
+                 help="--offload auto: accelerator GiB for resident state (default: from free memory)")  # fmt: skip
+  x.add_argument("--staging-gb", type=float, default=None,
+                 help="--offload auto: GiB for streamed subgroups in flight (default: from free memory)")  # fmt: skip
   x.add_argument("--delay", type=int, choices=(0, 1), default=0,
                  help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
   x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
@@ -233,8 +237,10 @@ def make_optimizer(args: argparse.Namespace) -> tuple[optax.GradientTransformati
       return tx.update(jax.tree.map(lambda g: g * grad_scale, grads), state, params)
 
     return optax.GradientTransformationExtraArgs(tx.init, jax.jit(update, donate_argnums=1)), schedule
+  budgets = {"resident_budget_bytes": args.resident_gb, "staging_budget_bytes": args.staging_gb}
+  planner = jax_dos.auto_planner(**{k: int(v * 2**30) for k, v in budgets.items() if v is not None})
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
-  tx = jax_dos.interleaved_adam(schedule, **kw, **offload)
+  tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
   return tx, schedule
 
 
