@@ -56,6 +56,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import warnings
 import zlib
@@ -77,6 +78,10 @@ _PYTREE_ITEMS = ("params", "opt_state", "master")
 HostCopy = Literal["auto", "copy", "block"]
 
 log = logging.getLogger(__name__)
+
+
+def _size(nbytes: int) -> str:
+  return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
 
 
 def _is_local(path: str) -> bool:
@@ -260,6 +265,7 @@ class CheckpointManager:
     if _is_local(self.directory):
       os.makedirs(self.directory, exist_ok=True)
     self._mgr.wait_until_finished()  # one save in flight: bounds the memory of host copies
+    self.check_space(trees)
     self._write_pending_manifests()
     mode = self._guard_mode(trees)
     if mode == "copy":
@@ -277,6 +283,25 @@ class CheckpointManager:
       self._mgr.wait_until_finished()
       self._write_pending_manifests()
     return saved
+
+  def check_space(self, *trees: Any) -> None:
+    """Raises ``OSError`` if the checkpoint directory's disk cannot hold one checkpoint of ``trees``.
+
+    Called by :meth:`save` before anything is written (so a full disk never
+    leaves a half-written step behind), and usable before training starts,
+    with ``params`` and the optimizer state, to fail early. Remote paths are
+    not checked.
+    """
+    if not _is_local(self.directory):
+      return
+    need = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(trees))
+    os.makedirs(self.directory, exist_ok=True)
+    free = shutil.disk_usage(self.directory).free
+    if need > free:
+      raise OSError(
+        f"a checkpoint needs {_size(need)} but {self.directory} has {_size(free)} free. Point the"
+        " manager at a larger disk (or free space there); earlier checkpoints are untouched."
+      )
 
   def _guard_mode(self, trees: Any) -> str:
     if not self.async_save:

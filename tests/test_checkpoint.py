@@ -361,3 +361,25 @@ def test_restore_into_abstract_templates(tmp_path):
     rp, rs, _ = mgr.restore(params=abstract(params), opt_state=abstract(state))
   assert_equal_trees(want, (rp, rs))
   assert kinds(rs) == kinds(state)
+
+
+def test_a_disk_too_small_is_refused_before_writing(tmp_path, monkeypatch):
+  # A full disk cannot be made here; the check reads shutil.disk_usage, so that is what reports one.
+  import jax_dos.checkpoint as ckpt
+
+  tx = interleaved("host")
+  params = make_params()
+  state = tx.init(params)
+  with CheckpointManager(tmp_path, save_interval_steps=1, async_save=False) as mgr:
+    mgr.save(1, params=params, opt_state=state)
+    params, state = train(tx, params, state, 2)
+    real = ckpt.shutil.disk_usage
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(OSError, match=r"needs 0\.00 MB but .* has 0\.00 MB free"):
+      mgr.check_space(params, state)
+    with pytest.raises(OSError, match="earlier checkpoints are untouched"):
+      mgr.save(2, params=params, opt_state=state)
+    monkeypatch.undo()
+    assert mgr.all_steps() == [1]
+    restored, _, _ = mgr.restore(1, params=params, opt_state=state)
+  assert_equal_trees(restored, make_params())

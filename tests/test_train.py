@@ -121,6 +121,7 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
     (["--offload", "gpu"], "invalid choice"),
     (["--resume", "--overwrite"], "contradict"),
     (["--offload", "none", "--delay", "1"], "--delay 1"),
+    (["--resume", "--no-ckpt"], "drop --no-ckpt"),
   ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
@@ -203,6 +204,12 @@ def test_checkpoint_directory_guards(tmp_path):
   with pytest.raises(SystemExit, match="not found"):  # --overwrite clears the old run before anything else
     _run(tmp_path, "run", "--steps", "2", "--overwrite", "--data", str(tmp_path / "missing.txt"))
   assert not os.path.exists(tmp_path / "run" / "ckpt") and not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+def test_no_ckpt_writes_no_checkpoint(tmp_path):
+  _run(tmp_path, "nockpt", "--steps", "2", "--eval-every", "0", "--no-ckpt")
+  ckpt = tmp_path / "nockpt" / "ckpt"
+  assert not ckpt.exists() or not any(ckpt.iterdir())
 
 
 def test_budget_flags_reach_the_planner(tmp_path):

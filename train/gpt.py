@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--out", default=None, help="output directory; default runs/<preset>")
   r.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0 = only at the end)")
   r.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+  r.add_argument("--no-ckpt", action="store_true", help="write no checkpoints (not even the final one)")
   r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in <out>/ckpt")
   r.add_argument("--overwrite", action="store_true", help="delete <out>/ckpt and the metrics of an earlier run")
   r.add_argument("--plot", action="store_true", help="write <out>/loss.png")
@@ -145,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   for name in ("n_layer", "n_head", "d_model", "vocab_size"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+  if args.resume and args.no_ckpt:
+    err("--resume continues from a checkpoint and saves more; drop --no-ckpt.")
   shape = {**gpt_model.PRESETS[args.preset], **model_overrides(args)}
   if shape["d_model"] % shape["n_head"]:
     err(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}.")
@@ -354,7 +357,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
   # --- output, checkpoints, resume
   os.makedirs(args.out, exist_ok=True)
-  manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
+  manager = None
+  if not args.no_ckpt:
+    manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
+    try:
+      manager.check_space(params, opt_state)  # fail now, not after the training run
+    except OSError as e:
+      raise SystemExit(f"{e} Or pass --no-ckpt to train without checkpoints.") from None
   start_step = 0
   if args.resume:
     params, opt_state, start_step = _restore(manager, cfg, params, opt_state, args)
