@@ -47,15 +47,19 @@ import sys
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+# Optimizer state offloaded to the host frees GPU memory for activations: take 94% of it, not jax's default 75%
+# (a 6.7B model on an 80 GB H100 ran out of memory at 75%). Read when jax first uses the GPU; a user's value wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
-import jax_dos
-from models import gpt as gpt_model
-from train import data as data_lib
-from train import progress
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jax_dos  # noqa: E402
+from models import gpt as gpt_model  # noqa: E402
+from train import data as data_lib  # noqa: E402
+from train import progress  # noqa: E402
 
 OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 
