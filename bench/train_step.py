@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--vocab-size", type=int, default=50304)
   p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
   p.add_argument("--no-remat", action="store_true", help="keep block activations (default: rematerialise)")
-  p.add_argument("--grad-flush", default="host", choices=("host", "all", "none"),
+  p.add_argument("--grad-flush", default="host", choices=("host", "all", "none"),  # GRADIENT_FLUSHES, none
                  help="jax_dos variants: gradients the backward pass writes to host memory (gradient_shardings'"
                       " flush; none: all stay on the GPU)")  # fmt: skip
   p.add_argument("--variants", default="peak,idiom,host,auto,delay", help="comma list of " + ", ".join(VARIANTS))

@@ -21,6 +21,7 @@ from jax_dos.planner import auto_planner, make_plan
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,
+  GRADIENT_FLUSHES,
   InterleavedAdamState,
   get_plan,
   gradient_memory_kinds,
@@ -34,6 +35,7 @@ __all__ = [
   "Calibration",
   "CheckpointManager",
   "DEFAULT_SUBGROUP_SIZE",
+  "GRADIENT_FLUSHES",
   "auto_planner",
   "calibrate",
   "clip_scale",

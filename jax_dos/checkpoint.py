@@ -262,10 +262,8 @@ class CheckpointManager:
       "num_extra": len(parts.extra),
     }
 
-    if _is_local(self.directory):
-      os.makedirs(self.directory, exist_ok=True)
     self._mgr.wait_until_finished()  # one save in flight: bounds the memory of host copies
-    self.check_space(trees)
+    self.check_space(trees)  # (creates a local directory)
     self._write_pending_manifests()
     mode = self._guard_mode(trees)
     if mode == "copy":

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--delay", type=int, choices=(0, 1), default=0,
                  help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
   x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
-  x.add_argument("--grad-flush", choices=("host", "all", "none"), default="host",
+  x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default="host",
                  help="gradients the backward pass writes to host memory: host subgroups' (host), every one"
                       " (all: least accelerator memory, for the largest models) or none")  # fmt: skip
 
