@@ -65,6 +65,8 @@ def parse_args(argv=None):
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--skip", default="", help="comma list of variants to skip: optax,torch,traced,host,stream,auto")
   p.add_argument("--recalibrate", action="store_true", help="measure the calibration again (else the cache)")
+  p.add_argument("--calibration-size", type=int, default=None,
+                 help="parameters per path to calibrate with (default: jax_dos's); implies --recalibrate")  # fmt: skip
   p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU")
   p.add_argument(
     "--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -138,7 +140,10 @@ class Bench:
     self.dram = common.dram_bandwidth(2**22 if args.smoke else 2**28, self.threads)
     self.bw = self.dram["bandwidth_Bps"]
     print(f"host DRAM: copy {self.dram['copy_Bps'] / 1e9:.1f} GB/s, add {self.dram['add_Bps'] / 1e9:.1f} GB/s")
-    self.cal = perf_model.calibrate(force=args.recalibrate)
+    if args.calibration_size:
+      self.cal = perf_model.calibrate(size=args.calibration_size, force=True, cache=False)
+    else:
+      self.cal = perf_model.calibrate(force=args.recalibrate)
     print(f"calibration: {self.cal.summary()}", flush=True)
     self.staging = int(args.staging_gib * 2**30)
     self.donate = "traced" not in args.skip and donation_works()

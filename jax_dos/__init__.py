@@ -17,7 +17,7 @@ from jax_dos.checkpoint import CheckpointManager
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.perf_model import Calibration, calibrate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
-from jax_dos.planner import auto_planner, make_plan
+from jax_dos.planner import StepMemory, auto_planner, make_plan
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,
@@ -43,6 +43,7 @@ __all__ = [
   "InterleavedAdamState",
   "PLACEMENTS",
   "Plan",
+  "StepMemory",
   "get_plan",
   "gradient_memory_kinds",
   "gradient_shardings",

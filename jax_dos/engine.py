@@ -324,6 +324,8 @@ class Engine:
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
         jax.block_until_ready([reading.pop(i) for i in leaves if i in reading])
+        for i in [i for i, x in reading.items() if x.is_ready()]:
+          del reading[i]  # copied: drop the accelerator copy now, not while the next forward/backward needs memory
         buffers, decay = [], []
         for i in leaves:
           arrays = (host_grads[i].block_until_ready(), masters[i], mus[i], nus[i], *([lows[i]] if i in lows else []))

@@ -42,14 +42,22 @@ Choice (deterministic, see :func:`plan_sizes`):
    + all stream) are candidates too and win ties, so the chosen plan is never
    predicted slower than any of them.
 
-Budgets (:func:`resolve_budgets`): by default the resident budget is
-``resident_fraction`` (0.4) of the accelerator memory free when planning
-(``memory_stats``: ``bytes_limit - bytes_in_use``, smallest over local
-devices), which must leave room for activations; the staging budget is
-``staging_fraction`` (0.5) of what is left, memory that activations occupy
-during forward/backward but that is free during the update phase. With no
-accelerator memory statistics (the CPU backend) the resident budget is 0 and
-staging is unbounded, so ``"auto"`` still makes an offloaded plan there.
+Budgets (:func:`resolve_budgets`) come from the accelerator memory free when
+planning (``memory_stats``: ``bytes_limit - bytes_in_use``, smallest over
+local devices). Given the training step's own needs (:class:`StepMemory`,
+read from its compiled program), they are exact: with ``F`` the free memory
+less a 5% margin, ``P`` the step's peak and ``L`` what it keeps alive
+through the update (gradients left on the accelerator),
+
+    resident <= F - P                      (forward/backward: state beside activations)
+    resident + staging <= F - L - 4 B/param (update phase: activations gone, fp32 updates made)
+
+and two streaming slots are kept unless the whole state fits. Without it,
+the resident budget is ``resident_fraction`` (0.4) of the free memory, a
+guess that must leave room for activations, and the staging budget
+``staging_fraction`` (0.5) of what is left. With no accelerator memory
+statistics (the CPU backend) the resident budget is 0 and staging is
+unbounded, so ``"auto"`` still makes an offloaded plan there.
 """
 
 from __future__ import annotations
@@ -67,9 +75,38 @@ STAGING_BYTES = 16  # a streamed subgroup in flight: master, mu, nu in, the fp32
 DEFAULT_RESIDENT_FRACTION = 0.4
 DEFAULT_STAGING_FRACTION = 0.5
 DEFAULT_MAX_STREAM_SLOTS = 2
+UPDATE_BYTES = 4  # the fp32 update per parameter that the update phase returns
+STEP_MARGIN = 0.05  # of free accelerator memory, kept back for fragmentation when StepMemory sets the budgets
 _REL_TOL = 1e-9  # a candidate must beat the incumbent by this much (ties go to the simpler plan)
 _GRID = 256
 _MAX_SWEEPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """Accelerator memory the training step's own programs need beyond what is allocated when planning.
+
+  ``peak_bytes``: at the step's peak (activations, gradients, temporaries);
+  ``live_bytes``: the part still allocated during the optimizer update (its
+  outputs on the accelerator, such as gradients not flushed to the host).
+  Build it with :meth:`of` from the compiled gradient step, or by hand.
+  """
+
+  peak_bytes: int
+  live_bytes: int = 0
+
+  def __post_init__(self):
+    if not 0 <= self.live_bytes <= self.peak_bytes:
+      raise ValueError(f"StepMemory needs 0 <= live_bytes <= peak_bytes, got {self.live_bytes}, {self.peak_bytes}.")
+
+  @classmethod
+  def of(cls, compiled: Any) -> StepMemory:
+    """From a compiled program (``jax.jit(f).lower(*args).compile()``): temporaries plus accelerator outputs."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+      raise ValueError("this backend gives no memory analysis for compiled programs; pass StepMemory(peak, live).")
+    outputs = max(0, int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes))
+    return cls(peak_bytes=int(stats.temp_size_in_bytes) + outputs, live_bytes=outputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,12 +360,17 @@ def resolve_budgets(
   resident_fraction: float = DEFAULT_RESIDENT_FRACTION,
   staging_fraction: float = DEFAULT_STAGING_FRACTION,
   free_bytes: int | None = None,
+  step_memory: StepMemory | None = None,
+  device_elements: int = 0,
+  largest_subgroup: int = 0,
 ) -> tuple[int, int | None]:
   """``(resident, staging)`` budgets in bytes per device; explicit values win (see module docstring).
 
   ``free_bytes`` defaults to the accelerator memory free now, else the
   calibration's; with neither (CPU backend) the resident default is 0 and the
-  staging default unbounded (``None``).
+  staging default unbounded (``None``). With ``step_memory``, the budgets
+  follow the step's needs for ``device_elements`` parameters per device in
+  subgroups of at most ``largest_subgroup`` (per device).
   """
   for name, frac in (("resident_fraction", resident_fraction), ("staging_fraction", staging_fraction)):
     if not 0 <= frac <= 1:
@@ -337,6 +379,17 @@ def resolve_budgets(
     free_bytes = device_free_bytes()
   if free_bytes is None and calibration is not None:
     free_bytes = calibration.device_free_bytes
+  if step_memory is not None and free_bytes is not None:
+    usable = int((1 - STEP_MARGIN) * max(0, free_bytes))
+    update_room = usable - step_memory.live_bytes - UPDATE_BYTES * device_elements
+    fb_room = usable - step_memory.peak_bytes
+    if resident_budget_bytes is None:
+      everything = STATE_BYTES * device_elements
+      slots = DEFAULT_MAX_STREAM_SLOTS * STAGING_BYTES * largest_subgroup
+      keep = 0 if min(fb_room, update_room) >= everything else slots
+      resident_budget_bytes = max(0, min(fb_room, update_room - keep))
+    if staging_budget_bytes is None:
+      staging_budget_bytes = max(0, update_room - int(resident_budget_bytes))
   if resident_budget_bytes is None:
     resident_budget_bytes = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
   if staging_budget_bytes is None and free_bytes is not None:
@@ -354,6 +407,7 @@ def make_plan(
   resident_fraction: float = DEFAULT_RESIDENT_FRACTION,
   staging_fraction: float = DEFAULT_STAGING_FRACTION,
   max_stream_slots: int = DEFAULT_MAX_STREAM_SLOTS,
+  step_memory: StepMemory | None = None,
 ) -> Plan:
   """The model's :class:`~jax_dos.plan.Plan` for ``params`` (see :func:`plan_sizes`, :func:`resolve_budgets`)."""
   import jax
@@ -368,6 +422,9 @@ def make_plan(
     staging_budget_bytes=staging_budget_bytes,
     resident_fraction=resident_fraction,
     staging_fraction=staging_fraction,
+    step_memory=step_memory,
+    device_elements=sum(dev_sizes),
+    largest_subgroup=max(dev_sizes, default=0),
   )
   choice = plan_sizes(
     sizes,
@@ -395,7 +452,9 @@ def auto_planner(calibration: CalibrationSpec = None, **plan_kwargs) -> Callable
   The calibration is resolved on first use (``calibration`` if given, else
   ``$JAX_DOS_CALIBRATION``, else the cache, else measured now: a few seconds)
   and kept. ``plan_kwargs`` go to :func:`make_plan` (budgets, fractions,
-  ``max_stream_slots``); budgets left out are read from free memory at plan time.
+  ``max_stream_slots``, ``step_memory``); budgets left out are read from free
+  memory at plan time, exactly when ``step_memory`` says what the training
+  step needs (``StepMemory.of(jax.jit(grad_fn).lower(params, batch).compile())``).
   """
   if calibration is not None:
     calibration = as_calibration(calibration)  # fail early on a bad override

@@ -8,7 +8,18 @@ import pytest
 
 import jax_dos
 from jax_dos.perf_model import Calibration
-from jax_dos.planner import STAGING_BYTES, STATE_BYTES, auto_planner, make_plan, plan_sizes, predict
+from jax_dos.planner import (
+  STAGING_BYTES,
+  STATE_BYTES,
+  STEP_MARGIN,
+  UPDATE_BYTES,
+  StepMemory,
+  auto_planner,
+  make_plan,
+  plan_sizes,
+  predict,
+  resolve_budgets,
+)
 
 G = 1e9
 
@@ -195,6 +206,53 @@ def test_auto_planner_drives_interleaved_adam_like_optax():
   new, want = optax.apply_updates(params, updates), optax.apply_updates(params, expected)
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_step_memory_budgets_by_hand(seed):
+  rng = np.random.default_rng(seed)
+  free, n, largest = int(rng.integers(40, 80)) * 2**30, int(rng.integers(1, 4)) * 10**9, 64 * 2**20
+  step = StepMemory(peak_bytes=int(rng.integers(10, 30)) * 2**30, live_bytes=int(rng.integers(0, 5)) * 2**30)
+  usable = int((1 - STEP_MARGIN) * free)
+  update_room = usable - step.live_bytes - UPDATE_BYTES * n
+  want = max(0, min(usable - step.peak_bytes, update_room - 2 * STAGING_BYTES * largest))
+  got = resolve_budgets(free_bytes=free, step_memory=step, device_elements=n, largest_subgroup=largest)
+  assert got == (want, max(0, update_room - want))
+  # Both phases fit: activations beside the resident state, then updates and staging in the activations' place.
+  assert want + step.peak_bytes <= usable and want + got[1] + step.live_bytes + UPDATE_BYTES * n <= usable
+
+
+def test_step_memory_budgets_edges():
+  gib = 2**30
+  # The whole state fits beside the step: no staging slots held back, everything can be resident.
+  n = 10**9
+  got = resolve_budgets(free_bytes=100 * gib, step_memory=StepMemory(20 * gib), device_elements=n, largest_subgroup=n)
+  assert got[0] >= STATE_BYTES * n
+  # A step that needs more than is free leaves nothing resident and no staging (never negative).
+  assert resolve_budgets(free_bytes=10 * gib, step_memory=StepMemory(20 * gib, 15 * gib), device_elements=n) == (0, 0)
+  # Explicit budgets win over the step's.
+  kw = dict(free_bytes=100 * gib, step_memory=StepMemory(20 * gib), device_elements=n)
+  assert resolve_budgets(resident_budget_bytes=gib, staging_budget_bytes=2 * gib, **kw) == (gib, 2 * gib)
+  with pytest.raises(ValueError, match="live_bytes <= peak_bytes"):
+    StepMemory(peak_bytes=1, live_bytes=2)
+
+
+def test_step_memory_of_a_compiled_program_and_the_plan_it_gives():
+  rng = np.random.default_rng(7)
+  params = _params(rng, [(256, 64), (64,), (512, 32), (128,)])
+  n = sum(x.size for x in jax.tree.leaves(params))
+
+  def grad_fn(p, x):
+    return jax.grad(lambda p: sum(jnp.sum(jnp.tanh(v * x[: v.shape[-1]])) for v in jax.tree.leaves(p)))(p)
+
+  step = StepMemory.of(jax.jit(grad_fn).lower(params, jnp.ones((256,))).compile())
+  assert step.live_bytes >= 4 * n and step.peak_bytes >= step.live_bytes  # the gradients are outputs
+  room = STATE_BYTES * n + max(step.peak_bytes, step.live_bytes + UPDATE_BYTES * n) + 4096
+  c = cal(1.0, 1.0, device_free_bytes=int(room / (1 - STEP_MARGIN)))
+  roomy = make_plan(params, 4096, c, step_memory=step)  # room for all the state in both phases: all resident
+  assert roomy.elements("device") == n
+  tight = make_plan(params, 4096, c, step_memory=StepMemory(step.peak_bytes * 100, step.live_bytes))
+  assert tight.elements("device") == 0
 
 
 def test_bad_input_is_explained():

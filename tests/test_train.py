@@ -217,3 +217,15 @@ def test_budget_flags_reach_the_planner(tmp_path):
   out = _run(tmp_path, "budget", "--steps", "2", "--eval-every", "0", "--offload", "auto", "--resident-gb", "0",
              "--staging-gb", "0")  # fmt: skip
   assert "host:    1 subgroups" in out["plan"] and "(100.0%)" in out["plan"].split("host:")[1], out["plan"]
+
+
+@pytest.mark.parametrize("flush", ["all", "host"])
+def test_gradient_step_memory_counts_the_compiled_step(flush):
+  cfg = T.gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
+  graphdef, params = T.gpt_model.init_params(cfg)
+  need = T.gradient_step_memory(graphdef, params, (4, 32), 1.0, flush)
+  grads = sum(x.nbytes for x in jax.tree.leaves(params))
+  assert 0 < need.live_bytes <= need.peak_bytes  # the loss and the clip's scale stay on the accelerator
+  if flush != "all":  # kept on the accelerator unless flushed: every gradient counted as live (an upper bound)
+    all_host = T.gradient_step_memory(graphdef, params, (4, 32), 1.0, "all")
+    assert need == type(need)(all_host.peak_bytes + grads, all_host.live_bytes + grads)

@@ -109,9 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="none: optax.adamw on the accelerator; else jax_dos.interleaved_adam(plan=<mode>)")  # fmt: skip
   x.add_argument("--subgroup-size", type=int, default=jax_dos.DEFAULT_SUBGROUP_SIZE, help="elements per subgroup")
   x.add_argument("--resident-gb", type=float, default=None,
-                 help="--offload auto: accelerator GiB for resident state (default: from free memory)")  # fmt: skip
+                 help="--offload auto: accelerator GiB for resident state (default: what the compiled"
+                      " gradient step leaves free)")  # fmt: skip
   x.add_argument("--staging-gb", type=float, default=None,
-                 help="--offload auto: GiB for streamed subgroups in flight (default: from free memory)")  # fmt: skip
+                 help="--offload auto: GiB for streamed subgroups in flight (default: what the update phase"
+                      " leaves free)")  # fmt: skip
   x.add_argument("--delay", type=int, choices=(0, 1), default=0,
                  help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
   x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
@@ -230,10 +232,32 @@ def make_grad_step(tx: optax.GradientTransformation | None, params: Any, flush: 
   return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=shardings)
 
 
-def make_optimizer(args: argparse.Namespace) -> tuple[optax.GradientTransformation, Any]:
+def gradient_step_memory(graphdef, params: Any, batch_shape: tuple[int, int], clip: float, flush: str):
+  """What the gradient step needs on the accelerator (``jax_dos.StepMemory``), from its compiled program.
+
+  The program compiled is the one ``flush="all"`` runs (every gradient to the
+  host: its layout does not depend on the plan, and the training loop reuses
+  the compilation). With another flush some gradients stay on the
+  accelerator: all of them are counted, an upper bound until the plan is made.
+  """
+  to_host = jax.tree.map(lambda p: p.sharding.with_memory_kind("pinned_host") if p.size else p.sharding, params)
+  batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32),) * 2
+  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, to_host, None))
+  need = jax_dos.StepMemory.of(step.lower(graphdef, params, batch, clip).compile())
+  if flush != "all":
+    grads = sum(x.nbytes for x in jax.tree.leaves(params))
+    need = jax_dos.StepMemory(need.peak_bytes + grads, need.live_bytes + grads)
+  return need
+
+
+def make_optimizer(
+  args: argparse.Namespace, step_memory: jax_dos.StepMemory | None = None
+) -> tuple[optax.GradientTransformation, Any]:
   """Returns ``(tx, schedule)``: AdamW (``optax.adamw`` for ``--offload none``, else ``jax_dos``).
 
   Both take ``update(grads, state, params, grad_scale=s)``: AdamW on ``s * grads`` (the clip's factor).
+  ``step_memory`` (the gradient step's needs) lets ``--offload auto`` size its
+  budgets exactly where ``--resident-gb``/``--staging-gb`` are not given.
   """
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
   kw = dict(b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay, mask=decay_mask)
@@ -245,7 +269,9 @@ def make_optimizer(args: argparse.Namespace) -> tuple[optax.GradientTransformati
 
     return optax.GradientTransformationExtraArgs(tx.init, jax.jit(update, donate_argnums=1)), schedule
   budgets = {"resident_budget_bytes": args.resident_gb, "staging_budget_bytes": args.staging_gb}
-  planner = jax_dos.auto_planner(**{k: int(v * 2**30) for k, v in budgets.items() if v is not None})
+  planner = jax_dos.auto_planner(
+    **{k: int(v * 2**30) for k, v in budgets.items() if v is not None}, step_memory=step_memory
+  )
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
   tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
   return tx, schedule
@@ -353,7 +379,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   )
   graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
   num_params = gpt_model.tree_size(params)
-  tx, schedule = make_optimizer(args)
+  step_memory = None
+  sized = jax.devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
+  if args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized:
+    step_memory = gradient_step_memory(graphdef, params, (args.batch, args.seq_len), args.clip, args.grad_flush)
+  tx, schedule = make_optimizer(args, step_memory)
   opt_state = tx.init(params)
   plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
   flushing = args.offload != "none" and args.grad_flush != "none"
@@ -393,6 +423,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
        + (f", delay 1 after {args.delay_warmup} steps" if args.delay else ""))  # fmt: skip
+  if step_memory is not None:
+    _say(args, f"memory  the gradient step needs {step_memory.peak_bytes / 2**30:.1f} GiB at its peak,"
+         f" {step_memory.live_bytes / 2**30:.1f} GiB through the update (left free)")  # fmt: skip
   if plan is not None:
     _say(args, str(plan))
   if start_step:
