@@ -11,7 +11,8 @@ Per step, everything is issued up front and waited on as late as possible:
    new master to the accelerator at once (for bfloat16 parameters, the
    bfloat16 copy the kernel wrote in the same pass), where the update is formed;
 5. meanwhile the calling thread streams ``stream`` subgroups: asynchronous
-   host-to-device copies of master/mu/nu (the host buffers are then released,
+   host-to-device copies of master/mu/nu (and of gradients flushed to the
+   host, one subgroup at a time; the host buffers are then released,
    as donated ones are), the jitted update, asynchronous device-to-host copies
    of the new state, with at most ``plan.stream_slots`` subgroups in flight so
    their staging memory stays bounded.
@@ -223,13 +224,12 @@ class Engine:
     host_grads = _host_gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing
     for i in host_leaves:
       _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
-    host_set = set(host_leaves)
-    grads = [g if i in host_set else _like_state(g, masters[i]) for i, g in enumerate(grads)]
     scalars = _jit_scalars(hyper, count, grad_scale)
 
     dev_leaves = [i for s in plan.indices("device") for i in plan.subgroups[s]]
     if dev_leaves:
       leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
+      leaves[0] = [_like_state(g, m) for g, m in zip(leaves[0], leaves[1])]  # flushed ones come back
       outs = _jit_update(*leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves))
       self._scatter(dev_leaves, outs, updates, new)
 
@@ -295,7 +295,7 @@ class Engine:
       dev_state = _put_groups(old, "device")
       for a in (a for group in old for a in group):
         a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
-      g, p = [grads[i] for i in idx], [params[i] for i in idx]
+      g, p = [_like_state(grads[i], masters[i]) for i in idx], [params[i] for i in idx]  # on the accelerator now
       u, m32, m1, m2 = _jit_update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
       back = _put_groups([m32, m1, m2], "pinned_host")
       self._scatter(idx, (u, *back), updates, new)

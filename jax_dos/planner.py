@@ -46,11 +46,13 @@ Budgets (:func:`resolve_budgets`) come from the accelerator memory free when
 planning (``memory_stats``: ``bytes_limit - bytes_in_use``, smallest over
 local devices). Given the training step's own needs (:class:`StepMemory`,
 read from its compiled program), they are exact: with ``F`` the free memory
-less a 5% margin, ``P`` the step's peak and ``L`` what it keeps alive
-through the update (gradients left on the accelerator),
+less an 8% margin, ``P`` the step's peak, ``L`` what it keeps alive through
+the update (gradients left on the accelerator) and ``g`` the bytes of a
+gradient element,
 
-    resident <= F - P                      (forward/backward: state beside activations)
-    resident + staging <= F - L - 4 B/param (update phase: activations gone, fp32 updates made)
+    resident <= F - P                                  (forward/backward: state beside activations)
+    resident (1 + g/12) + staging <= F - L - 4 B/param (update: activations gone, fp32 updates made,
+                                                        resident gradients back from the host)
 
 and two streaming slots are kept unless the whole state fits. Without it,
 the resident budget is ``resident_fraction`` (0.4) of the free memory, a
@@ -76,7 +78,7 @@ DEFAULT_RESIDENT_FRACTION = 0.4
 DEFAULT_STAGING_FRACTION = 0.5
 DEFAULT_MAX_STREAM_SLOTS = 2
 UPDATE_BYTES = 4  # the fp32 update per parameter that the update phase returns
-STEP_MARGIN = 0.05  # of free accelerator memory, kept back for fragmentation when StepMemory sets the budgets
+STEP_MARGIN = 0.08  # of free accelerator memory, kept back for fragmentation when StepMemory sets the budgets
 _REL_TOL = 1e-9  # a candidate must beat the incumbent by this much (ties go to the simpler plan)
 _GRID = 256
 _MAX_SWEEPS = 4
@@ -363,6 +365,7 @@ def resolve_budgets(
   step_memory: StepMemory | None = None,
   device_elements: int = 0,
   largest_subgroup: int = 0,
+  grad_itemsize: int = 4,
 ) -> tuple[int, int | None]:
   """``(resident, staging)`` budgets in bytes per device; explicit values win (see module docstring).
 
@@ -370,7 +373,8 @@ def resolve_budgets(
   calibration's; with neither (CPU backend) the resident default is 0 and the
   staging default unbounded (``None``). With ``step_memory``, the budgets
   follow the step's needs for ``device_elements`` parameters per device in
-  subgroups of at most ``largest_subgroup`` (per device).
+  subgroups of at most ``largest_subgroup`` (per device), with gradients of
+  ``grad_itemsize`` bytes an element.
   """
   for name, frac in (("resident_fraction", resident_fraction), ("staging_fraction", staging_fraction)):
     if not 0 <= frac <= 1:
@@ -386,10 +390,11 @@ def resolve_budgets(
     if resident_budget_bytes is None:
       everything = STATE_BYTES * device_elements
       slots = DEFAULT_MAX_STREAM_SLOTS * STAGING_BYTES * largest_subgroup
-      keep = 0 if min(fb_room, update_room) >= everything else slots
-      resident_budget_bytes = max(0, min(fb_room, update_room - keep))
+      with_grads = 1 + grad_itemsize / STATE_BYTES  # a resident subgroup's gradients are on the accelerator too
+      keep = 0 if min(fb_room, update_room / with_grads) >= everything else slots
+      resident_budget_bytes = max(0, min(fb_room, int((update_room - keep) / with_grads)))
     if staging_budget_bytes is None:
-      staging_budget_bytes = max(0, update_room - int(resident_budget_bytes))
+      staging_budget_bytes = max(0, update_room - int((1 + grad_itemsize / STATE_BYTES) * resident_budget_bytes))
   if resident_budget_bytes is None:
     resident_budget_bytes = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
   if staging_budget_bytes is None and free_bytes is not None:
@@ -425,6 +430,7 @@ def make_plan(
     step_memory=step_memory,
     device_elements=sum(dev_sizes),
     largest_subgroup=max(dev_sizes, default=0),
+    grad_itemsize=max((jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4),
   )
   choice = plan_sizes(
     sizes,
