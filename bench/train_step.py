@@ -171,14 +171,10 @@ def run_variant(args: argparse.Namespace) -> dict:
       budgets["staging_budget_bytes"] = int(args.staging_gb * GIB)
     plan = "host" if args.variant in ("host", "hostdelay") else "auto"
     if plan == "auto" and len(budgets) < 2 and jax.devices()[0].memory_stats():
-      # Budgets from what the compiled gradient step needs (the flush="all" program; others: all grads counted).
-      to_host = jax.tree.map(lambda p: p.sharding.with_memory_kind("pinned_host") if p.size else p.sharding, params)
-      probe = jax.jit(loss_and_grads, out_shardings=(None, to_host, None)).lower(params, batches[0]).compile()
-      need = jax_dos.StepMemory.of(probe)
-      if args.grad_flush != "all":
-        grads = sum(x.nbytes for x in jax.tree.leaves(params))
-        need = jax_dos.StepMemory(need.peak_bytes + grads, need.live_bytes + grads)
-      budgets["step_memory"] = need
+      # Budgets from what the compiled gradient step needs (the flush="all" program, which fb reuses for that flush).
+      to_host = (None, train_gpt.flush_all_shardings(params), None)
+      probe = jax.jit(loss_and_grads, out_shardings=to_host).lower(params, batches[0]).compile()
+      need = budgets["step_memory"] = train_gpt.step_memory_bound(probe, params, args.grad_flush)
       out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
     delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "hostdelay") else {}
     tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=jax_dos.auto_planner(**budgets), **delay)

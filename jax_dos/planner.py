@@ -387,14 +387,14 @@ def resolve_budgets(
     usable = int((1 - STEP_MARGIN) * max(0, free_bytes))
     update_room = usable - step_memory.live_bytes - UPDATE_BYTES * device_elements
     fb_room = usable - step_memory.peak_bytes
+    with_grads = 1 + grad_itemsize / STATE_BYTES  # a resident subgroup's gradients are on the accelerator too
     if resident_budget_bytes is None:
       everything = STATE_BYTES * device_elements
       slots = DEFAULT_MAX_STREAM_SLOTS * STAGING_BYTES * largest_subgroup
-      with_grads = 1 + grad_itemsize / STATE_BYTES  # a resident subgroup's gradients are on the accelerator too
       keep = 0 if min(fb_room, update_room / with_grads) >= everything else slots
       resident_budget_bytes = max(0, min(fb_room, int((update_room - keep) / with_grads)))
     if staging_budget_bytes is None:
-      staging_budget_bytes = max(0, update_room - int((1 + grad_itemsize / STATE_BYTES) * resident_budget_bytes))
+      staging_budget_bytes = max(0, update_room - int(with_grads * resident_budget_bytes))
   if resident_budget_bytes is None:
     resident_budget_bytes = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
   if staging_budget_bytes is None and free_bytes is not None:

@@ -232,22 +232,34 @@ def make_grad_step(tx: optax.GradientTransformation | None, params: Any, flush: 
   return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=shardings)
 
 
+def flush_all_shardings(params: Any) -> Any:
+  """Each parameter's sharding in ``pinned_host`` memory: ``flush="all"``'s gradient layout, known before any plan."""
+  return jax.tree.map(lambda p: p.sharding.with_memory_kind("pinned_host") if p.size else p.sharding, params)
+
+
+def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMemory:
+  """``jax_dos.StepMemory`` of a gradient step compiled with :func:`flush_all_shardings`, for the given flush.
+
+  With a flush other than ``"all"`` some gradients stay on the accelerator:
+  all of them are counted, an upper bound until the plan is made.
+  """
+  need = jax_dos.StepMemory.of(compiled)
+  if flush == "all":
+    return need
+  grads = sum(x.nbytes for x in jax.tree.leaves(params))
+  return jax_dos.StepMemory(need.peak_bytes + grads, need.live_bytes + grads)
+
+
 def gradient_step_memory(graphdef, params: Any, batch_shape: tuple[int, int], clip: float, flush: str):
   """What the gradient step needs on the accelerator (``jax_dos.StepMemory``), from its compiled program.
 
   The program compiled is the one ``flush="all"`` runs (every gradient to the
   host: its layout does not depend on the plan, and the training loop reuses
-  the compilation). With another flush some gradients stay on the
-  accelerator: all of them are counted, an upper bound until the plan is made.
+  the compilation); see :func:`step_memory_bound` for the other flushes.
   """
-  to_host = jax.tree.map(lambda p: p.sharding.with_memory_kind("pinned_host") if p.size else p.sharding, params)
   batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32),) * 2
-  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, to_host, None))
-  need = jax_dos.StepMemory.of(step.lower(graphdef, params, batch, clip).compile())
-  if flush != "all":
-    grads = sum(x.nbytes for x in jax.tree.leaves(params))
-    need = jax_dos.StepMemory(need.peak_bytes + grads, need.live_bytes + grads)
-  return need
+  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, flush_all_shardings(params), None))
+  return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush)
 
 
 def make_optimizer(
