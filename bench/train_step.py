@@ -177,14 +177,15 @@ def run_variant(args: argparse.Namespace) -> dict:
       need = budgets["step_memory"] = train_gpt.step_memory_bound(probe, params, args.grad_flush)
       out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
     delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "hostdelay") else {}
-    tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=jax_dos.auto_planner(**budgets), **delay)
+    planner = jax_dos.auto_planner(**budgets, params_in_place=True)
+    tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=planner, **delay)
     flush = None if args.grad_flush == "none" else (None, jax_dos.gradient_shardings(tx, params, args.grad_flush), None)
     fb = jax.jit(loss_and_grads, out_shardings=flush)
 
     def step_fn(params, state, batch):
       loss, grads, scale = fb(params, batch)
-      updates, state = tx.update(grads, state, params, grad_scale=scale)
-      return apply(params, updates), state, loss
+      params, state = jax_dos.update_params(tx, grads, state, params, grad_scale=scale)  # no fp32 update tree
+      return params, state, loss
 
   state = tx.init(params)
   if args.variant in ("host", "auto", "delay", "hostdelay"):

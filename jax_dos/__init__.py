@@ -6,6 +6,7 @@ to JAX/XLA. Public API::
     tx = jax_dos.interleaved_adam(3e-4, weight_decay=0.1)   # an optax transformation
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)        # eager: the fast engine
+    params, state = jax_dos.update_params(tx, grads, state, params)  # the same, with no fp32 update tree
 
 Jit the gradient function with ``out_shardings=(None, jax_dos.gradient_shardings(tx, params))``
 to send host subgroups' gradients to host memory during the backward pass.
@@ -28,6 +29,7 @@ from jax_dos.transform import (
   gradient_shardings,
   interleaved_adam,
   interleaved_adamw,
+  update_params,
 )
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
   "partition_leaves",
   "resolve_plan",
   "to_optax_adamw_state",
+  "update_params",
   "wait_for_host_updates",
 ]
 __version__ = "0.1.0"

@@ -58,11 +58,22 @@ def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
   return tuple(list(x) for x in zip(*outs)) if outs else ([], [], [], [])
 
 
+def _update_group_params(grads, masters, mus, nus, params, scalars, hyper, decay):
+  """:func:`_update_group` returning the new parameters (new masters cast to the params' dtypes), not updates."""
+  _, m32, m1, m2 = _update_group(grads, masters, mus, nus, params, scalars, hyper, decay)
+  return [m.astype(p.dtype) for m, p in zip(m32, params)], m32, m1, m2
+
+
 _jit_update = jax.jit(_update_group, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3))
+# keep_unused: the old parameters are read for their dtype only, and jax would drop (not donate, not free) them.
+_jit_update_params = jax.jit(
+  _update_group_params, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3, 4), keep_unused=True
+)
 _jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
 _jit_increment = jax.jit(adam_math.safe_increment)
 _jit_update_from_master = jax.jit(adam_math.update_from_master)
 _jit_to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
+_jit_cast = jax.jit(lambda x, like: x.astype(like.dtype))
 
 
 class _WriteRegistry:
@@ -203,8 +214,15 @@ class Engine:
       for a, p in zip(leaves, self.leaf_placement)
     ]
 
-  def update(self, grads, masters, mus, nus, params, count, grad_scale=1.0) -> tuple[list, list, list, list, jax.Array]:
-    """One step. All arguments are flat lists of leaves (``count`` and ``grad_scale`` scalars)."""
+  def update(
+    self, grads, masters, mus, nus, params, count, grad_scale=1.0, new_params: bool = False
+  ) -> tuple[list, list, list, list, jax.Array]:
+    """One step. All arguments are flat lists of leaves (``count`` and ``grad_scale`` scalars).
+
+    Returns ``(updates, masters, mus, nus, count)``; with ``new_params`` the
+    first list holds the new parameters instead (each new master cast to its
+    parameter's dtype) and ``params`` are consumed like donated arguments.
+    """
     _BACKGROUND.wait(self)  # last step's delayed host update, if any
     plan, hyper = self.plan, self.hyper
     streamed = [i for s in plan.indices("stream") for i in plan.subgroups[s]]
@@ -216,7 +234,7 @@ class Engine:
       )
     masters, mus, nus = (self.place_state(x) for x in (masters, mus, nus))
     n = len(grads)
-    updates: list[Any] = [None] * n
+    updates: list[Any] = [None] * n  # or the new parameters, with new_params
     new = [list(masters), list(mus), list(nus)]
 
     step = int(count)
@@ -230,7 +248,9 @@ class Engine:
     if dev_leaves:
       leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
       leaves[0] = [_like_state(g, m) for g, m in zip(leaves[0], leaves[1])]  # flushed ones come back
-      outs = _jit_update(*leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves))
+      outs = (_jit_update_params if new_params else _jit_update)(
+        *leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
+      )
       self._scatter(dev_leaves, outs, updates, new)
 
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
@@ -238,12 +258,12 @@ class Engine:
     reading: dict[int, jax.Array] = {}
     if delayed:
       # Parameters go to the masters as they are now (step t - 1); the kernel for step t runs in the background.
-      reading = self._updates_from_masters(host_leaves, masters, lows, params, updates)
+      reading = self._updates_from_masters(host_leaves, masters, lows, params, updates, new_params)
     if host_leaves:
       hold = ([weakref.ref(masters[i]) for i in lows], step + 1)
-      args = (host_grads, masters, mus, nus, lows, params, scalars, updates, not delayed, reading, hold)
+      args = (host_grads, masters, mus, nus, lows, params, scalars, updates, not delayed, new_params, reading, hold)
       _BACKGROUND.start(self, self._host_worker, *args)
-    self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new)
+    self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params)
     if not delayed:
       _BACKGROUND.wait(self)
     return updates, new[0], new[1], new[2], _jit_increment(count)
@@ -273,18 +293,23 @@ class Engine:
     return lows
 
   @staticmethod
-  def _updates_from_masters(leaves, masters, lows, params, updates) -> dict[int, jax.Array]:
+  def _updates_from_masters(leaves, masters, lows, params, updates, new_params=False) -> dict[int, jax.Array]:
     """Sends the masters of ``leaves`` (their bfloat16 copies where made) to the accelerator; forms each update there.
 
-    The update is ``cast(master) - param``. Returns the device copies by leaf:
-    once one is ready, its host buffers may be written again.
+    The update is ``cast(master) - param``; with ``new_params`` the output is
+    ``cast(master)`` itself and the old parameter is released. Returns the
+    device copies by leaf: once one is ready, its host buffers may be written again.
     """
     sent = _put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
     for i, master in zip(leaves, sent):
-      updates[i] = _jit_update_from_master(master, params[i])
+      if not new_params:
+        updates[i] = _jit_update_from_master(master, params[i])
+        continue
+      updates[i] = master if master.dtype == params[i].dtype else _jit_cast(master, params[i])
+      params[i].delete()  # as a donated argument: freed once the computations reading it are done
     return dict(zip(leaves, sent))
 
-  def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new) -> None:
+  def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params) -> None:
     """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
     in_flight: deque = deque()
     for s in plan.indices("stream"):
@@ -296,7 +321,8 @@ class Engine:
       for a in (a for group in old for a in group):
         a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
       g, p = [_like_state(grads[i], masters[i]) for i in idx], [params[i] for i in idx]  # on the accelerator now
-      u, m32, m1, m2 = _jit_update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
+      update = _jit_update_params if new_params else _jit_update
+      u, m32, m1, m2 = update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
       back = _put_groups([m32, m1, m2], "pinned_host")
       self._scatter(idx, (u, *back), updates, new)
       in_flight.append(back)
@@ -308,7 +334,9 @@ class Engine:
       updates[i] = u[j]
       new[0][i], new[1][i], new[2][i] = m32[j], m1[j], m2[j]
 
-  def _host_worker(self, host_grads, masters, mus, nus, lows, params, scalars, updates, send, reading, hold, error):
+  def _host_worker(
+    self, host_grads, masters, mus, nus, lows, params, scalars, updates, send, new_params, reading, hold, error
+  ):
     """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update.
 
     Never writes a host buffer that a transfer still reads: before each
@@ -338,7 +366,7 @@ class Engine:
         )  # fmt: skip
         if send:
           jax.block_until_ready(list(sending.values()))  # the previous subgroup's copies (long done), then let them go
-          sending = self._updates_from_masters(leaves, masters, lows, params, updates)
+          sending = self._updates_from_masters(leaves, masters, lows, params, updates, new_params)
       jax.block_until_ready([*reading.values(), *sending.values()])
       self._lows_hold = hold
     except BaseException as e:  # re-raised on the calling thread

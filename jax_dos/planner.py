@@ -54,7 +54,7 @@ gradient element,
     resident (1 + g/12) + staging <= F - L - 4 B/param (update: activations gone, fp32 updates made,
                                                         resident gradients back from the host)
 
-and two streaming slots are kept unless the whole state fits. Without it,
+(no 4 B/param with ``params_in_place``: ``jax_dos.update_params`` makes no update tree) and two streaming slots are kept unless the whole state fits. Without it,
 the resident budget is ``resident_fraction`` (0.4) of the free memory, a
 guess that must leave room for activations, and the staging budget
 ``staging_fraction`` (0.5) of what is left. With no accelerator memory
@@ -77,7 +77,7 @@ STAGING_BYTES = 16  # a streamed subgroup in flight: master, mu, nu in, the fp32
 DEFAULT_RESIDENT_FRACTION = 0.4
 DEFAULT_STAGING_FRACTION = 0.5
 DEFAULT_MAX_STREAM_SLOTS = 2
-UPDATE_BYTES = 4  # the fp32 update per parameter that the update phase returns
+UPDATE_BYTES = 4  # the fp32 update per parameter that tx.update returns (none with jax_dos.update_params)
 STEP_MARGIN = 0.08  # of free accelerator memory, kept back for fragmentation when StepMemory sets the budgets
 _REL_TOL = 1e-9  # a candidate must beat the incumbent by this much (ties go to the simpler plan)
 _GRID = 256
@@ -366,6 +366,7 @@ def resolve_budgets(
   device_elements: int = 0,
   largest_subgroup: int = 0,
   grad_itemsize: int = 4,
+  params_in_place: bool = False,
 ) -> tuple[int, int | None]:
   """``(resident, staging)`` budgets in bytes per device; explicit values win (see module docstring).
 
@@ -374,7 +375,9 @@ def resolve_budgets(
   staging default unbounded (``None``). With ``step_memory``, the budgets
   follow the step's needs for ``device_elements`` parameters per device in
   subgroups of at most ``largest_subgroup`` (per device), with gradients of
-  ``grad_itemsize`` bytes an element.
+  ``grad_itemsize`` bytes an element. The update phase holds a float32
+  update per parameter unless ``params_in_place`` (the training loop calls
+  ``jax_dos.update_params``).
   """
   for name, frac in (("resident_fraction", resident_fraction), ("staging_fraction", staging_fraction)):
     if not 0 <= frac <= 1:
@@ -385,7 +388,8 @@ def resolve_budgets(
     free_bytes = calibration.device_free_bytes
   if step_memory is not None and free_bytes is not None:
     usable = int((1 - STEP_MARGIN) * max(0, free_bytes))
-    update_room = usable - step_memory.live_bytes - UPDATE_BYTES * device_elements
+    update_bytes = 0 if params_in_place else UPDATE_BYTES
+    update_room = usable - step_memory.live_bytes - update_bytes * device_elements
     fb_room = usable - step_memory.peak_bytes
     with_grads = 1 + grad_itemsize / STATE_BYTES  # a resident subgroup's gradients are on the accelerator too
     if resident_budget_bytes is None:
@@ -413,6 +417,7 @@ def make_plan(
   staging_fraction: float = DEFAULT_STAGING_FRACTION,
   max_stream_slots: int = DEFAULT_MAX_STREAM_SLOTS,
   step_memory: StepMemory | None = None,
+  params_in_place: bool = False,
 ) -> Plan:
   """The model's :class:`~jax_dos.plan.Plan` for ``params`` (see :func:`plan_sizes`, :func:`resolve_budgets`)."""
   import jax
@@ -431,6 +436,7 @@ def make_plan(
     device_elements=sum(dev_sizes),
     largest_subgroup=max(dev_sizes, default=0),
     grad_itemsize=max((jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4),
+    params_in_place=params_in_place,
   )
   choice = plan_sizes(
     sizes,
@@ -458,7 +464,7 @@ def auto_planner(calibration: CalibrationSpec = None, **plan_kwargs) -> Callable
   The calibration is resolved on first use (``calibration`` if given, else
   ``$JAX_DOS_CALIBRATION``, else the cache, else measured now: a few seconds)
   and kept. ``plan_kwargs`` go to :func:`make_plan` (budgets, fractions,
-  ``max_stream_slots``, ``step_memory``); budgets left out are read from free
+  ``max_stream_slots``, ``step_memory``, ``params_in_place``); budgets left out are read from free
   memory at plan time, exactly when ``step_memory`` says what the training
   step needs (``StepMemory.of(jax.jit(grad_fn).lower(params, batch).compile())``).
   """

@@ -35,15 +35,19 @@ def update_leaves(
   delay: int = 0,
   delay_warmup: int = 0,
   grad_scale=1.0,
+  new_params: bool = False,
 ):
-  """Returns ``(updates, masters, mus, nus, count)`` as flat lists."""
+  """Returns ``(updates, masters, mus, nus, count)`` as flat lists (the new parameters first with ``new_params``)."""
   scalars = adam_math.step_scalars(hyper, count, grad_scale)
   out = ([], [], [], [])
   for g, p32, m, v, p, placement, d in zip(grads, masters, mus, nus, params, leaf_placements, decay):
     kind = MEMORY_KIND[placement]
     g, old, m, v = (memory.traced_put(a, "device") for a in (g, p32, m, v))  # flushed gradients come back too
     u, p32, m, v = adam_math.leaf_update(g, old, m, v, p, scalars, hyper, d)
-    if delay and placement == "host":
+    delayed = delay and placement == "host"
+    if new_params:
+      u = (jnp.where(count >= delay_warmup, old, p32) if delayed else p32).astype(p.dtype)
+    elif delayed:
       u = jnp.where(count >= delay_warmup, adam_math.update_from_master(old, p), u)
     for acc, a in zip(out, (u, memory.traced_put(p32, kind), memory.traced_put(m, kind), memory.traced_put(v, kind))):
       acc.append(a)

@@ -144,6 +144,13 @@ class _InterleavedAdam:
     **extra_args,
   ):
     del extra_args  # optax's convention: a transformation ignores extra arguments it does not take
+    return self._step(updates, state, params, grad_scale, new_params=False)
+
+  def update_params(self, grads: optax.Updates, state: InterleavedAdamState, params: optax.Params, grad_scale: Any):
+    """``(new_params, new_state)``: see :func:`update_params`."""
+    return self._step(grads, state, params, grad_scale, new_params=True)
+
+  def _step(self, updates, state, params, grad_scale, new_params: bool):
     if params is None:
       raise ValueError("interleaved_adam.update needs params (like optax.adamw): call tx.update(grads, state, params).")
     if not isinstance(state, InterleavedAdamState):
@@ -169,10 +176,11 @@ class _InterleavedAdam:
     args = (grads, masters, mus, nus, param_leaves)
     if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count, grad_scale)):
       out = traced.update_leaves(
-        *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup, grad_scale
-      )
+        *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup, grad_scale,
+        new_params,
+      )  # fmt: skip
     else:
-      out = self._engine(plan, decay).update(*args, state.count, grad_scale)
+      out = self._engine(plan, decay).update(*args, state.count, grad_scale, new_params)
     u, m32, m1, m2, count = out
     unflat = lambda xs: jax.tree.unflatten(sdef, xs)  # noqa: E731
     return unflat(u), InterleavedAdamState(count, unflat(m32), unflat(m1), unflat(m2))
@@ -299,6 +307,36 @@ def _owner(tx: optax.GradientTransformation, what: str) -> _InterleavedAdam:
   if not isinstance(owner, _InterleavedAdam):
     raise TypeError(f"{what} takes the transformation returned by jax_dos.interleaved_adam (not a chain of it).")
   return owner
+
+
+def update_params(
+  tx: optax.GradientTransformation,
+  grads: optax.Updates,
+  state: InterleavedAdamState,
+  params: optax.Params,
+  *,
+  grad_scale: Any = None,
+) -> tuple[optax.Params, InterleavedAdamState]:
+  """One step returning the new parameters: ``tx.update`` and ``optax.apply_updates`` in one.
+
+  For an ``interleaved_adam`` transformation ``tx``::
+
+      params, state = jax_dos.update_params(tx, grads, state, params, grad_scale=s)
+
+  gives the parameters of::
+
+      updates, state = tx.update(grads, state, params, grad_scale=s)
+      params = optax.apply_updates(params, updates)
+
+  namely each leaf's new fp32 master cast to the parameter's dtype (with
+  ``delay=1``, host subgroups' delayed masters), without ever holding an
+  update tree: that tree is float32 whatever the parameters' dtype, 4 bytes a
+  parameter (27 GB at 6.7B) the accelerator can give to resident state
+  instead (tell the planner: ``auto_planner(params_in_place=True)``).
+  Eagerly it consumes ``params`` and ``state`` like donated arguments; inside
+  ``jit`` it is pure.
+  """
+  return _owner(tx, "update_params").update_params(grads, state, params, grad_scale)
 
 
 def get_plan(tx: optax.GradientTransformation, params: Any) -> Plan:

@@ -208,23 +208,28 @@ def test_auto_planner_drives_interleaved_adam_like_optax():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["update_tree", "params_in_place"])
 @pytest.mark.parametrize("seed", range(6))
-def test_step_memory_budgets_by_hand(seed):
+def test_step_memory_budgets_by_hand(seed, in_place):
   rng = np.random.default_rng(seed)
   free, n, largest = int(rng.integers(40, 80)) * 2**30, int(rng.integers(1, 4)) * 10**9, 64 * 2**20
   step = StepMemory(peak_bytes=int(rng.integers(10, 30)) * 2**30, live_bytes=int(rng.integers(0, 5)) * 2**30)
   usable = int((1 - STEP_MARGIN) * free)
-  update_room = usable - step.live_bytes - UPDATE_BYTES * n
+  update_bytes = 0 if in_place else UPDATE_BYTES  # jax_dos.update_params makes no fp32 update tree
+  update_room = usable - step.live_bytes - update_bytes * n
   with_grads = 1 + 2 / STATE_BYTES  # bfloat16 gradients of resident subgroups are on the accelerator in the update
   fits = min(usable - step.peak_bytes, update_room / with_grads) >= STATE_BYTES * n  # then no staging is kept
   keep = 0 if fits else 2 * STAGING_BYTES * largest
   want = max(0, min(usable - step.peak_bytes, int((update_room - keep) / with_grads)))
-  got = resolve_budgets(free_bytes=free, step_memory=step, device_elements=n, largest_subgroup=largest, grad_itemsize=2)
+  got = resolve_budgets(
+    free_bytes=free, step_memory=step, device_elements=n, largest_subgroup=largest, grad_itemsize=2,
+    params_in_place=in_place,
+  )  # fmt: skip
   assert got == (want, max(0, update_room - int(with_grads * want)))
   # Both phases fit: activations beside the resident state, then updates, resident gradients and staging in the
   # activations' place.
   assert want + step.peak_bytes <= usable
-  assert with_grads * want + got[1] + step.live_bytes + UPDATE_BYTES * n <= usable + 1  # + rounding
+  assert with_grads * want + got[1] + step.live_bytes + update_bytes * n <= usable + 1  # + rounding
 
 
 def test_step_memory_budgets_edges():

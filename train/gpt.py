@@ -8,8 +8,11 @@ One step, nanoGPT style, with the optimizer update outside ``jit`` so that
 ``jax_dos.interleaved_adam`` runs its pipelined host/stream/device engine::
 
     loss, grads, scale = grad_step(graphdef, params, batch, clip)  # jitted: value_and_grad, flush to host
-    updates, opt_state = tx.update(grads, opt_state, params, grad_scale=scale)  # eager AdamW
-    params = apply_updates(params, updates)                         # jitted optax.apply_updates, params donated
+    params, opt_state = jax_dos.update_params(tx, grads, opt_state, params, grad_scale=scale)  # eager AdamW
+
+``jax_dos.update_params`` is ``tx.update`` and ``optax.apply_updates`` in one,
+with no float32 update tree: the 4 bytes a parameter it saves go to resident
+optimizer state (the planner is told so).
 
 The gradient step's ``out_shardings`` (``jax_dos.gradient_shardings``) put
 the gradients of host-updated subgroups in host memory: XLA copies them out
@@ -267,7 +270,8 @@ def make_optimizer(
 ) -> tuple[optax.GradientTransformation, Any]:
   """Returns ``(tx, schedule)``: AdamW (``optax.adamw`` for ``--offload none``, else ``jax_dos``).
 
-  Both take ``update(grads, state, params, grad_scale=s)``: AdamW on ``s * grads`` (the clip's factor).
+  Both take ``update(grads, state, params, grad_scale=s)``: AdamW on ``s * grads`` (the clip's factor); the
+  training loop calls ``jax_dos.update_params`` on the ``jax_dos`` one (see :func:`optimizer_step`).
   ``step_memory`` (the gradient step's needs) lets ``--offload auto`` size its
   budgets exactly where ``--resident-gb``/``--staging-gb`` are not given.
   """
@@ -282,11 +286,19 @@ def make_optimizer(
     return optax.GradientTransformationExtraArgs(tx.init, jax.jit(update, donate_argnums=1)), schedule
   budgets = {"resident_budget_bytes": args.resident_gb, "staging_budget_bytes": args.staging_gb}
   planner = jax_dos.auto_planner(
-    **{k: int(v * 2**30) for k, v in budgets.items() if v is not None}, step_memory=step_memory
+    **{k: int(v * 2**30) for k, v in budgets.items() if v is not None}, step_memory=step_memory, params_in_place=True
   )
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
   tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
   return tx, schedule
+
+
+def optimizer_step(args: argparse.Namespace, tx, grads, opt_state, params, scale) -> tuple[Any, Any]:
+  """``(params, opt_state)`` after one AdamW step: ``jax_dos.update_params``, or optax's update and apply."""
+  if args.offload == "none":
+    updates, opt_state = tx.update(grads, opt_state, params, grad_scale=scale)
+    return apply_updates(params, updates), opt_state
+  return jax_dos.update_params(tx, grads, opt_state, params, grad_scale=scale)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -462,8 +474,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   for it in range(start_step, args.steps):
     batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, it)
     loss, grads, scale = grad_step(graphdef, params, batch, args.clip)
-    updates, opt_state = tx.update(grads, opt_state, params, grad_scale=scale)
-    params = apply_updates(params, updates)
+    params, opt_state = optimizer_step(args, tx, grads, opt_state, params, scale)
     step = it + 1
     pending.append((step, loss))
     if t_mark is None:  # the first step compiles: start the clock after it
