@@ -54,7 +54,8 @@ gradient element,
     resident (1 + g/12) + staging <= F - L - 4 B/param (update: activations gone, fp32 updates made,
                                                         resident gradients back from the host)
 
-(no 4 B/param with ``params_in_place``: ``jax_dos.update_params`` makes no update tree) and two streaming slots are kept unless the whole state fits. Without it,
+(no 4 B/param with ``params_in_place``: ``jax_dos.update_params`` makes no update tree)
+and two streaming slots are kept unless the whole state fits. Without it,
 the resident budget is ``resident_fraction`` (0.4) of the free memory, a
 guess that must leave room for activations, and the staging budget
 ``staging_fraction`` (0.5) of what is left. With no accelerator memory
