@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # Convergence of the one-step delayed update: GPT-2 124M on the built-in corpus, every subgroup on the host kernel
-# (so that the delay applies to all of the state), --delay 0 against --delay 1 (after $WARMUP normal steps), same seed,
-# data and schedule. Writes metrics_delay<k>.jsonl, delay_curves.log and (compare_curves.py) curves under $OUT.
+# (so that the delay applies to all of the state): --delay 0, --delay 1 and --delay 1 --delay-predict (after $WARMUP
+# normal steps), same seed, data and schedule. Writes metrics_<run>.jsonl, delay_curves.log and (compare_curves.py)
+# curves under $OUT. RUNS picks the runs (default: "delay0 delay1 predict"); PRESET, BATCH, SEQ, LR, STEPS set the run.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results}
-STEPS=${STEPS:-300} WARMUP=${WARMUP:-10} LR=${LR:-6e-4}
-for delay in 0 1; do
-  python3 -m train.gpt --preset gpt2-124m --batch 16 --seq-len 1024 --steps "$STEPS" --eval-every 50 --log-every 10 \
-    --lr "$LR" --offload host --delay "$delay" --delay-warmup "$WARMUP" --out "/tmp/delay_runs/d$delay" --overwrite 2>&1 \
-    | grep -v Warn | tr '\r' '\n' | grep -v "^\s*$" | tail -6
-  cp "/tmp/delay_runs/d$delay/metrics.jsonl" "$OUT/metrics_delay$delay.jsonl"
+STEPS=${STEPS:-300} WARMUP=${WARMUP:-10} LR=${LR:-6e-4} RUNS=${RUNS:-"delay0 delay1 predict"}
+PRESET=${PRESET:-gpt2-124m} BATCH=${BATCH:-16} SEQ=${SEQ:-1024}
+mkdir -p "$OUT"
+declare -A FLAGS=([delay0]="--delay 0" [delay1]="--delay 1" [predict]="--delay 1 --delay-predict")
+curves=()
+for run in $RUNS; do
+  # shellcheck disable=SC2086
+  python3 -m train.gpt --preset "$PRESET" --batch "$BATCH" --seq-len "$SEQ" --steps "$STEPS" --eval-every 50 \
+    --log-every 10 --lr "$LR" --offload host ${FLAGS[$run]} --delay-warmup "$WARMUP" --out "/tmp/delay_runs/$run" \
+    --overwrite 2>&1 | grep -v Warn | tr '\r' '\n' | grep -v "^\s*$" | tail -6
+  cp "/tmp/delay_runs/$run/metrics.jsonl" "$OUT/metrics_$run.jsonl"
 done 2>&1 | tee "$OUT/delay_curves.log"
-python3 bench/compare_curves.py "$OUT/delay_curves.png" delay0="$OUT/metrics_delay0.jsonl" \
-  delay1="$OUT/metrics_delay1.jsonl" | tee "$OUT/delay_compare.txt"
+for run in $RUNS; do curves+=("$run=$OUT/metrics_$run.jsonl"); done
+python3 bench/compare_curves.py "$OUT/delay_curves.png" "${curves[@]}" | tee "$OUT/delay_compare.txt"

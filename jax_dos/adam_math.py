@@ -95,6 +95,22 @@ def leaf_update(
   return to_param_update(u, master, param), master, mu, nu
 
 
+def predict_next(
+  master: jax.Array, mu: jax.Array, nu: jax.Array, scalars: jax.Array, hyper: AdamHyper, decay: bool
+) -> jax.Array:
+  """The weights one more AdamW step would give if it left the moments as they are (float32).
+
+  ``p + (-lr) (m / (1 - b1**t) / (sqrt(v / (1 - b2**t) + eps_root) + eps) + wd p)``
+  with the step's ``scalars``: what ``delay_predict`` hands the forward pass in
+  place of the stale masters (see ``interleaved_adam``). The host kernel
+  computes it in this order, in float32.
+  """
+  u = (mu / scalars[1]) / (jnp.sqrt(nu / scalars[2] + hyper.eps_root) + hyper.eps)
+  if decay:
+    u = u + hyper.weight_decay * master
+  return master + scalars[0] * u
+
+
 def update_from_master(master: jax.Array, param: Any) -> jax.Array:
   """The update taking ``param`` to ``master`` cast to its dtype, from the new master alone.
 

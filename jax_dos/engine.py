@@ -27,7 +27,10 @@ returned at step ``t`` takes their parameters to the masters of step ``t - 1``
 (already on the host), and the host kernel for step ``t``'s gradients runs in
 the background, overlapping the caller's next forward/backward pass. The next
 ``update`` (or :func:`wait_for_host_updates`, which checkpointing calls) waits
-for it.
+for it. With ``delay_predict`` the kernel also writes, in the same pass, the
+weights one more step with the new moments would give
+(``adam_math.predict_next``); those go to the accelerator instead of the
+stale masters.
 
 Jitted functions are cached by jax per input signature, so a plan compiles
 once. Host state is updated in place: ``update`` consumes the state passed to
@@ -73,7 +76,10 @@ _jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
 _jit_increment = jax.jit(adam_math.safe_increment)
 _jit_update_from_master = jax.jit(adam_math.update_from_master)
 _jit_to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
-_jit_cast = jax.jit(lambda x, like: x.astype(like.dtype))
+# The new weights written into the old parameter's buffer (donated): parameters keep their place in accelerator
+# memory. Fresh arrays each step fragmented it until the next gradient step's one large temporary (18 GiB at 6.7B)
+# found no room (H100).
+_jit_assign = jax.jit(lambda old, new: new.astype(old.dtype), donate_argnums=0, keep_unused=True)
 
 
 class _WriteRegistry:
@@ -104,6 +110,7 @@ class _WriteRegistry:
 
 
 _REGISTRY = _WriteRegistry()
+RESIDENT_CALL_ELEMENTS = 256 * 2**20  # resident subgroups update in calls of at most this many elements
 
 
 class _Background:
@@ -197,15 +204,23 @@ class Engine:
   """Eager execution of one plan for one parameter-tree signature."""
 
   def __init__(
-    self, hyper: adam_math.AdamHyper, plan: Plan, decay: Sequence[bool], delay: int = 0, delay_warmup: int = 0
+    self,
+    hyper: adam_math.AdamHyper,
+    plan: Plan,
+    decay: Sequence[bool],
+    delay: int = 0,
+    delay_warmup: int = 0,
+    delay_predict: bool = False,
   ):
     self.hyper = hyper
     self.plan = plan
     self.decay = tuple(decay)
-    self.delay, self.delay_warmup = delay, delay_warmup
+    self.delay, self.delay_warmup, self.delay_predict = delay, delay_warmup, bool(delay and delay_predict)
     self.leaf_placement = plan.leaf_placements()
-    self._lows: dict[int, jax.Array] = {}  # host leaf -> its bfloat16 copy of the master (bf16 params only)
-    self._lows_hold: tuple | None = None  # (weak refs to the masters, step) the copies were last written for
+    # host leaf -> the copy of its master the kernel writes for the accelerator: bfloat16 for bfloat16 params;
+    # with delay_predict, float32 for the others (then it holds predictions in delayed steps)
+    self._lows: dict[int, jax.Array] = {}
+    self._lows_hold: tuple | None = None  # (weak refs to the masters, step, predicted) the copies were written for
 
   def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
     """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
@@ -244,8 +259,7 @@ class Engine:
       _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
     scalars = _jit_scalars(hyper, count, grad_scale)
 
-    dev_leaves = [i for s in plan.indices("device") for i in plan.subgroups[s]]
-    if dev_leaves:
+    for dev_leaves in self._resident_calls():
       leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
       leaves[0] = [_like_state(g, m) for g, m in zip(leaves[0], leaves[1])]  # flushed ones come back
       outs = (_jit_update_params if new_params else _jit_update)(
@@ -254,41 +268,73 @@ class Engine:
       self._scatter(dev_leaves, outs, updates, new)
 
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
-    lows = self._low_copies(host_leaves, masters, params, step, synced=delayed)
+    predict = delayed and self.delay_predict
+    lows = self._low_copies(host_leaves, masters, mus, nus, params, step, delayed, scalars)
+    next_scalars = _jit_scalars(hyper, _jit_increment(count)) if predict else None
     reading: dict[int, jax.Array] = {}
     if delayed:
       # Parameters go to the masters as they are now (step t - 1); the kernel for step t runs in the background.
       reading = self._updates_from_masters(host_leaves, masters, lows, params, updates, new_params)
     if host_leaves:
-      hold = ([weakref.ref(masters[i]) for i in lows], step + 1)
-      args = (host_grads, masters, mus, nus, lows, params, scalars, updates, not delayed, new_params, reading, hold)
+      hold = ([weakref.ref(masters[i]) for i in lows], step + 1, predict)
+      args = (host_grads, masters, mus, nus, lows, params, scalars, next_scalars, updates, not delayed, new_params)
+      args += (reading, hold)
       _BACKGROUND.start(self, self._host_worker, *args)
     self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params)
     if not delayed:
       _BACKGROUND.wait(self)
     return updates, new[0], new[1], new[2], _jit_increment(count)
 
-  def _low_copies(self, leaves, masters, params, step, synced) -> dict[int, jax.Array]:
-    """The bfloat16 copies of the masters of ``leaves`` whose parameters are bfloat16 (host buffers the engine owns).
+  def _resident_calls(self) -> list[list[int]]:
+    """Resident leaves in jitted calls of at most ``RESIDENT_CALL_ELEMENTS`` elements (whole subgroups).
 
-    The kernel rewrites them with each new master, so that 2 bytes a
-    parameter, not 4, cross to the accelerator. With ``synced`` they must
-    hold the current masters: made from them unless this engine's last step
-    wrote them for these very buffers.
+    One call over a 3.5 B-parameter resident state made XLA's GPU compiler ask
+    for an 18 GiB temporary (H100, 6.7B GPT); bounded calls bound it, and
+    flushed gradients come back to the accelerator one call at a time.
     """
-    wanted = [i for i in leaves if params[i].dtype == jnp.bfloat16]
+    calls, size = [[]], 0
+    for s in self.plan.indices("device"):
+      if calls[-1] and size + self.plan.sizes[s] > RESIDENT_CALL_ELEMENTS:
+        calls.append([])
+        size = 0
+      calls[-1] += self.plan.subgroups[s]
+      size += self.plan.sizes[s]
+    return [c for c in calls if c]
+
+  def _low_copies(self, leaves, masters, mus, nus, params, step, synced, scalars) -> dict[int, jax.Array]:
+    """The copies of the masters of ``leaves`` the kernel writes for the accelerator (host buffers the engine owns).
+
+    bfloat16 for bfloat16 parameters, so that 2 bytes a parameter, not 4,
+    cross to the accelerator; with ``delay_predict`` float32 for the others
+    (they hold predictions). With ``synced`` (a delayed step) they must hold
+    what this step hands the accelerator: the current masters, or with
+    ``delay_predict`` their prediction with this step's ``scalars``. Made
+    here unless this engine's last step wrote just that for these very buffers.
+    """
+    wanted = [i for i in leaves if params[i].dtype == jnp.bfloat16 or self.delay_predict]
     missing = [i for i in wanted if i not in self._lows]
     if missing:
-      bf16 = [jax.ShapeDtypeStruct(masters[i].shape, jnp.bfloat16, sharding=masters[i].sharding) for i in missing]
-      made = jax.jit(lambda: [jnp.zeros(x.shape, x.dtype) for x in bf16], out_shardings=[x.sharding for x in bf16])()
+      like = [
+        jax.ShapeDtypeStruct(masters[i].shape, jnp.bfloat16 if params[i].dtype == jnp.bfloat16 else jnp.float32,
+                             sharding=masters[i].sharding)
+        for i in missing
+      ]  # fmt: skip
+      made = jax.jit(lambda: [jnp.zeros(x.shape, x.dtype) for x in like], out_shardings=[x.sharding for x in like])()
       self._lows.update(zip(missing, made))
     lows = {i: self._lows[i] for i in wanted}
-    held = self._lows_hold
-    current = held is not None and held[1] == step and len(held[0]) == len(wanted)
+    held, predict = self._lows_hold, self.delay_predict
+    current = held is not None and held[1] == step and held[2] == predict and len(held[0]) == len(wanted)
     if synced and not (current and all(r() is masters[i] for r, i in zip(held[0], wanted))):
+      hyper, scalars_np = self.hyper, np.asarray(scalars)
       for i in wanted:
-        for low, master in zip(_shards(lows[i]), _shards(masters[i])):
-          host_kernels.round_to_bf16(low, master)
+        for low, master, mu, nu in zip(*(_shards(a) for a in (lows[i], masters[i], mus[i], nus[i]))):
+          if predict:
+            host_kernels.predict_many(
+              [(low, master, mu, nu)], [self.decay[i]], eps=hyper.eps, eps_root=hyper.eps_root,
+              weight_decay=hyper.weight_decay, scalars=scalars_np,
+            )  # fmt: skip
+          else:
+            host_kernels.round_to_bf16(low, master)
     self._lows_hold = None  # until this step's kernel has written them
     return lows
 
@@ -297,16 +343,15 @@ class Engine:
     """Sends the masters of ``leaves`` (their bfloat16 copies where made) to the accelerator; forms each update there.
 
     The update is ``cast(master) - param``; with ``new_params`` the output is
-    ``cast(master)`` itself and the old parameter is released. Returns the
-    device copies by leaf: once one is ready, its host buffers may be written again.
+    ``cast(master)`` itself, written into the old parameter's buffer. Returns
+    the device copies by leaf: once one is ready, its host buffers may be written again.
     """
     sent = _put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
     for i, master in zip(leaves, sent):
       if not new_params:
         updates[i] = _jit_update_from_master(master, params[i])
         continue
-      updates[i] = master if master.dtype == params[i].dtype else _jit_cast(master, params[i])
-      params[i].delete()  # as a donated argument: freed once the computations reading it are done
+      updates[i] = _jit_assign(params[i], master)
     return dict(zip(leaves, sent))
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params) -> None:
@@ -335,8 +380,9 @@ class Engine:
       new[0][i], new[1][i], new[2][i] = m32[j], m1[j], m2[j]
 
   def _host_worker(
-    self, host_grads, masters, mus, nus, lows, params, scalars, updates, send, new_params, reading, hold, error
-  ):
+    self, host_grads, masters, mus, nus, lows, params, scalars, next_scalars, updates, send, new_params, reading, hold,
+    error,
+  ):  # fmt: skip
     """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update.
 
     Never writes a host buffer that a transfer still reads: before each
@@ -348,6 +394,7 @@ class Engine:
     try:
       hyper, plan = self.hyper, self.plan
       scalars_np = np.asarray(scalars)
+      next_np = None if next_scalars is None else np.asarray(next_scalars)
       sending: dict[int, jax.Array] = {}
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
@@ -362,7 +409,7 @@ class Engine:
             decay.append(self.decay[i])
         host_kernels.adam_many(
             buffers, decay, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
-            weight_decay=hyper.weight_decay, scalars=scalars_np,
+            weight_decay=hyper.weight_decay, scalars=scalars_np, next_scalars=next_np,
         )  # fmt: skip
         if send:
           jax.block_until_ready(list(sending.values()))  # the previous subgroup's copies (long done), then let them go

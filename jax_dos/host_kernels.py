@@ -59,11 +59,17 @@ def _bf16_bits(x):  # float32 -> bfloat16 bits, round to nearest even; NaN stays
   return np.uint16((bits + rounding) >> np.uint32(16))
 
 
-def _make_adam_kernel(load_grad):
+@numba.njit(inline="always")
+def _store_f32(x):
+  return x
+
+
+def _make_adam_kernel(load_grad, store_low):
   @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
   def adam_inplace(
-    g, p, m, v, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, decay, write_low
-  ):
+    g, p, m, v, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, decay, write_low,
+    predict, next_neg_lr, next_bc1, next_bc2,
+  ):  # fmt: skip
     # Keep this a prange over whole arrays: numba's parfor lowering is what lets LLVM vectorize the loop
     # (a plain range loop, or a loop over pointer-made arrays, stayed scalar and ran 6x slower).
     for i in numba.prange(g.shape[0]):
@@ -77,16 +83,41 @@ def _make_adam_kernel(load_grad):
       u = neg_lr * u
       m[i] = mi
       v[i] = vi
-      p[i] = pi + u
-      if write_low:
-        low[i] = _bf16_bits(pi + u)
+      pn = pi + u
+      p[i] = pn
+      if predict:  # adam_math.predict_next, in its order
+        un = (mi / next_bc1) / (np.sqrt(vi / next_bc2 + eps_root) + eps)
+        if decay:
+          un = un + wd * pn
+        low[i] = store_low(pn + next_neg_lr * un)
+      elif write_low:
+        low[i] = store_low(pn)
 
   return adam_inplace
 
 
-# Gradients arrive as float32 or as bfloat16 (read as uint16 bits: half the PCIe and DRAM bytes of float32).
-_KERNELS = {"float32": _make_adam_kernel(_load_f32), "bfloat16": _make_adam_kernel(_load_bf16)}
-GRAD_DTYPES = tuple(_KERNELS)
+def _make_predict_kernel(store_low):
+  @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
+  def predict(low, p, m, v, eps, eps_root, wd, neg_lr, bc1, bc2, decay):
+    for i in numba.prange(p.shape[0]):
+      u = (m[i] / bc1) / (np.sqrt(v[i] / bc2 + eps_root) + eps)
+      pi = p[i]
+      if decay:
+        u = u + wd * pi
+      low[i] = store_low(pi + neg_lr * u)
+
+  return predict
+
+
+# Gradients arrive as float32 or as bfloat16 (read as uint16 bits: half the PCIe and DRAM bytes of float32); the
+# copy of the new weights the engine sends (``low``) is bfloat16 (uint16 bits) or, for predictions, float32.
+_LOADS = {"float32": _load_f32, "bfloat16": _load_bf16}
+_STORES = {"float32": _store_f32, "bfloat16": _bf16_bits}
+_KERNELS = {(g, lo): _make_adam_kernel(_LOADS[g], _STORES[lo]) for g in _LOADS for lo in _STORES}
+_PREDICT_KERNELS = {lo: _make_predict_kernel(_STORES[lo]) for lo in _STORES}
+GRAD_DTYPES = tuple(_LOADS)
+LOW_DTYPES = tuple(_STORES)
+_VIEW = {"float32": np.float32, "bfloat16": np.uint16}
 
 
 def adam_many(
@@ -99,16 +130,18 @@ def adam_many(
   eps_root: float,
   weight_decay: float,
   scalars: np.ndarray,
+  next_scalars: np.ndarray | None = None,
 ) -> None:
   """AdamW step on many ``(g, p, m, v)`` or ``(g, p, m, v, low)`` buffers, in place, all checked before any write.
 
   ``p, m, v`` are float32 and updated; ``g`` is float32 or bfloat16 and only
-  read; ``low`` (bfloat16), where given, receives the new ``p`` rounded to
-  bfloat16. Each buffer is a numpy array or a single-device host-memory jax
-  array (a shard); the buffers of a tuple must have one size. ``decay[j]``
-  says whether tuple ``j`` gets weight decay. ``scalars`` is ``[-lr, 1 - b1**t,
-  1 - b2**t]`` or ``[-lr, 1 - b1**t, 1 - b2**t, grad_scale]`` as float32
-  (``adam_math.step_scalars``).
+  read; ``low`` (bfloat16 or float32), where given, receives the new ``p``
+  in its dtype, or with ``next_scalars`` (the next step's) the prediction
+  ``adam_math.predict_next(p, m, v, next_scalars)`` of the new state. Each
+  buffer is a numpy array or a single-device host-memory jax array (a shard);
+  the buffers of a tuple must have one size. ``decay[j]`` says whether tuple
+  ``j`` gets weight decay. ``scalars`` is ``[-lr, 1 - b1**t, 1 - b2**t]`` or
+  ``[-lr, 1 - b1**t, 1 - b2**t, grad_scale]`` as float32 (``adam_math.step_scalars``).
   """
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
@@ -117,22 +150,48 @@ def adam_many(
     if len(bufs) not in (4, 5) or len({b.size for b in bufs}) != 1:
       raise ValueError(f"host kernel needs four or five buffers of one size, got shapes {[np.shape(b) for b in bufs]}.")
     dtypes = [str(b.dtype) for b in bufs]
-    if dtypes[1:4] != ["float32"] * 3 or dtypes[0] not in GRAD_DTYPES or dtypes[4:] not in ([], ["bfloat16"]):
+    if dtypes[1:4] != ["float32"] * 3 or dtypes[0] not in GRAD_DTYPES or not set(dtypes[4:]) <= set(LOW_DTYPES):
       raise TypeError(
-        f"host kernel needs float32 state, {' or '.join(GRAD_DTYPES)} gradients and a bfloat16 copy (if any),"
-        f" got {dtypes}."
+        f"host kernel needs float32 state, {' or '.join(GRAD_DTYPES)} gradients and a bfloat16 or float32 copy"
+        f" (if any), got {dtypes}."
       )
-    views.append([_flat(bufs[0], np.float32 if dtypes[0] == "float32" else np.uint16)])
-    views[-1] += [_flat(b, np.float32) for b in bufs[1:4]]
-    views[-1].append(_flat(bufs[4], np.uint16) if len(bufs) == 5 else _NO_LOW)
+    if next_scalars is not None and len(bufs) != 5:
+      raise ValueError("a prediction (next_scalars) needs a fifth buffer to write it to.")
+    views.append([_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)] + ([] if len(bufs) == 5 else [_NO_LOW]))
   f = np.float32
   # (1 - b) is rounded from a Python double, exactly as JAX does for optax.
   hyper = (f(b1), f(1 - b1), f(b2), f(1 - b2), f(eps), f(eps_root), f(weight_decay))
   step = (f(scalars[0]), f(scalars[1]), f(scalars[2]), f(scalars[3]) if len(scalars) > 3 else f(1))
+  predict = next_scalars is not None
+  nxt = (f(next_scalars[0]), f(next_scalars[1]), f(next_scalars[2])) if predict else (f(0), f(1), f(1))
   for (g, p, m, v, low), d in zip(views, decay):
     if g.size:
-      kernel = _KERNELS["float32" if g.dtype == np.float32 else "bfloat16"]
-      kernel(g, p, m, v, low, *hyper, *step, bool(d), low is not _NO_LOW)
+      kernel = _KERNELS[_dtype_name(g), _dtype_name(low)]
+      kernel(g, p, m, v, low, *hyper, *step, bool(d), low is not _NO_LOW, predict, *nxt)
+
+
+def predict_many(
+  buffers: Sequence[tuple], decay: Sequence[bool], *, eps: float, eps_root: float, weight_decay: float, scalars
+) -> None:
+  """Writes ``adam_math.predict_next(p, m, v, scalars)`` into ``low`` for each ``(low, p, m, v)`` tuple.
+
+  ``low`` is bfloat16 or float32; ``p, m, v`` float32 and only read. Used where
+  no kernel pass has written the prediction (the first delayed step).
+  """
+  f = np.float32
+  for (low, p, m, v), d in zip(buffers, decay):
+    if str(low.dtype) not in LOW_DTYPES or {str(x.dtype) for x in (p, m, v)} != {"float32"}:
+      raise TypeError(f"prediction needs float32 state and a bfloat16 or float32 output, got {low.dtype}.")
+    if p.size:
+      lo = _flat(low, _VIEW[str(low.dtype)])
+      _PREDICT_KERNELS[str(low.dtype)](
+        lo, *(_flat(x, np.float32) for x in (p, m, v)), f(eps), f(eps_root), f(weight_decay),
+        f(scalars[0]), f(scalars[1]), f(scalars[2]), bool(d),
+      )  # fmt: skip
+
+
+def _dtype_name(view: np.ndarray) -> str:
+  return "float32" if view.dtype == np.float32 else "bfloat16"
 
 
 _NO_LOW = np.empty((0,), np.uint16)

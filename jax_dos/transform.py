@@ -94,14 +94,17 @@ class _InterleavedAdam:
     planner: Optional[Callable],
     delay: int = 0,
     delay_warmup: int = 0,
+    delay_predict: bool = False,
   ):
     check_subgroup_size(subgroup_size)
     if delay not in (0, 1) or isinstance(delay, bool):
       raise ValueError(f"delay must be 0 (off) or 1 (host subgroups update one step late), got {delay!r}.")
+    if delay_predict and not delay:
+      raise ValueError("delay_predict=True predicts the parameters a delayed update hands on: it needs delay=1.")
     if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, (int, np.integer)) or delay_warmup < 0:
       raise ValueError(f"delay_warmup must be an integer >= 0 (normal steps before the delay), got {delay_warmup!r}.")
     self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
-    self.delay, self.delay_warmup = int(delay), int(delay_warmup)
+    self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), bool(delay_predict)
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
 
@@ -127,7 +130,7 @@ class _InterleavedAdam:
     plan = self.plan_for(params)
     kinds = [MEMORY_KIND[p] for p in plan.leaf_placements()]
     if not any(memory.is_traced(x) for x in leaves):
-      memory.check_host_capacity(host_state_bytes(plan, leaves))
+      memory.check_host_capacity(host_state_bytes(plan, leaves, self.delay and self.delay_predict))
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
     nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
@@ -177,7 +180,7 @@ class _InterleavedAdam:
     if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count, grad_scale)):
       out = traced.update_leaves(
         *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup, grad_scale,
-        new_params,
+        new_params, self.delay_predict,
       )  # fmt: skip
     else:
       out = self._engine(plan, decay).update(*args, state.count, grad_scale, new_params)
@@ -188,7 +191,7 @@ class _InterleavedAdam:
   def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
     key = (plan, decay)
     if key not in self._engines:
-      self._engines[key] = Engine(self.hyper, plan, decay, self.delay, self.delay_warmup)
+      self._engines[key] = Engine(self.hyper, plan, decay, self.delay, self.delay_warmup, self.delay_predict)
     return self._engines[key]
 
 
@@ -209,15 +212,17 @@ def _check_grad_scale(grad_scale: Any) -> Any:
   return grad_scale
 
 
-def host_state_bytes(plan: Plan, leaves: list[Any]) -> int:
+def host_state_bytes(plan: Plan, leaves: list[Any], predict: bool = False) -> int:
   """Pinned host bytes a plan needs: 12 B per offloaded parameter (master, mu, nu), 4 more per host-updated one.
 
   The 4 are its gradient (float32), or its bfloat16 gradient and the engine's bfloat16 copy of its new weight.
+  With ``predict`` (``delay_predict``), float32 parameters' host copies (predictions) add 4 more.
   """
   placements = plan.leaf_placements()
   size = lambda x: int(np.prod(np.shape(x)))  # noqa: E731
   state = sum(12 * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
-  return state + sum(4 * size(x) for x, p in zip(leaves, placements) if p == "host")
+  extra = lambda x: 8 if predict and jnp.result_type(x) != jnp.bfloat16 else 4  # noqa: E731
+  return state + sum(extra(x) * size(x) for x, p in zip(leaves, placements) if p == "host")
 
 
 def interleaved_adam(
@@ -234,6 +239,7 @@ def interleaved_adam(
   planner: Optional[Callable[[Any, int], Plan]] = None,
   delay: int = 0,
   delay_warmup: int = 10,
+  delay_predict: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
@@ -271,6 +277,16 @@ def interleaved_adam(
       ``plan="auto"``, subgroups the model would stream are host-updated
       instead, since only host work is hidden behind the next step.
     delay_warmup: normal steps before the delay starts (default 10).
+    delay_predict: with ``delay=1``, hand the forward pass of step ``t + 1``
+      not the stale masters of step ``t - 1`` but a prediction of step ``t``'s:
+      the masters after one more AdamW step that leaves the moments as they
+      are, ``p - lr_t (m / (1 - b1^t') / (sqrt(v / (1 - b2^t') + eps_root) + eps)
+      + wd p)`` (``adam_math.predict_next``; ``t'`` the step's bias-correction
+      count). The host kernel writes it in the same pass, at no cost for
+      bfloat16 parameters (4 B of host memory per float32 one). Moments and
+      masters still follow Adam exactly on the gradients they are given.
+      Stale momentum is what makes the plain delay converge worse; the
+      prediction recovers most of that (docs/design.md, BENCHMARKS.md).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update`` requires
@@ -283,7 +299,7 @@ def interleaved_adam(
     host subgroups' gradients during the backward pass (see ``docs/design.md``).
   """
   hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay)
-  opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner, delay, delay_warmup)
+  opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner, delay, delay_warmup, delay_predict)
   tx = optax.GradientTransformationExtraArgs(opt.init, opt.update)
   return tx
 

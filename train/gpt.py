@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--delay", type=int, choices=(0, 1), default=0,
                  help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
   x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
+  x.add_argument("--delay-predict", action="store_true",
+                 help="with --delay 1, hand the forward pass a one-step prediction of the delayed weights")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default="host",
                  help="gradients the backward pass writes to host memory: host subgroups' (host), every one"
                       " (all: least accelerator memory, for the largest models) or none")  # fmt: skip
@@ -188,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.compute_dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
   if args.delay and args.offload == "none":
     err("--delay 1 delays the host update of jax_dos; it needs an offload mode, not --offload none.")
+  if args.delay_predict and not args.delay:
+    err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
   if args.resume and args.overwrite:
     err("--resume and --overwrite contradict each other; pick one.")
   args.out = os.path.join("runs", args.preset) if args.out is None else args.out
@@ -289,6 +293,8 @@ def make_optimizer(
     **{k: int(v * 2**30) for k, v in budgets.items() if v is not None}, step_memory=step_memory, params_in_place=True
   )
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
+  if args.delay:
+    offload["delay_predict"] = args.delay_predict
   tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
   return tx, schedule
 
@@ -446,7 +452,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
-       + (f", delay 1 after {args.delay_warmup} steps" if args.delay else ""))  # fmt: skip
+       + (f", delay 1 after {args.delay_warmup} steps" if args.delay else "")
+       + (" (predicted weights)" if args.delay_predict else ""))  # fmt: skip
   if step_memory is not None:
     _say(args, f"memory  the gradient step needs {step_memory.peak_bytes / 2**30:.1f} GiB at its peak,"
          f" {step_memory.live_bytes / 2**30:.1f} GiB through the update (left free)")  # fmt: skip
