@@ -344,15 +344,21 @@ class Engine:
 
     The update is ``cast(master) - param``; with ``new_params`` the output is
     ``cast(master)`` itself, written into the old parameter's buffer. Returns
-    the device copies by leaf: once one is ready, its host buffers may be written again.
+    arrays to wait on by leaf: once one is ready, its transfer is done and its
+    host buffers may be written again. With ``new_params`` these are the new
+    parameters themselves, and no reference to the transferred copies is
+    kept: each is freed as soon as it is written into its parameter, not when
+    a delayed kernel gets round to dropping it (it would hold accelerator
+    memory through the next forward/backward pass).
     """
     sent = _put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
-    for i, master in zip(leaves, sent):
-      if not new_params:
+    if not new_params:
+      for i, master in zip(leaves, sent):
         updates[i] = _jit_update_from_master(master, params[i])
-        continue
+      return dict(zip(leaves, sent))
+    for i, master in zip(leaves, sent):
       updates[i] = _jit_assign(params[i], master)
-    return dict(zip(leaves, sent))
+    return {i: updates[i] for i in leaves}
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params) -> None:
     """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
