@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dos import adam_math, host_kernels, memory
-from jax_dos.plan import MEMORY_KIND, Plan
+from jax_dos.plan import MEMORY_KIND, RESIDENT_CALL_ELEMENTS, Plan
 
 
 def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
@@ -110,7 +110,6 @@ class _WriteRegistry:
 
 
 _REGISTRY = _WriteRegistry()
-RESIDENT_CALL_ELEMENTS = 256 * 2**20  # resident subgroups update in calls of at most this many elements
 
 
 class _Background:

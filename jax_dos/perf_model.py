@@ -20,7 +20,7 @@ an explicit plan, timed with ``block_until_ready``):
   their contention for the GIL rather than for DRAM;
 * fixed costs, in seconds: ``subgroup_overhead_host`` / ``_stream`` per
   subgroup (from many tiny subgroups against one), ``device_call_overhead``
-  for the single jitted call that updates all resident subgroups, and
+  per jitted call that updates resident subgroups (one per 256 Mi parameters), and
   ``step_overhead`` paid by every step (step scalars, count increment).
 
 ``device_free_bytes`` is the accelerator memory free when calibrating

@@ -30,6 +30,7 @@ import numpy as np
 Placement = Literal["device", "stream", "host"]
 PLACEMENTS: tuple[str, ...] = ("device", "stream", "host")
 MEMORY_KIND: dict[str, str] = {"device": "device", "stream": "pinned_host", "host": "pinned_host"}
+RESIDENT_CALL_ELEMENTS = 256 * 2**20  # elements per jitted call of the resident update, at most (whole subgroups)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ Model of one eager update step (``engine.py``), from a :class:`Calibration`
 (rates ``h, s, d`` of the host, stream and device paths in params/s; ``h_c,
 s_c`` the host and stream rates while both run; fixed costs ``o``)::
 
-    W_D = o_call + N_D / d                  one jitted call for all resident subgroups
+    W_D = c o_call + N_D / d                c = ceil(N_D / 256 Mi) jitted calls for resident subgroups
     W_H = N_H / h + K_H o_host               host kernel, incl. gradient D2H and update H2D
     W_S = N_S / s + K_S o_stream             streamed through the accelerator
 
@@ -71,7 +71,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax_dos.perf_model import Calibration, CalibrationSpec, as_calibration, device_free_bytes, get_calibration
-from jax_dos.plan import Plan, partition_leaves
+from jax_dos.plan import RESIDENT_CALL_ELEMENTS, Plan, partition_leaves
 
 STATE_BYTES = 12  # resident: fp32 master, mu, nu
 STAGING_BYTES = 16  # a streamed subgroup in flight: master, mu, nu in, the fp32 update out
@@ -171,7 +171,8 @@ def predict(
   ``n_*`` are parameters per path, ``k_*`` leaves per path (fixed costs).
   """
   s, s_c = _stream_rates(cal, stream_slots)
-  w_d = cal.device_call_overhead + n_device / cal.device_rate if n_device > 0 else 0.0
+  calls = math.ceil(n_device / RESIDENT_CALL_ELEMENTS)  # the engine's jitted calls for resident subgroups
+  w_d = calls * cal.device_call_overhead + n_device / cal.device_rate if n_device > 0 else 0.0
   w_h = n_host / cal.host_rate + k_host * cal.subgroup_overhead_host if (n_host > 0 or k_host > 0) else 0.0
   w_s = n_stream / s + k_stream * cal.subgroup_overhead_stream if (n_stream > 0 or k_stream > 0) else 0.0
   slow_h = max(1.0, cal.host_rate / cal.host_rate_concurrent)

@@ -104,3 +104,22 @@ def test_refuses_a_transformation_it_does_not_own():
   tx = optax.chain(optax.clip(1.0), make_tx("host"))
   with pytest.raises(TypeError, match="interleaved_adam"):
     jax_dos.update_params(tx, params, tx.init(params), params)
+
+
+def test_resident_update_in_bounded_calls_matches_optax(monkeypatch):
+  """Resident subgroups update in several jitted calls when they exceed the per-call size; the numbers stay optax's."""
+  monkeypatch.setattr(jax_dos.engine, "RESIDENT_CALL_ELEMENTS", 100)
+  rng = np.random.default_rng()
+  params = random_tree(rng)
+  tx, ref = make_tx("device"), optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
+  plan = jax_dos.get_plan(tx, params)
+  engine = jax_dos.engine.Engine(tx.update.__self__.hyper, plan, (False,) * len(jax.tree.leaves(params)))
+  calls = engine._resident_calls()
+  assert len(calls) > 1 and sorted(i for c in calls for i in c) == list(range(len(jax.tree.leaves(params))))
+  ref_params, state, ref_state = jax.tree.map(jnp.copy, params), tx.init(params), ref.init(params)
+  for _ in range(3):
+    grads = random_tree(rng)
+    params, state = jax_dos.update_params(tx, grads, state, params)
+    updates, ref_state = ref.update(grads, ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+  assert max_rel_diff(params, ref_params) <= TOL
