@@ -25,9 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
-from models import gpt as gpt_model  # noqa: E402
+from bench.delay_reference import reference  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import gpt as train_gpt  # noqa: E402
 
@@ -41,19 +40,8 @@ def main() -> None:
   p.add_argument("--preset", default="tiny")
   a = p.parse_args()
   args = train_gpt.parse_args(["--offload", "host", "--lr", str(a.lr), "--steps", str(a.steps), "--preset", a.preset])
-  splits = data_lib.split(data_lib.load_tokens(None)[0])
-  cfg = gpt_model.get_config(args.preset, vocab_size=256, dtype=args.compute_dtype, param_dtype=args.param_dtype)
-  graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
+  splits, graphdef, params, schedule, masters, state, adam_step = reference(args)
   b1, b2, wd, eps = args.beta1, args.beta2, args.weight_decay, 1e-8
-  tx = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=wd, mask=train_gpt.decay_mask)
-  masters = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-  state = tx.init(masters)
-
-  @jax.jit
-  def adam_step(masters, state, grads, scale):
-    updates, state = tx.update(jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), state, masters)
-    return optax.apply_updates(masters, updates), state
 
   def predict_next(x, adam):  # from the state before the step, with the step's scalars
     t, lr = int(adam.count) + 1, float(schedule(int(adam.count)))

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +31,36 @@ from train import data as data_lib  # noqa: E402
 from train import gpt as train_gpt  # noqa: E402
 
 
+class Reference(NamedTuple):
+  """The train script's setup for parsed ``args``, with ``optax.adamw`` on fp32 masters."""
+
+  splits: Any
+  graphdef: Any
+  params: Any  # in the run's parameter dtype
+  schedule: Any
+  masters: Any
+  state: Any  # optax.adamw's
+  adam_step: Any  # (masters, state, grads, scale) -> (masters, state), jitted
+
+
+def reference(args) -> Reference:
+  """Model, data, schedule and optimizer exactly as ``python -m train.gpt`` builds them from ``args``."""
+  splits = data_lib.split(data_lib.load_tokens(None)[0])
+  cfg = gpt_model.get_config(args.preset, vocab_size=256, dtype=args.compute_dtype, param_dtype=args.param_dtype)
+  graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
+  tx = optax.adamw(schedule, b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay,
+                   mask=train_gpt.decay_mask)  # fmt: skip
+  masters = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+
+  @jax.jit
+  def adam_step(masters, state, grads, scale):
+    updates, state = tx.update(jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), state, masters)
+    return optax.apply_updates(masters, updates), state
+
+  return Reference(splits, graphdef, params, schedule, masters, tx.init(masters), adam_step)
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("metrics", help="metrics.jsonl of the train.gpt run to compare with")
@@ -40,20 +71,7 @@ def main() -> None:
   p.add_argument("--delay-warmup", type=int, default=10)
   a = p.parse_args()
   args = train_gpt.parse_args(["--offload", "host", "--lr", str(a.lr), "--steps", str(a.horizon)])
-  splits = data_lib.split(data_lib.load_tokens(None)[0])
-  cfg = gpt_model.get_config(args.preset, vocab_size=256, dtype=args.compute_dtype, param_dtype=args.param_dtype)
-  graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
-  tx = optax.adamw(schedule, b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay,
-                   mask=train_gpt.decay_mask)  # fmt: skip
-  masters = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-  state = tx.init(masters)
-
-  @jax.jit
-  def adam_step(masters, state, grads, scale):
-    updates, state = tx.update(jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), state, masters)
-    return optax.apply_updates(masters, updates), state
-
+  splits, graphdef, params, _, masters, state, adam_step = reference(args)
   losses = []
   for t in range(a.steps):
     batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, t)
