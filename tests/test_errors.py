@@ -105,3 +105,13 @@ def test_import_raises_the_pinned_pool_limit_unless_the_user_set_it():
   env[memory.POOL_LIMIT_ENV] = "7"
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
   assert out.strip() == "7"
+
+
+def test_host_bytes_count_the_prediction_buffers_of_float32_parameters():
+  """delay_predict keeps a float32 copy per float32 host parameter (bfloat16 ones reuse the rounded copy)."""
+  from jax_dos.transform import host_state_bytes
+
+  leaves = [jax.ShapeDtypeStruct((10,), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.bfloat16)]
+  plan = jax_dos.resolve_plan("host", {"a": leaves[0], "b": leaves[1]}, 100)
+  assert host_state_bytes(plan, leaves) == 16 * 16
+  assert host_state_bytes(plan, leaves, predict=True) == 16 * 16 + 4 * 10
