@@ -9,6 +9,7 @@ pinned memory), on the same model, batch and data (the embedded corpus):
              ``optimizer_memory_host_offload``; here ``interleaved_adam(plan="stream")`` traced), donated;
   ``host``   (2) jax_dos, every subgroup on the host kernel (ZeRO-Offload's way), gradient flush;
   ``auto``   (3) jax_dos with the performance model's plan, gradient flush;
+  ``writebehind`` as (3) with ``write_behind=True`` (optax's numbers; host state written during the next step);
   ``delay``  (4) as (3) with ``delay=1`` (host subgroups one step late, their kernel overlapping the next step);
   ``hostdelay`` as (2) with ``delay=1``; ``predict`` as (4) with ``delay_predict=True``;
   ``none``   ``optax.adamw`` with everything on the GPU (only where it fits).
@@ -44,7 +45,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402  (sets nothing until setup_env is called)
 
-VARIANTS = ("peak", "idiom", "host", "auto", "delay", "predict", "hostdelay", "none")
+VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", "hostdelay", "none")
 GIB = 2**30
 
 
@@ -179,6 +180,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "predict", "hostdelay") else {}
     if args.variant == "predict":
       delay["delay_predict"] = True
+    if args.variant == "writebehind":
+      delay["write_behind"] = True
     planner = jax_dos.auto_planner(**budgets, params_in_place=True)
     tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=planner, **delay)
     flush = None if args.grad_flush == "none" else (None, jax_dos.gradient_shardings(tx, params, args.grad_flush), None)
@@ -190,7 +193,7 @@ def run_variant(args: argparse.Namespace) -> dict:
       return params, state, loss
 
   state = tx.init(params)
-  if args.variant in ("host", "auto", "delay", "predict", "hostdelay"):
+  if args.variant in ("host", "auto", "writebehind", "delay", "predict", "hostdelay"):
     p = jax_dos.get_plan(tx, params)
     out["plan"] = str(p)
     out["plan_predicted_s"] = p.predicted

@@ -32,6 +32,13 @@ weights one more step with the new moments would give
 (``adam_math.predict_next``); those go to the accelerator instead of the
 stale masters.
 
+With ``write_behind`` the numbers stay optax's and only the writing of host
+subgroups' state is deferred: the kernel first computes each subgroup's new
+weights without storing the state (16 of the 28 bytes a parameter it moves),
+and ``update`` returns once those are on their way; a second pass with the
+same arithmetic writes master, mu and nu in the background, overlapping the
+caller's next forward/backward pass.
+
 Jitted functions are cached by jax per input signature, so a plan compiles
 once. Host state is updated in place: ``update`` consumes the state passed to
 it, like a donated argument. A registry of what each host buffer last held
@@ -126,6 +133,13 @@ class _Background:
       self._jobs[id(owner)] = (thread, errors)
     thread.start()
 
+  def check(self, owner: object) -> None:
+    """Re-raises (after joining it) the error of ``owner``'s job if it has failed; else returns at once."""
+    with self._lock:
+      job = self._jobs.get(id(owner))
+    if job is not None and job[1]:
+      self.wait(owner)
+
   def wait(self, owner: object | None = None) -> None:
     """Joins the job of ``owner`` (all jobs if ``None``); re-raises the first error."""
     with self._lock:
@@ -210,11 +224,13 @@ class Engine:
     delay: int = 0,
     delay_warmup: int = 0,
     delay_predict: bool = False,
+    write_behind: bool = False,
   ):
     self.hyper = hyper
     self.plan = plan
     self.decay = tuple(decay)
     self.delay, self.delay_warmup, self.delay_predict = delay, delay_warmup, bool(delay and delay_predict)
+    self.write_behind = bool(write_behind)
     self.leaf_placement = plan.leaf_placements()
     # host leaf -> the copy of its master the kernel writes for the accelerator: bfloat16 for bfloat16 params;
     # with delay_predict, float32 for the others (then it holds predictions in delayed steps)
@@ -276,11 +292,15 @@ class Engine:
       reading = self._updates_from_masters(host_leaves, masters, lows, params, updates, new_params)
     if host_leaves:
       hold = ([weakref.ref(masters[i]) for i in lows], step + 1, predict)
+      params_out = threading.Event() if self.write_behind else None
       args = (host_grads, masters, mus, nus, lows, params, scalars, next_scalars, updates, not delayed, new_params)
-      args += (reading, hold)
+      args += (reading, hold, params_out)
       _BACKGROUND.start(self, self._host_worker, *args)
     self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params)
-    if not delayed:
+    if host_leaves and self.write_behind:
+      params_out.wait()  # the new weights are on their way; the state is being written behind
+      _BACKGROUND.check(self)
+    elif not delayed:
       _BACKGROUND.wait(self)
     return updates, new[0], new[1], new[2], _jit_increment(count)
 
@@ -305,13 +325,14 @@ class Engine:
     """The copies of the masters of ``leaves`` the kernel writes for the accelerator (host buffers the engine owns).
 
     bfloat16 for bfloat16 parameters, so that 2 bytes a parameter, not 4,
-    cross to the accelerator; with ``delay_predict`` float32 for the others
-    (they hold predictions). With ``synced`` (a delayed step) they must hold
+    cross to the accelerator; with ``delay_predict`` or ``write_behind``
+    float32 for the others (predictions, or weights sent before the masters
+    are written). With ``synced`` (a delayed step) they must hold
     what this step hands the accelerator: the current masters, or with
     ``delay_predict`` their prediction with this step's ``scalars``. Made
     here unless this engine's last step wrote just that for these very buffers.
     """
-    wanted = [i for i in leaves if params[i].dtype == jnp.bfloat16 or self.delay_predict]
+    wanted = [i for i in leaves if params[i].dtype == jnp.bfloat16 or self.delay_predict or self.write_behind]
     missing = [i for i in wanted if i not in self._lows]
     if missing:
       like = [
@@ -387,7 +408,7 @@ class Engine:
 
   def _host_worker(
     self, host_grads, masters, mus, nus, lows, params, scalars, next_scalars, updates, send, new_params, reading, hold,
-    error,
+    params_out, error,
   ):  # fmt: skip
     """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update.
 
@@ -395,10 +416,24 @@ class Engine:
     subgroup it waits for ``reading``'s transfers of that subgroup (the
     delayed path's), and before returning for its own, so no step leaves a
     transfer for the next one to wait on. Then records ``hold``: what the
-    bfloat16 copies now hold.
+    bfloat16 copies now hold. With ``params_out`` (write-behind) the first pass
+    writes only the new weights and sends them, sets ``params_out``, and a
+    second pass writes the state.
     """
+    hyper, plan = self.hyper, self.plan
+    kw = dict(b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root, weight_decay=hyper.weight_decay)
+
+    def buffers(leaves, with_low):
+      out, decay = [], []
+      for i in leaves:
+        arrays = (host_grads[i].block_until_ready(), masters[i], mus[i], nus[i])
+        arrays += (lows[i],) if with_low and i in lows else ()
+        for shards in zip(*(_shards(a) for a in arrays)):
+          out.append(shards)
+          decay.append(self.decay[i])
+      return out, decay
+
     try:
-      hyper, plan = self.hyper, self.plan
       scalars_np = np.asarray(scalars)
       next_np = None if next_scalars is None else np.asarray(next_scalars)
       sending: dict[int, jax.Array] = {}
@@ -407,20 +442,20 @@ class Engine:
         jax.block_until_ready([reading.pop(i) for i in leaves if i in reading])
         for i in [i for i, x in reading.items() if x.is_ready()]:
           del reading[i]  # copied: drop the accelerator copy now, not while the next forward/backward needs memory
-        buffers, decay = [], []
-        for i in leaves:
-          arrays = (host_grads[i].block_until_ready(), masters[i], mus[i], nus[i], *([lows[i]] if i in lows else []))
-          for shards in zip(*(_shards(a) for a in arrays)):
-            buffers.append(shards)
-            decay.append(self.decay[i])
         host_kernels.adam_many(
-            buffers, decay, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
-            weight_decay=hyper.weight_decay, scalars=scalars_np, next_scalars=next_np,
-        )  # fmt: skip
+          *buffers(leaves, True), **kw, scalars=scalars_np, next_scalars=next_np, write_state=params_out is None
+        )
         if send:
           jax.block_until_ready(list(sending.values()))  # the previous subgroup's copies (long done), then let them go
           sending = self._updates_from_masters(leaves, masters, lows, params, updates, new_params)
+      if params_out is not None:
+        params_out.set()
+        for s in plan.indices("host"):  # the state, behind: same inputs, same arithmetic, the copies left alone
+          host_kernels.adam_many(*buffers(plan.subgroups[s], False), **kw, scalars=scalars_np)
       jax.block_until_ready([*reading.values(), *sending.values()])
       self._lows_hold = hold
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)
+    finally:
+      if params_out is not None:
+        params_out.set()

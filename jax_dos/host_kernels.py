@@ -68,7 +68,7 @@ def _make_adam_kernel(load_grad, store_low):
   @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
   def adam_inplace(
     g, p, m, v, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, decay, write_low,
-    predict, next_neg_lr, next_bc1, next_bc2,
+    predict, next_neg_lr, next_bc1, next_bc2, write_state,
   ):  # fmt: skip
     # Keep this a prange over whole arrays: numba's parfor lowering is what lets LLVM vectorize the loop
     # (a plain range loop, or a loop over pointer-made arrays, stayed scalar and ran 6x slower).
@@ -81,10 +81,11 @@ def _make_adam_kernel(load_grad, store_low):
       if decay:
         u = u + wd * pi
       u = neg_lr * u
-      m[i] = mi
-      v[i] = vi
       pn = pi + u
-      p[i] = pn
+      if write_state:
+        m[i] = mi
+        v[i] = vi
+        p[i] = pn
       if predict:  # adam_math.predict_next, in its order
         un = (mi / next_bc1) / (np.sqrt(vi / next_bc2 + eps_root) + eps)
         if decay:
@@ -131,6 +132,7 @@ def adam_many(
   weight_decay: float,
   scalars: np.ndarray,
   next_scalars: np.ndarray | None = None,
+  write_state: bool = True,
 ) -> None:
   """AdamW step on many ``(g, p, m, v)`` or ``(g, p, m, v, low)`` buffers, in place, all checked before any write.
 
@@ -140,7 +142,9 @@ def adam_many(
   ``adam_math.predict_next(p, m, v, next_scalars)`` of the new state. Each
   buffer is a numpy array or a single-device host-memory jax array (a shard);
   the buffers of a tuple must have one size. ``decay[j]`` says whether tuple
-  ``j`` gets weight decay. ``scalars`` is ``[-lr, 1 - b1**t, 1 - b2**t]`` or
+  ``j`` gets weight decay. ``write_state=False`` writes ``low`` only (the new
+  weights, state untouched: a second call with the same inputs then writes
+  the state, with identical arithmetic). ``scalars`` is ``[-lr, 1 - b1**t, 1 - b2**t]`` or
   ``[-lr, 1 - b1**t, 1 - b2**t, grad_scale]`` as float32 (``adam_math.step_scalars``).
   """
   if len(buffers) != len(decay):
@@ -155,8 +159,8 @@ def adam_many(
         f"host kernel needs float32 state, {' or '.join(GRAD_DTYPES)} gradients and a bfloat16 or float32 copy"
         f" (if any), got {dtypes}."
       )
-    if next_scalars is not None and len(bufs) != 5:
-      raise ValueError("a prediction (next_scalars) needs a fifth buffer to write it to.")
+    if (next_scalars is not None or not write_state) and len(bufs) != 5:
+      raise ValueError("a prediction (next_scalars) or write_state=False needs a fifth buffer to write to.")
     views.append([_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)] + ([] if len(bufs) == 5 else [_NO_LOW]))
   f = np.float32
   # (1 - b) is rounded from a Python double, exactly as JAX does for optax.
@@ -167,7 +171,7 @@ def adam_many(
   for (g, p, m, v, low), d in zip(views, decay):
     if g.size:
       kernel = _KERNELS[_dtype_name(g), _dtype_name(low)]
-      kernel(g, p, m, v, low, *hyper, *step, bool(d), low is not _NO_LOW, predict, *nxt)
+      kernel(g, p, m, v, low, *hyper, *step, bool(d), low is not _NO_LOW, predict, *nxt, bool(write_state))
 
 
 def predict_many(

@@ -95,16 +95,23 @@ class _InterleavedAdam:
     delay: int = 0,
     delay_warmup: int = 0,
     delay_predict: bool = False,
+    write_behind: bool = False,
   ):
     check_subgroup_size(subgroup_size)
     if delay not in (0, 1) or isinstance(delay, bool):
       raise ValueError(f"delay must be 0 (off) or 1 (host subgroups update one step late), got {delay!r}.")
+    if write_behind and delay:
+      raise ValueError(
+        "write_behind=True keeps optax's numbers and hides part of the host update; delay=1 hides all of it one"
+        " step late. Pick one."
+      )
     if delay_predict and not delay:
       raise ValueError("delay_predict=True predicts the parameters a delayed update hands on: it needs delay=1.")
     if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, (int, np.integer)) or delay_warmup < 0:
       raise ValueError(f"delay_warmup must be an integer >= 0 (normal steps before the delay), got {delay_warmup!r}.")
     self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
     self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), bool(delay_predict)
+    self.write_behind = bool(write_behind)
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
 
@@ -116,10 +123,12 @@ class _InterleavedAdam:
         if self.planner is None:
           self.planner = auto_planner()
         plan = self.planner(params, self.subgroup_size)
-        if self.delay and plan.indices("stream"):
-          # Delayed host work overlaps the next forward/backward pass, streamed work does not: stream nothing.
+        if (self.delay or self.write_behind) and plan.indices("stream"):
+          # Delayed (or written-behind) host work overlaps the next forward/backward pass, streamed work does not:
+          # stream nothing.
           placements = [p if p != "stream" else "host" for p in plan.placements]
-          plan = plan.with_placements(placements, source="model+delay", predicted={})
+          source = "model+delay" if self.delay else "model+write_behind"
+          plan = plan.with_placements(placements, source=source, predicted={})
         self._plans[key] = plan
       else:
         self._plans[key] = resolve_plan(self.plan_spec, params, self.subgroup_size)
@@ -130,7 +139,8 @@ class _InterleavedAdam:
     plan = self.plan_for(params)
     kinds = [MEMORY_KIND[p] for p in plan.leaf_placements()]
     if not any(memory.is_traced(x) for x in leaves):
-      memory.check_host_capacity(host_state_bytes(plan, leaves, self.delay and self.delay_predict))
+      copies = (self.delay and self.delay_predict) or self.write_behind
+      memory.check_host_capacity(host_state_bytes(plan, leaves, copies))
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
     nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
@@ -191,7 +201,9 @@ class _InterleavedAdam:
   def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
     key = (plan, decay)
     if key not in self._engines:
-      self._engines[key] = Engine(self.hyper, plan, decay, self.delay, self.delay_warmup, self.delay_predict)
+      self._engines[key] = Engine(
+        self.hyper, plan, decay, self.delay, self.delay_warmup, self.delay_predict, self.write_behind
+      )
     return self._engines[key]
 
 
@@ -212,16 +224,16 @@ def _check_grad_scale(grad_scale: Any) -> Any:
   return grad_scale
 
 
-def host_state_bytes(plan: Plan, leaves: list[Any], predict: bool = False) -> int:
+def host_state_bytes(plan: Plan, leaves: list[Any], float32_copies: bool = False) -> int:
   """Pinned host bytes a plan needs: 12 B per offloaded parameter (master, mu, nu), 4 more per host-updated one.
 
   The 4 are its gradient (float32), or its bfloat16 gradient and the engine's bfloat16 copy of its new weight.
-  With ``predict`` (``delay_predict``), float32 parameters' host copies (predictions) add 4 more.
+  With ``float32_copies`` (``delay_predict``, ``write_behind``), float32 parameters' host copies add 4 more.
   """
   placements = plan.leaf_placements()
   size = lambda x: int(np.prod(np.shape(x)))  # noqa: E731
   state = sum(12 * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
-  extra = lambda x: 8 if predict and jnp.result_type(x) != jnp.bfloat16 else 4  # noqa: E731
+  extra = lambda x: 8 if float32_copies and jnp.result_type(x) != jnp.bfloat16 else 4  # noqa: E731
   return state + sum(extra(x) * size(x) for x, p in zip(leaves, placements) if p == "host")
 
 
@@ -240,6 +252,7 @@ def interleaved_adam(
   delay: int = 0,
   delay_warmup: int = 10,
   delay_predict: bool = False,
+  write_behind: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
@@ -287,6 +300,13 @@ def interleaved_adam(
       masters still follow Adam exactly on the gradients they are given.
       Stale momentum is what makes the plain delay converge worse; the
       prediction recovers most of that (docs/design.md, BENCHMARKS.md).
+    write_behind: keep optax's numbers exactly and hide part of the host
+      update: the host kernel first computes each host subgroup's new weights
+      without storing master, mu and nu (16 of its 28 bytes a parameter),
+      ``update`` returns once those are sent, and a second pass writes the
+      state in the background during the caller's next forward/backward
+      pass (the next ``update`` and ``wait_for_host_updates`` wait for it).
+      With ``plan="auto"`` streamed subgroups become host ones. Not with ``delay``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update`` requires
@@ -299,7 +319,7 @@ def interleaved_adam(
     host subgroups' gradients during the backward pass (see ``docs/design.md``).
   """
   hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay)
-  opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner, delay, delay_warmup, delay_predict)
+  opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner, delay, delay_warmup, delay_predict, write_behind)
   tx = optax.GradientTransformationExtraArgs(opt.init, opt.update)
   return tx
 

@@ -114,4 +114,4 @@ def test_host_bytes_count_the_prediction_buffers_of_float32_parameters():
   leaves = [jax.ShapeDtypeStruct((10,), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.bfloat16)]
   plan = jax_dos.resolve_plan("host", {"a": leaves[0], "b": leaves[1]}, 100)
   assert host_state_bytes(plan, leaves) == 16 * 16
-  assert host_state_bytes(plan, leaves, predict=True) == 16 * 16 + 4 * 10
+  assert host_state_bytes(plan, leaves, float32_copies=True) == 16 * 16 + 4 * 10

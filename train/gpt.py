@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--delay", type=int, choices=(0, 1), default=0,
                  help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
   x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
+  x.add_argument("--write-behind", action="store_true",
+                 help="optax's exact numbers; host subgroups' state is written during the next step")  # fmt: skip
   x.add_argument("--delay-predict", action="store_true",
                  help="with --delay 1, hand the forward pass a one-step prediction of the delayed weights")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default="host",
@@ -190,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.compute_dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
   if args.delay and args.offload == "none":
     err("--delay 1 delays the host update of jax_dos; it needs an offload mode, not --offload none.")
+  if args.write_behind and (args.delay or args.offload == "none"):
+    err("--write-behind defers the host state's writes of an offload mode without --delay; drop one of them.")
   if args.delay_predict and not args.delay:
     err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
   if args.resume and args.overwrite:
@@ -295,6 +299,8 @@ def make_optimizer(
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
   if args.delay:
     offload["delay_predict"] = args.delay_predict
+  if args.write_behind:
+    offload["write_behind"] = True
   tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
   return tx, schedule
 
