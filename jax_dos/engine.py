@@ -157,11 +157,12 @@ _BACKGROUND = _Background()
 
 
 def wait_for_host_updates() -> None:
-  """Blocks until every delayed host update has written its state (no-op without ``delay``).
+  """Blocks until every delayed or written-behind host update has written its state (else a no-op).
 
-  With ``delay=1`` the host part of the state returned by ``update`` is still
-  being written when ``update`` returns; call this before reading it (the
-  checkpoint manager and the optax state converters do).
+  With ``delay=1`` or ``write_behind=True`` the host part of the state
+  returned by ``update`` is still being written when ``update`` returns; call
+  this before reading it (the checkpoint manager and the optax state
+  converters do).
   """
   _BACKGROUND.wait()
 
