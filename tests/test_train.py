@@ -122,6 +122,8 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
     (["--resume", "--overwrite"], "contradict"),
     (["--offload", "none", "--delay", "1"], "--delay 1"),
     (["--resume", "--no-ckpt"], "drop --no-ckpt"),
+    (["--write-behind", "--delay", "1"], "--write-behind"),
+    (["--delay-predict"], "--delay-predict"),
   ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
@@ -171,8 +173,19 @@ def test_offload_none_and_host_give_the_same_loss_curve(tmp_path):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+def test_write_behind_trains_bit_identically(tmp_path):
+  """--write-behind only moves the host state's writes behind the next step: same losses, same parameters."""
+  common = ["--steps", "4", "--warmup", "1", "--eval-every", "0", "--log-every", "1", "--offload", "host", "--no-ckpt"]
+  plain = _run(tmp_path, "plain", *common)
+  behind = _run(tmp_path, "behind", *common, "--write-behind")
+  assert behind["losses"] == plain["losses"]
+  assert _same_tree(behind["params"], plain["params"])
+
+
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
-@pytest.mark.parametrize("offload", ["host", "none", "host --delay 1 --delay-warmup 1"])
+@pytest.mark.parametrize(
+  "offload", ["host", "none", "host --delay 1 --delay-warmup 1", "host --delay 1 --delay-warmup 1 --delay-predict"]
+)
 def test_resume_is_bit_exact(tmp_path, offload):
   # One run of 2N steps vs N steps + resume for N more, with the same schedule horizon (--decay-steps).
   schedule = ["--decay-steps", "6", "--warmup", "2"]
