@@ -233,6 +233,7 @@ class Engine:
     self.delay, self.delay_warmup, self.delay_predict = delay, delay_warmup, bool(delay and delay_predict)
     self.write_behind = bool(write_behind)
     self.leaf_placement = plan.leaf_placements()
+    self.resident_calls = self._resident_calls()
     # host leaf -> the copy of its master the kernel writes for the accelerator: bfloat16 for bfloat16 params;
     # with delay_predict, float32 for the others (then it holds predictions in delayed steps)
     self._lows: dict[int, jax.Array] = {}
@@ -275,7 +276,7 @@ class Engine:
       _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
     scalars = _jit_scalars(hyper, count, grad_scale)
 
-    for dev_leaves in self._resident_calls():
+    for dev_leaves in self.resident_calls:
       leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
       leaves[0] = [_like_state(g, m) for g, m in zip(leaves[0], leaves[1])]  # flushed ones come back
       outs = (_jit_update_params if new_params else _jit_update)(
@@ -347,16 +348,16 @@ class Engine:
     held, predict = self._lows_hold, self.delay_predict
     current = held is not None and held[1] == step and held[2] == predict and len(held[0]) == len(wanted)
     if synced and not (current and all(r() is masters[i] for r, i in zip(held[0], wanted))):
-      hyper, scalars_np = self.hyper, np.asarray(scalars)
-      for i in wanted:
-        for low, master, mu, nu in zip(*(_shards(a) for a in (lows[i], masters[i], mus[i], nus[i]))):
-          if predict:
-            host_kernels.predict_many(
-              [(low, master, mu, nu)], [self.decay[i]], eps=hyper.eps, eps_root=hyper.eps_root,
-              weight_decay=hyper.weight_decay, scalars=scalars_np,
-            )  # fmt: skip
-          else:
-            host_kernels.round_to_bf16(low, master)
+      shards = [(i, q) for i in wanted for q in zip(*(_shards(a) for a in (lows[i], masters[i], mus[i], nus[i])))]
+      if predict:
+        hyper = self.hyper
+        host_kernels.predict_many(
+          [q for _, q in shards], [self.decay[i] for i, _ in shards], eps=hyper.eps, eps_root=hyper.eps_root,
+          weight_decay=hyper.weight_decay, scalars=np.asarray(scalars),
+        )  # fmt: skip
+      else:
+        for _, (low, master, _, _) in shards:
+          host_kernels.round_to_bf16(low, master)
     self._lows_hold = None  # until this step's kernel has written them
     return lows
 
