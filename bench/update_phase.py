@@ -68,6 +68,7 @@ def parse_args(argv=None):
   p.add_argument("--calibration-size", type=int, default=None,
                  help="parameters per path to calibrate with (default: jax_dos's); implies --recalibrate")  # fmt: skip
   p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU")
+  p.add_argument("--trace", action="store_true", help="one more step per engine variant with jax_dos.trace spans")
   p.add_argument(
     "--out", default=os.environ.get("OUT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
   )
@@ -259,7 +260,13 @@ class Bench:
       return {"error": f"{type(e).__name__}: {str(e)[:300]}", "predicted_s": predicted}
     ptxt = f", predicted {predicted:.4f} s" if predicted is not None else ""
     print(f"     {name:>6}: {r['time_s']:.4f} s ({n / r['time_s'] / 1e9:.2f} G/s){ptxt}", flush=True)
-    return {**r, "rate": n / r["time_s"], "predicted_s": predicted}
+    out = {**r, "rate": n / r["time_s"], "predicted_s": predicted}
+    if self.args.trace and name != "traced":
+      with jax_dos.trace.recording() as spans:
+        run()
+      out["trace"] = jax_dos.trace.totals(spans)
+      print("       " + ", ".join(f"{k} {v['seconds'] * 1e3:.0f} ms" for k, v in out["trace"].items()), flush=True)
+    return out
 
   def budget(self, frac: float, params, grads, n: int) -> dict:
     """All jax_dos variants at one resident budget (a fraction of the 12 B/param state)."""
@@ -273,7 +280,7 @@ class Bench:
     device = planner.fill_resident(sizes, budget)
     rest = [i for i in range(len(sizes)) if i not in device]
     n_dev = sum(sizes[i] for i in device)
-    n_off, k_rest = n - n_dev, sum(len(subgroups[i]) for i in rest)
+    n_off, k_rest = n - n_dev, len(rest)  # the model's fixed costs are per subgroup
     floor = FLOOR_B * n_off / self.bw
     out = {
         "fraction": frac, "resident_budget_bytes": budget, "resident_params": n_dev, "offloaded_params": n_off,

@@ -12,6 +12,7 @@ Jit the gradient function with ``out_shardings=(None, jax_dos.gradient_shardings
 to send host subgroups' gradients to host memory during the backward pass.
 """
 
+from jax_dos import trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager
@@ -56,6 +57,7 @@ __all__ = [
   "partition_leaves",
   "resolve_plan",
   "to_optax_adamw_state",
+  "trace",
   "update_params",
   "wait_for_host_updates",
 ]

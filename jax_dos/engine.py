@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import adam_math, host_kernels, memory
+from jax_dos import adam_math, host_kernels, memory, trace
 from jax_dos.plan import MEMORY_KIND, RESIDENT_CALL_ELEMENTS, Plan
 
 
@@ -81,12 +81,13 @@ _jit_update_params = jax.jit(
 )
 _jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
 _jit_increment = jax.jit(adam_math.safe_increment)
-_jit_update_from_master = jax.jit(adam_math.update_from_master)
+_jit_updates_from_masters = jax.jit(lambda masters, params: list(map(adam_math.update_from_master, masters, params)))
 _jit_to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
 # The new weights written into the old parameter's buffer (donated): parameters keep their place in accelerator
 # memory. Fresh arrays each step fragmented it until the next gradient step's one large temporary (18 GiB at 6.7B)
 # found no room (H100).
-_jit_assign = jax.jit(lambda old, new: new.astype(old.dtype), donate_argnums=0, keep_unused=True)
+_jit_assign = jax.jit(lambda olds, news: [n.astype(o.dtype) for o, n in zip(olds, news)], donate_argnums=0,
+                      keep_unused=True)  # fmt: skip
 
 
 class _WriteRegistry:
@@ -128,7 +129,7 @@ class _Background:
 
   def start(self, owner: object, target, *args) -> None:
     errors: list[BaseException] = []
-    thread = threading.Thread(target=target, args=(*args, errors), daemon=True)
+    thread = threading.Thread(target=target, args=(*args, errors), name="jax_dos-host", daemon=True)
     with self._lock:
       self._jobs[id(owner)] = (thread, errors)
     thread.start()
@@ -255,7 +256,8 @@ class Engine:
     first list holds the new parameters instead (each new master cast to its
     parameter's dtype) and ``params`` are consumed like donated arguments.
     """
-    _BACKGROUND.wait(self)  # last step's delayed host update, if any
+    with trace.span("wait.previous"):
+      _BACKGROUND.wait(self)  # last step's delayed host update, if any
     plan, hyper = self.plan, self.hyper
     streamed = [i for s in plan.indices("stream") for i in plan.subgroups[s]]
     if any(lst[i].is_deleted() for lst in (masters, mus, nus) for i in streamed):
@@ -271,18 +273,20 @@ class Engine:
 
     step = int(count)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
-    host_grads = _host_gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing
+    with trace.span("host.grads_d2h"):
+      host_grads = _host_gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing
     for i in host_leaves:
       _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
     scalars = _jit_scalars(hyper, count, grad_scale)
 
     for dev_leaves in self.resident_calls:
-      leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
-      leaves[0] = [_like_state(g, m) for g, m in zip(leaves[0], leaves[1])]  # flushed ones come back
-      outs = (_jit_update_params if new_params else _jit_update)(
-        *leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
-      )
-      self._scatter(dev_leaves, outs, updates, new)
+      with trace.span("device.dispatch"):
+        leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
+        leaves[0] = [_like_state(g, m) for g, m in zip(leaves[0], leaves[1])]  # flushed ones come back
+        outs = (_jit_update_params if new_params else _jit_update)(
+          *leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
+        )
+        self._scatter(dev_leaves, outs, updates, new)
 
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
     predict = delayed and self.delay_predict
@@ -299,11 +303,12 @@ class Engine:
       args += (reading, hold, params_out)
       _BACKGROUND.start(self, self._host_worker, *args)
     self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params)
-    if host_leaves and self.write_behind:
-      params_out.wait()  # the new weights are on their way; the state is being written behind
-      _BACKGROUND.check(self)
-    elif not delayed:
-      _BACKGROUND.wait(self)
+    with trace.span("wait.host"):
+      if host_leaves and self.write_behind:
+        params_out.wait()  # the new weights are on their way; the state is being written behind
+        _BACKGROUND.check(self)
+      elif not delayed:
+        _BACKGROUND.wait(self)
     return updates, new[0], new[1], new[2], _jit_increment(count)
 
   def _resident_calls(self) -> list[list[int]]:
@@ -366,22 +371,19 @@ class Engine:
     """Sends the masters of ``leaves`` (their bfloat16 copies where made) to the accelerator; forms each update there.
 
     The update is ``cast(master) - param``; with ``new_params`` the output is
-    ``cast(master)`` itself, written into the old parameter's buffer. Returns
-    arrays to wait on by leaf: once one is ready, its transfer is done and its
-    host buffers may be written again. With ``new_params`` these are the new
-    parameters themselves, and no reference to the transferred copies is
-    kept: each is freed as soon as it is written into its parameter, not when
-    a delayed kernel gets round to dropping it (it would hold accelerator
-    memory through the next forward/backward pass).
+    ``cast(master)`` itself, written into the old parameter's buffer. One
+    jitted call per subgroup. Returns the outputs by leaf: once one is ready,
+    its transfer is done and its host buffers may be written again. No
+    reference to the transferred copies is kept: each is freed as soon as its
+    output is made, not when a (delayed) kernel gets round to dropping it (it
+    would hold accelerator memory through the next forward/backward pass).
     """
     sent = _put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
-    if not new_params:
-      for i, master in zip(leaves, sent):
-        updates[i] = _jit_update_from_master(master, params[i])
-      return dict(zip(leaves, sent))
-    for i, master in zip(leaves, sent):
-      updates[i] = _jit_assign(params[i], master)
-    return {i: updates[i] for i in leaves}
+    olds = [params[i] for i in leaves]
+    outs = _jit_assign(olds, sent) if new_params else _jit_updates_from_masters(sent, olds)
+    for i, out in zip(leaves, outs):
+      updates[i] = out
+    return dict(zip(leaves, outs))
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params) -> None:
     """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
@@ -389,17 +391,19 @@ class Engine:
     for s in plan.indices("stream"):
       idx = list(plan.subgroups[s])
       if len(in_flight) >= plan.stream_slots:
-        jax.block_until_ready(in_flight.popleft())
-      old = [[lst[i] for i in idx] for lst in (masters, mus, nus)]
-      dev_state = _put_groups(old, "device")
-      for a in (a for group in old for a in group):
-        a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
-      g, p = [_like_state(grads[i], masters[i]) for i in idx], [params[i] for i in idx]  # on the accelerator now
-      update = _jit_update_params if new_params else _jit_update
-      u, m32, m1, m2 = update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
-      back = _put_groups([m32, m1, m2], "pinned_host")
-      self._scatter(idx, (u, *back), updates, new)
-      in_flight.append(back)
+        with trace.span("stream.wait_slot"):
+          jax.block_until_ready(in_flight.popleft())
+      with trace.span("stream.dispatch"):
+        old = [[lst[i] for i in idx] for lst in (masters, mus, nus)]
+        dev_state = _put_groups(old, "device")
+        for a in (a for group in old for a in group):
+          a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
+        g, p = [_like_state(grads[i], masters[i]) for i in idx], [params[i] for i in idx]  # on the accelerator now
+        update = _jit_update_params if new_params else _jit_update
+        u, m32, m1, m2 = update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
+        back = _put_groups([m32, m1, m2], "pinned_host")
+        self._scatter(idx, (u, *back), updates, new)
+        in_flight.append(back)
 
   @staticmethod
   def _scatter(idx, outs, updates, new) -> None:
@@ -417,7 +421,10 @@ class Engine:
     Never writes a host buffer that a transfer still reads: before each
     subgroup it waits for ``reading``'s transfers of that subgroup (the
     delayed path's), and before returning for its own, so no step leaves a
-    transfer for the next one to wait on. Then records ``hold``: what the
+    transfer for the next one to wait on. It does not wait for one
+    subgroup's transfers before the next subgroup's kernel: they read other
+    buffers, and the transfers queue behind streamed subgroups' on PCIe
+    (waiting cost a third of the host path's time in a mixed plan, H200). Then records ``hold``: what the
     bfloat16 copies now hold. With ``params_out`` (write-behind) the first pass
     writes only the new weights and sends them, sets ``params_out``, and a
     second pass writes the state.
@@ -426,9 +433,11 @@ class Engine:
     kw = dict(b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root, weight_decay=hyper.weight_decay)
 
     def buffers(leaves, with_low):
+      with trace.span("host.wait_grads"):
+        jax.block_until_ready([host_grads[i] for i in leaves])
       out, decay = [], []
       for i in leaves:
-        arrays = (host_grads[i].block_until_ready(), masters[i], mus[i], nus[i])
+        arrays = (host_grads[i], masters[i], mus[i], nus[i])
         arrays += (lows[i],) if with_low and i in lows else ()
         for shards in zip(*(_shards(a) for a in arrays)):
           out.append(shards)
@@ -438,23 +447,27 @@ class Engine:
     try:
       scalars_np = np.asarray(scalars)
       next_np = None if next_scalars is None else np.asarray(next_scalars)
-      sending: dict[int, jax.Array] = {}
+      sending: list[jax.Array] = []
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
-        jax.block_until_ready([reading.pop(i) for i in leaves if i in reading])
+        with trace.span("host.wait_reading"):
+          jax.block_until_ready([reading.pop(i) for i in leaves if i in reading])
         for i in [i for i, x in reading.items() if x.is_ready()]:
           del reading[i]  # copied: drop the accelerator copy now, not while the next forward/backward needs memory
-        host_kernels.adam_many(
-          *buffers(leaves, True), **kw, scalars=scalars_np, next_scalars=next_np, write_state=params_out is None
-        )
+        args = buffers(leaves, True)
+        with trace.span("host.kernel"):
+          host_kernels.adam_many(*args, **kw, scalars=scalars_np, next_scalars=next_np, write_state=params_out is None)
         if send:
-          jax.block_until_ready(list(sending.values()))  # the previous subgroup's copies (long done), then let them go
-          sending = self._updates_from_masters(leaves, masters, lows, params, updates, new_params)
+          with trace.span("host.send"):
+            sending += self._updates_from_masters(leaves, masters, lows, params, updates, new_params).values()
       if params_out is not None:
         params_out.set()
         for s in plan.indices("host"):  # the state, behind: same inputs, same arithmetic, the copies left alone
-          host_kernels.adam_many(*buffers(plan.subgroups[s], False), **kw, scalars=scalars_np)
-      jax.block_until_ready([*reading.values(), *sending.values()])
+          args = buffers(plan.subgroups[s], False)
+          with trace.span("host.kernel_state"):
+            host_kernels.adam_many(*args, **kw, scalars=scalars_np)
+      with trace.span("host.wait_sent"):
+        jax.block_until_ready([*reading.values(), *sending])
       self._lows_hold = hold
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)

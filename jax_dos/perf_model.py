@@ -2,8 +2,13 @@
 
 The performance model (``planner.py``) needs five rates, in parameters per
 second, and a few fixed costs, all measured with the real engine on synthetic
-flat fp32 parameter trees (eager ``tx.update`` of an ``interleaved_adam`` with
-an explicit plan, timed with ``block_until_ready``):
+fp32 parameter trees (eager ``tx.update`` of an ``interleaved_adam`` with
+an explicit plan, timed with ``block_until_ready``). The rates are measured
+on subgroups shaped like transformer layers (two tiny norm leaves and four
+matrices of 3 : 1 : 4 : 4, :func:`layer_leaf_sizes`): the engine's cost per
+transferred array, and how it contends with the other path, then match real
+models' trees (equal one-leaf subgroups made the model 20-25% optimistic on a
+4 B-parameter GPT tree, H200):
 
 * ``host_rate``: every subgroup on the host kernel, including the gradient
   device-to-host copy and the update host-to-device copy that path needs;
@@ -19,7 +24,8 @@ an explicit plan, timed with ``block_until_ready``):
   earlier version timed two engines in two Python threads, which measured
   their contention for the GIL rather than for DRAM;
 * fixed costs, in seconds: ``subgroup_overhead_host`` / ``_stream`` per
-  subgroup (from many tiny subgroups against one), ``device_call_overhead``
+  subgroup (from many tiny one-leaf subgroups against one; what further
+  leaves of a subgroup cost is in the rates), ``device_call_overhead``
   per jitted call that updates resident subgroups (one per 256 Mi parameters), and
   ``step_overhead`` paid by every step (step scalars, count increment).
 
@@ -48,7 +54,10 @@ from pathlib import Path
 from typing import Any, Union
 
 ENV_OVERRIDE = "JAX_DOS_CALIBRATION"
-GPU_DEFAULT_SIZE = 64 * 2**20  # 256 MiB per fp32 array: ~1 GiB of state + grads per path
+# 2 GiB per fp32 array. Smaller runs are dominated by the pipeline's fill and drain (the first subgroup's
+# gradients, the last one's update): at 64 Mi the host rate came out 40% below a 1 B-parameter model's (H200).
+GPU_DEFAULT_SIZE = 512 * 2**20
+CALIBRATION_BYTES_PER_PARAM = 64  # accelerator and host memory a calibration run may need, per parameter (bound)
 CPU_DEFAULT_SIZE = 2**16  # CPU backend: code paths only, no performance signal
 _RATE_FIELDS = (
   "host_rate",
@@ -133,7 +142,7 @@ def _slug(s: str) -> str:
   return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "unknown"
 
 
-CACHE_FORMAT = 2  # bump when what is measured changes, so stale caches are measured again
+CACHE_FORMAT = 3  # bump when what is measured changes, so stale caches are measured again
 
 
 def _key(platform: str, device_kind: str, hostname: str, jax_version: str) -> str:
@@ -224,31 +233,45 @@ def device_free_bytes() -> int | None:
   return min(free) if free else None
 
 
-def _tree(n_leaves: int, leaf: int, seed: int):
+def layer_leaf_sizes(size: int) -> list[int]:
+  """Leaf sizes of one layer-shaped subgroup of ``size`` parameters (64 or more): a norm, attention's qkv and
+  projection, a norm, the MLP's two matrices (3 : 1 : 4 : 4), summing to ``size``."""
+  tiny = max(1, size // 2048)
+  big = size - 2 * tiny
+  qkv, proj, fc = 3 * big // 12, big // 12, 4 * big // 12
+  return [tiny, qkv, proj, tiny, fc, big - qkv - proj - fc]
+
+
+def _tree(n_subgroups: int, size: int, seed: int, layered: bool):
+  """Params and grads: ``n_subgroups`` layer-shaped subgroups of ``size`` parameters (or one leaf each)."""
   import jax
   import jax.numpy as jnp
 
-  keys = jax.random.split(jax.random.key(seed), 2 * n_leaves)
-  params = {f"w{i:03d}": jax.random.normal(keys[i], (leaf,), jnp.float32) for i in range(n_leaves)}
-  grads = {f"w{i:03d}": 1e-3 * jax.random.normal(keys[n_leaves + i], (leaf,), jnp.float32) for i in range(n_leaves)}
+  sizes = layer_leaf_sizes(size) if layered else [size]
+  names = [f"w{i:03d}_{j}" for i in range(n_subgroups) for j in range(len(sizes))]
+  keys = jax.random.split(jax.random.key(seed), 2 * len(names))
+  shapes = [(n,) for _ in range(n_subgroups) for n in sizes]
+  params = {k: jax.random.normal(keys[i], s, jnp.float32) for i, (k, s) in enumerate(zip(names, shapes))}
+  grads = {k: 1e-3 * jax.random.normal(keys[-1 - i], s, jnp.float32) for i, (k, s) in enumerate(zip(names, shapes))}
   return params, grads
 
 
 class _Runner:
   """An ``interleaved_adam`` with an explicit plan over a synthetic tree, stepped eagerly."""
 
-  def __init__(self, n_leaves: int, leaf: int, plan, stream_slots: int = 2, seed: int = 0):
+  def __init__(self, n_subgroups: int, size: int, plan, stream_slots: int = 2, seed: int = 0, layered: bool = False):
     import jax
 
     import jax_dos
     from jax_dos.plan import Plan, partition_leaves
 
-    self.params, self.grads = _tree(n_leaves, leaf, seed)
-    self.size = n_leaves * leaf
-    subgroups, sizes = partition_leaves(self.params, leaf)
+    self.params, self.grads = _tree(n_subgroups, size, seed, layered)
+    self.size = n_subgroups * size
+    subgroups, sizes = partition_leaves(self.params, size)
+    assert len(subgroups) == n_subgroups, (len(subgroups), n_subgroups)
     placements = (plan,) * len(subgroups) if isinstance(plan, str) else tuple(plan)
     plan_obj = Plan(subgroups, placements, sizes, stream_slots=stream_slots, source="calibration")
-    self.tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=leaf, plan=plan_obj)
+    self.tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=size, plan=plan_obj)
     self.state = self.tx.init(self.params)
     jax.block_until_ready(self.state)
 
@@ -265,11 +288,11 @@ class _Runner:
     return reduce([self.step() for _ in range(reps)])
 
 
-def fit_concurrent_rates(solo: Calibration, leaf: int, n_subgroups: int, mixes) -> tuple[float, float]:
+def fit_concurrent_rates(solo: Calibration, size: int, n_subgroups: int, mixes) -> tuple[float, float]:
   """Host and stream rates while both run, fitted to measured mixed-plan step times.
 
   ``mixes`` holds ``(streamed subgroups, seconds)`` of plans that stream that
-  many of the ``n_subgroups`` subgroups of ``leaf`` parameters and update the
+  many of the ``n_subgroups`` subgroups of ``size`` parameters and update the
   rest on the host. The slowdown of each path while the other runs is chosen
   so that the planner's own model (``planner.predict``) reproduces those times
   best (least squares of the relative error, on a grid): the model is then
@@ -287,7 +310,7 @@ def fit_concurrent_rates(solo: Calibration, leaf: int, n_subgroups: int, mixes) 
       err = 0.0
       for k_s, t in mixes:
         k_h = n_subgroups - k_s
-        pred = planner.predict(cal, n_host=k_h * leaf, n_stream=k_s * leaf, k_host=k_h, k_stream=k_s)["total"]
+        pred = planner.predict(cal, n_host=k_h * size, n_stream=k_s * size, k_host=k_h, k_stream=k_s)["total"]
         err += ((pred - t) / t) ** 2
       if err < best[0]:
         best = (err, slow_h, slow_s)
@@ -299,9 +322,9 @@ def measure(
 ) -> Calibration:
   """Measures a :class:`Calibration` now (no cache).
 
-  ``size`` parameters per path, in ``n_subgroups`` equal subgroups; fixed
-  costs from ``tiny_subgroups`` subgroups of 8 parameters (default 32; 8 on
-  the CPU backend).
+  ``size`` parameters per path, in ``n_subgroups`` equal layer-shaped
+  subgroups; fixed costs from ``tiny_subgroups`` one-leaf subgroups of 8
+  parameters (default 32; 8 on the CPU backend).
   """
   import jax
 
@@ -310,8 +333,10 @@ def measure(
   on_cpu = dev.platform == "cpu"
   if size is None:
     size = CPU_DEFAULT_SIZE if on_cpu else GPU_DEFAULT_SIZE
+    if free is not None:  # a smaller accelerator gets a smaller (less representative) calibration
+      size = max(2**20, min(size, free // CALIBRATION_BYTES_PER_PARAM))
   tiny_subgroups = tiny_subgroups or (8 if on_cpu else 32)
-  leaf = max(1, size // n_subgroups)
+  leaf = max(64, size // n_subgroups)  # parameters per subgroup
   n = leaf * n_subgroups
   # Fixed costs first (fastest of the repetitions: noise only adds): many tiny subgroups against one.
   tiny = 8
@@ -331,7 +356,7 @@ def measure(
   def rate(params: int, t: float, fixed_s: float) -> float:
     return params / max(t - fixed_s, 0.25 * t)
 
-  timed = lambda path, slots=2: _Runner(n_subgroups, leaf, path, slots).time(reps)  # noqa: E731
+  timed = lambda path, slots=2: _Runner(n_subgroups, leaf, path, slots, layered=True).time(reps)  # noqa: E731
   host_rate = rate(n, timed("host"), step + n_subgroups * ovh_host)
   device_rate = rate(n, timed("device"), step + dev_call)
   stream_rate = rate(n, timed("stream"), step + n_subgroups * ovh_stream)
@@ -381,8 +406,9 @@ def calibrate(*, size: int | None = None, force: bool = False, cache: bool = Tru
   """This machine's :class:`Calibration`: from the cache, or measured (and cached).
 
   Args:
-    size: parameters per measured path (default: 64 Mi on an accelerator, i.e.
-      256 MiB per fp32 array; 64 Ki on the CPU backend).
+    size: parameters per measured path (default: 512 Mi on an accelerator,
+      2 GiB per fp32 array, less if free accelerator memory is short; 64 Ki
+      on the CPU backend).
     force: measure even if a cached calibration exists.
     cache: read and write the cache (``cache_dir()``).
     reps: timed repetitions per measurement (median, after one warm-up).

@@ -15,8 +15,10 @@ the host path advances at ``h_c / h`` of its solo speed and the stream path at
 ``s_c / s`` of its own: host kernel and DMA draw on the same host DRAM, and on a
 one-socket machine where DRAM binds, ``h_c + s_c`` is about ``max(h, s)``, not
 ``h + s``. When one path finishes the other continues at its solo speed. The
-predicted time is ``o_step + max(W_D, finish_H, finish_S)``. ``K`` counts leaves
-(the engine's fixed costs are per leaf: one kernel call and one transfer each);
+predicted time is ``o_step + max(W_D, finish_H, finish_S)``. ``K`` counts
+subgroups (the engine makes one batched transfer and one jitted call per
+subgroup; what its further leaves cost is in the rates, which the calibration
+measures on layer-shaped subgroups of six leaves);
 with one stream slot in flight (no overlap of the two PCIe directions) ``s``
 is the calibration's ``stream_rate_single``.
 
@@ -168,7 +170,7 @@ def predict(
 ) -> dict[str, float]:
   """Predicted seconds of one step: when each path finishes, and ``"total"`` (see module docstring).
 
-  ``n_*`` are parameters per path, ``k_*`` leaves per path (fixed costs).
+  ``n_*`` are parameters per path, ``k_*`` subgroups per path (fixed costs).
   """
   s, s_c = _stream_rates(cal, stream_slots)
   calls = math.ceil(n_device / RESIDENT_CALL_ELEMENTS)  # the engine's jitted calls for resident subgroups
@@ -291,7 +293,7 @@ def plan_sizes(
       subgroups in flight; ``None`` means unbounded.
     device_sizes: parameters per subgroup held by one device (default:
       ``sizes``; smaller when leaves are sharded); budgets count these.
-    leaf_counts: leaves per subgroup (default 1 each), for fixed costs.
+    leaf_counts: fixed-cost units per subgroup (default 1 each: the model's costs are per subgroup).
     max_stream_slots: most streamed subgroups in flight.
   """
   n = len(sizes)
@@ -446,7 +448,6 @@ def make_plan(
     resident_budget_bytes=resident,
     staging_budget_bytes=staging,
     device_sizes=dev_sizes,
-    leaf_counts=[max(1, len(g)) for g in subgroups],
     max_stream_slots=max_stream_slots,
   )
   return Plan(

@@ -1,0 +1,83 @@
+"""Where an eager update's time goes: named spans per thread, recorded on request.
+
+::
+
+    with jax_dos.trace.recording() as spans:
+        params, state = jax_dos.update_params(tx, grads, state, params)
+    print(jax_dos.trace.summary(spans))
+
+The engine marks what its threads do on the host: the calling thread's
+resident and streaming dispatch and its waits for free stream slots, the
+worker thread's waits for gradients, host kernel calls and sends. Device work
+is asynchronous and shows up only as waits. Off by default; a span then costs
+one check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  name: str
+  thread: str
+  start: float  # time.perf_counter() seconds
+  end: float
+
+  @property
+  def seconds(self) -> float:
+    return self.end - self.start
+
+
+_spans: list[Span] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Span]]:
+  """Records the spans of everything run inside the block (all threads) into the list it yields."""
+  global _spans
+  if _spans is not None:
+    raise RuntimeError("jax_dos.trace.recording() is already active; nest nothing inside it.")
+  spans: list[Span] = []
+  _spans = spans
+  try:
+    yield spans
+  finally:
+    _spans = None
+
+
+@contextlib.contextmanager
+def span(name: str) -> Iterator[None]:
+  """Marks the block as ``name`` on the current thread, while a :func:`recording` is active."""
+  spans = _spans
+  if spans is None:
+    yield
+    return
+  start = time.perf_counter()
+  try:
+    yield
+  finally:
+    spans.append(Span(name, threading.current_thread().name, start, time.perf_counter()))  # append is atomic
+
+
+def totals(spans: list[Span]) -> dict[str, dict[str, float]]:
+  """``{name: {"count", "seconds"}}`` summed over spans, plus ``"wall"``: first start to last end."""
+  out: dict[str, dict[str, float]] = {}
+  for s in spans:
+    t = out.setdefault(s.name, {"count": 0, "seconds": 0.0})
+    t["count"] += 1
+    t["seconds"] += s.seconds
+  if spans:
+    out["wall"] = {"count": 1, "seconds": max(s.end for s in spans) - min(s.start for s in spans)}
+  return out
+
+
+def summary(spans: list[Span]) -> str:
+  """One line per span name: count and total milliseconds, longest first."""
+  rows = sorted(totals(spans).items(), key=lambda kv: -kv[1]["seconds"])
+  return "\n".join(f"{name:>22}: {t['seconds'] * 1e3:9.2f} ms in {int(t['count'])}" for name, t in rows)
