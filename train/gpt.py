@@ -413,6 +413,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     param_dtype=args.param_dtype,
     remat=args.remat,
   )
+  if args.offload == "auto" and jax.default_backend() != "cpu":
+    # The planner's calibration (20-30 s once per machine, then cached), before the model exists: it runs on an empty
+    # accelerator and leaves no fragments behind for a large model's step.
+    t = time.perf_counter()
+    cal = jax_dos.calibrate()
+    print(f"calibration ({time.perf_counter() - t:.0f} s; cached per machine): {cal.summary()}", flush=True)
   graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
   num_params = gpt_model.tree_size(params)
   step_memory = None
