@@ -63,6 +63,7 @@ import zlib
 from typing import Any, Literal, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jax_dos import host_kernels, memory
@@ -165,8 +166,38 @@ class TemplateMismatchError(ValueError):
   """The restore template's tree does not match the checkpoint's."""
 
 
-def _restore_args(template: Any) -> Any:
-  return ocp.checkpoint_utils.construct_restore_args(template)
+def _is_empty(x: Any) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype") and 0 in tuple(x.shape)
+
+
+# Orbax refuses zero-size arrays. Each is saved as a one-element stand-in; its real shape comes from the template.
+def _stand_in_empties(tree: Any) -> Any:
+  return jax.tree.map(lambda x: np.zeros((1,), x.dtype) if _is_empty(x) else x, tree)
+
+
+def _disk_template(template: Any) -> Any:
+  """The template as it is on disk: zero-size leaves as their one-element stand-ins."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,), x.dtype) if _is_empty(x) else x, template)
+
+
+def _restore_item(template: Any) -> ocp.args.PyTreeRestore:
+  """Restores ``template``'s tree in its shardings and memory kinds (stand-ins of empty leaves as numpy)."""
+  args = ocp.checkpoint_utils.construct_restore_args(template)
+  args = jax.tree.map(lambda t, a: ocp.RestoreArgs(restore_type=np.ndarray) if _is_empty(t) else a, template, args)
+  return ocp.args.PyTreeRestore(_disk_template(template), restore_args=args)
+
+
+def _fill_empties(restored: Any, template: Any) -> Any:
+  """Replaces the stand-ins with zero-size arrays shaped, typed and placed like the template's."""
+
+  def fill(x, t):
+    if not _is_empty(t):
+      return x
+    empty = np.zeros(t.shape, t.dtype)
+    sharding = getattr(t, "sharding", None)
+    return jax.device_put(empty, sharding) if sharding is not None else empty
+
+  return jax.tree.map(fill, restored, template)
 
 
 class _KeepNewestValid:
@@ -255,6 +286,7 @@ class CheckpointManager:
     trees = {"params": params, "opt_state": canon}
     if parts.master is not None:
       trees["master"] = parts.master
+    trees = _stand_in_empties(trees)
     fmt = {
       "format": FORMAT,
       "source": parts.kind,
@@ -461,25 +493,26 @@ class CheckpointManager:
       canon_t["extra"] = {str(i): x for i, x in enumerate(parts.extra)}
     metadata = self._mgr.item_metadata(step)
     tree_of = lambda m: getattr(m, "tree", m)  # noqa: E731
-    _check_tree("params", step, params_t, tree_of(metadata["params"]))
-    _check_tree("optimizer state (count, mu, nu)", step, canon_t, tree_of(metadata["opt_state"]))
+    _check_tree("params", step, _disk_template(params_t), tree_of(metadata["params"]))
+    _check_tree("optimizer state (count, mu, nu)", step, _disk_template(canon_t), tree_of(metadata["opt_state"]))
 
     want_master = parts.kind == "interleaved"
     items = {
-      "params": ocp.args.PyTreeRestore(params_t, restore_args=_restore_args(params_t)),
-      "opt_state": ocp.args.PyTreeRestore(canon_t, restore_args=_restore_args(canon_t)),
+      "params": _restore_item(params_t),
+      "opt_state": _restore_item(canon_t),
       "meta": ocp.args.JsonRestore(),
     }
     if want_master and fmt["has_master"]:
-      _check_tree("master weights", step, parts.master, tree_of(metadata["master"]))
-      items["master"] = ocp.args.PyTreeRestore(parts.master, restore_args=_restore_args(parts.master))
+      _check_tree("master weights", step, _disk_template(parts.master), tree_of(metadata["master"]))
+      items["master"] = _restore_item(parts.master)
     out = self._mgr.restore(step, args=ocp.args.Composite(**items))
-    master = out["master"] if "master" in items else None
+    master = _fill_empties(out["master"], parts.master) if "master" in items else None
     if want_master and not fmt["has_master"]:
       # An optax checkpoint: master = float32(saved params), read straight into the master's memory kind.
-      _check_tree("params (as master weights)", step, parts.master, tree_of(metadata["params"]))
-      args = ocp.args.PyTreeRestore(parts.master, restore_args=_restore_args(parts.master))
-      master = self._mgr.restore(step, args=ocp.args.Composite(params=args))["params"]
-    c = out["opt_state"]
+      _check_tree("params (as master weights)", step, _disk_template(parts.master), tree_of(metadata["params"]))
+      master = self._mgr.restore(step, args=ocp.args.Composite(params=_restore_item(parts.master)))["params"]
+      master = _fill_empties(master, parts.master)
+    c = _fill_empties(out["opt_state"], canon_t)
     extra = [c["extra"][str(i)] for i in range(len(parts.extra))] if parts.extra else []
-    return out["params"], parts.rebuild(c["count"], master, c["mu"], c["nu"], extra), out["meta"]
+    params = _fill_empties(out["params"], params_t)
+    return params, parts.rebuild(c["count"], master, c["mu"], c["nu"], extra), out["meta"]

@@ -383,3 +383,30 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path, monkeypatch):
     assert mgr.all_steps() == [1]
     restored, _, _ = mgr.restore(1, params=params, opt_state=state)
   assert_equal_trees(restored, make_params())
+
+
+@pytest.mark.parametrize("plan", ["host", "device"])
+def test_a_tree_with_an_empty_leaf_roundtrips(tmp_path, plan):
+  """Orbax refuses zero-size arrays; the manager saves a stand-in and restores the template's empty array."""
+  tx = interleaved(plan)
+
+  def with_empty(seed):
+    p = make_params(seed)
+    p["empty"] = jnp.zeros((0, 4), jnp.float32)
+    return p
+
+  params = with_empty(0)
+  params, state = train(tx, params, tx.init(params), 2)
+  want = snapshot((params, state))
+  with CheckpointManager(tmp_path, save_interval_steps=1) as mgr:
+    mgr.save(2, params=params, opt_state=state)
+    mgr.wait_until_finished()
+    template_params = with_empty(99)
+    template_state = tx.init(template_params)
+    rp, rs, _ = mgr.restore(params=template_params, opt_state=template_state)
+    assert rs.mu["empty"].shape == (0, 4) and kinds(rs) == kinds(template_state)
+    assert_equal_trees(want, (rp, rs))
+    # and into optax's adamw state, the other way round
+    op, os_, _ = mgr.restore(params=with_empty(7), opt_state=optax.adamw(LR, weight_decay=WD).init(with_empty(7)))
+  assert op["empty"].shape == (0, 4) and os_[0].nu["empty"].shape == (0, 4)
+  np.testing.assert_array_equal(np.asarray(op["w"]), want[0]["w"])
