@@ -184,12 +184,22 @@ def _put_groups(groups: list[list[jax.Array]], kind: str) -> list[list[jax.Array
   return [[next(moved) for _ in g] for g in groups]
 
 
-def _like_state(grad: jax.Array, master: jax.Array, kind: str = "device") -> jax.Array:
-  """``grad`` in memory ``kind`` with the state's sharding, so that shards line up leaf by leaf."""
-  target = master.sharding.with_memory_kind(kind)
-  if grad.sharding.is_equivalent_to(target, grad.ndim) and grad.sharding.memory_kind == kind:
-    return grad
-  return jax.device_put(grad, target)
+def _like_states(grads: list[jax.Array], masters: list[jax.Array], kind: str = "device") -> list[jax.Array]:
+  """``grads`` in memory ``kind`` with their states' shardings (so that shards line up leaf by leaf).
+
+  Those that must move do so in one batched ``device_put``.
+  """
+  targets = [m.sharding.with_memory_kind(kind) for m in masters]
+  move = [
+    j for j, (g, t) in enumerate(zip(grads, targets))
+    if not (g.sharding.is_equivalent_to(t, g.ndim) and g.sharding.memory_kind == kind)
+  ]  # fmt: skip
+  out = list(grads)
+  if move:
+    out_moved = jax.device_put([grads[j] for j in move], [targets[j] for j in move])
+    for j, x in zip(move, out_moved):
+      out[j] = x
+  return out
 
 
 def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array]:
@@ -197,7 +207,7 @@ def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: li
 
   The host kernel reads float32 or bfloat16; other dtypes are cast to float32 on the accelerator first.
   """
-  out, to_copy = {}, []
+  flushed, to_copy = [], []
   for i in leaves:
     g = grads[i]
     if g.sharding.memory_kind == "pinned_host":
@@ -206,10 +216,11 @@ def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: li
           f"gradient leaf {i} is in pinned_host memory as {g.dtype}; the host kernel reads"
           f" {' or '.join(host_kernels.GRAD_DTYPES)}. Cast it before it leaves the accelerator."
         )
-      out[i] = _like_state(g, masters[i], "pinned_host")
+      flushed.append(i)
     else:
       to_copy.append(i)
-  on_device = [_like_state(grads[i], masters[i]) for i in to_copy]
+  out = dict(zip(flushed, _like_states([grads[i] for i in flushed], [masters[i] for i in flushed], "pinned_host")))
+  on_device = _like_states([grads[i] for i in to_copy], [masters[i] for i in to_copy])
   on_device = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else _jit_to_f32(g) for g in on_device]
   out.update(zip(to_copy, _put(on_device, "pinned_host")))
   return out
@@ -282,7 +293,7 @@ class Engine:
     for dev_leaves in self.resident_calls:
       with trace.span("device.dispatch"):
         leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
-        leaves[0] = [_like_state(g, m) for g, m in zip(leaves[0], leaves[1])]  # flushed ones come back
+        leaves[0] = _like_states(leaves[0], leaves[1])  # flushed ones come back
         outs = (_jit_update_params if new_params else _jit_update)(
           *leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
         )
@@ -398,7 +409,8 @@ class Engine:
         dev_state = _put_groups(old, "device")
         for a in (a for group in old for a in group):
           a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
-        g, p = [_like_state(grads[i], masters[i]) for i in idx], [params[i] for i in idx]  # on the accelerator now
+        g = _like_states([grads[i] for i in idx], [masters[i] for i in idx])  # flushed ones come back
+        p = [params[i] for i in idx]
         update = _jit_update_params if new_params else _jit_update
         u, m32, m1, m2 = update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
         back = _put_groups([m32, m1, m2], "pinned_host")
