@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import os
 import re
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any, Union
 
 ENV_OVERRIDE = "JAX_DOS_CALIBRATION"
+log = logging.getLogger(__name__)
 # 2 GiB per fp32 array. Smaller runs are dominated by the pipeline's fill and drain (the first subgroup's
 # gradients, the last one's update): at 64 Mi the host rate came out 40% below a 1 B-parameter model's (H200).
 GPU_DEFAULT_SIZE = 512 * 2**20
@@ -417,10 +419,12 @@ def calibrate(*, size: int | None = None, force: bool = False, cache: bool = Tru
     cal = load_cached()
     if cal is not None:
       return cal
+  # Shown by default (a silent half minute at init looks like a hang); once per machine when cached.
+  log.warning("jax_dos: measuring this machine for the performance model (plan='auto'); 20-30 s on a GPU, then cached.")
   cal = measure(size=size, reps=reps)
   if cache:
     try:
-      save(cal)
+      log.info("jax_dos: calibration cached in %s", save(cal))
     except OSError:
       pass  # a read-only home is no reason to fail; the calibration is still returned
   return cal
