@@ -305,6 +305,13 @@ def main(argv=None) -> None:
     return
   out_path = args.out or os.path.join(HERE, "results", "train_step.json")
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+  calibration = None
+  if {"auto", "writebehind", "delay", "predict"} & set(args.variants.split(",")):
+    # The planner's calibration in a process of its own (then cached for the variants): measured inside a variant,
+    # beside a 6.7B model, its 20-30 s of allocations could fragment the accelerator memory the step needs.
+    code = "import jax_dos; print(jax_dos.calibrate().summary())"
+    calibration = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+    print(f"calibration: {calibration}", flush=True)
   results = []
   for v in args.variants.split(","):
     res = _child(args, v, f"{out_path}.{v}.tmp")
@@ -319,6 +326,7 @@ def main(argv=None) -> None:
       "command": " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
       "host": socket.gethostname(),
       "python": platform.python_version(),
+      "calibration": calibration,
       "results": results,
       "table": lines,
     }
