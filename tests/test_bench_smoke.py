@@ -1,0 +1,49 @@
+"""The benchmark scripts run end to end on tiny sizes (CPU) and write what their readers expect.
+
+Timings on the CPU mean nothing; these only keep the scripts that produce BENCHMARKS.md working.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(tmp_path, script, *args):
+  env = dict(os.environ, PYTHONPATH=ROOT, OUT=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"))
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "bench", script), *args], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_update_phase_smoke(tmp_path):
+  run(tmp_path, "update_phase.py", "--smoke", "--sizes", "smoke", "--skip", "torch,optax", "--budgets", "0,0.25",
+      "--trace")  # fmt: skip
+  out = json.loads((tmp_path / "update_phase.json").read_text())
+  (size,) = out["sizes"]
+  assert [b["fraction"] for b in size["budgets"]] == [0.0, 0.25]
+  for b in size["budgets"]:
+    auto = b["variants"]["auto"]
+    assert auto["time_s"] > 0 and auto["predicted_s"] > 0
+    assert auto["trace"]["wall"]["seconds"] > 0
+    assert sum(b["auto_plan"]["placements"].values()) == size["params"]
+
+
+def test_contention_smoke(tmp_path):
+  run(tmp_path, "contention.py", "--configs", "4x4096", "--reps", "1")
+  rows = json.loads((tmp_path / "contention.json").read_text())["rows"]
+  assert [r["plan"] for r in rows] == ["host", "stream", "mix"]
+  assert all(r["time_s"] > 0 and r["predicted_s"] > 0 and "wall" in r["trace"] for r in rows)
+
+
+def test_train_step_smoke(tmp_path):
+  path = tmp_path / "train_step.json"
+  run(tmp_path, "train_step.py", "--smoke", "--variants", "host,auto", "--steps", "2", "--out", str(path))
+  doc = json.loads(path.read_text())
+  assert doc["calibration"]  # measured in its own process before the variants
+  assert [r["variant"] for r in doc["results"]] == ["host", "auto"]
+  assert all("error" not in r and r["tokens_per_s"] > 0 for r in doc["results"])
