@@ -37,19 +37,18 @@ def run_plan(params, grads, placements, leaf: int, reps: int) -> dict:
   subgroups, sizes = partition_leaves(params, leaf)
   plan = Plan(subgroups, tuple(placements), sizes, source="user")
   tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=leaf, plan=plan)
-  box = [tx.init(params)]
+  # update_params consumes both, so they are carried from step to step
+  carry = {"params": jax.tree.map(jnp.copy, params), "state": tx.init(params)}
 
   def step():
-    p, box[0] = jax_dos.update_params(tx, grads, box[0], box[1])
-    box[1] = p
-    jax.block_until_ready((p, box[0]))
+    carry["params"], carry["state"] = jax_dos.update_params(tx, grads, carry["state"], carry["params"])
+    jax.block_until_ready(carry)
 
-  box.append(jax.tree.map(jnp.copy, params))
   r = common.timed(step, reps=reps)
   with jax_dos.trace.recording() as spans:
     step()
   r["trace"] = jax_dos.trace.totals(spans)
-  box.clear()
+  carry.clear()
   gc.collect()
   return r
 

@@ -195,10 +195,8 @@ def _like_states(grads: list[jax.Array], masters: list[jax.Array], kind: str = "
     if not (g.sharding.is_equivalent_to(t, g.ndim) and g.sharding.memory_kind == kind)
   ]  # fmt: skip
   out = list(grads)
-  if move:
-    out_moved = jax.device_put([grads[j] for j in move], [targets[j] for j in move])
-    for j, x in zip(move, out_moved):
-      out[j] = x
+  for j, x in zip(move, _put([grads[j] for j in move], kind, likes=[masters[j] for j in move])):
+    out[j] = x
   return out
 
 
