@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Convergence of the one-step delayed update: GPT-2 124M on the built-in corpus, every subgroup on the host kernel
-# (so that the delay applies to all of the state): --delay 0, --delay 1 and --delay 1 --delay-predict (after $WARMUP
-# normal steps), same seed, data and schedule. Writes metrics_<run>.jsonl, delay_curves.log and (compare_curves.py)
+# (so that the delay applies to all of the state): --delay 0, --delay 1, --delay 1 --delay-predict moments and
+# --delay 1 --delay-predict gradient (after $WARMUP normal steps), same seed, data and schedule. Writes metrics_<run>.jsonl, delay_curves.log and (compare_curves.py)
 # curves under $OUT. RUNS picks the runs (default: "delay0 delay1 predict"); PRESET, BATCH, SEQ, LR, STEPS set the run.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results}
-STEPS=${STEPS:-300} WARMUP=${WARMUP:-10} LR=${LR:-6e-4} RUNS=${RUNS:-"delay0 delay1 predict"}
+STEPS=${STEPS:-300} WARMUP=${WARMUP:-10} LR=${LR:-6e-4} RUNS=${RUNS:-"delay0 delay1 predict gradient"}
 PRESET=${PRESET:-gpt2-124m} BATCH=${BATCH:-16} SEQ=${SEQ:-1024}
 mkdir -p "$OUT"
-declare -A FLAGS=([delay0]="--delay 0" [delay1]="--delay 1" [predict]="--delay 1 --delay-predict")
+declare -A FLAGS=([delay0]="--delay 0" [delay1]="--delay 1" [predict]="--delay 1 --delay-predict moments"
+                  [gradient]="--delay 1 --delay-predict gradient")
 curves=()
 for run in $RUNS; do
   # shellcheck disable=SC2086

@@ -19,7 +19,7 @@ def main(*paths: str) -> None:
   *srcs, png = paths
   docs = [json.load(open(src)) for src in srcs]
   doc = docs[0]
-  order = ("none", "idiom", "host", "auto", "writebehind", "delay", "predict", "hostdelay")
+  order = ("none", "idiom", "host", "auto", "writebehind", "delay", "predict", "ahead", "hostdelay")
   rows = sorted((r for d in docs for r in d["results"] if "step_s" in r), key=lambda r: order.index(r["variant"]))
   names = [r["variant"] for r in rows]
   fb = [r["fb_s"] for r in rows]

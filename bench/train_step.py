@@ -11,7 +11,8 @@ pinned memory), on the same model, batch and data (the embedded corpus):
   ``auto``   (3) jax_dos with the performance model's plan, gradient flush;
   ``writebehind`` as (3) with ``write_behind=True`` (optax's numbers; host state written during the next step);
   ``delay``  (4) as (3) with ``delay=1`` (host subgroups one step late, their kernel overlapping the next step);
-  ``hostdelay`` as (2) with ``delay=1``; ``predict`` as (4) with ``delay_predict=True``;
+  ``hostdelay`` as (2) with ``delay=1``; ``predict`` as (4) with ``delay_predict="moments"``;
+  ``ahead``  as (4) with ``delay_predict="gradient"`` (undelayed AdamW's weights, stepped on the GPU);
   ``none``   ``optax.adamw`` with everything on the GPU (only where it fits).
 
 Per variant: step time (median over timed steps), tokens/s, MFU against the
@@ -45,7 +46,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402  (sets nothing until setup_env is called)
 
-VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", "hostdelay", "none")
+VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", "ahead", "hostdelay", "none")
 GIB = 2**30
 
 
@@ -177,12 +178,12 @@ def run_variant(args: argparse.Namespace) -> dict:
       probe = jax.jit(loss_and_grads, out_shardings=to_host).lower(params, batches[0]).compile()
       need = budgets["step_memory"] = train_gpt.step_memory_bound(probe, params, args.grad_flush)
       out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
-    delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "predict", "hostdelay") else {}
-    if args.variant == "predict":
-      delay["delay_predict"] = True
+    delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "predict", "ahead", "hostdelay") else {}
+    if args.variant in ("predict", "ahead"):
+      delay["delay_predict"] = "moments" if args.variant == "predict" else "gradient"
     if args.variant == "writebehind":
       delay["write_behind"] = True
-    planner = jax_dos.auto_planner(**budgets, params_in_place=True)
+    planner = jax_dos.auto_planner(**budgets, params_in_place=True, ahead_copies=args.variant == "ahead")
     tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=planner, **delay)
     flush = None if args.grad_flush == "none" else (None, jax_dos.gradient_shardings(tx, params, args.grad_flush), None)
     fb = jax.jit(loss_and_grads, out_shardings=flush)
@@ -193,7 +194,7 @@ def run_variant(args: argparse.Namespace) -> dict:
       return params, state, loss
 
   state = tx.init(params)
-  if args.variant in ("host", "auto", "writebehind", "delay", "predict", "hostdelay"):
+  if args.variant in ("host", "auto", "writebehind", "delay", "predict", "ahead", "hostdelay"):
     p = jax_dos.get_plan(tx, params)
     out["plan"] = str(p)
     out["plan_predicted_s"] = p.predicted
@@ -306,7 +307,7 @@ def main(argv=None) -> None:
   out_path = args.out or os.path.join(HERE, "results", "train_step.json")
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   calibration = None
-  if {"auto", "writebehind", "delay", "predict"} & set(args.variants.split(",")):
+  if {"auto", "writebehind", "delay", "predict", "ahead"} & set(args.variants.split(",")):
     # The planner's calibration in a process of its own (then cached for the variants): measured inside a variant,
     # beside a 6.7B model, its 20-30 s of allocations could fragment the accelerator memory the step needs.
     code = "import jax_dos; print(jax_dos.calibrate().summary())"

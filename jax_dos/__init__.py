@@ -23,6 +23,7 @@ from jax_dos.planner import StepMemory, auto_planner, make_plan
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,
+  DELAY_PREDICTIONS,
   GRADIENT_FLUSHES,
   InterleavedAdamState,
   get_plan,
@@ -38,6 +39,7 @@ __all__ = [
   "Calibration",
   "CheckpointManager",
   "DEFAULT_SUBGROUP_SIZE",
+  "DELAY_PREDICTIONS",
   "GRADIENT_FLUSHES",
   "auto_planner",
   "calibrate",

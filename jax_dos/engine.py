@@ -27,10 +27,17 @@ returned at step ``t`` takes their parameters to the masters of step ``t - 1``
 (already on the host), and the host kernel for step ``t``'s gradients runs in
 the background, overlapping the caller's next forward/backward pass. The next
 ``update`` (or :func:`wait_for_host_updates`, which checkpointing calls) waits
-for it. With ``delay_predict`` the kernel also writes, in the same pass, the
-weights one more step with the new moments would give
+for it. With ``delay_predict="moments"`` the kernel also writes, in the same
+pass, the weights one more step with the new moments would give
 (``adam_math.predict_next``); those go to the accelerator instead of the
-stale masters.
+stale masters. With ``delay_predict="gradient"`` the worker sends, right after
+each subgroup's kernel, copies of its new master, mu and nu (in the
+parameters' dtype; the kernel writes bfloat16 ones in the same pass) to the
+accelerator, where they wait through the caller's next forward/backward
+pass; the next ``update`` takes one AdamW step there with its fresh
+gradients and hands those weights on: undelayed Adam's weights (exactly so
+for float32 parameters), while the host kernel still runs the exact step in
+the background.
 
 With ``write_behind`` the numbers stay optax's and only the writing of host
 subgroups' state is deferred: the kernel first computes each subgroup's new
@@ -83,6 +90,30 @@ _jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
 _jit_increment = jax.jit(adam_math.safe_increment)
 _jit_updates_from_masters = jax.jit(lambda masters, params: list(map(adam_math.update_from_master, masters, params)))
 _jit_to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
+
+
+def _step_ahead_group(grads, masters, mus, nus, params, scalars, hyper, decay, new_params):
+  """One AdamW step on the accelerator from copies of host state; returns only the new parameters (or updates).
+
+  The copies may be in a lower precision than float32 (the parameters'
+  dtype): they are widened, stepped in float32, and the result cast to each
+  parameter's dtype (``new_params``) or turned into the update taking the
+  parameter there (``adam_math.update_from_master``).
+  """
+  out = []
+  for g, m32, m1, m2, p, d in zip(grads, masters, mus, nus, params, decay):
+    f32 = [x.astype(jnp.float32) for x in (m32, m1, m2)]
+    _, new, _, _ = adam_math.leaf_update(g, *f32, p, scalars, hyper, d)
+    out.append(new.astype(p.dtype) if new_params else adam_math.update_from_master(new, p))
+  return out
+
+
+AHEAD_IN_FLIGHT = 2  # subgroups whose flushed gradients (or late copies) cross to the accelerator at once, bounded
+# The copies are not donated: no output has their dtype and shape to reuse them (they are freed once consumed).
+_jit_step_ahead = jax.jit(_step_ahead_group, static_argnames=("hyper", "decay", "new_params"))
+_jit_step_ahead_params = jax.jit(
+  _step_ahead_group, static_argnames=("hyper", "decay", "new_params"), donate_argnums=4, keep_unused=True
+)
 # The new weights written into the old parameter's buffer (donated): parameters keep their place in accelerator
 # memory. Fresh arrays each step fragmented it until the next gradient step's one large temporary (18 GiB at 6.7B)
 # found no room (H100).
@@ -200,6 +231,14 @@ def _like_states(grads: list[jax.Array], masters: list[jax.Array], kind: str = "
   return out
 
 
+def _host_zeros(likes: list[tuple[jax.Array, Any]]) -> list[jax.Array]:
+  """Zero arrays shaped and sharded like each ``(array, dtype)``'s array (in its memory), of that dtype."""
+  if not likes:
+    return []
+  structs = [jax.ShapeDtypeStruct(a.shape, d, sharding=a.sharding) for a, d in likes]
+  return jax.jit(lambda: [jnp.zeros(x.shape, x.dtype) for x in structs], out_shardings=[x.sharding for x in structs])()
+
+
 def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array]:
   """Gradients of the host leaves in ``pinned_host`` memory (copied there unless flushed already).
 
@@ -234,20 +273,25 @@ class Engine:
     decay: Sequence[bool],
     delay: int = 0,
     delay_warmup: int = 0,
-    delay_predict: bool = False,
+    delay_predict: str | None = None,
     write_behind: bool = False,
   ):
     self.hyper = hyper
     self.plan = plan
     self.decay = tuple(decay)
-    self.delay, self.delay_warmup, self.delay_predict = delay, delay_warmup, bool(delay and delay_predict)
+    self.delay, self.delay_warmup = delay, delay_warmup
+    self.delay_predict = delay_predict if delay else None  # None, "moments" or "gradient"
     self.write_behind = bool(write_behind)
     self.leaf_placement = plan.leaf_placements()
     self.resident_calls = self._resident_calls()
     # host leaf -> the copy of its master the kernel writes for the accelerator: bfloat16 for bfloat16 params;
-    # with delay_predict, float32 for the others (then it holds predictions in delayed steps)
+    # with delay_predict="moments", float32 for the others (then it holds predictions in delayed steps)
     self._lows: dict[int, jax.Array] = {}
     self._lows_hold: tuple | None = None  # (weak refs to the masters, step, predicted) the copies were written for
+    # delay_predict="gradient": host leaf -> the bfloat16 copies of its mu and nu the kernel writes (bfloat16 params)
+    self._moment_lows: dict[int, tuple[jax.Array, jax.Array]] = {}
+    # ... and (weak refs to the masters, step, {leaf: (master, mu, nu) on the accelerator}) the worker sent ahead
+    self._ahead: tuple | None = None
 
   def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
     """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
@@ -298,18 +342,23 @@ class Engine:
         self._scatter(dev_leaves, outs, updates, new)
 
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
-    predict = delayed and self.delay_predict
+    predict = delayed and self.delay_predict == "moments"
+    step_ahead = delayed and self.delay_predict == "gradient"
     lows = self._low_copies(host_leaves, masters, mus, nus, params, step, delayed, scalars)
     next_scalars = _jit_scalars(hyper, _jit_increment(count)) if predict else None
     reading: dict[int, jax.Array] = {}
-    if delayed:
+    if step_ahead:
+      # The accelerator steps from the state after step t - 1; the kernel for step t runs in the background.
+      reading = self._step_ahead(host_leaves, grads, masters, mus, nus, lows, params, scalars, step, updates,
+                                 new_params)  # fmt: skip
+    elif delayed:
       # Parameters go to the masters as they are now (step t - 1); the kernel for step t runs in the background.
       reading = self._updates_from_masters(host_leaves, masters, lows, params, updates, new_params)
     if host_leaves:
       hold = ([weakref.ref(masters[i]) for i in lows], step + 1, predict)
       params_out = threading.Event() if self.write_behind else None
       args = (host_grads, masters, mus, nus, lows, params, scalars, next_scalars, updates, not delayed, new_params)
-      args += (reading, hold, params_out)
+      args += (reading, hold, params_out, step + 1 if step_ahead else None)
       _BACKGROUND.start(self, self._host_worker, *args)
     self._stream(plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params)
     with trace.span("wait.host"):
@@ -341,25 +390,24 @@ class Engine:
     """The copies of the masters of ``leaves`` the kernel writes for the accelerator (host buffers the engine owns).
 
     bfloat16 for bfloat16 parameters, so that 2 bytes a parameter, not 4,
-    cross to the accelerator; with ``delay_predict`` or ``write_behind``
+    cross to the accelerator; with ``delay_predict="moments"`` or ``write_behind``
     float32 for the others (predictions, or weights sent before the masters
     are written). With ``synced`` (a delayed step) they must hold
     what this step hands the accelerator: the current masters, or with
-    ``delay_predict`` their prediction with this step's ``scalars``. Made
+    ``delay_predict="moments"`` their prediction with this step's ``scalars``. Made
     here unless this engine's last step wrote just that for these very buffers.
     """
-    wanted = [i for i in leaves if params[i].dtype == jnp.bfloat16 or self.delay_predict or self.write_behind]
+    floats = self.delay_predict == "moments" or self.write_behind
+    wanted = [i for i in leaves if params[i].dtype == jnp.bfloat16 or floats]
+    dtype = lambda i: jnp.bfloat16 if params[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
     missing = [i for i in wanted if i not in self._lows]
-    if missing:
-      like = [
-        jax.ShapeDtypeStruct(masters[i].shape, jnp.bfloat16 if params[i].dtype == jnp.bfloat16 else jnp.float32,
-                             sharding=masters[i].sharding)
-        for i in missing
-      ]  # fmt: skip
-      made = jax.jit(lambda: [jnp.zeros(x.shape, x.dtype) for x in like], out_shardings=[x.sharding for x in like])()
-      self._lows.update(zip(missing, made))
+    self._lows.update(zip(missing, _host_zeros([(masters[i], dtype(i)) for i in missing])))
     lows = {i: self._lows[i] for i in wanted}
-    held, predict = self._lows_hold, self.delay_predict
+    if self.delay_predict == "gradient":  # bfloat16 copies of mu and nu too (all of ``wanted`` are bfloat16 here)
+      missing = [i for i in wanted if i not in self._moment_lows]
+      made = iter(_host_zeros([(masters[i], jnp.bfloat16) for i in missing for _ in range(2)]))
+      self._moment_lows.update((i, (next(made), next(made))) for i in missing)
+    held, predict = self._lows_hold, self.delay_predict == "moments"
     current = held is not None and held[1] == step and held[2] == predict and len(held[0]) == len(wanted)
     if synced and not (current and all(r() is masters[i] for r, i in zip(held[0], wanted))):
       shards = [(i, q) for i in wanted for q in zip(*(_shards(a) for a in (lows[i], masters[i], mus[i], nus[i])))]
@@ -372,6 +420,10 @@ class Engine:
       else:
         for _, (low, master, _, _) in shards:
           host_kernels.round_to_bf16(low, master)
+      for i in (i for i in wanted if i in self._moment_lows):
+        for copy, moment in zip(self._moment_lows[i], (mus[i], nus[i])):
+          for a, b in zip(_shards(copy), _shards(moment)):
+            host_kernels.round_to_bf16(a, b)
     self._lows_hold = None  # until this step's kernel has written them
     return lows
 
@@ -393,6 +445,59 @@ class Engine:
     for i, out in zip(leaves, outs):
       updates[i] = out
     return dict(zip(leaves, outs))
+
+  def _send_ahead(self, leaves, masters, mus, nus, lows, params) -> dict[int, tuple[jax.Array, jax.Array, jax.Array]]:
+    """Copies of the host state of ``leaves`` on the accelerator, in the params' dtypes: ``{leaf: (master, mu, nu)}``.
+
+    For bfloat16 parameters these are the bfloat16 copies the kernel wrote
+    (6 B a parameter cross PCIe); float32 ones send their state itself.
+    """
+    sent = []
+    for i in leaves:
+      sent += [lows.get(i, masters[i]), *self._moment_lows.get(i, (mus[i], nus[i]))]
+    sent = iter(_put(sent, "device", likes=[masters[i] for i in leaves for _ in range(3)]))
+    return {i: (next(sent), next(sent), next(sent)) for i in leaves}
+
+  def _take_ahead(self, leaves, masters, step) -> dict | None:
+    """The copies the last worker sent ahead, if they are of these very masters at this step (else ``None``)."""
+    held, self._ahead = self._ahead, None
+    if held is None or held[1] != step or set(held[2]) != set(leaves):
+      return None
+    return held[2] if all(r() is masters[i] for r, i in zip(held[0], leaves)) else None
+
+  def _step_ahead(self, leaves, grads, masters, mus, nus, lows, params, scalars, step, updates, new_params):
+    """``delay_predict="gradient"``: this step's AdamW on the accelerator, from the state copies sent ahead.
+
+    One jitted call per host subgroup; the copies are consumed. Sends the
+    copies now if the last worker did not (the first delayed step, or a state
+    the engine did not produce). Whatever has to cross PCIe here (those
+    copies, gradients flushed to the host) does so with at most
+    ``AHEAD_IN_FLIGHT`` subgroups in flight, so that it needs little
+    accelerator memory beside the state. Returns the outputs by leaf, as
+    :meth:`_updates_from_masters`.
+    """
+    ahead = self._take_ahead(leaves, masters, step)
+    pending: deque = deque()
+    fn = _jit_step_ahead_params if new_params else _jit_step_ahead
+    reading = {}
+    for s in self.plan.indices("host"):
+      group = self.plan.subgroups[s]
+      flushed = any(grads[i].sharding.memory_kind in ("pinned_host", "unpinned_host") for i in group)
+      if ahead is None or flushed:
+        with trace.span("device.wait_ahead"):
+          while len(pending) >= AHEAD_IN_FLIGHT:
+            jax.block_until_ready(pending.popleft())
+      with trace.span("device.send_ahead" if ahead is None else "device.step_ahead"):
+        copies = self._send_ahead(group, masters, mus, nus, lows, params) if ahead is None else ahead
+        xs, ms, vs = (list(x) for x in zip(*[copies.pop(i) for i in group]))  # popped: donated, then freed
+        g = _like_states([grads[i] for i in group], [masters[i] for i in group])  # flushed ones come back
+        outs = fn(g, xs, ms, vs, [params[i] for i in group], scalars, hyper=self.hyper,
+                  decay=tuple(self.decay[i] for i in group), new_params=new_params)  # fmt: skip
+        del xs, ms, vs, g
+      pending.append(outs)
+      for i, out in zip(group, outs):
+        updates[i] = reading[i] = out
+    return reading
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params) -> None:
     """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
@@ -424,7 +529,7 @@ class Engine:
 
   def _host_worker(
     self, host_grads, masters, mus, nus, lows, params, scalars, next_scalars, updates, send, new_params, reading, hold,
-    params_out, error,
+    params_out, ahead_step, error,
   ):  # fmt: skip
     """Runs the host kernel subgroup by subgroup; with ``send``, ships each new master and forms its update.
 
@@ -437,7 +542,8 @@ class Engine:
     (waiting cost a third of the host path's time in a mixed plan, H200). Then records ``hold``: what the
     bfloat16 copies now hold. With ``params_out`` (write-behind) the first pass
     writes only the new weights and sends them, sets ``params_out``, and a
-    second pass writes the state.
+    second pass writes the state. With ``ahead_step`` (``delay_predict="gradient"``)
+    it sends each subgroup's new state ahead to the accelerator for that step's ``update``.
     """
     hyper, plan = self.hyper, self.plan
     kw = dict(b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root, weight_decay=hyper.weight_decay)
@@ -449,6 +555,7 @@ class Engine:
       for i in leaves:
         arrays = (host_grads[i], masters[i], mus[i], nus[i])
         arrays += (lows[i],) if with_low and i in lows else ()
+        arrays += self._moment_lows[i] if with_low and i in lows and i in self._moment_lows else ()
         for shards in zip(*(_shards(a) for a in arrays)):
           out.append(shards)
           decay.append(self.decay[i])
@@ -458,6 +565,7 @@ class Engine:
       scalars_np = np.asarray(scalars)
       next_np = None if next_scalars is None else np.asarray(next_scalars)
       sending: list[jax.Array] = []
+      ahead: dict[int, tuple] = {}
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
         with trace.span("host.wait_reading"):
@@ -470,6 +578,9 @@ class Engine:
         if send:
           with trace.span("host.send"):
             sending += self._updates_from_masters(leaves, masters, lows, params, updates, new_params).values()
+        if ahead_step is not None:
+          with trace.span("host.send_ahead"):
+            ahead.update(self._send_ahead(leaves, masters, mus, nus, lows, params))
       if params_out is not None:
         params_out.set()
         for s in plan.indices("host"):  # the state, behind: same inputs, same arithmetic, the copies left alone
@@ -477,8 +588,11 @@ class Engine:
           with trace.span("host.kernel_state"):
             host_kernels.adam_many(*args, **kw, scalars=scalars_np)
       with trace.span("host.wait_sent"):
-        jax.block_until_ready([*reading.values(), *sending])
+        jax.block_until_ready([*reading.values(), *sending, *ahead.values()])
       self._lows_hold = hold
+      if ahead_step is not None:
+        host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
+        self._ahead = ([weakref.ref(masters[i]) for i in host_leaves], ahead_step, ahead)
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)
     finally:

@@ -67,8 +67,8 @@ def _store_f32(x):
 def _make_adam_kernel(load_grad, store_low):
   @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
   def adam_inplace(
-    g, p, m, v, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, decay, write_low,
-    predict, next_neg_lr, next_bc1, next_bc2, write_state,
+    g, p, m, v, low, low_m, low_v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, decay,
+    write_low, predict, next_neg_lr, next_bc1, next_bc2, write_state, write_moments,
   ):  # fmt: skip
     # Keep this a prange over whole arrays: numba's parfor lowering is what lets LLVM vectorize the loop
     # (a plain range loop, or a loop over pointer-made arrays, stayed scalar and ran 6x slower).
@@ -93,6 +93,9 @@ def _make_adam_kernel(load_grad, store_low):
         low[i] = store_low(pn + next_neg_lr * un)
       elif write_low:
         low[i] = store_low(pn)
+      if write_moments:
+        low_m[i] = store_low(mi)
+        low_v[i] = store_low(vi)
 
   return adam_inplace
 
@@ -134,12 +137,14 @@ def adam_many(
   next_scalars: np.ndarray | None = None,
   write_state: bool = True,
 ) -> None:
-  """AdamW step on many ``(g, p, m, v)`` or ``(g, p, m, v, low)`` buffers, in place, all checked before any write.
+  """AdamW step on many ``(g, p, m, v[, low[, low_m, low_v]])`` buffers, in place, all checked before any write.
 
   ``p, m, v`` are float32 and updated; ``g`` is float32 or bfloat16 and only
   read; ``low`` (bfloat16 or float32), where given, receives the new ``p``
   in its dtype, or with ``next_scalars`` (the next step's) the prediction
-  ``adam_math.predict_next(p, m, v, next_scalars)`` of the new state. Each
+  ``adam_math.predict_next(p, m, v, next_scalars)`` of the new state;
+  ``low_m`` and ``low_v``, where given, the new ``m`` and ``v`` in ``low``'s
+  dtype (the copies ``delay_predict="gradient"`` sends ahead). Each
   buffer is a numpy array or a single-device host-memory jax array (a shard);
   the buffers of a tuple must have one size. ``decay[j]`` says whether tuple
   ``j`` gets weight decay. ``write_state=False`` writes ``low`` only (the new
@@ -151,27 +156,35 @@ def adam_many(
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
   views = []
   for bufs in buffers:
-    if len(bufs) not in (4, 5) or len({b.size for b in bufs}) != 1:
-      raise ValueError(f"host kernel needs four or five buffers of one size, got shapes {[np.shape(b) for b in bufs]}.")
+    if len(bufs) not in (4, 5, 7) or len({b.size for b in bufs}) != 1:
+      raise ValueError(
+        f"host kernel needs four, five or seven buffers of one size, got shapes {[np.shape(b) for b in bufs]}."
+      )
     dtypes = [str(b.dtype) for b in bufs]
-    if dtypes[1:4] != ["float32"] * 3 or dtypes[0] not in GRAD_DTYPES or not set(dtypes[4:]) <= set(LOW_DTYPES):
+    copies_ok = len(set(dtypes[4:])) <= 1 and set(dtypes[4:]) <= set(LOW_DTYPES)
+    if dtypes[1:4] != ["float32"] * 3 or dtypes[0] not in GRAD_DTYPES or not copies_ok:
       raise TypeError(
         f"host kernel needs float32 state, {' or '.join(GRAD_DTYPES)} gradients and a bfloat16 or float32 copy"
-        f" (if any), got {dtypes}."
+        f" (if any; moment copies in the same dtype), got {dtypes}."
       )
-    if (next_scalars is not None or not write_state) and len(bufs) != 5:
+    if (next_scalars is not None or not write_state) and len(bufs) == 4:
       raise ValueError("a prediction (next_scalars) or write_state=False needs a fifth buffer to write to.")
-    views.append([_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)] + ([] if len(bufs) == 5 else [_NO_LOW]))
+    flat = [_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)]
+    views.append(flat + [_NO_LOW] * (7 - len(flat)))
   f = np.float32
   # (1 - b) is rounded from a Python double, exactly as JAX does for optax.
   hyper = (f(b1), f(1 - b1), f(b2), f(1 - b2), f(eps), f(eps_root), f(weight_decay))
   step = (f(scalars[0]), f(scalars[1]), f(scalars[2]), f(scalars[3]) if len(scalars) > 3 else f(1))
   predict = next_scalars is not None
   nxt = (f(next_scalars[0]), f(next_scalars[1]), f(next_scalars[2])) if predict else (f(0), f(1), f(1))
-  for (g, p, m, v, low), d in zip(views, decay):
+  for (g, p, m, v, low, low_m, low_v), d in zip(views, decay):
     if g.size:
       kernel = _KERNELS[_dtype_name(g), _dtype_name(low)]
-      kernel(g, p, m, v, low, *hyper, *step, bool(d), low is not _NO_LOW, predict, *nxt, bool(write_state))
+      moments = low_m is not _NO_LOW
+      if not moments:  # numba types each argument: the unused moment slots take low's dtype
+        low_m = low_v = low[:0]
+      kernel(g, p, m, v, low, low_m, low_v, *hyper, *step, bool(d), low is not _NO_LOW, predict, *nxt,
+             bool(write_state), moments)  # fmt: skip
 
 
 def predict_many(

@@ -56,6 +56,11 @@ gradient element,
     resident (1 + g/12) + staging <= F - L - 4 B/param (update: activations gone, fp32 updates made,
                                                         resident gradients back from the host)
 
+With ``ahead_copies`` (``delay_predict="gradient"``) every parameter not
+resident also holds ``a`` bytes of state copies (3 x its itemsize) through
+both phases, so ``a (N - resident/12)`` joins each left-hand side (``N``
+parameters per device); a budget that cannot hold the copies is an error.
+
 (no 4 B/param with ``params_in_place``: ``jax_dos.update_params`` makes no update tree)
 and two streaming slots are kept unless the whole state fits. Without it,
 the resident budget is ``resident_fraction`` (0.4) of the free memory, a
@@ -371,6 +376,7 @@ def resolve_budgets(
   largest_subgroup: int = 0,
   grad_itemsize: int = 4,
   params_in_place: bool = False,
+  ahead_bytes: int = 0,
 ) -> tuple[int, int | None]:
   """``(resident, staging)`` budgets in bytes per device; explicit values win (see module docstring).
 
@@ -381,7 +387,9 @@ def resolve_budgets(
   subgroups of at most ``largest_subgroup`` (per device), with gradients of
   ``grad_itemsize`` bytes an element. The update phase holds a float32
   update per parameter unless ``params_in_place`` (the training loop calls
-  ``jax_dos.update_params``).
+  ``jax_dos.update_params``). ``ahead_bytes``: accelerator bytes each
+  parameter that is not resident holds through the step (state copies sent
+  ahead, ``delay_predict="gradient"``).
   """
   for name, frac in (("resident_fraction", resident_fraction), ("staging_fraction", staging_fraction)):
     if not 0 <= frac <= 1:
@@ -396,18 +404,40 @@ def resolve_budgets(
     update_room = usable - step_memory.live_bytes - update_bytes * device_elements
     fb_room = usable - step_memory.peak_bytes
     with_grads = 1 + grad_itemsize / STATE_BYTES  # a resident subgroup's gradients are on the accelerator too
+    everything = STATE_BYTES * device_elements
+    copies = ahead_bytes * device_elements  # with nothing resident; each resident byte saves ahead_bytes / 12
     if resident_budget_bytes is None:
-      everything = STATE_BYTES * device_elements
       slots = DEFAULT_MAX_STREAM_SLOTS * STAGING_BYTES * largest_subgroup
-      keep = 0 if min(fb_room, update_room / with_grads) >= everything else slots
-      resident_budget_bytes = max(0, min(fb_room, int((update_room - keep) / with_grads)))
+      if min(fb_room, update_room / with_grads) >= everything:  # all of it: no copies, no staging slots
+        resident_budget_bytes = min(fb_room, int(update_room / with_grads))
+      else:
+        saved = ahead_bytes / STATE_BYTES
+        fb_cap = _cap(fb_room - copies, 1 - saved, everything)
+        update_cap = _cap(update_room - slots - copies, with_grads - saved, everything)
+        resident_budget_bytes = max(0, min(fb_cap, update_cap))
+    resident = min(resident_budget_bytes, everything)
+    held = copies - int(ahead_bytes / STATE_BYTES * resident)
+    if held > 0 and (resident + held > fb_room or with_grads * resident + held > update_room):
+      raise ValueError(
+        f"delay_predict='gradient' keeps {held / 2**30:.1f} GiB of state copies on the accelerator through the"
+        f" step, beside {resident_budget_bytes / 2**30:.1f} GiB of resident state, but the training step leaves"
+        f" {max(0, fb_room) / 2**30:.1f} GiB free. Use delay_predict='moments' (no accelerator memory), a smaller"
+        " batch, or more activation rematerialisation."
+      )
     if staging_budget_bytes is None:
-      staging_budget_bytes = max(0, update_room - int(with_grads * resident_budget_bytes))
+      staging_budget_bytes = max(0, update_room - int(with_grads * resident_budget_bytes) - max(0, held))
   if resident_budget_bytes is None:
     resident_budget_bytes = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
   if staging_budget_bytes is None and free_bytes is not None:
     staging_budget_bytes = int(staging_fraction * max(0, free_bytes - resident_budget_bytes))
   return max(0, int(resident_budget_bytes)), staging_budget_bytes
+
+
+def _cap(room: float, per_byte: float, everything: int) -> int:
+  """Largest ``r <= everything`` with ``r * per_byte <= room`` (``per_byte`` may be <= 0: then all or none)."""
+  if per_byte > 0:
+    return int(min(everything, room / per_byte))
+  return everything if room >= 0 else 0
 
 
 def make_plan(
@@ -422,6 +452,7 @@ def make_plan(
   max_stream_slots: int = DEFAULT_MAX_STREAM_SLOTS,
   step_memory: StepMemory | None = None,
   params_in_place: bool = False,
+  ahead_copies: bool = False,
 ) -> Plan:
   """The model's :class:`~jax_dos.plan.Plan` for ``params`` (see :func:`plan_sizes`, :func:`resolve_budgets`)."""
   import jax
@@ -441,7 +472,9 @@ def make_plan(
     largest_subgroup=max(dev_sizes, default=0),
     grad_itemsize=max((jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4),
     params_in_place=params_in_place,
-  )
+    ahead_bytes=3 * max((jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4)
+    if ahead_copies else 0,
+  )  # fmt: skip
   choice = plan_sizes(
     sizes,
     cal,
@@ -467,7 +500,8 @@ def auto_planner(calibration: CalibrationSpec = None, **plan_kwargs) -> Callable
   The calibration is resolved on first use (``calibration`` if given, else
   ``$JAX_DOS_CALIBRATION``, else the cache, else measured now: a few seconds)
   and kept. ``plan_kwargs`` go to :func:`make_plan` (budgets, fractions,
-  ``max_stream_slots``, ``step_memory``, ``params_in_place``); budgets left out are read from free
+  ``max_stream_slots``, ``step_memory``, ``params_in_place``, ``ahead_copies``: set it for
+  ``delay_predict="gradient"``); budgets left out are read from free
   memory at plan time, exactly when ``step_memory`` says what the training
   step needs (``StepMemory.of(jax.jit(grad_fn).lower(params, batch).compile())``).
   """

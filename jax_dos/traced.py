@@ -8,8 +8,9 @@ This path is also the baseline the engine is measured against.
 
 With ``delay=1`` it computes what the engine's delayed update does: from step
 ``delay_warmup`` on, host subgroups' updates take the parameters to the
-masters *before* this step's update (with ``delay_predict``, their
-``adam_math.predict_next`` from the state before this step).
+masters *before* this step's update (with ``delay_predict="moments"``, their
+``adam_math.predict_next`` from the state before this step; with
+``"gradient"``, the masters after it, as undelayed AdamW).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def update_leaves(
   delay_warmup: int = 0,
   grad_scale=1.0,
   new_params: bool = False,
-  delay_predict: bool = False,
+  delay_predict: str | None = None,
 ):
   """Returns ``(updates, masters, mus, nus, count)`` as flat lists (the new parameters first with ``new_params``)."""
   scalars = adam_math.step_scalars(hyper, count, grad_scale)
@@ -45,9 +46,9 @@ def update_leaves(
   for g, p32, m, v, p, placement, d in zip(grads, masters, mus, nus, params, leaf_placements, decay):
     kind = MEMORY_KIND[placement]
     g, old, m, v = (memory.traced_put(a, "device") for a in (g, p32, m, v))  # flushed gradients come back too
-    stale = adam_math.predict_next(old, m, v, scalars, hyper, d) if delay_predict else old
+    stale = adam_math.predict_next(old, m, v, scalars, hyper, d) if delay_predict == "moments" else old
     u, p32, m, v = adam_math.leaf_update(g, old, m, v, p, scalars, hyper, d)
-    delayed = delay and placement == "host"
+    delayed = delay and placement == "host" and delay_predict != "gradient"
     if new_params:
       u = (jnp.where(count >= delay_warmup, stale, p32) if delayed else p32).astype(p.dtype)
     elif delayed:

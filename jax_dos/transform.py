@@ -94,10 +94,11 @@ class _InterleavedAdam:
     planner: Optional[Callable],
     delay: int = 0,
     delay_warmup: int = 0,
-    delay_predict: bool = False,
+    delay_predict: Union[bool, str] = False,
     write_behind: bool = False,
   ):
     check_subgroup_size(subgroup_size)
+    delay_predict = _prediction_mode(delay_predict)
     if delay not in (0, 1) or isinstance(delay, bool):
       raise ValueError(f"delay must be 0 (off) or 1 (host subgroups update one step late), got {delay!r}.")
     if write_behind and delay:
@@ -106,11 +107,13 @@ class _InterleavedAdam:
         " step late. Pick one."
       )
     if delay_predict and not delay:
-      raise ValueError("delay_predict=True predicts the parameters a delayed update hands on: it needs delay=1.")
+      raise ValueError(
+        f"delay_predict={delay_predict!r} predicts the parameters a delayed update hands on: it needs delay=1."
+      )
     if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, (int, np.integer)) or delay_warmup < 0:
       raise ValueError(f"delay_warmup must be an integer >= 0 (normal steps before the delay), got {delay_warmup!r}.")
     self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
-    self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), bool(delay_predict)
+    self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), delay_predict
     self.write_behind = bool(write_behind)
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
@@ -121,7 +124,7 @@ class _InterleavedAdam:
     if key not in self._plans:
       if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
         if self.planner is None:
-          self.planner = auto_planner()
+          self.planner = auto_planner(ahead_copies=self.delay_predict == "gradient")
         plan = self.planner(params, self.subgroup_size)
         if (self.delay or self.write_behind) and plan.indices("stream"):
           # Delayed (or written-behind) host work overlaps the next forward/backward pass, streamed work does not:
@@ -139,8 +142,9 @@ class _InterleavedAdam:
     plan = self.plan_for(params)
     kinds = [MEMORY_KIND[p] for p in plan.leaf_placements()]
     if not any(memory.is_traced(x) for x in leaves):
-      copies = (self.delay and self.delay_predict) or self.write_behind
-      memory.check_host_capacity(host_state_bytes(plan, leaves, copies))
+      copies = (self.delay and self.delay_predict == "moments") or self.write_behind
+      moments = bool(self.delay) and self.delay_predict == "gradient"
+      memory.check_host_capacity(host_state_bytes(plan, leaves, copies, moments))
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
     nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
@@ -207,6 +211,22 @@ class _InterleavedAdam:
     return self._engines[key]
 
 
+DELAY_PREDICTIONS = ("moments", "gradient")
+
+
+def _prediction_mode(delay_predict: Union[bool, str, None]) -> Optional[str]:
+  """``delay_predict`` as ``None``, ``"moments"`` (``True``) or ``"gradient"``."""
+  if delay_predict is None or delay_predict is False:
+    return None
+  if delay_predict is True:
+    return "moments"
+  if isinstance(delay_predict, str) and delay_predict in DELAY_PREDICTIONS:
+    return delay_predict
+  raise ValueError(
+    f"delay_predict must be False, True (= 'moments') or one of {DELAY_PREDICTIONS}, got {delay_predict!r}."
+  )
+
+
 def _check_grad_scale(grad_scale: Any) -> Any:
   if grad_scale is None:
     return 1.0
@@ -224,16 +244,21 @@ def _check_grad_scale(grad_scale: Any) -> Any:
   return grad_scale
 
 
-def host_state_bytes(plan: Plan, leaves: list[Any], float32_copies: bool = False) -> int:
+def host_state_bytes(plan: Plan, leaves: list[Any], float32_copies: bool = False, moment_copies: bool = False) -> int:
   """Pinned host bytes a plan needs: 12 B per offloaded parameter (master, mu, nu), 4 more per host-updated one.
 
   The 4 are its gradient (float32), or its bfloat16 gradient and the engine's bfloat16 copy of its new weight.
-  With ``float32_copies`` (``delay_predict``, ``write_behind``), float32 parameters' host copies add 4 more.
+  With ``float32_copies`` (``delay_predict="moments"``, ``write_behind``), float32 parameters' host copies add 4
+  more; with ``moment_copies`` (``delay_predict="gradient"``), bfloat16 ones' copies of mu and nu add 4.
   """
   placements = plan.leaf_placements()
   size = lambda x: int(np.prod(np.shape(x)))  # noqa: E731
   state = sum(12 * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
-  extra = lambda x: 8 if float32_copies and jnp.result_type(x) != jnp.bfloat16 else 4  # noqa: E731
+
+  def extra(x):
+    bf16 = jnp.result_type(x) == jnp.bfloat16
+    return 4 + (4 if float32_copies and not bf16 else 0) + (4 if moment_copies and bf16 else 0)
+
   return state + sum(extra(x) * size(x) for x, p in zip(leaves, placements) if p == "host")
 
 
@@ -251,7 +276,7 @@ def interleaved_adam(
   planner: Optional[Callable[[Any, int], Plan]] = None,
   delay: int = 0,
   delay_warmup: int = 10,
-  delay_predict: bool = False,
+  delay_predict: Union[bool, str] = False,
   write_behind: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW whose fp32 master weights and moments live in host memory.
@@ -290,16 +315,35 @@ def interleaved_adam(
       ``plan="auto"``, subgroups the model would stream are host-updated
       instead, since only host work is hidden behind the next step.
     delay_warmup: normal steps before the delay starts (default 10).
-    delay_predict: with ``delay=1``, hand the forward pass of step ``t + 1``
-      not the stale masters of step ``t - 1`` but a prediction of step ``t``'s:
-      the masters after one more AdamW step that leaves the moments as they
-      are, ``p - lr_t (m / (1 - b1^t') / (sqrt(v / (1 - b2^t') + eps_root) + eps)
-      + wd p)`` (``adam_math.predict_next``; ``t'`` the step's bias-correction
-      count). The host kernel writes it in the same pass, at no cost for
-      bfloat16 parameters (4 B of host memory per float32 one). Moments and
-      masters still follow Adam exactly on the gradients they are given.
-      Stale momentum is what makes the plain delay converge worse; the
-      prediction recovers most of that (docs/design.md, BENCHMARKS.md).
+    delay_predict: with ``delay=1``, what the forward pass of step ``t + 1``
+      gets for host subgroups instead of the stale masters of step ``t - 1``
+      (moments and masters still follow Adam exactly on the gradients they
+      are given, on the host):
+
+      - ``"moments"`` (or ``True``): a prediction of step ``t``'s masters, one
+        more AdamW step that leaves the moments as they are, ``p - lr_t (m /
+        (1 - b1^t') / (sqrt(v / (1 - b2^t') + eps_root) + eps) + wd p)``
+        (``adam_math.predict_next``; ``t'`` the step's bias-correction count),
+        written by the host kernel in the same pass: no accelerator memory,
+        4 B of host memory per float32 parameter. Recovers most, not all, of
+        what the plain delay loses in convergence.
+      - ``"gradient"``: step ``t``'s masters themselves. The host sends copies
+        of master, mu and nu after step ``t - 1`` (in the parameters' dtype)
+        to the accelerator during step ``t``'s forward/backward pass, and
+        ``update`` takes step ``t``'s AdamW step there with step ``t``'s
+        gradients: the trajectory of undelayed AdamW (float32 parameters:
+        the same numbers to float32 rounding; bfloat16: ``cast(master)`` up
+        to the copies' rounding, mostly equal), while the exact float32
+        step still runs on the host, hidden behind the next forward/backward
+        pass. Costs the copies' accelerator memory through that pass (3 x
+        the parameter's bytes per host-updated parameter; give your own
+        planner ``auto_planner(ahead_copies=True)`` so that its budgets leave
+        room for them), their PCIe time (6 B for a bfloat16 parameter: the
+        kernel writes bfloat16 copies of mu and nu in the same pass, 4 B of
+        host memory) and the gradients' return to the accelerator if they
+        were flushed to the host.
+
+      Stale momentum is what makes the plain delay converge worse (docs/design.md, BENCHMARKS.md).
     write_behind: keep optax's numbers exactly and hide part of the host
       update: the host kernel first computes each host subgroup's new weights
       without storing master, mu and nu (16 of its 28 bytes a parameter),

@@ -106,3 +106,26 @@ def test_round_to_bf16_matches_xla():
   np.testing.assert_array_equal(out.astype(np.float32), want.astype(np.float32))  # (nan == nan here)
   with pytest.raises(TypeError, match="float32 -> bfloat16"):
     host_kernels.round_to_bf16(out, x.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32], ids=["bf16", "f32"])
+def test_the_moment_copies_are_the_new_moments_in_the_copies_dtype(dtype):
+  """Seven buffers: low_m and low_v receive the new m and v, rounded as XLA rounds; nothing else changes."""
+  rng = np.random.default_rng()
+  n = 40_003
+  g = rng.standard_normal(n).astype(np.float32)
+  p, m = rng.standard_normal(n).astype(np.float32), _awkward_float32(rng, n)
+  v = np.abs(rng.standard_normal(n)).astype(np.float32)
+  scalars = np.asarray([-1e-3, 0.1, 0.05], np.float32)
+  kw = dict(b1=0.9, b2=0.95, eps=1e-8, eps_root=0.0, weight_decay=0.1, scalars=scalars)
+  five = [g, p.copy(), m.copy(), v.copy(), np.zeros(n, dtype)]
+  seven = [g, p.copy(), m.copy(), v.copy(), np.zeros(n, dtype), np.zeros(n, dtype), np.zeros(n, dtype)]
+  host_kernels.adam_many([five], [True], **kw)
+  host_kernels.adam_many([seven], [True], **kw)
+  for a, b in zip(five[1:], seven[1:5]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  for copy, new in ((seven[5], seven[2]), (seven[6], seven[3])):
+    want = np.asarray(jnp.asarray(new).astype(dtype))
+    np.testing.assert_array_equal(np.asarray(copy, np.float32), np.asarray(want, np.float32))  # (nan == nan here)
+  with pytest.raises(TypeError, match="same dtype"):
+    host_kernels.adam_many([seven[:5] + [np.zeros(n, np.float32), np.zeros(n, jnp.bfloat16)]], [True], **kw)

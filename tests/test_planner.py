@@ -278,3 +278,35 @@ def test_bad_input_is_explained():
     plan_sizes([1, 2], cal(1.0, 1.0), leaf_counts=[1])
   with pytest.raises(ValueError, match="max_stream_slots"):
     plan_sizes([1], cal(1.0, 1.0), max_stream_slots=0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_state_copies_sent_ahead_fit_beside_the_resident_state(seed):
+  """delay_predict='gradient': each parameter not resident holds 3 x itemsize bytes through both phases."""
+  rng = np.random.default_rng(seed)
+  gib = 2**30
+  free, n = int(rng.integers(70, 80)) * gib, int(rng.integers(6, 9)) * 10**9  # the whole state cannot be resident
+  step = StepMemory(peak_bytes=int(rng.integers(5, 10)) * gib, live_bytes=int(rng.integers(0, 3)) * gib)
+  usable = int((1 - STEP_MARGIN) * free)
+  fb_room, update_room = usable - step.peak_bytes, usable - step.live_bytes
+  with_grads, ahead = 1 + 2 / STATE_BYTES, 6  # bfloat16 parameters: copies of master, mu, nu in bfloat16
+  plain, _ = resolve_budgets(free_bytes=free, step_memory=step, device_elements=n, largest_subgroup=2**26,
+                             grad_itemsize=2, params_in_place=True)  # fmt: skip
+  resident, staging = resolve_budgets(free_bytes=free, step_memory=step, device_elements=n, largest_subgroup=2**26,
+                                      grad_itemsize=2, params_in_place=True, ahead_bytes=ahead)  # fmt: skip
+  held = ahead * (n - resident / STATE_BYTES)
+  assert 0 < resident < plain  # the copies take room that resident state had
+  assert resident + held <= fb_room + 1 and with_grads * resident + held + staging <= update_room + 1
+  # The budget is the largest that fits: a GiB more breaks a phase.
+  more = resident + gib
+  held_more = ahead * (n - more / STATE_BYTES)
+  assert more + held_more > fb_room or with_grads * more + held_more + 2 * STAGING_BYTES * 2**26 > update_room
+
+
+def test_state_copies_that_cannot_fit_are_refused():
+  gib = 2**30
+  with pytest.raises(ValueError, match="delay_predict='moments'"):
+    resolve_budgets(free_bytes=40 * gib, step_memory=StepMemory(20 * gib), device_elements=6 * 10**9, ahead_bytes=6)
+  # With the whole state resident nothing is sent ahead: no error.
+  resident, _ = resolve_budgets(free_bytes=100 * gib, step_memory=StepMemory(gib), device_elements=10**9, ahead_bytes=6)
+  assert resident >= STATE_BYTES * 10**9

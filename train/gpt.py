@@ -122,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
   x.add_argument("--write-behind", action="store_true",
                  help="optax's exact numbers; host subgroups' state is written during the next step")  # fmt: skip
-  x.add_argument("--delay-predict", action="store_true",
-                 help="with --delay 1, hand the forward pass a one-step prediction of the delayed weights")  # fmt: skip
+  x.add_argument("--delay-predict", nargs="?", const="moments", default=None, choices=jax_dos.DELAY_PREDICTIONS,
+                 help="with --delay 1, what the forward pass gets instead of the stale weights: a prediction"
+                      " from the moments (moments, the default), or the step itself taken on the accelerator"
+                      " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default="host",
                  help="gradients the backward pass writes to host memory: host subgroups' (host), every one"
                       " (all: least accelerator memory, for the largest models) or none")  # fmt: skip
@@ -294,11 +296,14 @@ def make_optimizer(
     return optax.GradientTransformationExtraArgs(tx.init, jax.jit(update, donate_argnums=1)), schedule
   budgets = {"resident_budget_bytes": args.resident_gb, "staging_budget_bytes": args.staging_gb}
   planner = jax_dos.auto_planner(
-    **{k: int(v * 2**30) for k, v in budgets.items() if v is not None}, step_memory=step_memory, params_in_place=True
+    **{k: int(v * 2**30) for k, v in budgets.items() if v is not None},
+    step_memory=step_memory,
+    params_in_place=True,
+    ahead_copies=args.delay == 1 and args.delay_predict == "gradient",
   )
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
   if args.delay:
-    offload["delay_predict"] = args.delay_predict
+    offload["delay_predict"] = args.delay_predict or False
   if args.write_behind:
     offload["write_behind"] = True
   tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
@@ -465,7 +470,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
        + (f", delay 1 after {args.delay_warmup} steps" if args.delay else "")
-       + (" (predicted weights)" if args.delay_predict else ""))  # fmt: skip
+       + (f" (weights predicted from the {args.delay_predict})" if args.delay_predict else ""))  # fmt: skip
   if step_memory is not None:
     _say(args, f"memory  the gradient step needs {step_memory.peak_bytes / 2**30:.1f} GiB at its peak,"
          f" {step_memory.live_bytes / 2**30:.1f} GiB through the update (left free)")  # fmt: skip

@@ -1,0 +1,146 @@
+"""``delay=1, delay_predict="gradient"``: the host update hidden one step late, undelayed AdamW's trajectory kept."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import SHAPES, max_rel_diff, random_tree
+from test_flush_and_delay import MIXED, delayed_reference, make_grad_fn, quadratic_loss
+
+import jax_dos
+
+TOL = 1e-6
+
+
+def make_tx(plan=MIXED, warmup=2, **kwargs):
+  return jax_dos.interleaved_adam(
+    1e-2, weight_decay=0.1, subgroup_size=100, plan=plan, delay=1, delay_warmup=warmup, delay_predict="gradient",
+    **kwargs,
+  )  # fmt: skip
+
+
+def optax_trajectory(params, targets_per_step, lr=1e-2, wd=0.1):
+  """Undelayed ``optax.adamw`` on the quadratic loss: the parameters after each step, and the final state."""
+  ref = optax.adamw(lr, weight_decay=wd)
+  state, history = ref.init(params), []
+  for targets in targets_per_step:
+    updates, state = ref.update(jax.grad(quadratic_loss)(params, targets), state, params)
+    params = optax.apply_updates(params, updates)
+    history.append(params)
+  return history, state
+
+
+@pytest.mark.parametrize("call", ["update", "update_params", "jit"])
+def test_the_trajectory_is_undelayed_adamw(call):
+  """Gradients that depend on the parameters: every step's parameters are optax.adamw's, not the delayed recursion's."""
+  rng = np.random.default_rng()
+  params0 = random_tree(rng)
+  warmup, steps = 2, 8
+  tx = make_tx(warmup=warmup)
+  targets = [random_tree(rng) for _ in range(steps)]
+  expected, ref_state = optax_trajectory(params0, targets)
+  placements = jax_dos.get_plan(tx, params0).leaf_placements()
+  plain, _ = delayed_reference(params0, targets, placements, warmup)
+
+  params, state, grad_fn = params0, tx.init(params0), make_grad_fn(tx, params0)
+  for t in range(steps):
+    grads = grad_fn(params, targets[t])
+    if call == "update_params":
+      params, state = jax_dos.update_params(tx, grads, state, params)
+    else:
+      updates, state = (jax.jit(tx.update) if call == "jit" else tx.update)(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    assert max_rel_diff(params, expected[t]) < TOL, f"step {t}"
+  jax_dos.wait_for_host_updates()
+  assert max_rel_diff(state.master, expected[-1]) < TOL
+  assert max_rel_diff(state.mu, ref_state[0].mu) < TOL and max_rel_diff(state.nu, ref_state[0].nu) < TOL
+  # The plain delay's trajectory is another one (the test can fail).
+  assert max_rel_diff(params, plain[-1]) > 1e-3
+
+
+def test_bfloat16_parameters_are_the_masters_up_to_the_copies_rounding():
+  """bf16 copies of master, mu and nu: the weights handed on are cast(master) up to those copies' rounding.
+
+  The accelerator steps from the old master rounded to bf16 (half a bf16 step of the old weight) with moments
+  rounded to bf16 (a 2**-8 fraction of the update), then rounds once more (a bf16 step of the new weight).
+  """
+  rng = np.random.default_rng()
+  params = random_tree(rng, dtype=jnp.bfloat16)
+  grads = [random_tree(rng, dtype=jnp.bfloat16) for _ in range(6)]
+  tx = make_tx(warmup=1)
+  ref = optax.adamw(1e-2, weight_decay=0.1)
+  masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  state, ref_state = tx.init(params), ref.init(masters)
+  flush = jax.jit(lambda g: g, out_shardings=jax_dos.gradient_shardings(tx, params))
+  equal = total = 0
+  for g in grads:
+    params, state = jax_dos.update_params(tx, flush(g), state, params)
+    updates, ref_state = ref.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref_state, masters)
+    old, masters = masters, optax.apply_updates(masters, updates)
+    for p, m0, m in zip(*(jax.tree.leaves(t) for t in (params, old, masters))):
+      got, want = np.asarray(p, np.float32), np.asarray(m.astype(jnp.bfloat16), np.float32)
+      m0, m = np.asarray(m0), np.asarray(m)
+      bound = 2**-9 * np.abs(m0) + 2**-7 * np.abs(want) + 2**-7 * np.abs(m - m0)
+      assert np.all(np.abs(got - want) <= bound)
+      equal, total = equal + int(np.sum(got == want)), total + got.size
+  assert equal >= 0.9 * total, f"only {equal} of {total} weights equal cast(master)"
+  jax_dos.wait_for_host_updates()
+  assert max_rel_diff(state.master, masters) < TOL  # the host state is exact
+
+
+def test_a_restored_state_sends_its_copies_at_once_and_continues_exactly(tmp_path):
+  """A new engine on a restored state has no copies sent ahead: it sends them in its first update, same numbers."""
+  rng = np.random.default_rng()
+  shapes = {k: v for k, v in SHAPES.items() if k != "empty"}  # Orbax refuses zero-size arrays
+  params0 = random_tree(rng, shapes, dtype=jnp.bfloat16)
+  grads = [random_tree(rng, shapes, dtype=jnp.bfloat16) for _ in range(5)]
+
+  def steps(tx, params, state, gs, history):
+    for g in gs:
+      params, state = jax_dos.update_params(tx, g, state, params)
+      history.append([np.asarray(x).astype(np.float32) for x in jax.tree.leaves(params)])
+    return params, state
+
+  make = partial(make_tx, plan="host", warmup=0)
+  tx, straight, resumed = make(), [], []
+  steps(tx, jax.tree.map(jnp.copy, params0), tx.init(params0), grads, straight)
+  tx_a = make()
+  params, state = steps(tx_a, jax.tree.map(jnp.copy, params0), tx_a.init(params0), grads[:3], resumed)
+  with jax_dos.CheckpointManager(tmp_path / "ckpt") as mgr:
+    mgr.save(3, params=params, opt_state=state)
+    mgr.wait_until_finished()
+    tx_b = make()
+    params, state, _ = mgr.restore(3, params=params, opt_state=tx_b.init(params))
+  with jax_dos.trace.recording() as spans:
+    params, state = steps(tx_b, params, state, grads[3:4], resumed)
+  assert "device.send_ahead" in {s.name for s in spans}
+  steps(tx_b, params, state, grads[4:], resumed)
+  jax_dos.wait_for_host_updates()
+  for t, (a, b) in enumerate(zip(resumed, straight)):
+    for x, y in zip(a, b):
+      np.testing.assert_array_equal(x, y, f"step {t}")
+
+
+def test_later_steps_use_the_copies_sent_ahead():
+  """After the first delayed step the worker has sent the state ahead: update sends nothing itself."""
+  rng = np.random.default_rng()
+  params = random_tree(rng)
+  tx = make_tx(warmup=0)
+  state = tx.init(params)
+  names = []
+  for _ in range(3):
+    with jax_dos.trace.recording() as spans:
+      params, state = jax_dos.update_params(tx, random_tree(rng), state, params)
+      jax_dos.wait_for_host_updates()
+    names.append({s.name for s in spans})
+  assert "device.send_ahead" in names[0]
+  assert all("device.send_ahead" not in n and "host.send_ahead" in n and "device.step_ahead" in n for n in names[1:])
+
+
+@pytest.mark.parametrize("value", ["gradients", 2, "Moments"])
+def test_an_unknown_prediction_is_refused(value):
+  with pytest.raises(ValueError, match="delay_predict must be"):
+    jax_dos.interleaved_adam(1e-3, delay=1, delay_predict=value)
