@@ -489,7 +489,7 @@ class Engine:
             jax.block_until_ready(pending.popleft())
       with trace.span("device.send_ahead" if ahead is None else "device.step_ahead"):
         copies = self._send_ahead(group, masters, mus, nus, lows, params) if ahead is None else ahead
-        xs, ms, vs = (list(x) for x in zip(*[copies.pop(i) for i in group]))  # popped: donated, then freed
+        xs, ms, vs = (list(x) for x in zip(*[copies.pop(i) for i in group]))  # popped: freed once consumed
         g = _like_states([grads[i] for i in group], [masters[i] for i in group])  # flushed ones come back
         outs = fn(g, xs, ms, vs, [params[i] for i in group], scalars, hyper=self.hyper,
                   decay=tuple(self.decay[i] for i in group), new_params=new_params)  # fmt: skip

@@ -36,6 +36,15 @@ SCRIPT = textwrap.dedent(
                 assert m.sharding.is_equivalent_to(params[k].sharding.with_memory_kind(m.sharding.memory_kind), 2), k
                 assert p[k].sharding.is_equivalent_to(params[k].sharding, 2), k
             print("ok", plan, "jit" if jit else "eager", err)
+    # delay_predict="gradient": the copies sent ahead are per shard too; the weights handed on are optax's.
+    for plan in ["host", ["host", "stream", "device", "host"]]:
+        tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan, delay=1, delay_warmup=2,
+                                      delay_predict="gradient")
+        p, state, ref_p, _ = run_pair(tx, optax.adamw(1e-2, weight_decay=0.1), params, 8, rng, jit=False)
+        jax_dos.wait_for_host_updates()
+        assert max_rel_diff(p, ref_p) <= 1e-6 and max_rel_diff(state.master, ref_p) <= 1e-6, plan
+        assert all(p[k].sharding.is_equivalent_to(params[k].sharding, 2) for k in shapes)
+        print("ok gradient prediction", plan)
     # Gradients laid out differently from the params (here: whole, on one device) are resharded, not misread.
     tx, ref = jax_dos.interleaved_adam(1e-2, plan="host"), optax.adamw(1e-2, weight_decay=0.0)
     grads = {k: jnp.asarray(rng.standard_normal(shapes[k]), jnp.float32) for k in shapes}
@@ -55,4 +64,4 @@ def test_sharded_params_match_optax():
     [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600
   )
   assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.count("ok ") == 9
+  assert result.stdout.count("ok ") == 11

@@ -184,7 +184,14 @@ def test_write_behind_trains_bit_identically(tmp_path):
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
 @pytest.mark.parametrize(
-  "offload", ["host", "none", "host --delay 1 --delay-warmup 1", "host --delay 1 --delay-warmup 1 --delay-predict"]
+  "offload",
+  [
+    "host",
+    "none",
+    "host --delay 1 --delay-warmup 1",
+    "host --delay 1 --delay-warmup 1 --delay-predict",
+    "host --delay 1 --delay-warmup 1 --delay-predict gradient",
+  ],
 )
 def test_resume_is_bit_exact(tmp_path, offload):
   # One run of 2N steps vs N steps + resume for N more, with the same schedule horizon (--decay-steps).
