@@ -427,7 +427,11 @@ def resolve_budgets(
     if staging_budget_bytes is None:
       staging_budget_bytes = max(0, update_room - int(with_grads * resident_budget_bytes) - max(0, held))
   if resident_budget_bytes is None:
-    resident_budget_bytes = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
+    guess = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
+    # The state copies sent ahead share that fraction: each resident byte saves ahead_bytes / 12 of them.
+    everything = STATE_BYTES * device_elements
+    room = guess - ahead_bytes * device_elements
+    resident_budget_bytes = _cap(room, 1 - ahead_bytes / STATE_BYTES, everything) if ahead_bytes else guess
   if staging_budget_bytes is None and free_bytes is not None:
     staging_budget_bytes = int(staging_fraction * max(0, free_bytes - resident_budget_bytes))
   return max(0, int(resident_budget_bytes)), staging_budget_bytes

@@ -1,13 +1,14 @@
-"""``delay=1, delay_predict="gradient"``: the host update hidden one step late, undelayed AdamW's trajectory kept."""
+"""``delay=1, delay_predict="gradient"``: the host update hidden one step late, undelayed AdamW's trajectory kept.
 
-from functools import partial
+Resuming from a checkpoint is tested with the other predictions in ``test_flush_and_delay.py``.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import SHAPES, max_rel_diff, random_tree
+from helpers import max_rel_diff, random_tree
 from test_flush_and_delay import MIXED, delayed_reference, make_grad_fn, quadratic_loss
 
 import jax_dos
@@ -89,39 +90,6 @@ def test_bfloat16_parameters_are_the_masters_up_to_the_copies_rounding():
   assert equal >= 0.9 * total, f"only {equal} of {total} weights equal cast(master)"
   jax_dos.wait_for_host_updates()
   assert max_rel_diff(state.master, masters) < TOL  # the host state is exact
-
-
-def test_a_restored_state_sends_its_copies_at_once_and_continues_exactly(tmp_path):
-  """A new engine on a restored state has no copies sent ahead: it sends them in its first update, same numbers."""
-  rng = np.random.default_rng()
-  shapes = {k: v for k, v in SHAPES.items() if k != "empty"}  # Orbax refuses zero-size arrays
-  params0 = random_tree(rng, shapes, dtype=jnp.bfloat16)
-  grads = [random_tree(rng, shapes, dtype=jnp.bfloat16) for _ in range(5)]
-
-  def steps(tx, params, state, gs, history):
-    for g in gs:
-      params, state = jax_dos.update_params(tx, g, state, params)
-      history.append([np.asarray(x).astype(np.float32) for x in jax.tree.leaves(params)])
-    return params, state
-
-  make = partial(make_tx, plan="host", warmup=0)
-  tx, straight, resumed = make(), [], []
-  steps(tx, jax.tree.map(jnp.copy, params0), tx.init(params0), grads, straight)
-  tx_a = make()
-  params, state = steps(tx_a, jax.tree.map(jnp.copy, params0), tx_a.init(params0), grads[:3], resumed)
-  with jax_dos.CheckpointManager(tmp_path / "ckpt") as mgr:
-    mgr.save(3, params=params, opt_state=state)
-    mgr.wait_until_finished()
-    tx_b = make()
-    params, state, _ = mgr.restore(3, params=params, opt_state=tx_b.init(params))
-  with jax_dos.trace.recording() as spans:
-    params, state = steps(tx_b, params, state, grads[3:4], resumed)
-  assert "device.send_ahead" in {s.name for s in spans}
-  steps(tx_b, params, state, grads[4:], resumed)
-  jax_dos.wait_for_host_updates()
-  for t, (a, b) in enumerate(zip(resumed, straight)):
-    for x, y in zip(a, b):
-      np.testing.assert_array_equal(x, y, f"step {t}")
 
 
 def test_later_steps_use_the_copies_sent_ahead():

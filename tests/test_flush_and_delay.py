@@ -330,15 +330,21 @@ def delayed_reference_from_grads(params, grads_per_step, placements, warmup, lr=
   return history, masters
 
 
-def test_delay_predict_resumes_bit_exactly_from_a_checkpoint(tmp_path):
-  """A new engine on a restored state predicts exactly what the running engine would have handed on."""
+@pytest.mark.parametrize("predict", [True, "gradient"], ids=["moments", "gradient"])
+def test_delay_predict_resumes_bit_exactly_from_a_checkpoint(tmp_path, predict):
+  """A new engine on a restored state hands on exactly what the running engine would have.
+
+  It has written no copies for that state: it makes them in its first update (for "gradient", sending them then).
+  """
   rng = np.random.default_rng()
   shapes = {k: v for k, v in SHAPES.items() if k != "empty"}  # Orbax refuses zero-size arrays
   params0 = random_tree(rng, shapes, dtype=jnp.bfloat16)
   grads = [random_tree(rng, shapes, dtype=jnp.bfloat16) for _ in range(4)]
 
   def make():
-    return jax_dos.interleaved_adam(1e-2, subgroup_size=100, plan="host", delay=1, delay_warmup=0, delay_predict=True)
+    return jax_dos.interleaved_adam(
+      1e-2, subgroup_size=100, plan="host", delay=1, delay_warmup=0, delay_predict=predict
+    )
 
   def steps(tx, params, state, gs, history):
     for g in gs:
@@ -355,7 +361,10 @@ def test_delay_predict_resumes_bit_exactly_from_a_checkpoint(tmp_path):
     mgr.wait_until_finished()
     tx_b = make()
     params, state, _ = mgr.restore(2, params=params, opt_state=tx_b.init(params))
-  steps(tx_b, params, state, grads[2:], resumed)
+  with jax_dos.trace.recording() as spans:
+    params, state = steps(tx_b, params, state, grads[2:3], resumed)
+  assert ("device.send_ahead" in {s.name for s in spans}) == (predict == "gradient")
+  steps(tx_b, params, state, grads[3:], resumed)
   jax_dos.wait_for_host_updates()
   for t, (a, b) in enumerate(zip(resumed, straight)):
     for x, y in zip(a, b):

@@ -310,3 +310,13 @@ def test_state_copies_that_cannot_fit_are_refused():
   # With the whole state resident nothing is sent ahead: no error.
   resident, _ = resolve_budgets(free_bytes=100 * gib, step_memory=StepMemory(gib), device_elements=10**9, ahead_bytes=6)
   assert resident >= STATE_BYTES * 10**9
+
+
+def test_state_copies_share_the_guessed_resident_fraction():
+  """Without the step's needs the resident guess leaves room for the copies sent ahead (never below 0)."""
+  gib, n = 2**30, 10**9
+  plain, _ = resolve_budgets(free_bytes=60 * gib, device_elements=n)
+  ahead, _ = resolve_budgets(free_bytes=60 * gib, device_elements=n, ahead_bytes=6)
+  assert plain == int(0.4 * 60 * gib)
+  assert ahead + 6 * (n - ahead / STATE_BYTES) <= plain + 1 and ahead < plain
+  assert resolve_budgets(free_bytes=4 * gib, device_elements=n, ahead_bytes=6)[0] == 0
