@@ -173,8 +173,9 @@ def run_variant(args: argparse.Namespace) -> dict:
       budgets["staging_budget_bytes"] = int(args.staging_gb * GIB)
     plan = "host" if args.variant in ("host", "hostdelay") else "auto"
     if plan == "auto" and len(budgets) < 2 and jax.devices()[0].memory_stats():
-      # Budgets from what the compiled gradient step needs (the flush="all" program, which fb reuses for that flush).
-      to_host = (None, train_gpt.flush_all_shardings(params), None)
+      # Budgets from what the compiled gradient step needs (train.gpt.probe_shardings: the flush's own program where
+      # it does not depend on the plan).
+      to_host = (None, train_gpt.probe_shardings(params, args.grad_flush), None)
       probe = jax.jit(loss_and_grads, out_shardings=to_host).lower(params, batches[0]).compile()
       need = budgets["step_memory"] = train_gpt.step_memory_bound(probe, params, args.grad_flush)
       out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}

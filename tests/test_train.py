@@ -239,13 +239,15 @@ def test_budget_flags_reach_the_planner(tmp_path):
   assert "host:    1 subgroups" in out["plan"] and "(100.0%)" in out["plan"].split("host:")[1], out["plan"]
 
 
-@pytest.mark.parametrize("flush", ["all", "host"])
+@pytest.mark.parametrize("flush", ["all", "host", "none"])
 def test_gradient_step_memory_counts_the_compiled_step(flush):
   cfg = T.gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
   graphdef, params = T.gpt_model.init_params(cfg)
   need = T.gradient_step_memory(graphdef, params, (4, 32), 1.0, flush)
   grads = sum(x.nbytes for x in jax.tree.leaves(params))
   assert 0 < need.live_bytes <= need.peak_bytes  # the loss and the clip's scale stay on the accelerator
-  if flush != "all":  # kept on the accelerator unless flushed: every gradient counted as live (an upper bound)
-    all_host = T.gradient_step_memory(graphdef, params, (4, 32), 1.0, "all")
+  all_host = T.gradient_step_memory(graphdef, params, (4, 32), 1.0, "all")
+  if flush == "host":  # some gradients stay on the accelerator: every one counted as live (an upper bound)
     assert need == type(need)(all_host.peak_bytes + grads, all_host.live_bytes + grads)
+  if flush == "none":  # its own program: every gradient is an output on the accelerator
+    assert need.live_bytes >= grads

@@ -250,14 +250,24 @@ def flush_all_shardings(params: Any) -> Any:
   return jax.tree.map(lambda p: p.sharding.with_memory_kind("pinned_host") if p.size else p.sharding, params)
 
 
-def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMemory:
-  """``jax_dos.StepMemory`` of a gradient step compiled with :func:`flush_all_shardings`, for the given flush.
+def probe_shardings(params: Any, flush: str) -> Any:
+  """Gradient ``out_shardings`` of the program compiled to size the plan's budgets, before there is a plan.
 
-  With a flush other than ``"all"`` some gradients stay on the accelerator:
-  all of them are counted, an upper bound until the plan is made.
+  The flush's own layout where it does not depend on the plan (``"all"``:
+  host memory, ``"none"``: the parameters' own), else ``"all"``'s.
+  """
+  return None if flush == "none" else flush_all_shardings(params)
+
+
+def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMemory:
+  """``jax_dos.StepMemory`` of a gradient step compiled with :func:`probe_shardings`, for the given flush.
+
+  Exact for ``"all"`` and ``"none"`` (their own programs). With ``"host"``
+  some gradients stay on the accelerator: all of them are counted on top of
+  the flush-all program, an upper bound until the plan is made.
   """
   need = jax_dos.StepMemory.of(compiled)
-  if flush == "all":
+  if flush in ("all", "none"):
     return need
   grads = sum(x.nbytes for x in jax.tree.leaves(params))
   return jax_dos.StepMemory(need.peak_bytes + grads, need.live_bytes + grads)
@@ -266,12 +276,12 @@ def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMem
 def gradient_step_memory(graphdef, params: Any, batch_shape: tuple[int, int], clip: float, flush: str):
   """What the gradient step needs on the accelerator (``jax_dos.StepMemory``), from its compiled program.
 
-  The program compiled is the one ``flush="all"`` runs (every gradient to the
-  host: its layout does not depend on the plan, and the training loop reuses
-  the compilation); see :func:`step_memory_bound` for the other flushes.
+  The program compiled is :func:`probe_shardings`'s (for ``"all"`` the one the
+  training loop then runs, reusing the compilation); see
+  :func:`step_memory_bound` for ``"host"``.
   """
   batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32),) * 2
-  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, flush_all_shardings(params), None))
+  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush), None))
   return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush)
 
 
