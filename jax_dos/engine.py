@@ -31,13 +31,9 @@ for it. With ``delay_predict="moments"`` the kernel also writes, in the same
 pass, the weights one more step with the new moments would give
 (``adam_math.predict_next``); those go to the accelerator instead of the
 stale masters. With ``delay_predict="gradient"`` the worker sends, right after
-each subgroup's kernel, copies of its new master, mu and nu (in the
-parameters' dtype; the kernel writes bfloat16 ones in the same pass) to the
-accelerator, where they wait through the caller's next forward/backward
-pass; the next ``update`` takes one AdamW step there with its fresh
-gradients and hands those weights on: undelayed Adam's weights (exactly so
-for float32 parameters), while the host kernel still runs the exact step in
-the background.
+each subgroup's kernel, copies of its new state to the accelerator, and the
+next ``update`` takes AdamW's step there with the fresh gradients: undelayed
+AdamW's weights, the exact step still on the host (``step_ahead.py``).
 
 With ``write_behind`` the numbers stay optax's and only the writing of host
 subgroups' state is deferred: the kernel first computes each subgroup's new
@@ -66,6 +62,7 @@ import numpy as np
 
 from jax_dos import adam_math, host_kernels, memory, trace
 from jax_dos.plan import MEMORY_KIND, RESIDENT_CALL_ELEMENTS, Plan
+from jax_dos.step_ahead import StepAhead
 
 
 def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
@@ -92,28 +89,6 @@ _jit_updates_from_masters = jax.jit(lambda masters, params: list(map(adam_math.u
 _jit_to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
 
 
-def _step_ahead_group(grads, masters, mus, nus, params, scalars, hyper, decay, new_params):
-  """One AdamW step on the accelerator from copies of host state; returns only the new parameters (or updates).
-
-  The copies may be in a lower precision than float32 (the parameters'
-  dtype): they are widened, stepped in float32, and the result cast to each
-  parameter's dtype (``new_params``) or turned into the update taking the
-  parameter there (``adam_math.update_from_master``).
-  """
-  out = []
-  for g, m32, m1, m2, p, d in zip(grads, masters, mus, nus, params, decay):
-    f32 = [x.astype(jnp.float32) for x in (m32, m1, m2)]
-    _, new, _, _ = adam_math.leaf_update(g, *f32, p, scalars, hyper, d)
-    out.append(new.astype(p.dtype) if new_params else adam_math.update_from_master(new, p))
-  return out
-
-
-AHEAD_IN_FLIGHT = 2  # subgroups whose flushed gradients (or late copies) cross to the accelerator at once, bounded
-# The copies are not donated: no output has their dtype and shape to reuse them (they are freed once consumed).
-_jit_step_ahead = jax.jit(_step_ahead_group, static_argnames=("hyper", "decay", "new_params"))
-_jit_step_ahead_params = jax.jit(
-  _step_ahead_group, static_argnames=("hyper", "decay", "new_params"), donate_argnums=4, keep_unused=True
-)
 # The new weights written into the old parameter's buffer (donated): parameters keep their place in accelerator
 # memory. Fresh arrays each step fragmented it until the next gradient step's one large temporary (18 GiB at 6.7B)
 # found no room (H100).
@@ -199,46 +174,6 @@ def wait_for_host_updates() -> None:
   _BACKGROUND.wait()
 
 
-def _shards(x: jax.Array) -> list[jax.Array]:
-  return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
-
-
-def _put(xs: list[jax.Array], kind: str, likes: list[jax.Array] | None = None) -> list[jax.Array]:
-  """Fresh copies of ``xs`` in memory ``kind`` (sharded like ``likes``), as one batched ``device_put``."""
-  shardings = [memory.with_kind(x, kind) for x in (xs if likes is None else likes)]
-  return list(jax.device_put(list(xs), shardings, may_alias=False))
-
-
-def _put_groups(groups: list[list[jax.Array]], kind: str) -> list[list[jax.Array]]:
-  """:func:`_put` of several lists of arrays as one batched ``device_put``, split back into the lists."""
-  moved = iter(_put([x for g in groups for x in g], kind))
-  return [[next(moved) for _ in g] for g in groups]
-
-
-def _like_states(grads: list[jax.Array], masters: list[jax.Array], kind: str = "device") -> list[jax.Array]:
-  """``grads`` in memory ``kind`` with their states' shardings (so that shards line up leaf by leaf).
-
-  Those that must move do so in one batched ``device_put``.
-  """
-  targets = [m.sharding.with_memory_kind(kind) for m in masters]
-  move = [
-    j for j, (g, t) in enumerate(zip(grads, targets))
-    if not (g.sharding.is_equivalent_to(t, g.ndim) and g.sharding.memory_kind == kind)
-  ]  # fmt: skip
-  out = list(grads)
-  for j, x in zip(move, _put([grads[j] for j in move], kind, likes=[masters[j] for j in move])):
-    out[j] = x
-  return out
-
-
-def _host_zeros(likes: list[tuple[jax.Array, Any]]) -> list[jax.Array]:
-  """Zero arrays shaped and sharded like each ``(array, dtype)``'s array (in its memory), of that dtype."""
-  if not likes:
-    return []
-  structs = [jax.ShapeDtypeStruct(a.shape, d, sharding=a.sharding) for a, d in likes]
-  return jax.jit(lambda: [jnp.zeros(x.shape, x.dtype) for x in structs], out_shardings=[x.sharding for x in structs])()
-
-
 def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array]:
   """Gradients of the host leaves in ``pinned_host`` memory (copied there unless flushed already).
 
@@ -256,10 +191,11 @@ def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: li
       flushed.append(i)
     else:
       to_copy.append(i)
-  out = dict(zip(flushed, _like_states([grads[i] for i in flushed], [masters[i] for i in flushed], "pinned_host")))
-  on_device = _like_states([grads[i] for i in to_copy], [masters[i] for i in to_copy])
+  landed = memory.like_states([grads[i] for i in flushed], [masters[i] for i in flushed], "pinned_host")
+  out = dict(zip(flushed, landed))
+  on_device = memory.like_states([grads[i] for i in to_copy], [masters[i] for i in to_copy])
   on_device = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else _jit_to_f32(g) for g in on_device]
-  out.update(zip(to_copy, _put(on_device, "pinned_host")))
+  out.update(zip(to_copy, memory.put(on_device, "pinned_host")))
   return out
 
 
@@ -288,10 +224,7 @@ class Engine:
     # with delay_predict="moments", float32 for the others (then it holds predictions in delayed steps)
     self._lows: dict[int, jax.Array] = {}
     self._lows_hold: tuple | None = None  # (weak refs to the masters, step, predicted) the copies were written for
-    # delay_predict="gradient": host leaf -> the bfloat16 copies of its mu and nu the kernel writes (bfloat16 params)
-    self._moment_lows: dict[int, tuple[jax.Array, jax.Array]] = {}
-    # ... and (weak refs to the masters, step, {leaf: (master, mu, nu) on the accelerator}) the worker sent ahead
-    self._ahead: tuple | None = None
+    self.ahead = StepAhead(hyper, plan, decay) if self.delay_predict == "gradient" else None
 
   def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
     """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
@@ -335,7 +268,7 @@ class Engine:
     for dev_leaves in self.resident_calls:
       with trace.span("device.dispatch"):
         leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
-        leaves[0] = _like_states(leaves[0], leaves[1])  # flushed ones come back
+        leaves[0] = memory.like_states(leaves[0], leaves[1])  # flushed ones come back
         outs = (_jit_update_params if new_params else _jit_update)(
           *leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
         )
@@ -349,8 +282,8 @@ class Engine:
     reading: dict[int, jax.Array] = {}
     if step_ahead:
       # The accelerator steps from the state after step t - 1; the kernel for step t runs in the background.
-      reading = self._step_ahead(host_leaves, grads, masters, mus, nus, lows, params, scalars, step, updates,
-                                 new_params)  # fmt: skip
+      reading = self.ahead.step(host_leaves, grads, masters, mus, nus, lows, params, scalars, step, updates,
+                                new_params)  # fmt: skip
     elif delayed:
       # Parameters go to the masters as they are now (step t - 1); the kernel for step t runs in the background.
       reading = self._updates_from_masters(host_leaves, masters, lows, params, updates, new_params)
@@ -401,16 +334,15 @@ class Engine:
     wanted = [i for i in leaves if params[i].dtype == jnp.bfloat16 or floats]
     dtype = lambda i: jnp.bfloat16 if params[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
     missing = [i for i in wanted if i not in self._lows]
-    self._lows.update(zip(missing, _host_zeros([(masters[i], dtype(i)) for i in missing])))
+    self._lows.update(zip(missing, memory.zeros_like_each([(masters[i], dtype(i)) for i in missing])))
     lows = {i: self._lows[i] for i in wanted}
-    if self.delay_predict == "gradient":  # bfloat16 copies of mu and nu too (all of ``wanted`` are bfloat16 here)
-      missing = [i for i in wanted if i not in self._moment_lows]
-      made = iter(_host_zeros([(masters[i], jnp.bfloat16) for i in missing for _ in range(2)]))
-      self._moment_lows.update((i, (next(made), next(made))) for i in missing)
     held, predict = self._lows_hold, self.delay_predict == "moments"
     current = held is not None and held[1] == step and held[2] == predict and len(held[0]) == len(wanted)
-    if synced and not (current and all(r() is masters[i] for r, i in zip(held[0], wanted))):
-      shards = [(i, q) for i in wanted for q in zip(*(_shards(a) for a in (lows[i], masters[i], mus[i], nus[i])))]
+    current = current and all(r() is masters[i] for r, i in zip(held[0], wanted))
+    if self.ahead is not None:  # bfloat16 copies of mu and nu too (all of ``wanted`` are bfloat16 here)
+      self.ahead.prepare(wanted, masters, mus, nus, refresh=synced and not current)
+    if synced and not current:
+      shards = [(i, q) for i in wanted for q in zip(*(memory.shards(a) for a in (lows[i], masters[i], mus[i], nus[i])))]
       if predict:
         hyper = self.hyper
         host_kernels.predict_many(
@@ -420,10 +352,6 @@ class Engine:
       else:
         for _, (low, master, _, _) in shards:
           host_kernels.round_to_bf16(low, master)
-      for i in (i for i in wanted if i in self._moment_lows):
-        for copy, moment in zip(self._moment_lows[i], (mus[i], nus[i])):
-          for a, b in zip(_shards(copy), _shards(moment)):
-            host_kernels.round_to_bf16(a, b)
     self._lows_hold = None  # until this step's kernel has written them
     return lows
 
@@ -439,65 +367,12 @@ class Engine:
     output is made, not when a (delayed) kernel gets round to dropping it (it
     would hold accelerator memory through the next forward/backward pass).
     """
-    sent = _put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
+    sent = memory.put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
     olds = [params[i] for i in leaves]
     outs = _jit_assign(olds, sent) if new_params else _jit_updates_from_masters(sent, olds)
     for i, out in zip(leaves, outs):
       updates[i] = out
     return dict(zip(leaves, outs))
-
-  def _send_ahead(self, leaves, masters, mus, nus, lows, params) -> dict[int, tuple[jax.Array, jax.Array, jax.Array]]:
-    """Copies of the host state of ``leaves`` on the accelerator, in the params' dtypes: ``{leaf: (master, mu, nu)}``.
-
-    For bfloat16 parameters these are the bfloat16 copies the kernel wrote
-    (6 B a parameter cross PCIe); float32 ones send their state itself.
-    """
-    sent = []
-    for i in leaves:
-      sent += [lows.get(i, masters[i]), *self._moment_lows.get(i, (mus[i], nus[i]))]
-    sent = iter(_put(sent, "device", likes=[masters[i] for i in leaves for _ in range(3)]))
-    return {i: (next(sent), next(sent), next(sent)) for i in leaves}
-
-  def _take_ahead(self, leaves, masters, step) -> dict | None:
-    """The copies the last worker sent ahead, if they are of these very masters at this step (else ``None``)."""
-    held, self._ahead = self._ahead, None
-    if held is None or held[1] != step or set(held[2]) != set(leaves):
-      return None
-    return held[2] if all(r() is masters[i] for r, i in zip(held[0], leaves)) else None
-
-  def _step_ahead(self, leaves, grads, masters, mus, nus, lows, params, scalars, step, updates, new_params):
-    """``delay_predict="gradient"``: this step's AdamW on the accelerator, from the state copies sent ahead.
-
-    One jitted call per host subgroup; the copies are consumed. Sends the
-    copies now if the last worker did not (the first delayed step, or a state
-    the engine did not produce). Whatever has to cross PCIe here (those
-    copies, gradients flushed to the host) does so with at most
-    ``AHEAD_IN_FLIGHT`` subgroups in flight, so that it needs little
-    accelerator memory beside the state. Returns the outputs by leaf, as
-    :meth:`_updates_from_masters`.
-    """
-    ahead = self._take_ahead(leaves, masters, step)
-    pending: deque = deque()
-    fn = _jit_step_ahead_params if new_params else _jit_step_ahead
-    reading = {}
-    for s in self.plan.indices("host"):
-      group = self.plan.subgroups[s]
-      flushed = any(grads[i].sharding.memory_kind in ("pinned_host", "unpinned_host") for i in group)
-      if ahead is None or flushed:
-        with trace.span("device.wait_ahead"):
-          while len(pending) >= AHEAD_IN_FLIGHT:
-            jax.block_until_ready(pending.popleft())
-      with trace.span("device.send_ahead" if ahead is None else "device.step_ahead"):
-        copies = self._send_ahead(group, masters, mus, nus, lows, params) if ahead is None else ahead
-        xs, ms, vs = (list(x) for x in zip(*[copies.pop(i) for i in group]))  # popped: freed once consumed
-        g = _like_states([grads[i] for i in group], [masters[i] for i in group])  # flushed ones come back
-        outs = fn(g, xs, ms, vs, [params[i] for i in group], scalars, hyper=self.hyper,
-                  decay=tuple(self.decay[i] for i in group), new_params=new_params)  # fmt: skip
-        del xs, ms, vs, g
-      pending.append(outs)
-      for i, out in zip(group, outs):
-        updates[i] = reading[i] = out
-    return reading
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params) -> None:
     """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
@@ -509,14 +384,14 @@ class Engine:
           jax.block_until_ready(in_flight.popleft())
       with trace.span("stream.dispatch"):
         old = [[lst[i] for i in idx] for lst in (masters, mus, nus)]
-        dev_state = _put_groups(old, "device")
+        dev_state = memory.put_groups(old, "device")
         for a in (a for group in old for a in group):
           a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
-        g = _like_states([grads[i] for i in idx], [masters[i] for i in idx])  # flushed ones come back
+        g = memory.like_states([grads[i] for i in idx], [masters[i] for i in idx])  # flushed ones come back
         p = [params[i] for i in idx]
         update = _jit_update_params if new_params else _jit_update
         u, m32, m1, m2 = update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
-        back = _put_groups([m32, m1, m2], "pinned_host")
+        back = memory.put_groups([m32, m1, m2], "pinned_host")
         self._scatter(idx, (u, *back), updates, new)
         in_flight.append(back)
 
@@ -555,8 +430,8 @@ class Engine:
       for i in leaves:
         arrays = (host_grads[i], masters[i], mus[i], nus[i])
         arrays += (lows[i],) if with_low and i in lows else ()
-        arrays += self._moment_lows[i] if with_low and i in lows and i in self._moment_lows else ()
-        for shards in zip(*(_shards(a) for a in arrays)):
+        arrays += self.ahead.moment_copies.get(i, ()) if with_low and i in lows and self.ahead else ()
+        for shards in zip(*(memory.shards(a) for a in arrays)):
           out.append(shards)
           decay.append(self.decay[i])
       return out, decay
@@ -580,7 +455,7 @@ class Engine:
             sending += self._updates_from_masters(leaves, masters, lows, params, updates, new_params).values()
         if ahead_step is not None:
           with trace.span("host.send_ahead"):
-            ahead.update(self._send_ahead(leaves, masters, mus, nus, lows, params))
+            ahead.update(self.ahead.send(leaves, masters, mus, nus, lows))
       if params_out is not None:
         params_out.set()
         for s in plan.indices("host"):  # the state, behind: same inputs, same arithmetic, the copies left alone
@@ -591,8 +466,7 @@ class Engine:
         jax.block_until_ready([*reading.values(), *sending, *ahead.values()])
       self._lows_hold = hold
       if ahead_step is not None:
-        host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
-        self._ahead = ([weakref.ref(masters[i]) for i in host_leaves], ahead_step, ahead)
+        self.ahead.keep([i for s in plan.indices("host") for i in plan.subgroups[s]], masters, ahead_step, ahead)
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)
     finally:

@@ -166,3 +166,47 @@ def copy_in(x: Any, kind: str, dtype=jnp.float32) -> jax.Array:
     # Cast where arithmetic is allowed (accelerator memory), then move.
     x = _cast_fn(jnp.dtype(dtype), with_kind(x, "device"))(jax.device_put(x, with_kind(x, "device")))
   return jax.device_put(x, with_kind(x, kind), may_alias=False)
+
+
+# ----------------------------------------------------------------------------- eager, batched moves
+
+
+def shards(x: jax.Array) -> list[jax.Array]:
+  """The single-device arrays of ``x``'s addressable shards, in device-id order."""
+  return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+
+
+def put(xs: list[jax.Array], kind: str, likes: list[jax.Array] | None = None) -> list[jax.Array]:
+  """Fresh copies of ``xs`` in memory ``kind`` (sharded like ``likes``), as one batched ``device_put``."""
+  shardings = [with_kind(x, kind) for x in (xs if likes is None else likes)]
+  return list(jax.device_put(list(xs), shardings, may_alias=False))
+
+
+def put_groups(groups: list[list[jax.Array]], kind: str) -> list[list[jax.Array]]:
+  """:func:`put` of several lists of arrays as one batched ``device_put``, split back into the lists."""
+  moved = iter(put([x for g in groups for x in g], kind))
+  return [[next(moved) for _ in g] for g in groups]
+
+
+def like_states(grads: list[jax.Array], masters: list[jax.Array], kind: str = "device") -> list[jax.Array]:
+  """``grads`` in memory ``kind`` with their states' shardings (so that shards line up leaf by leaf).
+
+  Those that must move do so in one batched ``device_put``.
+  """
+  targets = [m.sharding.with_memory_kind(kind) for m in masters]
+  move = [
+    j for j, (g, t) in enumerate(zip(grads, targets))
+    if not (g.sharding.is_equivalent_to(t, g.ndim) and g.sharding.memory_kind == kind)
+  ]  # fmt: skip
+  out = list(grads)
+  for j, x in zip(move, put([grads[j] for j in move], kind, likes=[masters[j] for j in move])):
+    out[j] = x
+  return out
+
+
+def zeros_like_each(likes: list[tuple[jax.Array, Any]]) -> list[jax.Array]:
+  """Zero arrays shaped and sharded like each ``(array, dtype)``'s array (in its memory), of that dtype."""
+  if not likes:
+    return []
+  structs = [jax.ShapeDtypeStruct(a.shape, d, sharding=a.sharding) for a, d in likes]
+  return jax.jit(lambda: [jnp.zeros(x.shape, x.dtype) for x in structs], out_shardings=[x.sharding for x in structs])()
