@@ -440,7 +440,7 @@ class Engine:
       scalars_np = np.asarray(scalars)
       next_np = None if next_scalars is None else np.asarray(next_scalars)
       sending: list[jax.Array] = []
-      ahead: dict[int, tuple] = {}
+      sent_ahead: dict[int, tuple] = {}
       for s in plan.indices("host"):
         leaves = plan.subgroups[s]
         with trace.span("host.wait_reading"):
@@ -455,7 +455,7 @@ class Engine:
             sending += self._updates_from_masters(leaves, masters, lows, params, updates, new_params).values()
         if ahead_step is not None:
           with trace.span("host.send_ahead"):
-            ahead.update(self.ahead.send(leaves, masters, mus, nus, lows))
+            sent_ahead.update(self.ahead.send(leaves, masters, mus, nus, lows))
       if params_out is not None:
         params_out.set()
         for s in plan.indices("host"):  # the state, behind: same inputs, same arithmetic, the copies left alone
@@ -463,10 +463,10 @@ class Engine:
           with trace.span("host.kernel_state"):
             host_kernels.adam_many(*args, **kw, scalars=scalars_np)
       with trace.span("host.wait_sent"):
-        jax.block_until_ready([*reading.values(), *sending, *ahead.values()])
+        jax.block_until_ready([*reading.values(), *sending, *sent_ahead.values()])
       self._lows_hold = hold
       if ahead_step is not None:
-        self.ahead.keep([i for s in plan.indices("host") for i in plan.subgroups[s]], masters, ahead_step, ahead)
+        self.ahead.keep([i for s in plan.indices("host") for i in plan.subgroups[s]], masters, ahead_step, sent_ahead)
     except BaseException as e:  # re-raised on the calling thread
       error.append(e)
     finally:

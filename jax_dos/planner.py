@@ -398,13 +398,13 @@ def resolve_budgets(
     free_bytes = device_free_bytes()
   if free_bytes is None and calibration is not None:
     free_bytes = calibration.device_free_bytes
+  everything = STATE_BYTES * device_elements
   if step_memory is not None and free_bytes is not None:
     usable = int((1 - STEP_MARGIN) * max(0, free_bytes))
     update_bytes = 0 if params_in_place else UPDATE_BYTES
     update_room = usable - step_memory.live_bytes - update_bytes * device_elements
     fb_room = usable - step_memory.peak_bytes
     with_grads = 1 + grad_itemsize / STATE_BYTES  # a resident subgroup's gradients are on the accelerator too
-    everything = STATE_BYTES * device_elements
     copies = ahead_bytes * device_elements  # with nothing resident; each resident byte saves ahead_bytes / 12
     if resident_budget_bytes is None:
       slots = DEFAULT_MAX_STREAM_SLOTS * STAGING_BYTES * largest_subgroup
@@ -429,7 +429,6 @@ def resolve_budgets(
   if resident_budget_bytes is None:
     guess = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
     # The state copies sent ahead share that fraction: each resident byte saves ahead_bytes / 12 of them.
-    everything = STATE_BYTES * device_elements
     room = guess - ahead_bytes * device_elements
     resident_budget_bytes = _cap(room, 1 - ahead_bytes / STATE_BYTES, everything) if ahead_bytes else guess
   if staging_budget_bytes is None and free_bytes is not None:
@@ -465,6 +464,7 @@ def make_plan(
   subgroups, sizes = partition_leaves(params, subgroup_size)
   per_leaf = [_device_elements(x) for x in jax.tree.leaves(params)]
   dev_sizes = [sum(per_leaf[i] for i in g) for g in subgroups]
+  itemsize = max((jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4)
   resident, staging = resolve_budgets(
     cal,
     resident_budget_bytes=resident_budget_bytes,
@@ -474,11 +474,10 @@ def make_plan(
     step_memory=step_memory,
     device_elements=sum(dev_sizes),
     largest_subgroup=max(dev_sizes, default=0),
-    grad_itemsize=max((jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4),
+    grad_itemsize=itemsize,
     params_in_place=params_in_place,
-    ahead_bytes=3 * max((jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4)
-    if ahead_copies else 0,
-  )  # fmt: skip
+    ahead_bytes=3 * itemsize if ahead_copies else 0,  # copies of master, mu and nu in the parameters' dtype
+  )
   choice = plan_sizes(
     sizes,
     cal,
