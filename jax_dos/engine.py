@@ -453,7 +453,7 @@ class Engine:
         if send:
           with trace.span("host.send"):
             sending += self._updates_from_masters(leaves, masters, lows, params, updates, new_params).values()
-        if ahead_step is not None:
+        if ahead_step is not None and set(leaves) <= self.ahead.sent_ahead(params):
           with trace.span("host.send_ahead"):
             sent_ahead.update(self.ahead.send(leaves, masters, mus, nus, lows))
       if params_out is not None:

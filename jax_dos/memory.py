@@ -8,6 +8,7 @@ owns it.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import warnings
 from typing import Any
@@ -19,6 +20,18 @@ from jax.sharding import Sharding, SingleDeviceSharding
 
 def is_traced(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
+
+
+def device_elements(x: Any) -> int:
+  """Elements of ``x`` held by one device (its shard), or all of them."""
+  shape = tuple(getattr(x, "shape", ()))
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None:
+    try:
+      shape = tuple(sharding.shard_shape(shape))
+    except Exception:  # traced values and exotic shardings: count the whole leaf
+      pass
+  return math.prod(shape)
 
 
 def sharding_of(x: Any) -> Sharding:

@@ -49,6 +49,10 @@ class Plan:
       not chosen by the performance model).
     source: how the plan was made (``"user"``, ``"default"``, ``"model"``).
     calibration: the calibration the model used, as a dict (or ``None``).
+    ahead_budget_bytes: with ``delay_predict="gradient"``, accelerator bytes
+      (per device) for host subgroups' state copies sent ahead: subgroups
+      whose copies fit, in plan order, are sent during the forward/backward
+      pass, the others in ``update``. ``None``: all are sent ahead.
   """
 
   subgroups: tuple[tuple[int, ...], ...]
@@ -58,6 +62,7 @@ class Plan:
   predicted: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
   source: str = "user"
   calibration: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+  ahead_budget_bytes: int | None = None
 
   def __post_init__(self):
     if len(self.placements) != len(self.subgroups):
@@ -70,6 +75,8 @@ class Plan:
         raise ValueError(f"subgroup {i}: unknown placement {p!r}; use one of {PLACEMENTS}.")
     if self.stream_slots < 1:
       raise ValueError(f"stream_slots must be >= 1, got {self.stream_slots}.")
+    if self.ahead_budget_bytes is not None and self.ahead_budget_bytes < 0:
+      raise ValueError(f"ahead_budget_bytes must be >= 0 or None, got {self.ahead_budget_bytes}.")
 
   @property
   def num_leaves(self) -> int:
@@ -102,6 +109,8 @@ class Plan:
       lines.append(f"  {p:>6}: {len(self.indices(p)):4d} subgroups, {n:>15,} params ({100 * n / total:5.1f}%)")
     if self.indices("stream"):
       lines.append(f"  stream slots in flight: {self.stream_slots}")
+    if self.ahead_budget_bytes is not None and self.indices("host"):
+      lines.append(f"  state copies sent ahead: up to {self.ahead_budget_bytes / 2**30:.2f} GiB per device")
     if self.predicted:
       lines.append("  predicted: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.predicted.items()))
     return "\n".join(lines)

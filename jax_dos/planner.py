@@ -53,18 +53,23 @@ the update (gradients left on the accelerator) and ``g`` the bytes of a
 gradient element,
 
     resident <= F - P                                  (forward/backward: state beside activations)
-    resident (1 + g/12) + staging <= F - L - 4 B/param (update: activations gone, fp32 updates made,
-                                                        resident gradients back from the host)
+    resident + max(0, resident g/12 - L) + staging     (update: activations gone, fp32 updates made,
+        <= F - L - 4 B/param                            resident gradients back from the host unless
+                                                        the step kept them on the accelerator, in L)
 
-With ``ahead_copies`` (``delay_predict="gradient"``) every parameter not
-resident also holds ``a`` bytes of state copies (3 x its itemsize) through
-both phases, so ``a (N - resident/12)`` joins each left-hand side (``N``
-parameters per device); a budget that cannot hold the copies is an error.
+With ``ahead_copies`` (``delay_predict="gradient"``) the budgets are the
+same, and what both phases leave free beside them becomes the *ahead* budget:
+state copies (3 x the itemsize per parameter) of as many host subgroups as fit
+are sent ahead and held through the forward/backward pass, the others cross
+in ``update`` (6 B a bfloat16 parameter of PCIe there). The copies never take
+room from resident state: at 6.7B on an 80 GB GPU all of them did, and the
+host could then not hold the state (``BENCHMARKS.md``).
 
 (no 4 B/param with ``params_in_place``: ``jax_dos.update_params`` makes no update tree)
 and two streaming slots are kept unless the whole state fits. Without it,
 the resident budget is ``resident_fraction`` (0.4) of the free memory, a
-guess that must leave room for activations, and the staging budget
+guess that must leave room for activations (with ``ahead_copies``, room for
+every host subgroup's copies too, all sent ahead), and the staging budget
 ``staging_fraction`` (0.5) of what is left. With no accelerator memory
 statistics (the CPU backend) the resident budget is 0 and staging is
 unbounded, so ``"auto"`` still makes an offloaded plan there.
@@ -75,8 +80,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+from jax_dos.memory import device_elements
 from jax_dos.perf_model import Calibration, CalibrationSpec, as_calibration, device_free_bytes, get_calibration
 from jax_dos.plan import RESIDENT_CALL_ELEMENTS, Plan, partition_leaves
 
@@ -117,6 +123,17 @@ class StepMemory:
       raise ValueError("this backend gives no memory analysis for compiled programs; pass StepMemory(peak, live).")
     outputs = max(0, int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes))
     return cls(peak_bytes=int(stats.temp_size_in_bytes) + outputs, live_bytes=outputs)
+
+
+class Budgets(NamedTuple):
+  """Accelerator bytes per device: resident state, streamed subgroups in flight, state copies sent ahead.
+
+  ``None`` means unbounded (no memory statistics, or every copy is sent ahead).
+  """
+
+  resident: int
+  staging: int | None
+  ahead: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,18 +368,6 @@ def plan_sizes(
 # ----------------------------------------------------------------------------- trees and budgets
 
 
-def _device_elements(x: Any) -> int:
-  """Elements of ``x`` held by one device (its shard), or all of them."""
-  shape = tuple(getattr(x, "shape", ()))
-  sharding = getattr(x, "sharding", None)
-  if sharding is not None:
-    try:
-      shape = tuple(sharding.shard_shape(shape))
-    except Exception:  # traced values and exotic shardings: count the whole leaf
-      pass
-  return math.prod(shape)
-
-
 def resolve_budgets(
   calibration: Calibration | None = None,
   *,
@@ -377,19 +382,19 @@ def resolve_budgets(
   grad_itemsize: int = 4,
   params_in_place: bool = False,
   ahead_bytes: int = 0,
-) -> tuple[int, int | None]:
-  """``(resident, staging)`` budgets in bytes per device; explicit values win (see module docstring).
+) -> Budgets:
+  """:class:`Budgets` in bytes per device; explicit values win (see module docstring).
 
   ``free_bytes`` defaults to the accelerator memory free now, else the
   calibration's; with neither (CPU backend) the resident default is 0 and the
-  staging default unbounded (``None``). With ``step_memory``, the budgets
-  follow the step's needs for ``device_elements`` parameters per device in
-  subgroups of at most ``largest_subgroup`` (per device), with gradients of
-  ``grad_itemsize`` bytes an element. The update phase holds a float32
-  update per parameter unless ``params_in_place`` (the training loop calls
-  ``jax_dos.update_params``). ``ahead_bytes``: accelerator bytes each
-  parameter that is not resident holds through the step (state copies sent
-  ahead, ``delay_predict="gradient"``).
+  staging and ahead budgets unbounded (``None``). With ``step_memory``, the
+  budgets follow the step's needs for ``device_elements`` parameters per
+  device in subgroups of at most ``largest_subgroup`` (per device), with
+  gradients of ``grad_itemsize`` bytes an element. The update phase holds a
+  float32 update per parameter unless ``params_in_place`` (the training loop
+  calls ``jax_dos.update_params``). ``ahead_bytes``: accelerator bytes of the
+  state copies of a parameter sent ahead (``delay_predict="gradient"``); 0:
+  none are (the ahead budget is then ``None``, unused).
   """
   for name, frac in (("resident_fraction", resident_fraction), ("staging_fraction", staging_fraction)):
     if not 0 <= frac <= 1:
@@ -399,33 +404,31 @@ def resolve_budgets(
   if free_bytes is None and calibration is not None:
     free_bytes = calibration.device_free_bytes
   everything = STATE_BYTES * device_elements
+  ahead = None
   if step_memory is not None and free_bytes is not None:
     usable = int((1 - STEP_MARGIN) * max(0, free_bytes))
     update_bytes = 0 if params_in_place else UPDATE_BYTES
     update_room = usable - step_memory.live_bytes - update_bytes * device_elements
     fb_room = usable - step_memory.peak_bytes
-    with_grads = 1 + grad_itemsize / STATE_BYTES  # a resident subgroup's gradients are on the accelerator too
-    copies = ahead_bytes * device_elements  # with nothing resident; each resident byte saves ahead_bytes / 12
+    live, grad_share = step_memory.live_bytes, grad_itemsize / STATE_BYTES
+
+    def update_need(resident: int) -> int:  # resident gradients come back unless the step kept them (counted in L)
+      return resident + max(0, int(grad_share * resident) - live)
+
+    def update_cap(room: int) -> float:  # the largest resident with update_need(resident) <= room
+      return room if room * grad_share <= live else (room + live) / (1 + grad_share)
+
     if resident_budget_bytes is None:
       slots = DEFAULT_MAX_STREAM_SLOTS * STAGING_BYTES * largest_subgroup
-      if min(fb_room, update_room / with_grads) >= everything:  # all of it: no copies, no staging slots
-        resident_budget_bytes = min(fb_room, int(update_room / with_grads))
+      if min(fb_room, update_cap(update_room)) >= everything:  # all of it: no staging slots
+        resident_budget_bytes = int(min(fb_room, update_cap(update_room)))
       else:
-        saved = ahead_bytes / STATE_BYTES
-        fb_cap = _cap(fb_room - copies, 1 - saved, everything)
-        update_cap = _cap(update_room - slots - copies, with_grads - saved, everything)
-        resident_budget_bytes = max(0, min(fb_cap, update_cap))
+        resident_budget_bytes = max(0, int(min(fb_room, update_cap(update_room - slots), everything)))
     resident = min(resident_budget_bytes, everything)
-    held = copies - int(ahead_bytes / STATE_BYTES * resident)
-    if held > 0 and (resident + held > fb_room or with_grads * resident + held > update_room):
-      raise ValueError(
-        f"delay_predict='gradient' keeps {held / 2**30:.1f} GiB of state copies on the accelerator through the"
-        f" step, beside {resident_budget_bytes / 2**30:.1f} GiB of resident state, but the training step leaves"
-        f" {max(0, fb_room) / 2**30:.1f} GiB free. Use delay_predict='moments' (no accelerator memory), a smaller"
-        " batch, or more activation rematerialisation."
-      )
+    if ahead_bytes:  # copies are held through the forward/backward pass and into the update, where nothing streams
+      ahead = max(0, min(fb_room - resident, update_room - update_need(resident)))
     if staging_budget_bytes is None:
-      staging_budget_bytes = max(0, update_room - int(with_grads * resident_budget_bytes) - max(0, held))
+      staging_budget_bytes = max(0, update_room - update_need(resident_budget_bytes))
   if resident_budget_bytes is None:
     guess = 0 if free_bytes is None else int(resident_fraction * max(0, free_bytes))
     # The state copies sent ahead share that fraction: each resident byte saves ahead_bytes / 12 of them.
@@ -433,7 +436,7 @@ def resolve_budgets(
     resident_budget_bytes = _cap(room, 1 - ahead_bytes / STATE_BYTES, everything) if ahead_bytes else guess
   if staging_budget_bytes is None and free_bytes is not None:
     staging_budget_bytes = int(staging_fraction * max(0, free_bytes - resident_budget_bytes))
-  return max(0, int(resident_budget_bytes)), staging_budget_bytes
+  return Budgets(max(0, int(resident_budget_bytes)), staging_budget_bytes, ahead)
 
 
 def _cap(room: float, per_byte: float, everything: int) -> int:
@@ -462,10 +465,10 @@ def make_plan(
 
   cal = as_calibration(calibration)
   subgroups, sizes = partition_leaves(params, subgroup_size)
-  per_leaf = [_device_elements(x) for x in jax.tree.leaves(params)]
+  per_leaf = [device_elements(x) for x in jax.tree.leaves(params)]
   dev_sizes = [sum(per_leaf[i] for i in g) for g in subgroups]
   itemsize = max((jax.numpy.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)), default=4)
-  resident, staging = resolve_budgets(
+  budgets = resolve_budgets(
     cal,
     resident_budget_bytes=resident_budget_bytes,
     staging_budget_bytes=staging_budget_bytes,
@@ -481,8 +484,8 @@ def make_plan(
   choice = plan_sizes(
     sizes,
     cal,
-    resident_budget_bytes=resident,
-    staging_budget_bytes=staging,
+    resident_budget_bytes=budgets.resident,
+    staging_budget_bytes=budgets.staging,
     device_sizes=dev_sizes,
     max_stream_slots=max_stream_slots,
   )
@@ -494,6 +497,7 @@ def make_plan(
     predicted=choice.predicted,
     source="model",
     calibration=cal.to_dict(),
+    ahead_budget_bytes=budgets.ahead,
   )
 
 

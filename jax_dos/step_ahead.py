@@ -10,10 +10,12 @@ has the gradient. So, per host subgroup:
    and nu to the accelerator, in the parameters' dtype (for bfloat16
    parameters the kernel wrote bfloat16 copies in the same pass: 6 B a
    parameter cross PCIe and are held on the accelerator through the next
-   forward/backward pass; float32 parameters send their state itself);
+   forward/backward pass; float32 parameters send their state itself), for as
+   many subgroups, in plan order, as the plan's ``ahead_budget_bytes`` holds;
 2. the next ``update`` takes AdamW's step there from those copies with the
    fresh gradients (``adam_math``'s arithmetic in float32) and writes the new
-   weights into the old parameters' buffers.
+   weights into the old parameters' buffers. Subgroups whose copies were not
+   sent ahead are sent now, a few at a time.
 
 For float32 parameters the weights are optax's to float32 rounding; for
 bfloat16 ones ``cast(master)`` up to the copies' rounding. The exact float32
@@ -68,6 +70,21 @@ class StepAhead:
     self.hyper, self.plan, self.decay = hyper, plan, tuple(decay)
     self.moment_copies: dict[int, tuple[jax.Array, jax.Array]] = {}  # host leaf -> bfloat16 mu, nu (bf16 params)
     self._sent: tuple | None = None  # (weak refs to the masters, step, {leaf: (master, mu, nu) on the accelerator})
+    self._ahead: frozenset[int] | None = None
+
+  def sent_ahead(self, params) -> frozenset[int]:
+    """Host leaves whose copies the worker sends ahead: whole subgroups, in plan order, within the ahead budget."""
+    if self._ahead is None:
+      budget, leaves = self.plan.ahead_budget_bytes, []
+      for s in self.plan.indices("host"):
+        group = self.plan.subgroups[s]
+        nbytes = sum(3 * memory.device_elements(params[i]) * jnp.dtype(params[i].dtype).itemsize for i in group)
+        if budget is not None and nbytes > budget:
+          break
+        budget = None if budget is None else budget - nbytes
+        leaves += group
+      self._ahead = frozenset(leaves)
+    return self._ahead
 
   def prepare(self, leaves: list[int], masters, mus, nus, refresh: bool) -> None:
     """Makes the host buffers for bfloat16 copies of mu and nu of ``leaves`` (bfloat16 parameters).
@@ -99,11 +116,12 @@ class StepAhead:
     """Holds what the worker sent, for the ``update`` of ``step`` on these very masters."""
     self._sent = ([weakref.ref(masters[i]) for i in leaves], step, sent)
 
-  def _take(self, leaves, masters, step) -> dict | None:
+  def _take(self, leaves, masters, step) -> dict:
+    """What was sent ahead for this step on these very masters (some or all of ``leaves``), else nothing."""
     held, self._sent = self._sent, None
-    if held is None or held[1] != step or set(held[2]) != set(leaves):
-      return None
-    return held[2] if all(r() is masters[i] for r, i in zip(held[0], leaves)) else None
+    if held is None or held[1] != step or len(held[0]) != len(leaves):
+      return {}
+    return held[2] if all(r() is masters[i] for r, i in zip(held[0], leaves)) else {}
 
   def step(self, leaves, grads, masters, mus, nus, lows, params, scalars, step, updates, new_params):
     """This step's AdamW on the accelerator for host ``leaves``, one jitted call per subgroup; the copies are consumed.
@@ -118,13 +136,14 @@ class StepAhead:
     outputs = {}
     for s in self.plan.indices("host"):
       group = self.plan.subgroups[s]
+      held = all(i in copies for i in group)
       flushed = any(grads[i].sharding.memory_kind in ("pinned_host", "unpinned_host") for i in group)
-      if copies is None or flushed:
+      if not held or flushed:
         with trace.span("device.wait_ahead"):
           while len(pending) >= IN_FLIGHT:
             jax.block_until_ready(pending.popleft())
-      with trace.span("device.send_ahead" if copies is None else "device.step_ahead"):
-        here = self.send(group, masters, mus, nus, lows) if copies is None else copies
+      with trace.span("device.step_ahead" if held else "device.send_ahead"):
+        here = copies if held else self.send(group, masters, mus, nus, lows)
         xs, ms, vs = (list(x) for x in zip(*[here.pop(i) for i in group]))  # popped: freed once consumed
         g = memory.like_states([grads[i] for i in group], [masters[i] for i in group])  # flushed ones come back
         outs = fn(g, xs, ms, vs, [params[i] for i in group], scalars, hyper=self.hyper,

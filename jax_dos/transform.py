@@ -335,13 +335,14 @@ def interleaved_adam(
         the same numbers to float32 rounding; bfloat16: ``cast(master)`` up
         to the copies' rounding, mostly equal), while the exact float32
         step still runs on the host, hidden behind the next forward/backward
-        pass. Costs the copies' accelerator memory through that pass (3 x
-        the parameter's bytes per host-updated parameter; give your own
-        planner ``auto_planner(ahead_copies=True)`` so that its budgets leave
-        room for them), their PCIe time (6 B for a bfloat16 parameter: the
-        kernel writes bfloat16 copies of mu and nu in the same pass, 4 B of
-        host memory) and the gradients' return to the accelerator if they
-        were flushed to the host.
+        pass. Copies are sent ahead (held through that pass: 3 x the
+        parameter's bytes per host-updated parameter) for the host subgroups
+        that fit in the memory the plan leaves free (``Plan.ahead_budget_bytes``;
+        give your own planner ``auto_planner(ahead_copies=True)``), and in
+        ``update`` for the others: their PCIe time (6 B for a bfloat16
+        parameter: the kernel writes bfloat16 copies of mu and nu in the same
+        pass, 4 B of host memory) is then part of the step, as is the
+        gradients' return to the accelerator if they were flushed to the host.
 
       Stale momentum is what makes the plain delay converge worse (docs/design.md, BENCHMARKS.md).
     write_behind: keep optax's numbers exactly and hide part of the host

@@ -47,3 +47,12 @@ def test_train_step_smoke(tmp_path):
   assert doc["calibration"]  # measured in its own process before the variants
   assert [r["variant"] for r in doc["results"]] == ["host", "auto"]
   assert all("error" not in r and r["tokens_per_s"] > 0 for r in doc["results"])
+
+
+def test_flush_probe_smoke(tmp_path):
+  """Every flush variant of the gradient program compiles (the in-backward one leans on custom_vjp rules)."""
+  out = tmp_path / "flush_probe.json"
+  run(tmp_path, "flush_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out))
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["variant"] for r in rows] == ["none", "all", "half", "first", "bwd-all", "bwd-half"]
+  assert all("error" not in r and r["temp_gib"] > 0 for r in rows)

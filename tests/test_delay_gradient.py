@@ -3,6 +3,8 @@
 Resuming from a checkpoint is tested with the other predictions in ``test_flush_and_delay.py``.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +108,30 @@ def test_later_steps_use_the_copies_sent_ahead():
     names.append({s.name for s in spans})
   assert "device.send_ahead" in names[0]
   assert all("device.send_ahead" not in n and "host.send_ahead" in n and "device.step_ahead" in n for n in names[1:])
+
+
+@pytest.mark.parametrize("room", ["first subgroup", "none"])
+def test_copies_that_do_not_fit_ahead_cross_in_update(room):
+  """A plan's ahead budget holds some host subgroups' copies (or none): the others are sent by update, same numbers."""
+  rng = np.random.default_rng()
+  params0 = random_tree(rng)
+  plan = jax_dos.resolve_plan(MIXED, params0, 100)
+  first = plan.subgroups[plan.indices("host")[0]]
+  leaves = jax.tree.leaves(params0)
+  budget = sum(3 * leaves[i].nbytes for i in first) if room == "first subgroup" else 0
+  tx = make_tx(plan=dataclasses.replace(plan, ahead_budget_bytes=budget), warmup=0)
+  targets = [random_tree(rng) for _ in range(4)]
+  expected, _ = optax_trajectory(params0, targets)
+  params, state, grad_fn = params0, tx.init(params0), make_grad_fn(tx, params0)
+  for t in range(4):
+    with jax_dos.trace.recording() as spans:
+      params, state = jax_dos.update_params(tx, grad_fn(params, targets[t]), state, params)
+      jax_dos.wait_for_host_updates()
+    assert max_rel_diff(params, expected[t]) < TOL, f"step {t}"
+    names = [s.name for s in spans]
+    if t:  # the worker sent what fits ahead; update sent the rest
+      assert names.count("host.send_ahead") == (room == "first subgroup")
+      assert names.count("device.step_ahead") == (room == "first subgroup") and "device.send_ahead" in names
 
 
 @pytest.mark.parametrize("value", ["gradients", 2, "Moments"])

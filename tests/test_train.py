@@ -251,3 +251,18 @@ def test_gradient_step_memory_counts_the_compiled_step(flush):
     assert need == type(need)(all_host.peak_bytes + grads, all_host.live_bytes + grads)
   if flush == "none":  # its own program: every gradient is an output on the accelerator
     assert need.live_bytes >= grads
+
+
+def test_a_split_flush_larger_than_its_budget_is_refused():
+  """The split program's own memory is checked against what the plan assumed (CPU programs have a real analysis)."""
+  cfg = T.gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
+  graphdef, params = T.gpt_model.init_params(cfg)
+  batch = (jax.ShapeDtypeStruct((4, 32), np.int32),) * 2
+  leaves = len(jax.tree.leaves(params))
+  tx = T.jax_dos.interleaved_adam(1e-3, plan=["host", "device"] * (leaves // 2) + ["host"] * (leaves % 2),
+                                  subgroup_size=1)  # fmt: skip
+  compiled = T.make_grad_step(tx, params, "host").lower(graphdef, params, batch, 1.0).compile()
+  need = T.jax_dos.StepMemory.of(compiled)
+  T.check_split_flush(compiled, need)  # exactly what it needs: accepted
+  with pytest.raises(SystemExit, match="--grad-flush all"):
+    T.check_split_flush(compiled, T.jax_dos.StepMemory(need.peak_bytes - 1, min(need.live_bytes, need.peak_bytes - 1)))

@@ -127,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                       " from the moments (moments, the default), or the step itself taken on the accelerator"
                       " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default="host",
-                 help="gradients the backward pass writes to host memory: host subgroups' (host), every one"
-                      " (all: least accelerator memory, for the largest models) or none")  # fmt: skip
+                 help="gradients the backward pass writes to host memory: host subgroups' (host; refused when"
+                      " that program needs more memory than the plan left, as at 6.7B), every one (all: for the"
+                      " largest models) or none")  # fmt: skip
 
   r = p.add_argument_group("evaluation, logging, checkpoints")
   r.add_argument("--eval-every", type=int, default=100, help="steps between validation passes (0 = only at the end)")
@@ -283,6 +284,23 @@ def gradient_step_memory(graphdef, params: Any, batch_shape: tuple[int, int], cl
   batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32),) * 2
   step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush), None))
   return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush)
+
+
+def check_split_flush(compiled: Any, assumed: jax_dos.StepMemory) -> None:
+  """Refuses a split-flush gradient step (``--grad-flush host``) that needs more memory than the plan assumed.
+
+  The plan's budgets bound the split by the flush-all program plus every
+  gradient. XLA can need far more when a program's outputs go to two
+  memories (47 GiB of temporaries at 6.7B, ``bench/flush_probe.py``), and
+  the run would fail out of memory some steps later.
+  """
+  need = jax_dos.StepMemory.of(compiled)
+  if need.peak_bytes > assumed.peak_bytes:
+    raise SystemExit(
+      f"--grad-flush host: with this plan the gradient step needs {need.peak_bytes / 2**30:.1f} GiB of accelerator"
+      f" memory, more than the {assumed.peak_bytes / 2**30:.1f} GiB its budgets left for it (XLA keeps much more"
+      " when the gradients go to two memories). Use --grad-flush all (least memory) or --grad-flush none."
+    )
 
 
 def make_optimizer(
@@ -445,6 +463,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
   flushing = args.offload != "none" and args.grad_flush != "none"
   grad_step = make_grad_step(tx if flushing else None, params, args.grad_flush)
+  if step_memory is not None and args.grad_flush == "host":  # the split's own program, now that the plan exists
+    batch = (jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32),) * 2
+    check_split_flush(grad_step.lower(graphdef, params, batch, args.clip).compile(), step_memory)
 
   # --- output, checkpoints, resume
   os.makedirs(args.out, exist_ok=True)
