@@ -71,6 +71,16 @@ def test_plan_for_another_tree_is_refused(params):
     jax_dos.interleaved_adam(1e-3, plan=other).init(params)
 
 
+@pytest.mark.parametrize(
+  "field, value, match",
+  [("stream_slots", 0, "stream_slots must be >= 1"), ("ahead_budget_bytes", -1, "ahead_budget_bytes must be >= 0")],
+)
+def test_plan_budgets_must_be_sensible(params, field, value, match):
+  plan = jax_dos.resolve_plan("host", params, 100)
+  with pytest.raises(ValueError, match=match):
+    jax_dos.Plan(plan.subgroups, plan.placements, plan.sizes, **{field: value})
+
+
 def test_host_memory_request_that_cannot_be_met():
   huge = {"w": jax.ShapeDtypeStruct((memory.host_memory_total() // 4,), jnp.float32)}  # 3x the RAM
   with pytest.raises(MemoryError, match="GiB of RAM in all"):
