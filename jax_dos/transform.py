@@ -435,10 +435,11 @@ def gradient_memory_kinds(tx: optax.GradientTransformation, params: Any, flush: 
   for the others. ``flush="all"``: ``"pinned_host"`` for every leaf; the
   update then copies resident and streamed subgroups' gradients back to the
   accelerator (their bytes cross PCIe twice). Use it when the backward pass
-  cannot afford gradients on the accelerator (6.7B GPT: 18 GiB of
-  temporaries and no gradients on it, against 7.2 GiB plus 12.4 GiB of
-  gradients unflushed; a split flush needed 82 GiB when the clip rescaled
-  gradients inside the program, docs/design.md).
+  cannot afford gradients on the accelerator (6.7B GPT: 18.2 GiB of
+  temporaries and no gradients on it, against 7.0 GiB plus 12.4 GiB of
+  gradients unflushed). With ``"host"``, a plan that splits the gradients
+  between memories can make XLA keep far more (47 GiB at 6.7B,
+  ``bench/flush_probe.py``); compile the step and check its memory.
 
   Empty leaves stay on the device: nothing to move, and jax 0.11 reports a
   zero-size output of ``pinned_host`` sharding as device memory.

@@ -265,7 +265,8 @@ def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMem
 
   Exact for ``"all"`` and ``"none"`` (their own programs). With ``"host"``
   some gradients stay on the accelerator: all of them are counted on top of
-  the flush-all program, an upper bound until the plan is made.
+  the flush-all program, a guess until the plan is made, which the split's
+  own program can exceed (:func:`check_split_flush` refuses it then).
   """
   need = jax_dos.StepMemory.of(compiled)
   if flush in ("all", "none"):
