@@ -49,6 +49,17 @@ def test_train_step_smoke(tmp_path):
   assert all("error" not in r and r["tokens_per_s"] > 0 for r in doc["results"])
 
 
+def test_train_step_smoke_accumulated(tmp_path):
+  """Two micro-batches a step: twice the tokens, the planner sized from the micro-batch's program, no flush."""
+  path = tmp_path / "train_step.json"
+  run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", "auto,none", "--out", str(path))
+  doc = json.loads(path.read_text())
+  assert doc["config"]["grad_flush"] == "none"
+  for r in doc["results"]:
+    assert "error" not in r and r["tokens_per_s"] > 0
+    assert r["tokens_per_step"] == 2 * 4 * 64
+
+
 def test_flush_probe_smoke(tmp_path):
   """Every flush variant of the gradient program compiles (the in-backward one leans on custom_vjp rules)."""
   out = tmp_path / "flush_probe.json"

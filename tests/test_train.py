@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
+import weakref
 
 import jax
 import numpy as np
@@ -124,6 +126,8 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
     (["--resume", "--no-ckpt"], "drop --no-ckpt"),
     (["--write-behind", "--delay", "1"], "--write-behind"),
     (["--delay-predict"], "--delay-predict"),
+    (["--grad-accum", "0"], "--grad-accum must be >= 1"),
+    (["--grad-accum", "2", "--grad-flush", "all"], "drop --grad-flush all"),
   ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
@@ -139,6 +143,8 @@ def test_defaults():
   assert args.compute_dtype == ("bfloat16" if jax.default_backend() == "gpu" else "float32")
   assert args.seq_len == 128 and args.out == os.path.join("runs", "tiny")
   assert T.parse_args(["--offload", "none"]).param_dtype == "float32"
+  assert (args.grad_accum, args.grad_flush) == (1, "host")
+  assert T.parse_args(["--grad-accum", "4"]).grad_flush == "none"  # the sum is on the accelerator: nothing to flush
 
 
 def test_weight_decay_mask_skips_vectors():
@@ -171,6 +177,74 @@ def test_offload_none_and_host_give_the_same_loss_curve(tmp_path):
     np.testing.assert_allclose(list(got["losses"].values()), list(ref["losses"].values()), rtol=1e-4, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(ref["params"])):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_accumulated_micro_batches_train_like_one_batch(tmp_path):
+  """``--batch 2 --grad-accum 2`` trains on the same rows as ``--batch 4``: same losses, same weights."""
+  common = ["--steps", "3", "--lr", "3e-3", "--warmup", "1", "--eval-every", "0", "--log-every", "1",
+            "--param-dtype", "float32", "--offload", "host"]  # fmt: skip
+  with jax.default_matmul_precision("highest"):  # on a GPU: no TF32 (the split changes the products' rounding)
+    ref = _run(tmp_path, "one", *common, "--compute-dtype", "float32")
+    got = _run(tmp_path, "accum", *common, "--compute-dtype", "float32", "--batch", "2", "--grad-accum", "2")
+  np.testing.assert_allclose(list(got["losses"].values()), list(ref["losses"].values()), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(ref["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [["--grad-flush", "none"], ["--grad-accum", "2"]])
+def test_the_loop_holds_no_gradients_while_the_next_step_computes(tmp_path, monkeypatch, flags):
+  """Gradients left on the accelerator are freed after the update: the planner counts them through it only.
+
+  (At 6.7B the loop's reference to the last step's 12 GiB of gradients ran the next update out of GPU memory.)
+  """
+  make_grad_step, alive = T.make_grad_step, []
+
+  def watched(*args, **kwargs):
+    grad_step = make_grad_step(*args, **kwargs)
+
+    def step(*a):
+      gc.collect()
+      alive.append(sum(r() is not None for r in refs) if (refs := getattr(step, "refs", None)) else 0)
+      loss, grads, scale = grad_step(*a)
+      step.refs = [weakref.ref(g) for g in jax.tree.leaves(grads)]
+      return loss, grads, scale
+
+    return step
+
+  monkeypatch.setattr(T, "make_grad_step", watched)
+  _run(tmp_path, "run", "--steps", "3", "--eval-every", "0", "--offload", "host", *flags)
+  assert alive == [0, 0, 0]
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0, 1e-3])
+def test_accumulated_gradient_is_the_batch_gradient(clip):
+  """``scale * grad_sum`` over micro-batches is the whole batch's gradient times its clip factor."""
+  cfg = T.gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=32, dtype="float32")
+  graphdef, params = T.gpt_model.init_params(cfg, seed=int(np.random.default_rng().integers(1000)))
+  rng = np.random.default_rng()
+  batch = tuple(rng.integers(0, 256, (6, 32)).astype(np.int32) for _ in range(2))
+  with jax.default_matmul_precision("highest"):
+    loss, grads, scale = T.make_grad_step(None, params)(graphdef, params, batch, clip)
+    loss3, sums, scale3 = T.make_grad_step(None, params, micro_batches=3)(graphdef, params, batch, clip)
+  np.testing.assert_allclose(float(loss3), float(loss), rtol=1e-6)
+  for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(sums)):
+    want = np.asarray(g) * float(scale)  # float32 sums in another order: rounding relative to the leaf's scale
+    np.testing.assert_allclose(np.asarray(s) * float(scale3), want, rtol=2e-5, atol=2e-6 * np.abs(want).max())
+  with pytest.raises(ValueError, match="equal micro-batches"):
+    T.make_grad_step(None, params, micro_batches=4)(graphdef, params, batch, clip)
+
+
+def test_accumulation_needs_one_micro_batch_of_activations():
+  """The planner's step memory for 4 micro-batches: one micro-batch's program plus the running sum, kept live."""
+  cfg = T.gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=64)
+  graphdef, params = T.gpt_model.init_params(cfg)
+  grads = sum(x.nbytes for x in jax.tree.leaves(params))
+  whole = T.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none")
+  micro = T.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none", micro_batches=4)
+  quarter = T.gradient_step_memory(graphdef, params, (8, 64), 1.0, "none")
+  assert micro.live_bytes >= grads
+  assert micro.peak_bytes < whole.peak_bytes
+  assert micro.peak_bytes < quarter.peak_bytes + grads // 2  # no second copy of the gradients
 
 
 def test_write_behind_trains_bit_identically(tmp_path):

@@ -20,6 +20,10 @@ inside the same program, overlapping the backward pass. The global-norm clip
 is the factor ``scale`` (``jax_dos.clip_scale``) the optimizer multiplies the
 gradients by: rescaling them on the accelerator before they leave made XLA
 keep every activation of a 6.7B model at once (``docs/design.md``).
+``--grad-accum k`` makes a step of ``k`` micro-batches of ``--batch``
+sequences, run one after another, their gradients summed in place on the
+accelerator: a 6.7B model's step then grows without more activation memory,
+and the update's cost is shared by more tokens.
 ``--delay 1`` updates host subgroups one step late (their kernel then runs
 during the next step's forward/backward; see ``jax_dos.interleaved_adam``).
 
@@ -48,6 +52,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 # Optimizer state offloaded to the host frees GPU memory for activations: take 94% of it, not jax's default 75%
@@ -92,10 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
   d = p.add_argument_group("data")
   d.add_argument("--data", default=None, help="text file (read as bytes) or nanoGPT uint16 .bin token file;"
                  " default: the Python standard library's sources")  # fmt: skip
-  d.add_argument("--batch", type=int, default=16, help="sequences per step")
+  d.add_argument("--batch", type=int, default=16, help="sequences per micro-batch (per step without --grad-accum)")
   d.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default: the preset's block size")
 
   o = p.add_argument_group("optimization")
+  o.add_argument("--grad-accum", type=int, default=1,
+                 help="micro-batches of --batch sequences per optimizer step, their gradients summed on the"
+                      " accelerator (then crossing to the host in the update, as --grad-flush none)")  # fmt: skip
   o.add_argument("--steps", type=int, default=500, help="optimizer steps to train to (total, counting resumed ones)")
   o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default per preset {DEFAULT_LR}")
   o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay; default lr/10")
@@ -126,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --delay 1, what the forward pass gets instead of the stale weights: a prediction"
                       " from the moments (moments, the default), or the step itself taken on the accelerator"
                       " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
-  x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default="host",
-                 help="gradients the backward pass writes to host memory: host subgroups' (host; refused when"
-                      " that program needs more memory than the plan left, as at 6.7B), every one (all: for the"
-                      " largest models) or none")  # fmt: skip
+  x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default=None,
+                 help="gradients the backward pass writes to host memory: host subgroups' (host, the default"
+                      " without --grad-accum; refused when that program needs more memory than the plan left, as"
+                      " at 6.7B), every one (all) or none (the default with --grad-accum)")  # fmt: skip
 
   r = p.add_argument_group("evaluation, logging, checkpoints")
   r.add_argument("--eval-every", type=int, default=100, help="steps between validation passes (0 = only at the end)")
@@ -152,7 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = build_parser()
   args = parser.parse_args(argv)
   err = parser.error
-  positive = ("batch", "steps", "eval_batches", "log_every", "keep", "subgroup_size")
+  positive = ("batch", "grad_accum", "steps", "eval_batches", "log_every", "keep", "subgroup_size")
   for name in positive:
     if getattr(args, name) < 1:
       err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -197,6 +205,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     err("--delay 1 delays the host update of jax_dos; it needs an offload mode, not --offload none.")
   if args.write_behind and (args.delay or args.offload == "none"):
     err("--write-behind defers the host state's writes of an offload mode without --delay; drop one of them.")
+  if args.grad_flush is None:
+    args.grad_flush = "host" if args.grad_accum == 1 else "none"
+  elif args.grad_accum > 1 and args.grad_flush != "none":
+    err(f"--grad-accum {args.grad_accum} sums the gradients on the accelerator, so there is nothing to flush during"
+        f" the backward pass; drop --grad-flush {args.grad_flush} (or use --grad-accum 1).")  # fmt: skip
   if args.delay_predict and not args.delay:
     err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
   if args.resume and args.overwrite:
@@ -234,13 +247,68 @@ def _grad_step(graphdef, params, batch, clip: float):
 _grad_step_on_device = jax.jit(_grad_step, static_argnums=(0, 3))
 
 
-def make_grad_step(tx: optax.GradientTransformation | None, params: Any, flush: str = "host"):
+def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batches: int):
+  """One micro-batch of an accumulated step: ``(loss, grad_sum + grads, scale)``.
+
+  After the last of ``micro_batches`` micro-batches, ``scale * grad_sum`` is
+  the mean gradient times the clip's factor for that mean:
+  ``scale = clip_scale(|grad_sum| / k, clip) / k``. The optimizer multiplies
+  by it (``grad_scale``), so the sum is never divided on the accelerator.
+  """
+  loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
+  grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+  mean = 1.0 / micro_batches
+  clip_factor = jax_dos.clip_scale(optax.global_norm(grad_sum) * mean, clip) if clip > 0 else jnp.float32(1)
+  return loss, grad_sum, clip_factor * jnp.float32(mean)
+
+
+# The running sum is donated and updated in place: a micro-batch's program needs about what a one-batch step whose
+# gradients stay on the accelerator needs (6.7B: 11.3 GiB of temporaries and the 12.4 GiB sum, against 7.0 + 12.4).
+# A scan over the micro-batches in one program needed about two gradients' worth more (compiled on the CPU).
+_accumulate_step_jit = jax.jit(_accumulate_step, static_argnums=(0, 4, 5), donate_argnums=2)
+_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+
+
+def accumulated_grad_step(micro_batches: int):
+  """``grad_step(graphdef, params, batch, clip) -> (loss, grad_sum, scale)`` over ``micro_batches`` parts of ``batch``.
+
+  The batch's rows are split into ``micro_batches`` equal consecutive parts,
+  run one after another (one jitted call each, so only one part's activations
+  are alive at a time). ``loss`` is the mean of their losses, which is the
+  whole batch's mean loss; ``grad_sum`` the sum of their gradients, in the
+  gradients' dtype, on the accelerator; ``scale * grad_sum`` is the clipped
+  mean gradient (:func:`_accumulate_step`), what ``optimizer_step`` takes.
+  """
+
+  def grad_step(graphdef, params, batch, clip: float):
+    x, y = batch
+    if x.shape[0] % micro_batches:
+      raise ValueError(f"a batch of {x.shape[0]} rows does not split into {micro_batches} equal micro-batches.")
+    rows = x.shape[0] // micro_batches
+    grad_sum, losses = _zeros_like(params), []
+    for i in range(micro_batches):
+      part = (x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows])
+      loss, grad_sum, scale = _accumulate_step_jit(graphdef, params, grad_sum, part, clip, micro_batches)
+      losses.append(loss)
+    return sum(losses) / micro_batches, grad_sum, scale
+
+  return grad_step
+
+
+def make_grad_step(
+  tx: optax.GradientTransformation | None, params: Any, flush: str = "host", micro_batches: int = 1
+) -> Callable[..., tuple[jax.Array, Any, jax.Array]]:
   """``grad_step(graphdef, params, batch, clip) -> (loss, grads, clip_scale)``, jitted.
 
   With ``tx`` (a ``jax_dos`` optimizer), gradients come out in host memory as
-  ``jax_dos.gradient_shardings(tx, params, flush)`` says.
+  ``jax_dos.gradient_shardings(tx, params, flush)`` says. With
+  ``micro_batches > 1`` they are accumulated on the accelerator
+  (:func:`accumulated_grad_step`) and flushed by none: the host subgroups'
+  sums cross to the host in the optimizer's update.
   """
-  if tx is None:
+  if micro_batches > 1:
+    return accumulated_grad_step(micro_batches)
+  if tx is None or flush == "none":
     return _grad_step_on_device
   shardings = (None, jax_dos.gradient_shardings(tx, params, flush), None)
   return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=shardings)
@@ -275,13 +343,24 @@ def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMem
   return jax_dos.StepMemory(need.peak_bytes + grads, need.live_bytes + grads)
 
 
-def gradient_step_memory(graphdef, params: Any, batch_shape: tuple[int, int], clip: float, flush: str):
+def gradient_step_memory(
+  graphdef, params: Any, batch_shape: tuple[int, int], clip: float, flush: str, micro_batches: int = 1
+) -> jax_dos.StepMemory:
   """What the gradient step needs on the accelerator (``jax_dos.StepMemory``), from its compiled program.
 
   The program compiled is :func:`probe_shardings`'s (for ``"all"`` the one the
   training loop then runs, reusing the compilation); see
-  :func:`step_memory_bound` for ``"host"``.
+  :func:`step_memory_bound` for ``"host"``. With ``micro_batches > 1`` it is
+  one micro-batch's program (``batch_shape`` is the whole batch's), plus the
+  running sum it updates in place, which stays alive through the update.
   """
+  if micro_batches > 1:
+    part = (jax.ShapeDtypeStruct((batch_shape[0] // micro_batches, batch_shape[1]), jnp.int32),) * 2
+    grad_sum = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
+    compiled = _accumulate_step_jit.lower(graphdef, params, grad_sum, part, clip, micro_batches).compile()
+    need = jax_dos.StepMemory.of(compiled)
+    sums = sum(x.nbytes for x in jax.tree.leaves(params))
+    return jax_dos.StepMemory(need.peak_bytes + sums, need.live_bytes + sums)
   batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32),) * 2
   step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush), None))
   return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush)
@@ -456,16 +535,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
   num_params = gpt_model.tree_size(params)
   step_memory = None
+  step_shape = (
+    args.batch * args.grad_accum,
+    args.seq_len,
+  )  # one step's batch: --grad-accum micro-batches of --batch rows
   sized = jax.devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
   if args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized:
-    step_memory = gradient_step_memory(graphdef, params, (args.batch, args.seq_len), args.clip, args.grad_flush)
+    step_memory = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum)
   tx, schedule = make_optimizer(args, step_memory)
   opt_state = tx.init(params)
   plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
   flushing = args.offload != "none" and args.grad_flush != "none"
-  grad_step = make_grad_step(tx if flushing else None, params, args.grad_flush)
+  grad_step = make_grad_step(tx if flushing else None, params, args.grad_flush, args.grad_accum)
   if step_memory is not None and args.grad_flush == "host":  # the split's own program, now that the plan exists
-    batch = (jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32),) * 2
+    batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32),) * 2
     check_split_flush(grad_step.lower(graphdef, params, batch, args.clip).compile(), step_memory)
 
   # --- output, checkpoints, resume
@@ -482,7 +565,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     params, opt_state, start_step = _restore(manager, cfg, params, opt_state, args)
   log = progress.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if args.resume else None)
 
-  tokens_per_step = args.batch * args.seq_len
+  tokens_per_step = args.batch * args.grad_accum * args.seq_len
   flops_tok = gpt_model.flops_per_token(cfg, args.seq_len)
   peak = args.peak_flops or progress.detect_peak_flops(args.compute_dtype)
   val_batches = [
@@ -501,6 +584,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
+       + (f", {args.grad_accum} micro-batches of {args.batch} per step" if args.grad_accum > 1 else "")
        + (f", delay 1 after {args.delay_warmup} steps" if args.delay else "")
        + (f" (weights predicted from the {args.delay_predict})" if args.delay_predict else ""))  # fmt: skip
   if step_memory is not None:
@@ -528,9 +612,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   pending: list[tuple[int, jax.Array]] = []
   step = start_step
   for it in range(start_step, args.steps):
-    batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, it)
+    batch = data_lib.get_batch(splits.train, step_shape[0], args.seq_len, args.seed, it)
     loss, grads, scale = grad_step(graphdef, params, batch, args.clip)
     params, opt_state = optimizer_step(args, tx, grads, opt_state, params, scale)
+    del grads  # gradients left on the accelerator are freed now: the planner counts them through the update only
     step = it + 1
     pending.append((step, loss))
     if t_mark is None:  # the first step compiles: start the clock after it
