@@ -265,6 +265,7 @@ def test_write_behind_trains_bit_identically(tmp_path):
     "host --delay 1 --delay-warmup 1",
     "host --delay 1 --delay-warmup 1 --delay-predict",
     "host --delay 1 --delay-warmup 1 --delay-predict gradient",
+    "host --delay 1 --delay-warmup 1 --delay-predict gradient --batch 2 --grad-accum 2",
   ],
 )
 def test_resume_is_bit_exact(tmp_path, offload):
