@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from bench.delay_reference import reference  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import gpt as train_gpt  # noqa: E402
+from train import gradients  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
     data_lib.get_batch(splits.val, args.batch, args.seq_len, args.seed, i, data_lib.VAL_STREAM)
     for i in range(args.eval_batches)
   ]
-  grad_step = train_gpt.make_grad_step(None, params)
+  grad_step = gradients.make_grad_step(None, params)
   previous, losses = masters, []
   for t in range(a.steps):
     batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, t)

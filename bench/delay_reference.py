@@ -29,6 +29,7 @@ import optax  # noqa: E402
 from models import gpt as gpt_model  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import gpt as train_gpt  # noqa: E402
+from train import gradients  # noqa: E402
 
 
 class Reference(NamedTuple):
@@ -75,7 +76,7 @@ def main() -> None:
   losses = []
   for t in range(a.steps):
     batch = data_lib.get_batch(splits.train, args.batch, args.seq_len, args.seed, t)
-    loss, grads, scale = train_gpt.make_grad_step(None, params)(graphdef, params, batch, args.clip)
+    loss, grads, scale = gradients.make_grad_step(None, params)(graphdef, params, batch, args.clip)
     losses.append(float(loss))
     before = masters
     masters, state = adam_step(masters, state, grads, scale)

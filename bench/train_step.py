@@ -132,7 +132,7 @@ def run_variant(args: argparse.Namespace) -> dict:
 
   import jax_dos
   from models import gpt
-  from train import data
+  from train import data, gradients
   from train import gpt as train_gpt
 
   out = {"variant": args.variant, "env": env, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
@@ -159,7 +159,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     return loss, grads, jax_dos.clip_scale(optax.global_norm(grads), 1.0)
 
   def gradient_function(tx, flush: str):  # train.gpt's gradient step: flushed by `flush`, or accumulated
-    grad_step = train_gpt.make_grad_step(tx, params, flush, args.grad_accum)
+    grad_step = gradients.make_grad_step(tx, params, flush, args.grad_accum)
     return lambda params, batch: grad_step(graphdef, params, batch, 1.0)
 
   apply = jax.jit(optax.apply_updates, donate_argnums=0)
@@ -194,10 +194,10 @@ def run_variant(args: argparse.Namespace) -> dict:
       budgets["staging_budget_bytes"] = int(args.staging_gb * GIB)
     plan = "host" if args.variant in ("host", "hostdelay") else "auto"
     if plan == "auto" and len(budgets) < 2 and jax.devices()[0].memory_stats():
-      # Budgets from what the compiled gradient step needs (train.gpt.probe_shardings: the flush's own program where
-      # it does not depend on the plan).
+      # Budgets from what the compiled gradient step needs (train.gradients.gradient_step_memory: the flush's own
+      # program where it does not depend on the plan).
       shape = (rows, args.seq_len)
-      need = train_gpt.gradient_step_memory(graphdef, params, shape, 1.0, args.grad_flush, args.grad_accum)
+      need = gradients.gradient_step_memory(graphdef, params, shape, 1.0, args.grad_flush, args.grad_accum)
       budgets["step_memory"] = need
       out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
     delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "predict", "ahead", "hostdelay") else {}

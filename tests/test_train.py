@@ -14,6 +14,7 @@ import pytest
 
 from train import data as D
 from train import gpt as T
+from train import gradients as G
 
 # A model small enough that each run takes seconds on a CPU.
 TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--batch", "4", "--seq-len", "32", "--eval-batches", "1",
@@ -224,14 +225,14 @@ def test_accumulated_gradient_is_the_batch_gradient(clip):
   rng = np.random.default_rng()
   batch = tuple(rng.integers(0, 256, (6, 32)).astype(np.int32) for _ in range(2))
   with jax.default_matmul_precision("highest"):
-    loss, grads, scale = T.make_grad_step(None, params)(graphdef, params, batch, clip)
-    loss3, sums, scale3 = T.make_grad_step(None, params, micro_batches=3)(graphdef, params, batch, clip)
+    loss, grads, scale = G.make_grad_step(None, params)(graphdef, params, batch, clip)
+    loss3, sums, scale3 = G.make_grad_step(None, params, micro_batches=3)(graphdef, params, batch, clip)
   np.testing.assert_allclose(float(loss3), float(loss), rtol=1e-6)
   for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(sums)):
     want = np.asarray(g) * float(scale)  # float32 sums in another order: rounding relative to the leaf's scale
     np.testing.assert_allclose(np.asarray(s) * float(scale3), want, rtol=2e-5, atol=2e-6 * np.abs(want).max())
   with pytest.raises(ValueError, match="equal micro-batches"):
-    T.make_grad_step(None, params, micro_batches=4)(graphdef, params, batch, clip)
+    G.make_grad_step(None, params, micro_batches=4)(graphdef, params, batch, clip)
 
 
 def test_accumulation_needs_one_micro_batch_of_activations():
@@ -239,9 +240,9 @@ def test_accumulation_needs_one_micro_batch_of_activations():
   cfg = T.gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=64)
   graphdef, params = T.gpt_model.init_params(cfg)
   grads = sum(x.nbytes for x in jax.tree.leaves(params))
-  whole = T.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none")
-  micro = T.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none", micro_batches=4)
-  quarter = T.gradient_step_memory(graphdef, params, (8, 64), 1.0, "none")
+  whole = G.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none")
+  micro = G.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none", micro_batches=4)
+  quarter = G.gradient_step_memory(graphdef, params, (8, 64), 1.0, "none")
   assert micro.live_bytes >= grads
   assert micro.peak_bytes < whole.peak_bytes
   assert micro.peak_bytes < quarter.peak_bytes + grads // 2  # no second copy of the gradients
@@ -318,10 +319,10 @@ def test_budget_flags_reach_the_planner(tmp_path):
 def test_gradient_step_memory_counts_the_compiled_step(flush):
   cfg = T.gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
   graphdef, params = T.gpt_model.init_params(cfg)
-  need = T.gradient_step_memory(graphdef, params, (4, 32), 1.0, flush)
+  need = G.gradient_step_memory(graphdef, params, (4, 32), 1.0, flush)
   grads = sum(x.nbytes for x in jax.tree.leaves(params))
   assert 0 < need.live_bytes <= need.peak_bytes  # the loss and the clip's scale stay on the accelerator
-  all_host = T.gradient_step_memory(graphdef, params, (4, 32), 1.0, "all")
+  all_host = G.gradient_step_memory(graphdef, params, (4, 32), 1.0, "all")
   if flush == "host":  # some gradients stay on the accelerator: every one counted as live (an upper bound)
     assert need == type(need)(all_host.peak_bytes + grads, all_host.live_bytes + grads)
   if flush == "none":  # its own program: every gradient is an output on the accelerator
@@ -336,8 +337,8 @@ def test_a_split_flush_larger_than_its_budget_is_refused():
   leaves = len(jax.tree.leaves(params))
   tx = T.jax_dos.interleaved_adam(1e-3, plan=["host", "device"] * (leaves // 2) + ["host"] * (leaves % 2),
                                   subgroup_size=1)  # fmt: skip
-  compiled = T.make_grad_step(tx, params, "host").lower(graphdef, params, batch, 1.0).compile()
+  compiled = G.make_grad_step(tx, params, "host").lower(graphdef, params, batch, 1.0).compile()
   need = T.jax_dos.StepMemory.of(compiled)
-  T.check_split_flush(compiled, need)  # exactly what it needs: accepted
+  G.check_split_flush(compiled, need)  # exactly what it needs: accepted
   with pytest.raises(SystemExit, match="--grad-flush all"):
-    T.check_split_flush(compiled, T.jax_dos.StepMemory(need.peak_bytes - 1, min(need.live_bytes, need.peak_bytes - 1)))
+    G.check_split_flush(compiled, T.jax_dos.StepMemory(need.peak_bytes - 1, min(need.live_bytes, need.peak_bytes - 1)))

@@ -1,0 +1,177 @@
+"""The training script's gradient steps: one batch or several micro-batches, flushed or not, and their memory.
+
+``make_grad_step`` returns ``grad_step(graphdef, params, batch, clip) ->
+(loss, grads, scale)``: the raw gradients and the factor ``scale`` the
+optimizer multiplies them by (``grad_scale``), the global-norm clip's and,
+for micro-batches, ``1/k``. Scaling is left to the optimizer because
+rescaling gradients that XLA also flushes to the host made it keep every
+activation of a 6.7B model at once (``docs/design.md``).
+
+* one batch: one jitted program, whose ``out_shardings`` put gradients in
+  host memory as ``jax_dos.gradient_shardings(tx, params, flush)`` says
+  (the flush overlaps the backward pass);
+* ``micro_batches = k``: ``k`` jitted calls, each adding its gradients to a
+  running sum it takes donated (:func:`accumulated_grad_step`); no flush.
+
+:func:`gradient_step_memory` compiles the step to tell the planner what it
+needs on the accelerator (``jax_dos.StepMemory``); :func:`check_split_flush`
+refuses a split flush that needs more than the plan assumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jax_dos
+from models import gpt as gpt_model
+
+
+def _grad_step(graphdef, params, batch, clip: float):
+  """``(loss, grads, scale)``: the raw gradients and the factor of the global-norm clip (1 when ``clip`` is 0)."""
+  loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
+  scale = jax_dos.clip_scale(optax.global_norm(grads), clip) if clip > 0 else jnp.float32(1)
+  return loss, grads, scale
+
+
+_grad_step_on_device = jax.jit(_grad_step, static_argnums=(0, 3))
+
+
+def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batches: int):
+  """One micro-batch of an accumulated step: ``(loss, grad_sum + grads, scale)``.
+
+  After the last of ``micro_batches`` micro-batches, ``scale * grad_sum`` is
+  the mean gradient times the clip's factor for that mean:
+  ``scale = clip_scale(|grad_sum| / k, clip) / k``. The optimizer multiplies
+  by it (``grad_scale``), so the sum is never divided on the accelerator.
+  """
+  loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
+  grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+  mean = 1.0 / micro_batches
+  clip_factor = jax_dos.clip_scale(optax.global_norm(grad_sum) * mean, clip) if clip > 0 else jnp.float32(1)
+  return loss, grad_sum, clip_factor * jnp.float32(mean)
+
+
+# The running sum is donated and updated in place: a micro-batch's program needs about what a one-batch step whose
+# gradients stay on the accelerator needs (6.7B: 11.3 GiB of temporaries and the 12.4 GiB sum, against 7.0 + 12.4).
+# A scan over the micro-batches in one program needed about two gradients' worth more (compiled on the CPU).
+_accumulate_step_jit = jax.jit(_accumulate_step, static_argnums=(0, 4, 5), donate_argnums=2)
+_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+
+
+def accumulated_grad_step(micro_batches: int):
+  """``grad_step(graphdef, params, batch, clip) -> (loss, grad_sum, scale)`` over ``micro_batches`` parts of ``batch``.
+
+  The batch's rows are split into ``micro_batches`` equal consecutive parts,
+  run one after another (one jitted call each, so only one part's activations
+  are alive at a time). ``loss`` is the mean of their losses, which is the
+  whole batch's mean loss; ``grad_sum`` the sum of their gradients, in the
+  gradients' dtype, on the accelerator; ``scale * grad_sum`` is the clipped
+  mean gradient (:func:`_accumulate_step`), what ``optimizer_step`` takes.
+  """
+
+  def grad_step(graphdef, params, batch, clip: float):
+    x, y = batch
+    if x.shape[0] % micro_batches:
+      raise ValueError(f"a batch of {x.shape[0]} rows does not split into {micro_batches} equal micro-batches.")
+    rows = x.shape[0] // micro_batches
+    grad_sum, losses = _zeros_like(params), []
+    for i in range(micro_batches):
+      part = (x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows])
+      loss, grad_sum, scale = _accumulate_step_jit(graphdef, params, grad_sum, part, clip, micro_batches)
+      losses.append(loss)
+    return sum(losses) / micro_batches, grad_sum, scale
+
+  return grad_step
+
+
+def make_grad_step(
+  tx: optax.GradientTransformation | None, params: Any, flush: str = "host", micro_batches: int = 1
+) -> Callable[..., tuple[jax.Array, Any, jax.Array]]:
+  """``grad_step(graphdef, params, batch, clip) -> (loss, grads, clip_scale)``, jitted.
+
+  With ``tx`` (a ``jax_dos`` optimizer), gradients come out in host memory as
+  ``jax_dos.gradient_shardings(tx, params, flush)`` says. With
+  ``micro_batches > 1`` they are accumulated on the accelerator
+  (:func:`accumulated_grad_step`) and flushed by none: the host subgroups'
+  sums cross to the host in the optimizer's update.
+  """
+  if micro_batches > 1:
+    return accumulated_grad_step(micro_batches)
+  if tx is None or flush == "none":
+    return _grad_step_on_device
+  shardings = (None, jax_dos.gradient_shardings(tx, params, flush), None)
+  return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=shardings)
+
+
+def flush_all_shardings(params: Any) -> Any:
+  """Each parameter's sharding in ``pinned_host`` memory: ``flush="all"``'s gradient layout, known before any plan."""
+  return jax.tree.map(lambda p: p.sharding.with_memory_kind("pinned_host") if p.size else p.sharding, params)
+
+
+def probe_shardings(params: Any, flush: str) -> Any:
+  """Gradient ``out_shardings`` of the program compiled to size the plan's budgets, before there is a plan.
+
+  The flush's own layout where it does not depend on the plan (``"all"``:
+  host memory, ``"none"``: the parameters' own), else ``"all"``'s.
+  """
+  return None if flush == "none" else flush_all_shardings(params)
+
+
+def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMemory:
+  """``jax_dos.StepMemory`` of a gradient step compiled with :func:`probe_shardings`, for the given flush.
+
+  Exact for ``"all"`` and ``"none"`` (their own programs). With ``"host"``
+  some gradients stay on the accelerator: all of them are counted on top of
+  the flush-all program, a guess until the plan is made, which the split's
+  own program can exceed (:func:`check_split_flush` refuses it then).
+  """
+  need = jax_dos.StepMemory.of(compiled)
+  if flush in ("all", "none"):
+    return need
+  grads = sum(x.nbytes for x in jax.tree.leaves(params))
+  return jax_dos.StepMemory(need.peak_bytes + grads, need.live_bytes + grads)
+
+
+def gradient_step_memory(
+  graphdef, params: Any, batch_shape: tuple[int, int], clip: float, flush: str, micro_batches: int = 1
+) -> jax_dos.StepMemory:
+  """What the gradient step needs on the accelerator (``jax_dos.StepMemory``), from its compiled program.
+
+  The program compiled is :func:`probe_shardings`'s (for ``"all"`` the one the
+  training loop then runs, reusing the compilation); see
+  :func:`step_memory_bound` for ``"host"``. With ``micro_batches > 1`` it is
+  one micro-batch's program (``batch_shape`` is the whole batch's), plus the
+  running sum it updates in place, which stays alive through the update.
+  """
+  if micro_batches > 1:
+    part = (jax.ShapeDtypeStruct((batch_shape[0] // micro_batches, batch_shape[1]), jnp.int32),) * 2
+    grad_sum = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
+    compiled = _accumulate_step_jit.lower(graphdef, params, grad_sum, part, clip, micro_batches).compile()
+    need = jax_dos.StepMemory.of(compiled)
+    sums = sum(x.nbytes for x in jax.tree.leaves(params))
+    return jax_dos.StepMemory(need.peak_bytes + sums, need.live_bytes + sums)
+  batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32),) * 2
+  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush), None))
+  return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush)
+
+
+def check_split_flush(compiled: Any, assumed: jax_dos.StepMemory) -> None:
+  """Refuses a split-flush gradient step (``--grad-flush host``) that needs more memory than the plan assumed.
+
+  The plan's budgets bound the split by the flush-all program plus every
+  gradient. XLA can need far more when a program's outputs go to two
+  memories (47 GiB of temporaries at 6.7B, ``bench/flush_probe.py``), and
+  the run would fail out of memory some steps later.
+  """
+  need = jax_dos.StepMemory.of(compiled)
+  if need.peak_bytes > assumed.peak_bytes:
+    raise SystemExit(
+      f"--grad-flush host: with this plan the gradient step needs {need.peak_bytes / 2**30:.1f} GiB of accelerator"
+      f" memory, more than the {assumed.peak_bytes / 2**30:.1f} GiB its budgets left for it (XLA keeps much more"
+      " when the gradients go to two memories). Use --grad-flush all (least memory) or --grad-flush none."
+    )
