@@ -1,7 +1,10 @@
-"""Sharded parameters on 4 (fake) CPU devices: state per addressable shard, optax's numbers.
+"""Sharded parameters on several devices: state per addressable shard, optax's numbers.
 
-The device count must be set before jax starts, so the check runs in a fresh
-interpreter with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``.
+On 4 (fake) CPU devices in CI: the device count must be set before jax
+starts, so the check runs in a fresh interpreter with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``. The same check runs
+on real accelerators where there are at least two (skipped elsewhere), on a
+2 x 2 mesh with four, and on 2 x 1 and 1 x 2 meshes with two.
 """
 
 import os
@@ -9,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 SCRIPT = textwrap.dedent(
   """
@@ -18,8 +23,11 @@ SCRIPT = textwrap.dedent(
     from helpers import max_rel_diff, run_pair
     import jax_dos
 
-    assert len(jax.devices()) == 4
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    devices = jax.devices()[:4] if len(jax.devices()) >= 4 else jax.devices()[:2]
+    assert len(devices) in (2, 4), jax.devices()
+    mesh_shape = (2, 2) if len(devices) == 4 else tuple(int(x) for x in sys.argv[1:3])
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(mesh_shape), ("data", "model"))
+    print("mesh", mesh_shape, devices[0].platform)
     rng = np.random.default_rng()
     specs = {"fsdp": P("data", "model"), "rows": P("data"), "replicated": P(), "vec": P("model")}
     shapes = {"fsdp": (8, 6), "rows": (4, 3), "replicated": (5,), "vec": (6,)}
@@ -57,11 +65,32 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_sharded_params_match_optax():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  root = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(env: dict, *args: str) -> str:
   result = subprocess.run(
-    [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    [sys.executable, "-c", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
   )
   assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.count("ok ") == 11
+  assert result.stdout.count("ok ") == 11, result.stdout
+  return result.stdout
+
+
+def test_sharded_params_match_optax():
+  _run(dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"))
+
+
+def _accelerators() -> int:
+  code = "import jax; print(0 if jax.default_backend() == 'cpu' else jax.device_count())"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout.split()
+  return int(out[-1]) if out else 0
+
+
+def test_sharded_params_match_optax_on_accelerators():
+  n = _accelerators()
+  if n < 2:
+    pytest.skip("needs two or more accelerators (the CPU check above covers CI)")
+  meshes = [("2", "2")] if n >= 4 else [("2", "1"), ("1", "2")]
+  for mesh in meshes:
+    assert "mesh" in _run(dict(os.environ), *mesh)
