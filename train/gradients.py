@@ -57,8 +57,8 @@ def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batch
 
 
 # The running sum is donated and updated in place: a micro-batch's program needs about what a one-batch step whose
-# gradients stay on the accelerator needs (6.7B: 11.3 GiB of temporaries and the 12.4 GiB sum, against 7.0 + 12.4).
-# A scan over the micro-batches in one program needed about two gradients' worth more (compiled on the CPU).
+# gradients stay on the accelerator needs (6.7B: 11.3 GiB of temporaries and the 12.4 GiB sum, against 7.0 + 12.4;
+# bench/accum_probe.py). A scan over the micro-batches in one program needed about two gradients' worth more (CPU).
 _accumulate_step_jit = jax.jit(_accumulate_step, static_argnums=(0, 4, 5), donate_argnums=2)
 _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
