@@ -63,7 +63,7 @@ _accumulate_step_jit = jax.jit(_accumulate_step, static_argnums=(0, 4, 5), donat
 _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
 
-def accumulated_grad_step(micro_batches: int):
+def accumulated_grad_step(micro_batches: int) -> Callable[..., tuple[jax.Array, Any, jax.Array]]:
   """``grad_step(graphdef, params, batch, clip) -> (loss, grad_sum, scale)`` over ``micro_batches`` parts of ``batch``.
 
   The batch's rows are split into ``micro_batches`` equal consecutive parts,
