@@ -105,7 +105,9 @@ class StepMemory:
   ``peak_bytes``: at the step's peak (activations, gradients, temporaries);
   ``live_bytes``: the part still allocated during the optimizer update (its
   outputs on the accelerator, such as gradients not flushed to the host).
-  Build it with :meth:`of` from the compiled gradient step, or by hand.
+  Build it with :meth:`of` from the compiled gradient step, or by hand. The
+  plan assumes those outputs are freed after the update: drop the training
+  loop's references to the gradients (``del grads``) before the next step.
   """
 
   peak_bytes: int
