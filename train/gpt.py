@@ -396,8 +396,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   tx, schedule = make_optimizer(args, step_memory)
   opt_state = tx.init(params)
   plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
-  flushing = args.offload != "none" and args.grad_flush != "none"
-  grad_step = make_grad_step(tx if flushing else None, params, args.grad_flush, args.grad_accum)
+  grad_step = make_grad_step(None if args.offload == "none" else tx, params, args.grad_flush, args.grad_accum)
   if step_memory is not None and args.grad_flush == "host":  # the split's own program, now that the plan exists
     batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32),) * 2
     check_split_flush(grad_step.lower(graphdef, params, batch, args.clip).compile(), step_memory)
