@@ -17,9 +17,11 @@ from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager
 from jax_dos.engine import wait_for_host_updates
+from jax_dos.overlap import OverlappedStep
 from jax_dos.perf_model import Calibration, calibrate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planner import StepMemory, auto_planner, make_plan
+from jax_dos.stages import Stage, StagedModel
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,
@@ -46,8 +48,11 @@ __all__ = [
   "clip_scale",
   "from_optax_adamw_state",
   "InterleavedAdamState",
+  "OverlappedStep",
   "PLACEMENTS",
   "Plan",
+  "Stage",
+  "StagedModel",
   "StepMemory",
   "get_plan",
   "gradient_memory_kinds",

@@ -60,40 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import adam_math, host_kernels, memory, trace
+from jax_dos import adam_math, device_steps, host_kernels, memory, trace
 from jax_dos.plan import MEMORY_KIND, RESIDENT_CALL_ELEMENTS, Plan
 from jax_dos.step_ahead import StepAhead
-
-
-def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
-  outs = [
-    adam_math.leaf_update(*leaf, scalars, hyper, d) for leaf, d in zip(zip(grads, masters, mus, nus, params), decay)
-  ]
-  return tuple(list(x) for x in zip(*outs)) if outs else ([], [], [], [])
-
-
-def _update_group_params(grads, masters, mus, nus, params, scalars, hyper, decay):
-  """:func:`_update_group` returning the new parameters (new masters cast to the params' dtypes), not updates."""
-  _, m32, m1, m2 = _update_group(grads, masters, mus, nus, params, scalars, hyper, decay)
-  return [m.astype(p.dtype) for m, p in zip(m32, params)], m32, m1, m2
-
-
-_jit_update = jax.jit(_update_group, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3))
-# keep_unused: the old parameters are read for their dtype only, and jax would drop (not donate, not free) them.
-_jit_update_params = jax.jit(
-  _update_group_params, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3, 4), keep_unused=True
-)
-_jit_scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
-_jit_increment = jax.jit(adam_math.safe_increment)
-_jit_updates_from_masters = jax.jit(lambda masters, params: list(map(adam_math.update_from_master, masters, params)))
-_jit_to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
-
-
-# The new weights written into the old parameter's buffer (donated): parameters keep their place in accelerator
-# memory. Fresh arrays each step fragmented it until the next gradient step's one large temporary (18 GiB at 6.7B)
-# found no room (H100).
-_jit_assign = jax.jit(lambda olds, news: [n.astype(o.dtype) for o, n in zip(olds, news)], donate_argnums=0,
-                      keep_unused=True)  # fmt: skip
 
 
 class _WriteRegistry:
@@ -174,7 +143,7 @@ def wait_for_host_updates() -> None:
   _BACKGROUND.wait()
 
 
-def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array]:
+def host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array]:
   """Gradients of the host leaves in ``pinned_host`` memory (copied there unless flushed already).
 
   The host kernel reads float32 or bfloat16; other dtypes are cast to float32 on the accelerator first.
@@ -194,7 +163,7 @@ def _host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: li
   landed = memory.like_states([grads[i] for i in flushed], [masters[i] for i in flushed], "pinned_host")
   out = dict(zip(flushed, landed))
   on_device = memory.like_states([grads[i] for i in to_copy], [masters[i] for i in to_copy])
-  on_device = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else _jit_to_f32(g) for g in on_device]
+  on_device = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else device_steps.to_f32(g) for g in on_device]
   out.update(zip(to_copy, memory.put(on_device, "pinned_host")))
   return out
 
@@ -260,16 +229,16 @@ class Engine:
     step = int(count)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
     with trace.span("host.grads_d2h"):
-      host_grads = _host_gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing
+      host_grads = host_gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing
     for i in host_leaves:
       _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
-    scalars = _jit_scalars(hyper, count, grad_scale)
+    scalars = device_steps.scalars(hyper, count, grad_scale)
 
     for dev_leaves in self.resident_calls:
       with trace.span("device.dispatch"):
         leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
         leaves[0] = memory.like_states(leaves[0], leaves[1])  # flushed ones come back
-        outs = (_jit_update_params if new_params else _jit_update)(
+        outs = (device_steps.update_params if new_params else device_steps.update)(
           *leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
         )
         self._scatter(dev_leaves, outs, updates, new)
@@ -278,7 +247,7 @@ class Engine:
     predict = delayed and self.delay_predict == "moments"
     step_ahead = delayed and self.delay_predict == "gradient"
     lows = self._low_copies(host_leaves, masters, mus, nus, params, step, delayed, scalars)
-    next_scalars = _jit_scalars(hyper, _jit_increment(count)) if predict else None
+    next_scalars = device_steps.scalars(hyper, device_steps.increment(count)) if predict else None
     reading: dict[int, jax.Array] = {}
     if step_ahead:
       # The accelerator steps from the state after step t - 1; the kernel for step t runs in the background.
@@ -300,7 +269,7 @@ class Engine:
         _BACKGROUND.check(self)
       elif not delayed:
         _BACKGROUND.wait(self)
-    return updates, new[0], new[1], new[2], _jit_increment(count)
+    return updates, new[0], new[1], new[2], device_steps.increment(count)
 
   def _resident_calls(self) -> list[list[int]]:
     """Resident leaves in jitted calls of at most ``RESIDENT_CALL_ELEMENTS`` elements (whole subgroups).
@@ -369,7 +338,7 @@ class Engine:
     """
     sent = memory.put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
     olds = [params[i] for i in leaves]
-    outs = _jit_assign(olds, sent) if new_params else _jit_updates_from_masters(sent, olds)
+    outs = device_steps.assign(olds, sent) if new_params else device_steps.updates_from_masters(sent, olds)
     for i, out in zip(leaves, outs):
       updates[i] = out
     return dict(zip(leaves, outs))
@@ -389,7 +358,7 @@ class Engine:
           a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
         g = memory.like_states([grads[i] for i in idx], [masters[i] for i in idx])  # flushed ones come back
         p = [params[i] for i in idx]
-        update = _jit_update_params if new_params else _jit_update
+        update = device_steps.update_params if new_params else device_steps.update
         u, m32, m1, m2 = update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
         back = memory.put_groups([m32, m1, m2], "pinned_host")
         self._scatter(idx, (u, *back), updates, new)

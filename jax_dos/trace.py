@@ -51,6 +51,11 @@ def recording() -> Iterator[list[Span]]:
     _spans = None
 
 
+def active() -> list[Span] | None:
+  """The list the active :func:`recording` appends to, or ``None`` when nothing records."""
+  return _spans
+
+
 @contextlib.contextmanager
 def span(name: str) -> Iterator[None]:
   """Marks the block as ``name`` on the current thread, while a :func:`recording` is active."""

@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import jax_dos
+
 DTYPES = ("float32", "bfloat16")
 NORMS = ("layernorm", "rmsnorm")
 
@@ -268,3 +270,55 @@ def loss(graphdef: nnx.GraphDef, params: dict, batch: tuple[jax.Array, jax.Array
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[dict, tuple[jax.Array, jax.Array]], jax.Array]:
   """A pure ``loss_fn(params, (x, y)) -> scalar`` for ``jax.grad``/``jax.jit``: merges and runs the model."""
   return functools.partial(loss, graphdef)
+
+
+# ----------------------------------------------------------------------------- stages, for jax_dos.OverlappedStep
+
+
+def stage_groups(params: dict) -> list[dict]:
+  """The parameters as the staged model's groups: ``[embeddings, block 0, ..., block L-1, final norm]``."""
+  blocks = params["blocks"]
+  return [{"wpe": params["wpe"], "wte": params["wte"]}, *(blocks[i] for i in sorted(blocks)), params["ln_f"]]
+
+
+def from_stage_groups(groups: list[dict]) -> dict:
+  """The inverse of :func:`stage_groups`: the model's parameter dict."""
+  embed, *blocks, ln_f = groups
+  return {"blocks": dict(enumerate(blocks)), "ln_f": ln_f, "wpe": embed["wpe"], "wte": embed["wte"]}
+
+
+def _embed_stage(wte_def, wpe_def, params, x, batch):
+  del x
+  tokens = batch[0]
+  (embed,) = params
+  t = tokens.shape[1]
+  return nnx.merge(wte_def, embed["wte"])(tokens) + nnx.merge(wpe_def, embed["wpe"])(jnp.arange(t))[None]
+
+
+def _block_stage(block_def, params, x, batch):
+  del batch
+  return nnx.merge(block_def, params[0])(x)
+
+
+def _head_stage(norm_def, params, x, batch):
+  ln_f, embed = params
+  x = nnx.merge(norm_def, ln_f)(x, out_dtype=jnp.float32)
+  return cross_entropy(x @ embed["wte"]["embedding"].astype(jnp.float32).T, batch[1])
+
+
+def make_stages(cfg: GPTConfig) -> list[jax_dos.Stage]:
+  """The model as ``jax_dos.Stage`` s over :func:`stage_groups`: embeddings, one stage per block, norm and tied head.
+
+  The same function as :func:`loss` (each stage's activations are recomputed in
+  its backward pass, as with ``remat=True``); the head stage uses the
+  embedding's group too (tied weights).
+  """
+  model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+  defs = {name: nnx.split(getattr(model, name), nnx.Param)[0] for name in ("wte", "wpe", "ln_f")}
+  block = functools.partial(_block_stage, nnx.split(model.blocks[0], nnx.Param)[0])
+  n = cfg.n_layer
+  return [
+    jax_dos.Stage(functools.partial(_embed_stage, defs["wte"], defs["wpe"]), (0,)),
+    *(jax_dos.Stage(block, (1 + i,)) for i in range(n)),
+    jax_dos.Stage(functools.partial(_head_stage, defs["ln_f"]), (n + 1, 0)),
+  ]

@@ -1,0 +1,623 @@
+"""The overlapped training step: the Adam update runs under the backward pass and the next forward pass.
+
+:class:`OverlappedStep` trains a staged model (``jax_dos.stages``) with an
+``interleaved_adam`` optimizer and ``optax.chain(clip_by_global_norm(c),
+adamw)``'s exact numbers. One call is one step::
+
+    step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=1.0, micro_batches=2)
+    for batch in data:
+        loss = step(batch)
+    groups, opt_state = step.params, step.opt_state   # settled: for evaluation and checkpoints
+
+How a step runs (the last micro-batch's backward pass, stage ``n-1`` down to 0):
+
+1. **Hand-over.** Once a stage's backward pass is dispatched, the groups it
+   completes are handed to the optimizer: gradients of ``host`` subgroups
+   leave for pinned host memory at once (the copy overlaps the next stage's
+   backward pass) and queue for the host worker; ``stream`` subgroups queue
+   for the stream worker; ``device`` (resident) subgroups wait for the norm.
+2. **Speculation.** The global norm is known only after the last stage. The
+   workers assume the clip does not fire: the step's gradient scale is then
+   exactly ``1/k`` (``k`` micro-batches). The host worker runs the fused
+   kernel's first pass, which writes only the new weights (bf16 or f32 copy,
+   16 of the 28 bytes a parameter) and leaves master, mu and nu untouched,
+   and sends them to the parameters; the stream worker copies the state in,
+   updates it on the accelerator into new host buffers and keeps the old ones.
+3. **Decision.** After the last stage the accelerator computes
+   ``scale = clip_scale(|g| / k, c) / k`` and the resident update runs with it.
+   If ``scale`` equals the speculated ``1/k`` bit for bit, every speculated
+   weight is optax's; otherwise (the clip fired, or a non-finite gradient)
+   each speculated subgroup is computed again from its untouched state with
+   the true scale. Subgroups not yet reached use the true scale directly.
+4. **Write-behind.** The host worker's second pass writes master, mu and nu
+   with the true scale (same arithmetic, same inputs) while the accelerator
+   already runs the next step; the stream worker's new state replaces the old.
+5. **Early forward.** The next step's forward pass dispatches each stage as
+   soon as the parameters of its own groups are final, so the first stages
+   run while later ones are still being updated.
+
+The numbers are optax's in every placement: each subgroup's weights and state
+come from one AdamW step with the true gradient scale; a speculated result is
+used only when its scale was the true one. The ``delay`` modes are separate and
+not used here.
+
+Memory: gradients of streamed and resident subgroups stay on the accelerator
+until the step ends (a redo needs them), as in the plain step; host subgroups'
+leave it during the backward pass. Speculated stream state takes a second set
+of host buffers (12 B a streamed parameter) until the decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dos import device_steps, host_kernels, memory, trace
+from jax_dos.adam_math import clip_scale
+from jax_dos.engine import host_gradients
+from jax_dos.plan import MEMORY_KIND, PLACEMENTS, RESIDENT_CALL_ELEMENTS, Plan, partition_leaves
+from jax_dos.stages import Stage, StagedModel
+from jax_dos.transform import InterleavedAdamState, _decay_flags, _leaves_with_paths, _owner
+
+_WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
+
+
+def _step_scale(squares: list[jax.Array], clip_norm: float | None, micro_batches: int) -> jax.Array:
+  """``clip_scale(|sum| / k, c) / k`` from the groups' sums of squares (``1/k`` with no clip)."""
+  mean = jnp.float32(1.0 / micro_batches)
+  if clip_norm is None:
+    return mean
+  norm = jnp.sqrt(sum(squares, jnp.float32(0))) * mean
+  return clip_scale(norm, clip_norm) * mean
+
+
+_jit_step_scale = jax.jit(_step_scale, static_argnums=(1, 2))
+
+
+def group_aligned_subgroups(
+  groups: Sequence[Any], subgroup_size: int
+) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
+  """Subgroups that never span two parameter groups: ``(subgroups, sizes, group of each subgroup)``.
+
+  Each group's leaves are packed as ``jax_dos.partition_leaves`` packs a tree;
+  leaf indices are those of the whole list of groups, flattened.
+  """
+  subgroups, sizes, owner = [], [], []
+  offset = 0
+  for g, tree in enumerate(groups):
+    subs, subsizes = partition_leaves(tree, subgroup_size)
+    subgroups += [tuple(offset + i for i in s) for s in subs]
+    sizes += subsizes
+    owner += [g] * len(subs)
+    offset += len(jax.tree.leaves(tree))
+  return subgroups, sizes, owner
+
+
+def stage_ordered_placements(
+  forward_order: Sequence[int], sizes: Sequence[int], device_elements: int, stream_elements: int
+) -> list[str]:
+  """Placements by stage order: resident for the first subgroups the forward pass needs, host for the last.
+
+  The first stages' gradients are complete last and their weights are needed
+  first, so they get the fastest path (resident, up to ``device_elements``);
+  the last stages' gradients come first and their weights are needed last, so
+  the host has the longest time for them; streamed subgroups (up to
+  ``stream_elements``) sit between. ``forward_order`` lists subgroup indices
+  in the order the forward pass needs them.
+  """
+  placements = ["host"] * len(sizes)
+  used = 0
+  rest = list(forward_order)
+  while rest and used + sizes[rest[0]] <= device_elements:
+    used += sizes[rest[0]]
+    placements[rest.pop(0)] = "device"
+  used = 0
+  while rest and used + sizes[rest[0]] <= stream_elements:
+    used += sizes[rest[0]]
+    placements[rest.pop(0)] = "stream"
+  return placements
+
+
+@dataclasses.dataclass
+class _Decision:
+  host: np.ndarray  # the step scalars with the true gradient scale
+  device: jax.Array
+  fired: bool  # the true scale differs from the speculated one
+
+
+@dataclasses.dataclass
+class _Streamed:
+  old: list[list[jax.Array]]  # the state before the step (host buffers), kept until the decision
+  new: list[list[jax.Array]]  # the state after it (host buffers)
+  grads: list[jax.Array] | None  # kept for a redo while speculative
+  final: bool
+
+
+class _StepRecord:
+  """What one step's workers share: the speculated scalars, the decision, and the speculated subgroups."""
+
+  def __init__(self, spec_device: jax.Array):
+    self.spec_device = spec_device
+    self._spec_host: np.ndarray | None = None
+    self.decision: _Decision | None = None
+    self.host_grads: dict[int, dict[int, jax.Array]] = {}  # subgroup -> leaf -> gradient in host memory
+    self.host_speculated: list[int] = []
+    self.host_sent: list[jax.Array] = []
+    self.streamed: dict[int, _Streamed] = {}
+    self.resident_grads: dict[int, jax.Array] = {}  # leaf -> gradient
+
+  def spec_host(self) -> np.ndarray:
+    if self._spec_host is None:
+      self._spec_host = np.asarray(self.spec_device)
+    return self._spec_host
+
+
+class _Worker:
+  """A daemon thread running queued jobs in order; the first error stops it and is kept for the caller."""
+
+  def __init__(self, name: str, errors: list[BaseException], wake: threading.Condition):
+    self._queue: queue.Queue = queue.Queue()
+    self._errors, self._wake = errors, wake
+    self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+    self._thread.start()
+
+  def submit(self, fn: Callable, *args) -> None:
+    self._queue.put((fn, args))
+
+  def join(self) -> None:
+    self._queue.join()
+
+  def _run(self) -> None:
+    while True:
+      fn, args = self._queue.get()
+      try:
+        if not self._errors:
+          fn(*args)
+      except BaseException as e:  # re-raised on the calling thread
+        self._errors.append(e)
+        with self._wake:
+          self._wake.notify_all()
+      finally:
+        self._queue.task_done()
+
+
+class OverlappedStep:
+  """Training steps of a staged model whose AdamW update overlaps the backward and the next forward pass.
+
+  Args:
+    tx: a ``jax_dos.interleaved_adam`` (or ``interleaved_adamw``) transformation,
+      without ``delay`` or ``write_behind``. Its hyperparameters, mask and
+      ``subgroup_size`` are used; its ``plan`` gives the placements (a
+      placement name, one per subgroup of :func:`group_aligned_subgroups`, a
+      ``Plan`` whose subgroups stay within groups, or ``"auto"``).
+    stages: the model's :class:`jax_dos.Stage` s in forward order.
+    params: the parameter groups, a list of trees (``stages`` refer to them by
+      index). Consumed: the step owns and updates them.
+    opt_state: ``tx.init(params)`` or a restored state for ``params``. Consumed.
+    clip_norm: ``optax.clip_by_global_norm``'s ``max_norm`` before AdamW, or
+      ``None`` for no clip.
+    micro_batches: a step's batch is split into this many equal consecutive
+      parts along its leading axis; their gradients are summed in place and
+      the update takes their mean (the whole batch's mean gradient).
+    plan: overrides ``tx``'s plan (same forms).
+
+  A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
+  (an accelerator scalar), with the parameters it was computed at being the
+  previous step's. :attr:`params` and :attr:`opt_state` wait for the pending
+  update and return the current trees; the state equals
+  ``optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(...))``'s on
+  the same gradients, to float32 rounding, in every placement.
+  """
+
+  def __init__(
+    self,
+    tx: Any,
+    stages: Sequence[Stage],
+    params: Sequence[Any],
+    opt_state: InterleavedAdamState,
+    *,
+    clip_norm: float | None = None,
+    micro_batches: int = 1,
+    plan: Any = None,
+  ):
+    owner = _overlappable(tx)
+    if not isinstance(params, (list, tuple)):
+      raise TypeError(
+        f"params must be a list of parameter groups (one tree per group, the stages name them by index), got"
+        f" {type(params).__name__}."
+      )
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+      raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}.")
+    if clip_norm is not None and not clip_norm > 0:
+      raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
+    if not isinstance(opt_state, InterleavedAdamState):
+      raise TypeError(f"opt_state must be the InterleavedAdamState of tx.init(params), got {type(opt_state).__name__}.")
+    self.model = StagedModel(stages, len(params))
+    self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, micro_batches
+    leaves, self._treedef = _leaves_with_paths(list(params), "params")
+    for name, tree in (("master", opt_state.master), ("mu", opt_state.mu), ("nu", opt_state.nu)):
+      if jax.tree.structure(tree) != self._treedef:
+        raise ValueError(f"opt_state.{name} does not match params: pass tx.init(params), or a state restored for them.")
+    self.decay = _decay_flags(owner.mask, list(params), self.hyper.weight_decay)
+    subgroups, sizes, self.subgroup_group = group_aligned_subgroups(params, owner.subgroup_size)
+    self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
+    self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
+    self._leaf_placement = self.plan.leaf_placements()
+    place = lambda xs: [  # noqa: E731
+      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
+      for a, p in zip(xs, self._leaf_placement)
+    ]
+    self._params = list(leaves)
+    state = (opt_state.master, opt_state.mu, opt_state.nu)
+    self._masters, self._mus, self._nus = (place(jax.tree.leaves(t)) for t in state)
+    self._count = opt_state.count
+    host_leaves = [i for s in self.plan.indices("host") for i in self.plan.subgroups[s]]
+    low = lambda i: jnp.bfloat16 if leaves[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
+    self._lows = dict(zip(host_leaves, memory.zeros_like_each([(self._masters[i], low(i)) for i in host_leaves])))
+    self._group_start = np.cumsum([0] + [len(jax.tree.leaves(t)) for t in params]).tolist()
+    self._unfinished = [0] * len(params)  # per group: subgroups whose new weights are not yet final
+    self._errors: list[BaseException] = []
+    self._wake = threading.Condition()
+    self._host = _Worker("jax_dos-overlap-host", self._errors, self._wake)
+    self._streamer = _Worker("jax_dos-overlap-stream", self._errors, self._wake)
+    self._in_flight: deque = deque()  # streamed subgroups' copies back to the host, oldest first
+    kw = self.hyper
+    self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
+
+  # ----------------------------------------------------------------------------- the plan
+
+  def _make_plan(self, spec: Any, owner: Any, groups: list, subgroups: list, sizes: list) -> Plan:
+    forward_order = sorted(range(len(subgroups)), key=lambda s: (self.model.completion[self.subgroup_group[s]], s))
+    if isinstance(spec, Plan):
+      where = {i: g for g, tree_range in enumerate(self._group_ranges(groups)) for i in tree_range}
+      for s, leaves in enumerate(spec.subgroups):
+        if len({where[i] for i in leaves}) > 1:
+          raise ValueError(
+            f"plan subgroup {s} spans two parameter groups; the overlapped step needs subgroups within groups"
+            " (jax_dos.overlap.group_aligned_subgroups), or use the plain path (tx.update after jax.grad)."
+          )
+      return spec
+    if isinstance(spec, str) and spec == "auto":
+      whole = owner.plan_for(groups)
+      placements = stage_ordered_placements(forward_order, sizes, whole.elements("device"), whole.elements("stream"))
+      return Plan(tuple(subgroups), tuple(placements), tuple(sizes), whole.stream_slots, source="model+stages",
+                  calibration=whole.calibration)  # fmt: skip
+    if isinstance(spec, str):
+      if spec not in PLACEMENTS:
+        raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
+      return Plan(tuple(subgroups), (spec,) * len(subgroups), tuple(sizes), source="user")
+    placements = tuple(spec)
+    if len(placements) != len(subgroups):
+      raise ValueError(
+        f"plan lists {len(placements)} placements but the groups pack into {len(subgroups)} subgroups"
+        " (jax_dos.overlap.group_aligned_subgroups); pass one placement per subgroup."
+      )
+    return Plan(tuple(subgroups), placements, tuple(sizes), source="user")
+
+  @staticmethod
+  def _group_ranges(groups: list) -> list[range]:
+    out, start = [], 0
+    for tree in groups:
+      n = len(jax.tree.leaves(tree))
+      out.append(range(start, start + n))
+      start += n
+    return out
+
+  # ----------------------------------------------------------------------------- one step
+
+  def __call__(self, batch: Any) -> jax.Array:
+    self._raise_errors()
+    k = self.micro_batches
+    rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if len(rows) != 1 or None in rows or next(iter(rows)) % k:
+      raise ValueError(
+        f"every leaf of the batch needs one leading (batch) axis divisible by micro_batches={k}; got leading sizes"
+        f" {sorted(map(str, rows))}."
+      )
+    n = next(iter(rows)) // k
+    sums: list[Any] = [None] * len(self._unfinished)
+    losses = []
+    for m in range(k):
+      part = jax.tree.map(lambda x, m=m: x[m * n : (m + 1) * n], batch) if k > 1 else batch
+      xs = self._forward(part, wait=m == 0)
+      losses.append(self._backward(xs, part, sums, last=m == k - 1))
+    return losses[0] if k == 1 else sum(losses) / k
+
+  def _stage_params(self, stage: int) -> tuple:
+    return tuple(self._group_tree(g) for g in self.model.stages[stage].groups)
+
+  def _group_tree(self, g: int) -> Any:
+    lo, hi = self._group_start[g], self._group_start[g + 1]
+    return jax.tree.unflatten(self._treedef.children()[g], self._params[lo:hi])
+
+  def _forward(self, batch: Any, wait: bool) -> list[Any]:
+    xs, x = [], None
+    n = len(self.model.stages)
+    for i in range(n):
+      if wait:
+        self._wait_groups(self.model.stages[i].groups)
+      xs.append(x)
+      if i < n - 1:
+        with trace.span("overlap.forward"):
+          x = self.model.forward(i, self._stage_params(i), x, batch)
+        _watch(f"forward {i}", x)
+    return xs
+
+  def _backward(self, xs: list, batch: Any, sums: list, last: bool) -> jax.Array:
+    record = _StepRecord(device_steps.scalars(self.hyper, self._count, np.float32(1.0 / self.micro_batches)))
+    squares, loss, dy = [], None, None
+    for i in reversed(range(len(self.model.stages))):
+      st = self.model.stages[i]
+      with trace.span("overlap.backward"):
+        out, new, dy, sq = self.model.backward(i, self._stage_params(i), xs[i], batch, dy,
+                                               tuple(sums[g] for g in st.groups), last)  # fmt: skip
+      xs[i] = None
+      loss = out if out is not None else loss
+      for g, s in zip(st.groups, new):
+        sums[g] = s
+      _watch(f"backward {i}", dy if dy is not None else new)
+      if last:
+        squares += sq
+        for g in self.model.groups_completing(i):
+          self._hand_over(record, g, sums[g])
+          sums[g] = None
+    if last:
+      self._decide(record, squares)
+    return loss
+
+  def _hand_over(self, record: _StepRecord, g: int, grads: Any) -> None:
+    """Queues group ``g``'s complete gradients for its subgroups' paths (host ones leave the accelerator now)."""
+    lo = self._group_start[g]
+    grads = jax.tree.leaves(grads)
+    with self._wake:
+      self._unfinished[g] = len(self.group_subgroups[g])
+    for s in self.group_subgroups[g]:
+      leaves = self.plan.subgroups[s]
+      placement = self.plan.placements[s]
+      subgroup_grads = [grads[i - lo] for i in leaves]
+      if placement == "device":
+        record.resident_grads.update(zip(leaves, subgroup_grads))
+      elif placement == "host":
+        with trace.span("overlap.grads_d2h"):
+          full = dict(zip(leaves, subgroup_grads))
+          on_host = host_gradients([full.get(i) for i in range(max(leaves) + 1)], self._masters, list(leaves))
+        self._host.submit(self._host_update, record, s, on_host)
+      else:
+        self._streamer.submit(self._stream_update, record, s, subgroup_grads)
+
+  def _decide(self, record: _StepRecord, squares: list[jax.Array]) -> None:
+    """The true gradient scale: runs the resident update with it, then tells the workers whether they guessed it."""
+    scale = _jit_step_scale(squares, self.clip_norm, self.micro_batches)
+    true = device_steps.scalars(self.hyper, self._count, scale)
+    self._resident_update(record, true)
+    with trace.span("overlap.decide"):
+      host = np.asarray(true)  # waits for the backward pass to end
+    record.decision = _Decision(host, true, not host[3] == record.spec_host()[3])
+    self._host.submit(self._host_finish, record)
+    self._streamer.submit(self._stream_finish, record)
+    self._count = device_steps.increment(self._count)
+
+  def _resident_update(self, record: _StepRecord, scalars: jax.Array) -> None:
+    calls, size = [[]], 0
+    for s in self.plan.indices("device"):
+      if calls[-1] and size + self.plan.sizes[s] > RESIDENT_CALL_ELEMENTS:
+        calls.append([])
+        size = 0
+      calls[-1].append(s)
+      size += self.plan.sizes[s]
+    for subs in (c for c in calls if c):
+      leaves = [i for s in subs for i in self.plan.subgroups[s]]
+      with trace.span("overlap.resident"):
+        masters = [self._masters[i] for i in leaves]
+        grads = memory.like_states([record.resident_grads.pop(i) for i in leaves], masters)
+        outs = device_steps.update_params(
+          grads, masters, [self._mus[i] for i in leaves], [self._nus[i] for i in leaves],
+          [self._params[i] for i in leaves], scalars, self.hyper, tuple(self.decay[i] for i in leaves),
+        )  # fmt: skip
+      for j, i in enumerate(leaves):
+        self._params[i], self._masters[i], self._mus[i], self._nus[i] = (o[j] for o in outs)
+      for s in subs:
+        self._finished(s)
+
+  # ----------------------------------------------------------------------------- the host worker
+
+  def _host_update(self, record: _StepRecord, s: int, grads: dict[int, jax.Array]) -> None:
+    with trace.span("host.wait_grads"):
+      jax.block_until_ready(list(grads.values()))
+    record.host_grads[s] = grads
+    decision = record.decision
+    self._host_weights(record, s, decision.host if decision else record.spec_host())
+    if decision is None:
+      record.host_speculated.append(s)
+    else:
+      self._finished(s)
+
+  def _host_weights(self, record: _StepRecord, s: int, scalars: np.ndarray) -> None:
+    """The kernel's first pass (new weights only, state untouched), sent into the parameters."""
+    leaves = self.plan.subgroups[s]
+    buffers = self._host_buffers(record, s, with_low=True)
+    with trace.span("host.kernel"):
+      host_kernels.adam_many(*buffers, **self._kernel_kw, scalars=scalars, write_state=False)
+    with trace.span("host.send"):
+      sent = memory.put([self._lows[i] for i in leaves], "device", likes=[self._params[i] for i in leaves])
+      new = device_steps.assign([self._params[i] for i in leaves], sent)
+    for i, x in zip(leaves, new):
+      self._params[i] = x
+    record.host_sent += new
+
+  def _host_buffers(self, record: _StepRecord, s: int, with_low: bool) -> tuple[list, list]:
+    out, decay = [], []
+    for i in self.plan.subgroups[s]:
+      arrays = (record.host_grads[s][i], self._masters[i], self._mus[i], self._nus[i])
+      arrays += (self._lows[i],) if with_low else ()
+      for shards in zip(*(memory.shards(a) for a in arrays)):
+        out.append(shards)
+        decay.append(self.decay[i])
+    return out, decay
+
+  def _host_finish(self, record: _StepRecord) -> None:
+    decision = record.decision
+    if decision.fired and record.host_speculated:
+      with trace.span("host.wait_sent"):
+        jax.block_until_ready(record.host_sent)  # the copies read the buffers the redo writes
+      record.host_sent.clear()  # the redo writes into (donates) these
+    for s in record.host_speculated:
+      if decision.fired:
+        with trace.span("host.redo"):
+          self._host_weights(record, s, decision.host)
+      self._finished(s)
+    with trace.span("host.wait_sent"):
+      jax.block_until_ready(record.host_sent)
+    for s in list(record.host_grads):
+      with trace.span("host.kernel_state"):
+        host_kernels.adam_many(*self._host_buffers(record, s, with_low=False), **self._kernel_kw, scalars=decision.host)
+    record.host_grads.clear()
+
+  # ----------------------------------------------------------------------------- the stream worker
+
+  def _stream_update(self, record: _StepRecord, s: int, grads: list[jax.Array]) -> None:
+    decision = record.decision
+    self._stream_dispatch(record, s, grads, decision.device if decision else record.spec_device, decision is not None)
+
+  def _stream_dispatch(self, record: _StepRecord, s: int, grads: list[jax.Array], scalars: jax.Array, final: bool):
+    leaves = list(self.plan.subgroups[s])
+    if len(self._in_flight) >= self.plan.stream_slots:
+      with trace.span("stream.wait_slot"):
+        jax.block_until_ready(self._in_flight.popleft())
+    with trace.span("stream.dispatch"):
+      earlier = record.streamed.get(s)
+      old = earlier.old if earlier else [[lst[i] for i in leaves] for lst in (self._masters, self._mus, self._nus)]
+      state = memory.put_groups(old, "device")
+      g = memory.like_states(grads, old[0])
+      outs = device_steps.update_params(g, *state, [self._params[i] for i in leaves], scalars, self.hyper,
+                                        tuple(self.decay[i] for i in leaves))  # fmt: skip
+      back = memory.put_groups(list(outs[1:]), "pinned_host")
+    for i, x in zip(leaves, outs[0]):
+      self._params[i] = x
+    if earlier:
+      for a in (a for group in earlier.new for a in group):
+        a.delete()
+    record.streamed[s] = _Streamed(old, back, None if final else grads, final)
+    self._in_flight.append(back)
+    if final:
+      self._finished(s)
+
+  def _stream_finish(self, record: _StepRecord) -> None:
+    decision = record.decision
+    for s, streamed in list(record.streamed.items()):
+      if not streamed.final:
+        if decision.fired:
+          self._stream_dispatch(record, s, streamed.grads, decision.device, True)
+        else:
+          streamed.grads, streamed.final = None, True
+          self._finished(s)
+    for s, streamed in record.streamed.items():
+      for i, m, mu, nu in zip(self.plan.subgroups[s], *streamed.new):
+        self._masters[i], self._mus[i], self._nus[i] = m, mu, nu
+      for a in (a for group in streamed.old for a in group):
+        a.delete()  # freed once its copies are done (like a donated buffer)
+    record.streamed.clear()
+
+  # ----------------------------------------------------------------------------- waiting
+
+  def _finished(self, s: int) -> None:
+    with self._wake:
+      self._unfinished[self.subgroup_group[s]] -= 1
+      self._wake.notify_all()
+
+  def _wait_groups(self, groups: Sequence[int]) -> None:
+    with trace.span("overlap.wait_params"), self._wake:
+      while any(self._unfinished[g] for g in groups):
+        self._raise_errors()
+        self._wake.wait(_WAIT_POLL_S)
+    self._raise_errors()
+
+  def _raise_errors(self) -> None:
+    if self._errors:
+      raise RuntimeError(
+        "the overlapped step's optimizer worker failed; the parameters and state are no longer usable."
+      ) from self._errors[0]
+
+  def settle(self) -> None:
+    """Waits until every pending update has written the parameters and the whole state."""
+    self._wait_groups(range(len(self._unfinished)))
+    self._host.join()
+    self._streamer.join()
+    self._raise_errors()
+
+  @property
+  def params(self) -> list[Any]:
+    """The current parameter groups (waits for the pending update). The next step consumes them."""
+    self._wait_groups(range(len(self._unfinished)))
+    return jax.tree.unflatten(self._treedef, list(self._params))
+
+  @property
+  def opt_state(self) -> InterleavedAdamState:
+    """The current optimizer state (waits for every pending write). The next step consumes it."""
+    self.settle()
+    unflat = lambda xs: jax.tree.unflatten(self._treedef, list(xs))  # noqa: E731
+    return InterleavedAdamState(self._count, unflat(self._masters), unflat(self._mus), unflat(self._nus))
+
+
+def _overlappable(tx: Any) -> Any:
+  try:
+    owner = _owner(tx, "OverlappedStep")
+  except TypeError:
+    raise TypeError(
+      "OverlappedStep takes the transformation returned by jax_dos.interleaved_adam (or interleaved_adamw). For"
+      " another optimizer use the plain path: loss, grads = jax.value_and_grad(loss_fn)(params, batch), then"
+      " tx.update(grads, opt_state, params)."
+    ) from None
+  if owner.delay or owner.write_behind:
+    raise ValueError(
+      "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"
+      " without delay/write_behind, or keep those modes on the plain path (jax_dos.update_params after jax.grad)."
+    )
+  return owner
+
+
+# ----------------------------------------------------------------------------- device timeline (trace only)
+
+
+class _Watcher:
+  """Records when dispatched accelerator work finishes (spans on the ``"accelerator"`` row), while tracing."""
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue()
+    self._last = 0.0
+    threading.Thread(target=self._run, name="jax_dos-watch", daemon=True).start()
+
+  def watch(self, name: str, x: Any, spans: list) -> None:
+    # A one-element read right behind the stage's program: ``x`` itself may be donated before it is waited on.
+    self._queue.put((name, _first_element(jax.tree.leaves(x)[0]), time.perf_counter(), spans))
+
+  def _run(self) -> None:
+    while True:
+      name, x, dispatched, spans = self._queue.get()
+      jax.block_until_ready(x)
+      end = time.perf_counter()
+      spans.append(trace.Span(name, "accelerator", max(dispatched, min(self._last, end)), end))
+      self._last = end
+
+
+_first_element = jax.jit(lambda x: x.ravel()[:1])
+_WATCHER: _Watcher | None = None
+
+
+def _watch(name: str, x: Any) -> None:
+  global _WATCHER
+  spans = trace.active()
+  if spans is None or x is None:
+    return
+  if _WATCHER is None:
+    _WATCHER = _Watcher()
+  _WATCHER.watch(name, x, spans)

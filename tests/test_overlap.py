@@ -1,0 +1,248 @@
+"""The overlapped step (``jax_dos.OverlappedStep``) against ``optax.chain(clip_by_global_norm, adamw)``.
+
+The model is a small staged network with a head tied to the first stage's
+weights, every gradient well away from zero (a GPT's key biases have none
+mathematically, and Adam turns their rounding noise into whole steps, so two
+exact implementations part there after a step). The reference gets the
+gradients of the same stage programs (``StagedModel.loss_and_grads``) at its
+own parameters, summed over the micro-batches in the gradients' dtype and in
+the step's order, then takes their mean.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import max_rel_diff
+
+import jax_dos
+
+D_IN, D_H, BLOCKS, ROWS = 6, 8, 3, 8
+LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.95
+FIRES, NEVER = 1e-3, 1e6  # clip norms: one every step's gradient exceeds, one none does
+
+
+def _embed(params, x, batch):
+  (g,) = params
+  return jnp.tanh(batch[0].astype(g["w"].dtype) @ g["w"] + g["b"])
+
+
+def _block(params, x, batch):
+  (g,) = params
+  return x + jnp.tanh(x @ g["w"] + g["b"])
+
+
+def _head(params, x, batch):
+  head, embed = params
+  out = (x * head["scale"]).astype(jnp.float32) @ embed["w"].astype(jnp.float32).T
+  return jnp.mean((out - batch[1]) ** 2)
+
+
+STAGES = [jax_dos.Stage(_embed, (0,)), *(jax_dos.Stage(_block, (1 + i,)) for i in range(BLOCKS))]
+STAGES.append(jax_dos.Stage(_head, (BLOCKS + 1, 0)))
+
+
+def make_groups(rng: np.random.Generator, dtype=jnp.float32) -> list:
+  def normal(*shape):
+    return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0] if shape else 1), dtype)
+
+  blocks = [{"b": normal(D_H), "w": normal(D_H, D_H)} for _ in range(BLOCKS)]
+  return [{"b": normal(D_H), "w": normal(D_IN, D_H)}, *blocks, {"scale": 1 + normal(D_H)}]
+
+
+def make_batch(rng: np.random.Generator) -> tuple[jax.Array, jax.Array]:
+  return tuple(jnp.asarray(rng.standard_normal((ROWS, D_IN)), jnp.float32) for _ in range(2))
+
+
+def reference_run(groups, batches, clip_norm, micro_batches):
+  """``optax.chain(clip_by_global_norm, adamw)`` on float32 masters; returns ``(masters, optax state)``."""
+  model = jax_dos.StagedModel(STAGES, len(groups))
+  ref = optax.chain(
+    optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
+    optax.adamw(LR, b1=B1, b2=B2, weight_decay=WD),
+  )
+  masters = jax.tree.map(lambda p: p.astype(jnp.float32), groups)
+  state = ref.init(masters)
+  for batch in batches:
+    params = jax.tree.map(lambda m, p: m.astype(p.dtype), masters, groups)
+    n = ROWS // micro_batches
+    total = None
+    for m in range(micro_batches):
+      _, total = model.loss_and_grads(params, jax.tree.map(lambda x, m=m, n=n: x[m * n : (m + 1) * n], batch), total)
+    mean = jax.tree.map(lambda g: g.astype(jnp.float32) * jnp.float32(1 / micro_batches), total)
+    updates, state = ref.update(mean, state, masters)
+    masters = optax.apply_updates(masters, updates)
+  return masters, state
+
+
+def overlapped_run(groups, batches, clip_norm, micro_batches, plan, **step_kw):
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
+  step = jax_dos.OverlappedStep(
+    tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=clip_norm, micro_batches=micro_batches,
+    **step_kw,
+  )  # fmt: skip
+  losses = [float(step(batch)) for batch in batches]
+  return step, losses
+
+
+def adam_state(ref_state):
+  return next(s for s in jax.tree.leaves(ref_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+              if isinstance(s, optax.ScaleByAdamState))  # fmt: skip
+
+
+def check_against_reference(step, groups, batches, clip_norm, micro_batches, tol=1e-5):
+  masters, ref_state = reference_run(groups, batches, clip_norm, micro_batches)
+  state = step.opt_state
+  assert int(state.count) == len(batches)
+  adam = adam_state(ref_state)
+  for ours, theirs in ((state.master, masters), (state.mu, adam.mu), (state.nu, adam.nu)):
+    assert max_rel_diff(ours, theirs) < tol
+  params = step.params
+  for p, m, g in zip(jax.tree.leaves(params), jax.tree.leaves(state.master), jax.tree.leaves(groups)):
+    assert p.dtype == g.dtype
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(m).astype(p.dtype))  # params are the masters, cast
+
+
+MIXED = ["device", "host", "stream", "host", "device", "stream"] * 3
+
+
+@pytest.mark.parametrize("plan", ["device", "stream", "host", "mixed", "auto"])
+@pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
+def test_equals_optax_chain(plan, clip_norm):
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(4)]
+  spec = plan if plan != "mixed" else MIXED[: _subgroup_count(groups)]
+  step, _ = overlapped_run(groups, batches, clip_norm, 2, spec)
+  if plan != "auto":
+    assert set(step.plan.placements) == ({plan} if plan != "mixed" else {"device", "stream", "host"})
+  check_against_reference(step, groups, batches, clip_norm, 2)
+
+
+def _subgroup_count(groups) -> int:
+  return len(jax_dos.overlap.group_aligned_subgroups(groups, 40)[0])
+
+
+def test_one_micro_batch_and_no_clip():
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  step, _ = overlapped_run(groups, batches, None, 1, "host")
+  check_against_reference(step, groups, batches, None, 1)
+
+
+@pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_bfloat16_parameters(clip_norm, steps):
+  """One step: optax's numbers. Later steps' gradients are taken at bfloat16 weights, where a master one float32
+  rounding apart can round to a neighbouring bfloat16, so the trajectories part by more than rounding."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng, jnp.bfloat16), [make_batch(rng) for _ in range(steps)]
+  step, _ = overlapped_run(groups, batches, clip_norm, 2, MIXED[: _subgroup_count(groups)])
+  check_against_reference(step, groups, batches, clip_norm, 2, tol=1e-5 if steps == 1 else 1e-3)
+
+
+def test_clip_decision_is_speculated_and_redone():
+  """A firing clip redoes the speculated host weights; a silent one keeps them (the trace says which)."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng)]
+  for clip_norm, redone in ((FIRES, True), (NEVER, False)):
+    with jax_dos.trace.recording() as spans:
+      step, _ = overlapped_run(groups, batches, clip_norm, 1, "host")
+      step.settle()
+    names = {s.name for s in spans}
+    assert ("host.redo" in names) == redone
+    assert {"host.kernel", "host.kernel_state", "overlap.decide"} <= names
+    assert any(s.thread == "accelerator" and s.name.startswith("backward") for s in spans)
+
+
+def test_non_finite_gradients_propagate_as_in_optax():
+  rng = np.random.default_rng()
+  groups = make_groups(rng)
+  x, y = make_batch(rng)
+  batches = [(x.at[0, 0].set(jnp.inf), y)]
+  step, losses = overlapped_run(groups, batches, 1.0, 1, MIXED[: _subgroup_count(groups)])
+  masters, _ = reference_run(groups, batches, 1.0, 1)
+  for ours, theirs in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(masters)):
+    np.testing.assert_array_equal(np.isnan(np.asarray(ours)), np.isnan(np.asarray(theirs)))
+
+
+def test_resume_from_checkpoint_is_bit_exact(tmp_path):
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(4)]
+  plan = MIXED[: _subgroup_count(groups)]
+  whole, _ = overlapped_run(groups, batches, FIRES, 2, plan)
+
+  first, _ = overlapped_run(groups, batches[:2], FIRES, 2, plan)
+  with jax_dos.CheckpointManager(tmp_path, save_interval_steps=1) as mgr:
+    mgr.save(2, params=first.params, opt_state=first.opt_state, force=True)
+    mgr.wait_until_finished()
+    tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
+    template = make_groups(rng)
+    params, state, _ = mgr.restore(2, params=template, opt_state=tx.init(template))
+  resumed = jax_dos.OverlappedStep(tx, STAGES, params, state, clip_norm=FIRES, micro_batches=2)
+  for batch in batches[2:]:
+    resumed(batch)
+  ours, theirs = (resumed.params, resumed.opt_state), (whole.params, whole.opt_state)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_refuses_what_it_cannot_do():
+  rng = np.random.default_rng()
+  groups = make_groups(rng)
+  with pytest.raises(TypeError, match="plain path"):
+    jax_dos.OverlappedStep(optax.adamw(1e-3), STAGES, groups, optax.adamw(1e-3).init(groups))
+  delayed = jax_dos.interleaved_adam(1e-3, delay=1)
+  with pytest.raises(ValueError, match="plain path"):
+    jax_dos.OverlappedStep(delayed, STAGES, groups, delayed.init(groups))
+  tx = jax_dos.interleaved_adam(1e-3, plan="host")
+  with pytest.raises(TypeError, match="list of parameter groups"):
+    jax_dos.OverlappedStep(tx, STAGES, {"a": groups[0]}, tx.init({"a": groups[0]}))
+  with pytest.raises(ValueError, match="used by no stage"):
+    jax_dos.OverlappedStep(tx, STAGES[:-1] + [jax_dos.Stage(_head, (0,))], groups, tx.init(groups))
+  with pytest.raises(ValueError, match="distinct group indices"):
+    jax_dos.Stage(_head, (1, 1))
+  whole = jax_dos.Plan(((0, 1, 2, 3),) + tuple((i,) for i in range(4, 9)), ("host",) * 6, (1,) * 6)
+  with pytest.raises(ValueError, match="spans two parameter groups"):
+    jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), plan=whole)
+  step = jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), micro_batches=3)
+  with pytest.raises(ValueError, match="divisible by micro_batches=3"):
+    step(make_batch(rng))
+
+
+SHARDED = textwrap.dedent(
+  """
+    import jax, jax.numpy as jnp, numpy as np, sys
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sys.path.insert(0, "tests")
+    import test_overlap as t
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    rng = np.random.default_rng()
+    spec = lambda x: P("data", "model") if x.ndim == 2 else P("model")
+    for dtype in (jnp.float32, jnp.bfloat16):
+        groups = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), t.make_groups(rng, dtype))
+        batches = [t.make_batch(rng) for _ in range(3)]
+        for clip in (t.FIRES, t.NEVER):
+            step, _ = t.overlapped_run(groups, batches, clip, 2, t.MIXED[: t._subgroup_count(groups)])
+            t.check_against_reference(step, groups, batches, clip, 2)
+            assert all(len(m.sharding.device_set) == 4 for m in jax.tree.leaves(step.opt_state.master))
+    print("sharded ok")
+  """
+)
+
+
+def test_sharded_on_four_devices():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  root = Path(__file__).resolve().parent.parent
+  out = subprocess.run([sys.executable, "-c", SHARDED], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "sharded ok" in out.stdout
