@@ -13,7 +13,10 @@ pinned memory), on the same model, batch and data (the embedded corpus):
   ``delay``  (4) as (3) with ``delay=1`` (host subgroups one step late, their kernel overlapping the next step);
   ``hostdelay`` as (2) with ``delay=1``; ``predict`` as (4) with ``delay_predict="moments"``;
   ``ahead``  as (4) with ``delay_predict="gradient"`` (undelayed AdamW's weights, stepped on the GPU);
-  ``none``   ``optax.adamw`` with everything on the GPU (only where it fits).
+  ``none``   ``optax.adamw`` with everything on the GPU (only where it fits);
+  ``overlap`` ``jax_dos.OverlappedStep``: the model as stages (embeddings, blocks, head), the update running under
+             the backward pass and the next forward, the clip speculated not to fire (``--clip``);
+  ``overlapfire`` as ``overlap`` with a clip that fires every step (norm 1e-6): the speculation always redone.
 
 With ``--grad-accum k`` a step is ``k`` micro-batches of ``--batch`` rows, their
 gradients summed on the GPU (``train.gpt``'s gradient step; no flush), for
@@ -36,6 +39,7 @@ Usage (GPU machine)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -51,7 +55,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402  (sets nothing until setup_env is called)
 
-VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", "ahead", "hostdelay", "none")
+VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", "ahead", "hostdelay", "none", "overlap",
+            "overlapfire")  # fmt: skip
+OVERLAPPED = ("overlap", "overlapfire")
 GIB = 2**30
 
 
@@ -73,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=4, help="timed steps")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation, delay warm-up)")
   p.add_argument("--fb-reps", type=int, default=3, help="timed forward/backward-only calls")
+  p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
   p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
   p.add_argument("--mem-fraction", default="0.94", help="XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -156,14 +163,16 @@ def run_variant(args: argparse.Namespace) -> dict:
 
   def loss_and_grads(params, batch):  # raw gradients and the factor of a global-norm clip at 1.0 (grad_scale)
     loss, grads = jax.value_and_grad(gpt.loss, argnums=1)(graphdef, params, batch)
-    return loss, grads, jax_dos.clip_scale(optax.global_norm(grads), 1.0)
+    return loss, grads, jax_dos.clip_scale(optax.global_norm(grads), args.clip)
 
   def gradient_function(tx, flush: str):  # train.gpt's gradient step: flushed by `flush`, or accumulated
     grad_step = gradients.make_grad_step(tx, params, flush, args.grad_accum)
-    return lambda params, batch: grad_step(graphdef, params, batch, 1.0)
+    return lambda params, batch: grad_step(graphdef, params, batch, args.clip)
 
   apply = jax.jit(optax.apply_updates, donate_argnums=0)
   t0 = time.perf_counter()
+  if args.variant in OVERLAPPED:
+    return {**out, **run_overlapped(args, jax, jax_dos, gpt, gradients, train_gpt, cfg, graphdef, params, batches)}
   if args.variant == "idiom":
     if args.grad_accum > 1:
       raise SystemExit("the idiom runs the whole step in one jit: --grad-accum is not implemented for it")
@@ -197,7 +206,7 @@ def run_variant(args: argparse.Namespace) -> dict:
       # Budgets from what the compiled gradient step needs (train.gradients.gradient_step_memory: the flush's own
       # program where it does not depend on the plan).
       shape = (rows, args.seq_len)
-      need = gradients.gradient_step_memory(graphdef, params, shape, 1.0, args.grad_flush, args.grad_accum)
+      need = gradients.gradient_step_memory(graphdef, params, shape, args.clip, args.grad_flush, args.grad_accum)
       budgets["step_memory"] = need
       out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
     delay = dict(delay=1, delay_warmup=1) if args.variant in ("delay", "predict", "ahead", "hostdelay") else {}
@@ -264,6 +273,92 @@ def run_variant(args: argparse.Namespace) -> dict:
     exposed_update_s=max(0.0, step_s - fb_s),
     exposed_fraction=max(0.0, step_s - fb_s) / step_s,
     losses=losses,
+    **_memory(jax),
+  )
+  return out
+
+
+def run_overlapped(args, jax, jax_dos, gpt, gradients, train_gpt, cfg, graphdef, params, batches) -> dict:
+  """The ``overlap`` variants: ``jax_dos.OverlappedStep`` on the GPT's stages, timed step by step.
+
+  Forward/backward alone is the same stage programs with no optimizer
+  (``StagedModel.loss_and_grads`` over the micro-batches, sums in place), so
+  the exposed update is what the optimizer adds to the step's own computation.
+  """
+  clip = 1e-6 if args.variant == "overlapfire" else args.clip
+  rows = args.batch * args.grad_accum
+  out = {"clip": clip}
+  budgets = {}
+  if args.resident_gb is not None:
+    budgets["resident_budget_bytes"] = int(args.resident_gb * GIB)
+  if args.staging_gb is not None:
+    budgets["staging_budget_bytes"] = int(args.staging_gb * GIB)
+  if len(budgets) < 2 and jax.devices()[0].memory_stats():
+    need = gradients.gradient_step_memory(graphdef, params, (rows, args.seq_len), clip, "none", args.grad_accum)
+    budgets["step_memory"] = need
+    out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
+  t0 = time.perf_counter()
+  planner = jax_dos.auto_planner(**budgets, params_in_place=True)
+  tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=train_gpt.decay_mask, planner=planner)
+  groups = gpt.stage_groups(params)
+  del params
+  stages = gpt.make_stages(cfg)
+  step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum)
+  del groups
+  out["plan"] = str(step.plan)
+  out["plan_elements"] = {k: step.plan.elements(k) for k in ("device", "stream", "host")}
+  out["init_s"] = time.perf_counter() - t0
+
+  losses, norms = [], []
+  t0 = time.perf_counter()
+  for i in range(args.warmup):
+    losses.append(float(step(batches[i % 2])))
+    norms.append(float(step.grad_norm))
+  step.settle()
+  out["warmup_s"] = time.perf_counter() - t0
+
+  n = args.batch
+  fb_times = []
+  for i in range(args.fb_reps + 1):  # the first call may compile (no running sums in the first micro-batch)
+    t = time.perf_counter()
+    groups, sums = step.params, None
+    for m in range(args.grad_accum):
+      part = jax.tree.map(lambda x, m=m: x[m * n : (m + 1) * n], batches[i % 2])
+      _, sums = step.model.loss_and_grads(groups, part, sums)
+    jax.block_until_ready(sums)
+    fb_times.append(time.perf_counter() - t)
+    del sums
+  fb_times = fb_times[1:]
+
+  step_times = []
+  with jax_dos.trace.recording() as spans:
+    t_all = time.perf_counter()
+    for i in range(args.steps):
+      t = time.perf_counter()
+      loss = step(batches[i % 2])
+      step_times.append(time.perf_counter() - t)
+      losses.append(float(loss))
+      norms.append(float(step.grad_norm))
+    step.settle()
+    jax.block_until_ready(step.params)
+    total = time.perf_counter() - t_all
+  step_s = total / args.steps  # a call returns before its update is done: the steady rate is the whole run's
+  fb_s = statistics.median(fb_times)
+  out.update(
+    num_params=sum(x.size for x in jax.tree.leaves(step.params)),
+    flops_per_token=gpt.flops_per_token(cfg, args.seq_len),
+    tokens_per_step=rows * args.seq_len,
+    step_s=step_s,
+    step_times_s=step_times,
+    steps_total_s=total,
+    tokens_per_s=rows * args.seq_len / step_s,
+    fb_s=fb_s,
+    fb_times_s=fb_times,
+    exposed_update_s=max(0.0, step_s - fb_s),
+    exposed_fraction=max(0.0, step_s - fb_s) / step_s,
+    losses=losses,
+    grad_norms=norms,
+    trace=[dataclasses.asdict(s) for s in spans],
     **_memory(jax),
   )
   return out

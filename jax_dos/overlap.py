@@ -71,13 +71,14 @@ from jax_dos.transform import InterleavedAdamState, _decay_flags, _leaves_with_p
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 
 
-def _step_scale(squares: list[jax.Array], clip_norm: float | None, micro_batches: int) -> jax.Array:
-  """``clip_scale(|sum| / k, c) / k`` from the groups' sums of squares (``1/k`` with no clip)."""
+def _step_scale(squares: list[jax.Array], clip_norm: float | None, micro_batches: int) -> tuple[jax.Array, jax.Array]:
+  """``(clip_scale(|g|, c) / k, |g|)`` from the groups' sums of squares, ``g = sum / k`` the mean gradient.
+
+  With no clip the scale is ``1/k``.
+  """
   mean = jnp.float32(1.0 / micro_batches)
-  if clip_norm is None:
-    return mean
   norm = jnp.sqrt(sum(squares, jnp.float32(0))) * mean
-  return clip_scale(norm, clip_norm) * mean
+  return (mean if clip_norm is None else clip_scale(norm, clip_norm) * mean), norm
 
 
 _jit_step_scale = jax.jit(_step_scale, static_argnums=(1, 2))
@@ -265,6 +266,7 @@ class OverlappedStep:
     self._lows = dict(zip(host_leaves, memory.zeros_like_each([(self._masters[i], low(i)) for i in host_leaves])))
     self._group_start = np.cumsum([0] + [len(jax.tree.leaves(t)) for t in params]).tolist()
     self._unfinished = [0] * len(params)  # per group: subgroups whose new weights are not yet final
+    self.grad_norm: jax.Array | None = None  # the last step's global norm of the mean gradient (before the clip)
     self._errors: list[BaseException] = []
     self._wake = threading.Condition()
     self._host = _Worker("jax_dos-overlap-host", self._errors, self._wake)
@@ -396,7 +398,7 @@ class OverlappedStep:
 
   def _decide(self, record: _StepRecord, squares: list[jax.Array]) -> None:
     """The true gradient scale: runs the resident update with it, then tells the workers whether they guessed it."""
-    scale = _jit_step_scale(squares, self.clip_norm, self.micro_batches)
+    scale, self.grad_norm = _jit_step_scale(squares, self.clip_norm, self.micro_batches)
     true = device_steps.scalars(self.hyper, self._count, scale)
     self._resident_update(record, true)
     with trace.span("overlap.decide"):
