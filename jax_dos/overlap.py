@@ -19,9 +19,9 @@ How a step runs (the last micro-batch's backward pass, stage ``n-1`` down to 0):
 2. **Speculation.** The global norm is known only after the last stage. The
    workers assume the clip does not fire: the step's gradient scale is then
    exactly ``1/k`` (``k`` micro-batches). The host worker runs the fused
-   kernel's first pass, which writes only the new weights (bf16 or f32 copy,
-   16 of the 28 bytes a parameter) and leaves master, mu and nu untouched,
-   and sends them to the parameters; the stream worker copies the state in,
+   kernel from the state into a spare set of host buffers (master, mu, nu:
+   the same 28 bytes of DRAM traffic a parameter as in place) and sends the
+   new weights to the parameters; the stream worker copies the state in,
    updates it on the accelerator into new host buffers and keeps the old ones.
 3. **Decision.** After the last stage the accelerator computes
    ``scale = clip_scale(|g| / k, c) / k`` and the resident update runs with it.
@@ -29,9 +29,8 @@ How a step runs (the last micro-batch's backward pass, stage ``n-1`` down to 0):
    weight is optax's; otherwise (the clip fired, or a non-finite gradient)
    each speculated subgroup is computed again from its untouched state with
    the true scale. Subgroups not yet reached use the true scale directly.
-4. **Write-behind.** The host worker's second pass writes master, mu and nu
-   with the true scale (same arithmetic, same inputs) while the accelerator
-   already runs the next step; the stream worker's new state replaces the old.
+4. **Commit.** The new host buffers become the state (the old ones are the
+   next step's spares), and the stream worker's new state replaces the old.
 5. **Early forward.** The next step's forward pass dispatches each stage as
    soon as the parameters of its own groups are final, so the first stages
    run while later ones are still being updated.
@@ -43,8 +42,12 @@ not used here.
 
 Memory: gradients of streamed and resident subgroups stay on the accelerator
 until the step ends (a redo needs them), as in the plain step; host subgroups'
-leave it during the backward pass. Speculated stream state takes a second set
-of host buffers (12 B a streamed parameter) until the decision.
+leave it during the backward pass. Host subgroups keep a second set of state
+buffers (12 B of pinned memory a parameter), and speculated stream state takes
+one until the decision. A speculation that writes weights only and the state
+in a second pass (``write_behind``'s way) needs no spare buffers but moves 44
+bytes a parameter through host DRAM instead of 28, and host DRAM bandwidth is
+what bounds the update on the machines measured (``docs/design.md``).
 """
 
 from __future__ import annotations
@@ -263,7 +266,10 @@ class OverlappedStep:
     self._count = opt_state.count
     host_leaves = [i for s in self.plan.indices("host") for i in self.plan.subgroups[s]]
     low = lambda i: jnp.bfloat16 if leaves[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
+    memory.check_host_capacity(self.host_bytes(), "the overlapped step's host memory")
     self._lows = dict(zip(host_leaves, memory.zeros_like_each([(self._masters[i], low(i)) for i in host_leaves])))
+    spares = memory.zeros_like_each([(self._masters[i], jnp.float32) for i in host_leaves for _ in range(3)])
+    self._spares = {i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(host_leaves)}
     self._group_start = np.cumsum([0] + [len(jax.tree.leaves(t)) for t in params]).tolist()
     self._unfinished = [0] * len(params)  # per group: subgroups whose new weights are not yet final
     self.grad_norm: jax.Array | None = None  # the last step's global norm of the mean gradient (before the clip)
@@ -304,6 +310,17 @@ class OverlappedStep:
         " (jax_dos.overlap.group_aligned_subgroups); pass one placement per subgroup."
       )
     return Plan(tuple(subgroups), placements, tuple(sizes), source="user")
+
+  def host_bytes(self) -> int:
+    """Pinned host bytes the step needs at most: the state, host subgroups' spare state, gradient and weight
+    copies (2 B each for bfloat16 parameters, 4 for float32), and streamed subgroups' new state before the decision.
+    """
+    total = 0
+    for s, placement in enumerate(self.plan.placements):
+      for i in self.plan.subgroups[s]:
+        n, width = self._params[i].size, self._params[i].dtype.itemsize
+        total += {"host": 24 + 2 * width, "stream": 24, "device": 0}[placement] * n
+    return total
 
   @staticmethod
   def _group_ranges(groups: list) -> list[range]:
@@ -444,27 +461,22 @@ class OverlappedStep:
       self._finished(s)
 
   def _host_weights(self, record: _StepRecord, s: int, scalars: np.ndarray) -> None:
-    """The kernel's first pass (new weights only, state untouched), sent into the parameters."""
+    """The kernel's step into the spare buffers (the state stays as it was), the new weights sent to the parameters."""
     leaves = self.plan.subgroups[s]
-    buffers = self._host_buffers(record, s, with_low=True)
+    buffers, decay = [], []
+    for i in leaves:
+      arrays = (record.host_grads[s][i], self._masters[i], self._mus[i], self._nus[i], *self._spares[i], self._lows[i])
+      for shards in zip(*(memory.shards(a) for a in arrays)):
+        buffers.append(shards)
+        decay.append(self.decay[i])
     with trace.span("host.kernel"):
-      host_kernels.adam_many(*buffers, **self._kernel_kw, scalars=scalars, write_state=False)
+      host_kernels.adam_many_into(buffers, decay, **self._kernel_kw, scalars=scalars)
     with trace.span("host.send"):
       sent = memory.put([self._lows[i] for i in leaves], "device", likes=[self._params[i] for i in leaves])
       new = device_steps.assign([self._params[i] for i in leaves], sent)
     for i, x in zip(leaves, new):
       self._params[i] = x
     record.host_sent += new
-
-  def _host_buffers(self, record: _StepRecord, s: int, with_low: bool) -> tuple[list, list]:
-    out, decay = [], []
-    for i in self.plan.subgroups[s]:
-      arrays = (record.host_grads[s][i], self._masters[i], self._mus[i], self._nus[i])
-      arrays += (self._lows[i],) if with_low else ()
-      for shards in zip(*(memory.shards(a) for a in arrays)):
-        out.append(shards)
-        decay.append(self.decay[i])
-    return out, decay
 
   def _host_finish(self, record: _StepRecord) -> None:
     decision = record.decision
@@ -479,9 +491,10 @@ class OverlappedStep:
       self._finished(s)
     with trace.span("host.wait_sent"):
       jax.block_until_ready(record.host_sent)
-    for s in list(record.host_grads):
-      with trace.span("host.kernel_state"):
-        host_kernels.adam_many(*self._host_buffers(record, s, with_low=False), **self._kernel_kw, scalars=decision.host)
+    for s in record.host_grads:  # the new state becomes the state; the old one is the next step's spare
+      for i in self.plan.subgroups[s]:
+        current = (self._masters[i], self._mus[i], self._nus[i])
+        (self._masters[i], self._mus[i], self._nus[i]), self._spares[i] = self._spares[i], current
     record.host_grads.clear()
 
   # ----------------------------------------------------------------------------- the stream worker

@@ -159,8 +159,28 @@ def test_clip_decision_is_speculated_and_redone():
       step.settle()
     names = {s.name for s in spans}
     assert ("host.redo" in names) == redone
-    assert {"host.kernel", "host.kernel_state", "overlap.decide"} <= names
+    assert {"host.kernel", "overlap.decide"} <= names
     assert any(s.thread == "accelerator" and s.name.startswith("backward") for s in spans)
+
+
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("low_dtype", ["float32", "bfloat16"])
+def test_kernel_into_spare_buffers_is_the_in_place_kernel(grad_dtype, low_dtype):
+  rng = np.random.default_rng()
+  n = 1000
+  g = np.asarray(jnp.asarray(rng.standard_normal(n), grad_dtype))
+  p, m, v = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+  v = np.abs(v)
+  old = (p.copy(), m.copy(), v.copy())
+  outs = [np.full(n, np.nan, np.float32) for _ in range(3)]
+  low, low_ref = (np.zeros(n, jnp.dtype(low_dtype)) for _ in range(2))
+  kw = dict(b1=0.9, b2=0.95, eps=1e-8, eps_root=0.0, weight_decay=0.1, scalars=np.float32([-1e-2, 0.1, 0.05, 0.5]))
+  jax_dos.host_kernels.adam_many_into([(g, p, m, v, *outs, low)], [True], **kw)
+  for a, b in zip((p, m, v), old):
+    np.testing.assert_array_equal(a, b)  # the state is left as it was
+  jax_dos.host_kernels.adam_many([(g, p, m, v, low_ref)], [True], **kw)
+  for a, b in zip(outs + [low], (p, m, v, low_ref)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_non_finite_gradients_propagate_as_in_optax():
