@@ -53,6 +53,7 @@ what bounds the update on the machines measured (``docs/design.md``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -72,6 +73,20 @@ from jax_dos.stages import Stage, StagedModel
 from jax_dos.transform import InterleavedAdamState, _decay_flags, _leaves_with_paths, _owner
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
+# Several threads launch accelerator work at once here. XLA's GPU command buffers (CUDA graphs) capture a program's
+# launches on the compute stream, and a launch from another thread during a capture fails it
+# (cudaErrorStreamCaptureUnjoined, seen on an H100 at 6.7B). This flag, set before jax starts, turns them off.
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+
+
+def _check_no_command_buffers() -> None:
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  if jax.default_backend() == "gpu" and NO_COMMAND_BUFFERS not in flags:
+    raise RuntimeError(
+      f"OverlappedStep on a GPU needs XLA's command buffers off: set XLA_FLAGS='{NO_COMMAND_BUFFERS}' (with any"
+      " other flags) before jax starts. Its optimizer threads launch work while the training thread does, which"
+      " fails a CUDA-graph capture. Or train on the plain path (jax_dos.update_params after jax.grad)."
+    )
 
 
 def _step_scale(squares: list[jax.Array], clip_norm: float | None, micro_batches: int) -> tuple[jax.Array, jax.Array]:
@@ -234,6 +249,7 @@ class OverlappedStep:
     plan: Any = None,
   ):
     owner = _overlappable(tx)
+    _check_no_command_buffers()
     if not isinstance(params, (list, tuple)):
       raise TypeError(
         f"params must be a list of parameter groups (one tree per group, the stages name them by index), got"
