@@ -256,12 +256,17 @@ def test_table_rows_and_ratios(tmp_path):
     for name, doc in docs.items():
       (folder / f"{name}.json").write_text(json.dumps(doc))
   (second / "torchao.json").write_text(json.dumps(zero3))  # the first folder's torchao wins
+  (second / "torch.json").write_text(
+    json.dumps({"config": {"batch": 8, "grad_accum": 2}, "steps": [{}, {}], "cut_short": True})
+  )
   found = run_all.rows([str(first), str(second)])
-  assert [r["system"] for r in found] == ["jax-dos auto", "ZeRO-Offload", "ZeRO-3 ratio 0.75", "torchao bf16, no clip"]
+  names = ["jax-dos auto", "ZeRO-Offload", "ZeRO-3 ratio 0.75", "torchao bf16, no clip", "torch, no offload"]
+  assert [r["system"] for r in found] == names
   lines = run_all.table(found)
   assert f"{tps['auto'] / tps['zero2']:.2f}x" in lines[1] and "1.00x" in lines[2] and "99 GiB" in lines[3]
   assert f"{100 * fpt * tps['torchao'] / peak:.1f}%" in lines[4]  # every row's MFU against jax-dos's measured peak
   assert f"{110 * GIB / n:.1f}" in lines[2]  # host bytes per parameter
+  assert "cut short after 2 steps" in lines[5]
   assert run_all.write_summary(str(merged), ["note"], dirs=[str(first), str(second)]) == lines
   summary = json.loads((merged / "summary.json").read_text())
   assert summary["notes"] == ["note"] and summary["table"] == lines

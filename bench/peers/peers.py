@@ -457,6 +457,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
     )
     row["tokens_per_s"] = args.batch * args.grad_accum * args.seq_len / row["step_s"]
     steps.append(row)
+    save(args.out, {**out, "steps": steps, "cut_short": True})  # a run stopped at a deadline keeps what it measured
     print(
       f"step {i + 1}/{args.warmup + args.steps}{' (warm-up)' if row['warmup'] else ''}: loss {row['loss']:.4f},"
       f" {row['step_s']:.2f} s (fwd {row['fwd_s']:.2f}, bwd {row['bwd_s']:.2f}, opt {row['opt_s']:.2f}),"
@@ -486,6 +487,11 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def save(path: str, out: dict[str, Any]) -> None:
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # models.gpt imports jax: keep it off the GPU torch uses
   args = parse_args(argv)
@@ -497,8 +503,7 @@ def main(argv: list[str] | None = None) -> int:
   out["config"] = vars(args)
   if "refused" in out:
     print(f"refused: {out['refused']}", flush=True)
-    with open(args.out, "w") as f:
-      json.dump(out, f, indent=1)
+    save(args.out, out)
     return EXIT_REFUSED
   print(
     f"host memory: about {out['host_estimate_bytes'] / GIB:.1f} GiB needed of {out['host_limit_bytes'] / GIB:.1f}",
@@ -514,8 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 1
   out.update(sampler.result())
   out["host_bytes_per_param"] = out["host_rss_peak_bytes"] / out["num_params"] if out.get("num_params") else None
-  with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
+  save(args.out, out)
   if status:
     print(out["traceback"], file=sys.stderr, flush=True)
     return status

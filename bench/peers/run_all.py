@@ -265,8 +265,9 @@ def rows(dirs: list[str]) -> list[dict[str, Any]]:
     if system == "torchao":
       name += f" {cfg.get('torchao_master')}" + (", clip" if cfg.get("torchao_clip") == "host" else ", no clip")
     row = {"system": name, "key": system, "setup": f"{cfg.get('batch')}x{cfg.get('grad_accum')}"}
-    if "refused" in r or "error" in r:
-      found.append({**row, "error": r.get("refused") or r.get("error")})
+    if "refused" in r or "error" in r or r.get("cut_short"):
+      cut = f"cut short after {len(r.get('steps', []))} steps" if r.get("cut_short") else None
+      found.append({**row, "error": r.get("refused") or r.get("error") or cut})
       continue
     row.update(
       tokens_per_s=r["tokens_per_s"],
