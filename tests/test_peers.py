@@ -270,3 +270,23 @@ def test_table_rows_and_ratios(tmp_path):
   assert run_all.write_summary(str(merged), ["note"], dirs=[str(first), str(second)]) == lines
   summary = json.loads((merged / "summary.json").read_text())
   assert summary["notes"] == ["note"] and summary["table"] == lines
+
+
+def test_run_all_smoke(tmp_path):
+  """The driver end to end on tiny sizes: jax-dos's train_step (and plain torch where installed), then the table."""
+  systems = "jaxdos" + (",torch" if importlib.util.find_spec("torch") else "")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *sys.path]), XDG_CACHE_HOME=str(tmp_path / "cache"))
+  out = tmp_path / "peers"
+  args = ["--preset", "tiny", "--batch", "2", "--grad-accum", "2", "--seq-len", "64", "--steps", "1", "--warmup", "1"]
+  proc = subprocess.run(
+    [sys.executable, os.path.join(PEERS, "run_all.py"), "--out", str(out), "--systems", systems,
+     "--jaxdos-variants", "auto", *args],
+    env=env, capture_output=True, text=True, timeout=900,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  rows = {r["system"]: r for r in summary["rows"]}
+  assert set(rows) == {"jax-dos auto"} | ({"torch, no offload"} if "torch" in systems else set())
+  assert all("error" not in r and r["tokens_per_s"] > 0 and r["setup"] == "2x2" for r in rows.values())
+  assert summary["table"][0].startswith("system") and "jax-dos auto" in proc.stdout
+  assert (out / "jaxdos.log").read_text() and len(summary["notes"]) == len(systems.split(","))

@@ -31,6 +31,7 @@ import glob
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   for s in args.systems.split(","):
     if s not in SYSTEMS:
       p.error(f"unknown system {s!r}; choose from {SYSTEMS}.")
+  args.out = os.path.abspath(args.out) if args.out else None  # the children run in the repository root
   return args
 
 
@@ -165,7 +167,7 @@ def command(args: argparse.Namespace, system: str) -> list[str]:
     out = os.path.join(args.out, "jaxdos.json")
     return [sys.executable, script, *shape, "--variants", args.jaxdos_variants, "--fb-reps", "1", "--out", out]
   cmd = [sys.executable, os.path.join("bench", "peers", "peers.py"), "--system", system, *shape]
-  cmd += ["--out", os.path.join(args.out, f"{system}.json"), "--ratio", str(args.ratio), *args.peer_args.split()]
+  cmd += ["--out", os.path.join(args.out, f"{system}.json"), "--ratio", str(args.ratio), *shlex.split(args.peer_args)]
   peak = peak_tflops(args.out)
   if peak:
     cmd += ["--peak-tflops", f"{peak:.1f}"]
