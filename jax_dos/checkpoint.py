@@ -417,7 +417,7 @@ class CheckpointManager:
     return damage
 
   def _set_aside(self, step: int, damage: integrity.Damage, *, warn: bool = True) -> str:
-    """Moves a damaged step to ``<directory>/damaged/`` (if ``move_damaged``); returns, and warns, one line saying so."""
+    """Moves a damaged step to ``<directory>/damaged/`` (if ``move_damaged``); returns (and warns) one line on it."""
     self._verified.discard(step)
     where = "left in place"
     if self.move_damaged and jax.process_index() == 0:
