@@ -53,7 +53,7 @@ interrupted). :meth:`CheckpointManager.latest_step` and
 one that fails is moved to ``<dir>/damaged/<step>-<why>`` (reported in one
 warning line, :class:`DamagedCheckpointWarning`) and the newest step that
 verifies is used. Its step number is then free: a later save there works.
-Retention keeps the newest ``max_to_keep`` complete steps and deletes older
+Retention keeps the newest ``max_to_keep`` intact steps and deletes older
 ones only after a newer step has been written and its manifest computed, so
 the newest verified checkpoint always survives until a newer one exists.
 """
@@ -192,7 +192,7 @@ class CheckpointManager:
   Args:
     directory: where the step directories go (created if missing).
     save_interval_steps: ``save`` writes only every this many steps (unless ``force``).
-    max_to_keep: how many complete steps to keep (``None``: all).
+    max_to_keep: how many intact steps to keep (``None``: all); damaged ones are never deleted.
     async_save: write in a background thread (``save`` returns once the data
       is safely copied; see the in-place hazard in the module docstring).
     host_copy: ``"copy"``, ``"block"`` or ``"auto"``: how an async save guards
@@ -227,7 +227,7 @@ class CheckpointManager:
     self._finisher_error: Optional[BaseException] = None
     options = ocp.CheckpointManagerOptions(
       save_interval_steps=save_interval_steps,
-      max_to_keep=None,  # retention is ours: it counts complete steps only (see _apply_retention)
+      max_to_keep=None,  # retention is ours: it counts intact steps only (see _apply_retention)
       enable_async_checkpointing=async_save,
       create=False,  # made by the first save, so restore from a mistyped path fails clearly
     )
@@ -375,17 +375,17 @@ class CheckpointManager:
     self._apply_retention()
 
   def _apply_retention(self) -> None:
-    """Deletes complete steps older than the newest ``max_to_keep`` complete ones.
+    """Deletes intact steps older than the newest ``max_to_keep`` intact ones.
 
-    Runs when no save is in flight. Complete: a manifest whose files all have
+    Runs when no save is in flight. Intact: a manifest whose files all have
     their sizes (contents are not read). Incomplete or damaged steps are never
     deleted here, and neither is the newest verified one.
     """
     if self.max_to_keep is None or not _is_local(self.directory) or jax.process_index() != 0:
       return
-    complete = sorted(self.complete_steps(), reverse=True)
-    newest_verified = max(self._verified & set(complete), default=None)
-    doomed = [s for s in complete[self.max_to_keep :] if s != newest_verified]
+    intact = sorted(self._intact_steps(), reverse=True)
+    newest_verified = max(self._verified & set(intact), default=None)
+    doomed = [s for s in intact[self.max_to_keep :] if s != newest_verified]
     if doomed:
       self._mgr.reload()
       for step in doomed:
@@ -437,14 +437,14 @@ class CheckpointManager:
     return sorted(self._mgr.all_steps())
 
   def complete_steps(self) -> list[int]:
-    """Committed steps whose manifest lists files that all exist with their sizes (no contents read), ascending."""
-    with self._lock:
-      pending = set(self._pending)
-    if not _is_local(self.directory):
-      return [s for s in self.all_steps() if s not in pending]
+    """Committed steps whose save finished: they have a manifest (their files are not checked here), ascending."""
     return [
-      s for s in self.all_steps() if s not in pending and integrity.verify(self._step_dir(s), content=False) is None
+      s for s in self._finished_steps() if not _is_local(self.directory) or integrity.has_manifest(self._step_dir(s))
     ]
+
+  def _intact_steps(self) -> list[int]:
+    """Complete steps whose files all exist with their sizes (no contents read), ascending."""
+    return [s for s in self.complete_steps() if integrity.verify(self._step_dir(s), content=False) is None]
 
   def latest_step(self) -> Optional[int]:
     """The newest step that verifies, or ``None``; newer ones that fail are set aside (see ``move_damaged``).
@@ -486,9 +486,10 @@ class CheckpointManager:
       and memory kind.
 
     Raises:
-      FileNotFoundError: no such directory, no checkpoint in it, or no step ``step``.
-      ValueError: ``step`` (or, with ``step=None``, every step) fails verification.
-      TemplateMismatchError: the templates' trees differ from the checkpoint's.
+      FileNotFoundError: no such directory, no checkpoint in it, no step ``step``, or (``step=None``) no step
+        that verifies.
+      ValueError: ``step`` fails verification.
+      TemplateMismatchError: the templates' trees differ from the checkpoint's (a ``ValueError``).
     """
     if _is_local(self.directory) and not os.path.isdir(self.directory):
       raise FileNotFoundError(
@@ -507,7 +508,7 @@ class CheckpointManager:
       raise FileNotFoundError(f"no checkpoints in {self.directory}.")
     found = self.latest_step()  # verifies
     if found is None:
-      raise ValueError(
+      raise FileNotFoundError(
         f"no checkpoint in {self.directory} verifies (steps {steps}; see the warnings above"
         + (f", and {os.path.join(self.directory, integrity.DAMAGED_DIR)}" if self.move_damaged else "")
         + ")."

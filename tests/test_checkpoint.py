@@ -297,7 +297,10 @@ def test_no_step_verifies(tmp_path):
   for step in ("1", "2"):
     _damage(str(tmp_path / step), "bit_flipped_in_metadata" if step == "1" else "truncated")
   with CheckpointManager(tmp_path) as mgr:
-    with pytest.warns(jax_dos.DamagedCheckpointWarning), pytest.raises(ValueError, match="no checkpoint .* verifies"):
+    with (
+      pytest.warns(jax_dos.DamagedCheckpointWarning),
+      pytest.raises(FileNotFoundError, match="no checkpoint .* verifies"),
+    ):
       mgr.restore(params=make_params(), opt_state=tx.init(make_params()))
   assert sorted(os.listdir(tmp_path / "damaged")) == ["1-checksum-mismatch", "2-size-mismatch"]
 
@@ -331,7 +334,7 @@ def test_manifest_checksums_every_segment_of_every_file(tmp_path, monkeypatch):
   assert integrity.verify(str(tmp_path / "2")).kind == "checksum-mismatch"
 
 
-def test_retention_keeps_complete_steps_and_never_deletes_damaged_ones(tmp_path):
+def test_retention_keeps_intact_steps_and_never_deletes_damaged_ones(tmp_path):
   tx = interleaved("device")
   params = make_params()
   state = tx.init(params)
@@ -340,12 +343,12 @@ def test_retention_keeps_complete_steps_and_never_deletes_damaged_ones(tmp_path)
     mgr.save(2, params=params, opt_state=state)
     (tmp_path / "2" / "params" / "_METADATA").write_text("garbage")
     mgr.save(3, params=params, opt_state=state)
-    assert mgr.all_steps() == [1, 2, 3]  # complete: 1 and 3
+    assert mgr.all_steps() == [1, 2, 3]  # intact: 1 and 3
     mgr.save(4, params=params, opt_state=state)
     assert mgr.all_steps() == [2, 3, 4]  # 1 rotated out, 2 (damaged) kept
     mgr.save(5, params=params, opt_state=state)
     assert mgr.all_steps() == [2, 4, 5]
-    assert mgr.complete_steps() == [4, 5]
+    assert mgr.complete_steps() == [2, 4, 5]  # 2 has its manifest: it finished, then was damaged
 
 
 def test_retention_deletes_only_after_the_newer_step_is_complete(tmp_path):
