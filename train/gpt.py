@@ -38,7 +38,8 @@ schedule is the same).
 
 Outputs in ``--out`` (default ``runs/<preset>``): ``metrics.jsonl`` (one JSON
 object per logged step: step, loss, val_loss, lr, tokens_per_s, mfu, time),
-``ckpt/`` (Orbax, through ``jax_dos.checkpoint``) and with ``--plot`` ``loss.png``.
+``ckpt/`` (Orbax, through ``jax_dos.checkpoint``; steps that fail verification
+are moved to ``ckpt/damaged/``, see ``docs/checkpoints.md``) and with ``--plot`` ``loss.png``.
 """
 
 from __future__ import annotations
