@@ -91,6 +91,7 @@ MANIFEST = integrity.MANIFEST
 _PYTREE_ITEMS = ("params", "opt_state", "master")
 HostCopy = Literal["auto", "copy", "block"]
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step being written
+DELETING_SUFFIX = ".deleting"  # a step retention is deleting: .<step>.deleting
 
 log = logging.getLogger(__name__)
 
@@ -383,14 +384,23 @@ class CheckpointManager:
     """
     if self.max_to_keep is None or not _is_local(self.directory) or jax.process_index() != 0:
       return
+    if not os.path.isdir(self.directory):
+      return
     intact = sorted(self._intact_steps(), reverse=True)
     newest_verified = max(self._verified & set(intact), default=None)
     doomed = [s for s in intact[self.max_to_keep :] if s != newest_verified]
+    for step in doomed:
+      # Renamed first, out of Orbax's listing, so that an interrupted deletion leaves no half step behind; not
+      # Orbax's delete, which waits at a barrier for every process.
+      gone = os.path.join(self.directory, f".{step}{DELETING_SUFFIX}")
+      os.rename(self._step_dir(step), gone)
+      shutil.rmtree(gone)
+      self._verified.discard(step)
+    for name in os.listdir(self.directory):  # what an interrupted deletion left
+      if name.startswith(".") and name.endswith(DELETING_SUFFIX):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
     if doomed:
       self._mgr.reload()
-      for step in doomed:
-        self._mgr.delete(step)
-        self._verified.discard(step)
 
   def close(self) -> None:
     self.wait_until_finished()
