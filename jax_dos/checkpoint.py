@@ -281,13 +281,16 @@ class CheckpointManager:
     args |= {"meta": ocp.args.JsonSave(meta), "format": ocp.args.JsonSave(fmt)}
     with self._lock:
       self._pending.add(step)
-    saved = self._mgr.save(step, args=ocp.args.Composite(**args), force=force)
-    if not saved:
-      with self._lock:
-        self._pending.discard(step)
-    elif mode == "block" or not self.async_save:
+    saved = False
+    try:
+      saved = self._mgr.save(step, args=ocp.args.Composite(**args), force=force)
+    finally:
+      if not saved:
+        with self._lock:
+          self._pending.discard(step)
+    if saved and (mode == "block" or not self.async_save):
       self.wait_until_finished()
-    else:  # the manifest is written as soon as Orbax commits, not at the next call
+    elif saved:  # the manifest is written as soon as Orbax commits, not at the next call
       self._finisher = threading.Thread(target=self._finish_in_background, name="jax_dos_manifest")
       self._finisher.start()
     return saved
