@@ -20,6 +20,7 @@ import pytest
 from train import data as D
 from train import gpt as T
 from train import gradients as G
+from train import progress as P
 
 # A model small enough that each run takes seconds on a CPU.
 TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--batch", "4", "--seq-len", "32", "--eval-batches", "1",
@@ -153,6 +154,21 @@ def test_defaults():
   assert T.parse_args(["--grad-accum", "4"]).grad_flush == "none"  # the sum is on the accelerator: nothing to flush
 
 
+def test_help_shows_only_real_defaults():
+  text = T.build_parser().format_help()
+  assert "(default: None)" not in text and "(default: False)" not in text
+  assert "(default: 500)" in text  # --steps
+
+
+def test_eta_waits_for_a_step_after_compilation():
+  eta = P.Eta(total=100)
+  assert eta.text(1, 50.0) == "--"  # the first step compiled: no estimate from it
+  eta.start(1, 50.0)
+  assert eta.text(1, 50.0) == "--"
+  assert eta.seconds(11, 60.0) == pytest.approx(89.0)  # 1 s a step since the first step, 89 steps left
+  assert eta.text(11, 60.0) == "1:29" and P.fmt_duration(3725) == "1:02:05"
+
+
 def test_weight_decay_mask_skips_vectors():
   mask = T.decay_mask({"w": np.zeros((2, 3)), "b": np.zeros(3), "emb": {"e": np.zeros((4, 2))}, "s": np.zeros(())})
   assert mask == {"w": True, "b": False, "emb": {"e": True}, "s": False}
@@ -168,6 +184,8 @@ def test_training_loss_falls_and_logs(tmp_path):
   assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
   assert sorted(out["val_losses"]) == [0, 15, 30] and out["val_losses"][30] < out["val_losses"][0]
   assert out["tokens_per_s"] > 0 and "host" in out["plan"]
+  if jax.default_backend() == "cpu":  # no accelerator: --offload auto streams nothing, and the plan does not say stream
+    assert "stream" not in out["plan"], out["plan"]
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert [r["step"] for r in rows if "loss" in r] == list(range(1, 31))
   assert {"step", "loss", "val_loss", "lr", "tokens_per_s", "mfu", "time"} <= set(rows[-1])
