@@ -11,9 +11,9 @@ It is written after Orbax has committed the step, from the files as they are
 then on disk, into a temporary file renamed into place: a step without a
 manifest is by definition incomplete (the save was interrupted, or the step was
 not written by ``jax_dos``). :func:`verify` checks that every listed file
-exists with its size and checksums; files are read in 8 MiB chunks by a pool
-of threads, one per segment (``zlib.crc32`` releases the GIL), so a large file
-is checked at several times one core's 2.3 GB/s. CRC-32 was the fastest
+exists with its size and checksums. Segments are read in 8 MiB chunks by a
+pool of up to 8 threads (``zlib.crc32`` releases the GIL), so a large file is
+checked at several times one core's speed. CRC-32 was the fastest
 checksum of the standard library measured here (zlib.crc32 2.3 GB/s a core,
 adler32 1.7, sha256 1.4, sha1 1.2, blake2b 0.95): it finds every error burst of
 32 bits or less and misses a random change with probability 2**-32. It guards

@@ -334,6 +334,24 @@ def test_manifest_checksums_every_segment_of_every_file(tmp_path, monkeypatch):
   assert integrity.verify(str(tmp_path / "2")).kind == "checksum-mismatch"
 
 
+def test_a_manifest_of_the_earlier_format_still_verifies(tmp_path):
+  """Manifests written before content checksums hold the CRC-32 of files up to 1 MiB; larger files go by size."""
+  import zlib
+
+  from jax_dos import checkpoint_integrity as integrity
+
+  _save_two(tmp_path, interleaved("host"))
+  step = tmp_path / "2"
+  files = json.load(open(step / MANIFEST))["files"]
+  legacy = {}
+  for rel, (size, _) in files.items():
+    legacy[rel] = [size, zlib.crc32((step / rel).read_bytes()) if size <= 1 << 20 else None]
+  json.dump({"format": "jax_dos.adam/1", "step": 2, "files": legacy}, open(step / MANIFEST, "w"))
+  assert integrity.verify(str(step)) is None
+  _damage(str(step), "bit_flipped_in_metadata")
+  assert integrity.verify(str(step)).kind == "checksum-mismatch"
+
+
 def test_retention_keeps_intact_steps_and_never_deletes_damaged_ones(tmp_path):
   tx = interleaved("device")
   params = make_params()
