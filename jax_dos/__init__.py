@@ -15,7 +15,7 @@ to send host subgroups' gradients to host memory during the backward pass.
 from jax_dos import trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
-from jax_dos.checkpoint import CheckpointManager
+from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.overlap import OverlappedStep
 from jax_dos.perf_model import Calibration, calibrate
@@ -40,6 +40,7 @@ __all__ = [
   "AdamHyper",
   "Calibration",
   "CheckpointManager",
+  "DamagedCheckpointWarning",
   "DEFAULT_SUBGROUP_SIZE",
   "DELAY_PREDICTIONS",
   "GRADIENT_FLUSHES",

@@ -2,7 +2,7 @@
 
 On-disk form (one Orbax step directory per saved step, written through
 ``orbax.checkpoint.CheckpointManager``, so saves are atomic: a step is written
-in ``<step>.orbax-checkpoint-tmp-*`` and renamed when committed)::
+in ``<step>.orbax-checkpoint-tmp`` and renamed when committed)::
 
     <dir>/<step>/params/      PyTree: the params, as given
                  opt_state/   PyTree: {"count": int32[], "mu": <params tree>, "nu": <params tree>,
@@ -10,7 +10,8 @@ in ``<step>.orbax-checkpoint-tmp-*`` and renamed when committed)::
                  master/      PyTree: fp32 master weights (<params tree>); only for jax_dos states
                  meta/        JSON: the caller's ``meta`` (data position, RNG, config, ...)
                  format/      JSON: {"format": FORMAT, "source": "interleaved" | "optax", "has_master", "num_extra"}
-                 jax_dos_manifest.json   size (and CRC-32 of files <= 1 MiB) of every file, written after commit
+                 jax_dos_manifest.json   size and CRC-32 checksums of every file, written last
+    <dir>/damaged/<step>-<why>/   steps that failed verification, moved out of Orbax's sight
 
 This *canonical* form is plan-independent: every state leaf mirrors a parameter
 leaf, in flatten order, whatever its placement or memory kind. So a checkpoint
@@ -43,12 +44,18 @@ instead saves synchronously (``"block"``): slower, but never out of memory.
 Accelerator-resident arrays need nothing: Orbax copies them to host before
 ``save`` returns.
 
-Robustness. A step is *valid* if its commit metadata and every item's metadata
-parse and its manifest (if written) matches the files on disk.
-:meth:`CheckpointManager.latest_step` returns the newest valid step;
-:meth:`CheckpointManager.restore` warns about and skips invalid or unreadable
-steps and uses the newest good one. Retention keeps the newest ``max_to_keep``
-valid steps and never deletes an invalid one (it is kept for inspection).
+Integrity (``checkpoint_integrity.py``). Once Orbax has committed a step, a
+thread writes its manifest: the size and CRC-32 checksums of every file, read
+back from disk. A step is *verified* when every file it lists is there with
+its size and checksums; a step without a manifest is incomplete (the save was
+interrupted). :meth:`CheckpointManager.latest_step` and
+:meth:`CheckpointManager.restore` verify a step before Orbax reads any of it;
+one that fails is moved to ``<dir>/damaged/<step>-<why>`` (reported in one
+warning line, :class:`DamagedCheckpointWarning`) and the newest step that
+verifies is used. Its step number is then free: a later save there works.
+Retention keeps the newest ``max_to_keep`` intact steps and deletes older
+ones only after a newer step has been written and its manifest computed, so
+the newest verified checkpoint always survives until a newer one exists.
 """
 
 from __future__ import annotations
@@ -59,24 +66,32 @@ import os
 import shutil
 import threading
 import warnings
-import zlib
 from typing import Any, Literal, Optional
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jax_dos import checkpoint_integrity as integrity
 from jax_dos import host_kernels, memory
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.state_convert import from_optax_adamw_state, split_adam, to_optax_adamw_state
 
-__all__ = ["FORMAT", "CheckpointManager", "from_optax_adamw_state", "to_optax_adamw_state"]
+__all__ = [
+  "FORMAT",
+  "CheckpointManager",
+  "DamagedCheckpointWarning",
+  "TemplateMismatchError",
+  "from_optax_adamw_state",
+  "to_optax_adamw_state",
+]
 
 FORMAT = "jax_dos.adam/1"
-MANIFEST = "jax_dos_manifest.json"
-_CRC_MAX_BYTES = 1 << 20
+MANIFEST = integrity.MANIFEST
 _PYTREE_ITEMS = ("params", "opt_state", "master")
 HostCopy = Literal["auto", "copy", "block"]
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step being written
+DELETING_SUFFIX = ".deleting"  # a step retention is deleting: .<step>.deleting
 
 log = logging.getLogger(__name__)
 
@@ -87,38 +102,6 @@ def _size(nbytes: int) -> str:
 
 def _is_local(path: str) -> bool:
   return "://" not in path
-
-
-def _file_digest(path: str, size: int) -> Optional[int]:
-  if size > _CRC_MAX_BYTES:
-    return None
-  with open(path, "rb") as f:
-    return zlib.crc32(f.read())
-
-
-def _scan(step_dir: str) -> dict[str, list]:
-  out = {}
-  for root, _, files in os.walk(step_dir):
-    for name in files:
-      full = os.path.join(root, name)
-      rel = os.path.relpath(full, step_dir)
-      if rel == MANIFEST or rel.endswith(".tmp"):
-        continue
-      size = os.path.getsize(full)
-      out[rel] = [size, _file_digest(full, size)]
-  return out
-
-
-def _write_manifest(step_dir: str, step: int) -> None:
-  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump({"format": FORMAT, "step": step, "files": _scan(step_dir)}, f)
-  os.replace(tmp, os.path.join(step_dir, MANIFEST))
-
-
-def _read_json(path: str) -> Any:
-  with open(path) as f:
-    return json.load(f)
 
 
 def _aliases_host(x: Any) -> bool:
@@ -200,25 +183,8 @@ def _fill_empties(restored: Any, template: Any) -> Any:
   return jax.tree.map(fill, restored, template)
 
 
-class _KeepNewestValid:
-  """Orbax preservation policy: keep the newest ``n`` valid steps and every invalid one."""
-
-  def __init__(self, n: Optional[int], owner: CheckpointManager):
-    self.n, self.owner = n, owner
-
-  def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
-    del context
-    keep = [True] * len(checkpoints)
-    if self.n is None:
-      return keep
-    valid_seen = 0
-    for i in sorted(range(len(checkpoints)), key=lambda j: checkpoints[j].step, reverse=True):
-      step = checkpoints[i].step
-      in_flight = not os.path.isdir(self.owner._step_dir(step))
-      if in_flight or self.owner._problem(step) is None:
-        valid_seen += 1
-        keep[i] = valid_seen <= self.n
-    return keep
+class DamagedCheckpointWarning(UserWarning):
+  """A checkpoint step failed verification and was moved aside (or skipped); the message is one line."""
 
 
 class CheckpointManager:
@@ -227,11 +193,15 @@ class CheckpointManager:
   Args:
     directory: where the step directories go (created if missing).
     save_interval_steps: ``save`` writes only every this many steps (unless ``force``).
-    max_to_keep: how many valid steps to keep (``None``: all).
+    max_to_keep: how many intact steps to keep (``None``: all); damaged ones are never deleted.
     async_save: write in a background thread (``save`` returns once the data
       is safely copied; see the in-place hazard in the module docstring).
     host_copy: ``"copy"``, ``"block"`` or ``"auto"``: how an async save guards
       host-resident arrays against in-place updates (module docstring).
+    move_damaged: move a step that fails verification to
+      ``<directory>/damaged/``. Pass ``False`` in a process that only reads a
+      directory another process is writing (a step being committed there has
+      no manifest yet): such steps are then only skipped.
   """
 
   def __init__(
@@ -242,21 +212,24 @@ class CheckpointManager:
     max_to_keep: Optional[int] = 3,
     async_save: bool = True,
     host_copy: HostCopy = "auto",
+    move_damaged: bool = True,
   ):
     if host_copy not in ("auto", "copy", "block"):
       raise ValueError(f"host_copy must be 'auto', 'copy' or 'block', got {host_copy!r}.")
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}.")
     self.directory = os.path.abspath(os.fspath(directory)) if _is_local(os.fspath(directory)) else os.fspath(directory)
-    self.async_save, self.host_copy = async_save, host_copy
+    self.async_save, self.host_copy, self.max_to_keep = async_save, host_copy, max_to_keep
+    self.move_damaged = move_damaged
     self._lock = threading.Lock()
-    self._pending: set[int] = set()
-    self._warned: set[tuple[int, str]] = set()
+    self._pending: set[int] = set()  # saved by this manager, manifest not written yet
+    self._verified: set[int] = set()  # verified (or written) by this manager
+    self._finisher: Optional[threading.Thread] = None
+    self._finisher_error: Optional[BaseException] = None
     options = ocp.CheckpointManagerOptions(
       save_interval_steps=save_interval_steps,
-      preservation_policy=_KeepNewestValid(max_to_keep, self),
+      max_to_keep=None,  # retention is ours: it counts intact steps only (see _apply_retention)
       enable_async_checkpointing=async_save,
-      async_options=ocp.AsyncOptions(post_finalization_callback=self._write_pending_manifests) if async_save else None,
       create=False,  # made by the first save, so restore from a mistyped path fails clearly
     )
     handlers = {name: ocp.PyTreeCheckpointHandler() for name in _PYTREE_ITEMS}
@@ -270,6 +243,9 @@ class CheckpointManager:
 
     Returns whether a checkpoint was started (``False`` between save intervals).
     When it returns, ``params`` and ``opt_state`` may be updated in place.
+    The step is complete once its manifest is written, right after Orbax
+    commits it (:meth:`wait_until_finished` waits for both). A step already on
+    disk at ``step`` is refused if it verifies and moved aside if not.
     """
     meta = {} if meta is None else meta
     try:
@@ -294,9 +270,9 @@ class CheckpointManager:
       "num_extra": len(parts.extra),
     }
 
-    self._mgr.wait_until_finished()  # one save in flight: bounds the memory of host copies
+    self.wait_until_finished()  # one save in flight: bounds the memory of host copies; applies retention
     self.check_space(trees)  # (creates a local directory)
-    self._write_pending_manifests()
+    self._clear_step(step)
     mode = self._guard_mode(trees)
     if mode == "copy":
       jax.block_until_ready(trees)  # what is copied must be computed; the copy finishes before save returns
@@ -305,14 +281,44 @@ class CheckpointManager:
     args |= {"meta": ocp.args.JsonSave(meta), "format": ocp.args.JsonSave(fmt)}
     with self._lock:
       self._pending.add(step)
-    saved = self._mgr.save(step, args=ocp.args.Composite(**args), force=force)
-    if not saved:
-      with self._lock:
-        self._pending.discard(step)
-    elif mode == "block" or not self.async_save:
-      self._mgr.wait_until_finished()
-      self._write_pending_manifests()
+    saved = False
+    try:
+      saved = self._mgr.save(step, args=ocp.args.Composite(**args), force=force)
+    finally:
+      if not saved:
+        with self._lock:
+          self._pending.discard(step)
+    if saved and (mode == "block" or not self.async_save):
+      self.wait_until_finished()
+    elif saved:  # the manifest is written as soon as Orbax commits, not at the next call
+      self._finisher = threading.Thread(target=self._finish_in_background, name="jax_dos_manifest")
+      self._finisher.start()
     return saved
+
+  def _clear_step(self, step: int) -> None:
+    """Makes room for a save at ``step``: an earlier save's leftovers there are removed or moved aside."""
+    if not _is_local(self.directory):
+      return
+    tmp = self._step_dir(step) + TMP_SUFFIX  # an interrupted write (Orbax would remove it, with a warning)
+    if os.path.isdir(tmp) and jax.process_index() == 0:
+      shutil.rmtree(tmp)
+    if os.path.isdir(self._step_dir(step)):
+      damage = self._verify(step)
+      if damage is None:
+        raise ValueError(
+          f"checkpoint step {step} already exists in {self.directory} and verifies; save at a later step, or"
+          " delete it first."
+        )
+      self._set_aside(step, damage)
+      if os.path.isdir(self._step_dir(step)):
+        raise ValueError(f"checkpoint step {step} in {self.directory} is damaged ({damage}); delete it to save there.")
+
+  def _finish_in_background(self) -> None:
+    try:
+      self._mgr.wait_until_finished()  # Orbax's own finalize thread: the step is renamed into place when it ends
+      self._write_pending_manifests()
+    except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+      self._finisher_error = e
 
   def check_space(self, *trees: Any) -> None:
     """Raises ``OSError`` if the checkpoint directory's disk cannot hold one checkpoint of ``trees``.
@@ -350,18 +356,54 @@ class CheckpointManager:
     """Writes the manifest of every committed step saved by this manager (primary process only)."""
     with self._lock:
       pending = sorted(self._pending)
-      for step in pending:
-        step_dir = self._step_dir(step)
-        if not os.path.isdir(step_dir):
-          continue  # not committed (yet)
+    for step in pending:
+      step_dir = self._step_dir(step)
+      if _is_local(self.directory) and not os.path.isdir(step_dir):
+        continue  # not committed (yet)
+      if jax.process_index() == 0 and _is_local(self.directory):
+        integrity.write_manifest(step_dir, step)  # (the lock is not held: checksums take a while)
+      with self._lock:
         self._pending.discard(step)
-        if jax.process_index() == 0 and _is_local(self.directory):
-          _write_manifest(step_dir, step)
+        self._verified.add(step)
 
   def wait_until_finished(self) -> None:
-    """Blocks until the save in flight (if any) is committed."""
-    self._mgr.wait_until_finished()
+    """Blocks until the save in flight (if any) is committed and its manifest written; then applies retention."""
+    finisher, self._finisher = self._finisher, None
+    if finisher is not None:
+      finisher.join()
+    error, self._finisher_error = self._finisher_error, None
+    self._mgr.wait_until_finished()  # raises a failed save's error
+    if error is not None:
+      raise error
     self._write_pending_manifests()
+    self._apply_retention()
+
+  def _apply_retention(self) -> None:
+    """Deletes intact steps older than the newest ``max_to_keep`` intact ones.
+
+    Runs when no save is in flight. Intact: a manifest whose files all have
+    their sizes (contents are not read). Incomplete or damaged steps are never
+    deleted here, and neither is the newest verified one.
+    """
+    if self.max_to_keep is None or not _is_local(self.directory) or jax.process_index() != 0:
+      return
+    if not os.path.isdir(self.directory):
+      return
+    intact = sorted(self._intact_steps(), reverse=True)
+    newest_verified = max(self._verified & set(intact), default=None)
+    doomed = [s for s in intact[self.max_to_keep :] if s != newest_verified]
+    for step in doomed:
+      # Renamed first, out of Orbax's listing, so that an interrupted deletion leaves no half step behind; not
+      # Orbax's delete, which waits at a barrier for every process.
+      gone = os.path.join(self.directory, f".{step}{DELETING_SUFFIX}")
+      os.rename(self._step_dir(step), gone)
+      shutil.rmtree(gone)
+      self._verified.discard(step)
+    for name in os.listdir(self.directory):  # what an interrupted deletion left
+      if name.startswith(".") and name.endswith(DELETING_SUFFIX):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    if doomed:
+      self._mgr.reload()
 
   def close(self) -> None:
     self.wait_until_finished()
@@ -373,75 +415,79 @@ class CheckpointManager:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  # ---------------------------------------------------------------- validity
+  # ---------------------------------------------------------------- verification
 
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def _problem(self, step: int) -> Optional[str]:
-    """Why ``step`` is not a valid checkpoint, or ``None`` if it is."""
-    step_dir = self._step_dir(step)
+  def _verify(self, step: int) -> Optional[integrity.Damage]:
+    """Why ``step`` fails verification (every file's size and checksums: reads the whole step), or ``None``."""
     if not _is_local(self.directory):
       return None
-    try:
-      if not os.path.isdir(step_dir):
-        return "its directory does not exist"
-      _read_json(os.path.join(step_dir, "_CHECKPOINT_METADATA"))
-      fmt = _read_json(os.path.join(step_dir, "format", "metadata"))
-      if not isinstance(fmt, dict) or fmt.get("format") != FORMAT:
-        return f"its format record is {fmt!r}, not {FORMAT!r} (not written by jax_dos.checkpoint?)"
-      items = ["params", "opt_state"] + (["master"] if fmt.get("has_master") else [])
-      for item in items:
-        _read_json(os.path.join(step_dir, item, "_METADATA"))
-      _read_json(os.path.join(step_dir, "meta", "metadata"))
-      manifest_path = os.path.join(step_dir, MANIFEST)
-      if os.path.exists(manifest_path):
-        files = _read_json(manifest_path)["files"]
-        for rel, (size, crc) in files.items():
-          full = os.path.join(step_dir, rel)
-          if not os.path.exists(full):
-            return f"file {rel} is missing"
-          if os.path.getsize(full) != size:
-            return f"file {rel} has {os.path.getsize(full)} bytes, {size} were written"
-          if crc is not None and _file_digest(full, size) != crc:
-            return f"file {rel} is corrupt (checksum mismatch)"
-    except FileNotFoundError as e:
-      return f"{os.path.relpath(e.filename, step_dir) if e.filename else 'a file'} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      return f"its metadata is unreadable ({type(e).__name__}: {e})"
-    return None
+    damage = integrity.verify(self._step_dir(step))
+    if damage is None:
+      self._verified.add(step)
+    return damage
 
-  def _warn(self, step: int, reason: str) -> None:
-    if (step, reason) not in self._warned:
-      self._warned.add((step, reason))
-      warnings.warn(
-        f"checkpoint step {step} in {self.directory} is unusable: {reason}. Skipping it (it is kept on disk).",
-        stacklevel=3,
-      )
+  def _set_aside(self, step: int, damage: integrity.Damage, *, warn: bool = True) -> str:
+    """Moves a damaged step to ``<directory>/damaged/`` (if ``move_damaged``); returns (and warns) one line on it."""
+    self._verified.discard(step)
+    where = "left in place"
+    if self.move_damaged and jax.process_index() == 0:
+      target = integrity.quarantine(self.directory, step, damage)
+      self._mgr.reload()
+      where = f"moved to {target}"
+    line = f"checkpoint step {step} in {self.directory} failed verification: {damage}; {where}."
+    if warn:
+      warnings.warn(line, DamagedCheckpointWarning, stacklevel=3)
+    return line
 
   def all_steps(self) -> list[int]:
-    """Every committed step on disk (valid or not), ascending."""
-    if not os.path.isdir(self.directory):
+    """Every committed step on disk (complete, verified or not), ascending."""
+    if _is_local(self.directory) and not os.path.isdir(self.directory):
       return []
-    return sorted(self._mgr.all_steps(read=True))
+    self._mgr.reload()
+    return sorted(self._mgr.all_steps())
+
+  def complete_steps(self) -> list[int]:
+    """Committed steps whose save finished: they have a manifest (their files are not checked here), ascending."""
+    return [
+      s for s in self._finished_steps() if not _is_local(self.directory) or integrity.has_manifest(self._step_dir(s))
+    ]
+
+  def _intact_steps(self) -> list[int]:
+    """Complete steps whose files all exist with their sizes (no contents read), ascending."""
+    return [s for s in self.complete_steps() if integrity.verify(self._step_dir(s), content=False) is None]
 
   def latest_step(self) -> Optional[int]:
-    """The newest valid step, or ``None`` if there is none."""
-    for step in reversed(self.all_steps()):
-      reason = self._problem(step)
-      if reason is None:
+    """The newest step that verifies, or ``None``; newer ones that fail are set aside (see ``move_damaged``).
+
+    Reads every file of the steps it checks; :meth:`restore` with ``step=None`` does the same search.
+    """
+    for step in reversed(self._finished_steps()):
+      damage = self._verify(step)
+      if damage is None:
         return step
-      self._warn(step, reason)
+      self._set_aside(step, damage)
     return None
+
+  def _finished_steps(self) -> list[int]:
+    with self._lock:
+      pending = set(self._pending)
+    return [s for s in self.all_steps() if s not in pending]
 
   # ---------------------------------------------------------------- restore
 
   def restore(self, step: Optional[int] = None, *, params: Any, opt_state: Any) -> tuple[Any, Any, dict]:
     """Restores ``(params, opt_state, meta)`` shaped, sharded and placed like the templates.
 
+    Every file of the step is verified first (size and checksums); nothing
+    of a step that fails is read.
+
     Args:
-      step: the step to restore; ``None`` means the newest step that can be
-        read (invalid or unreadable newer steps are skipped with a warning).
+      step: the step to restore; ``None`` means the newest step that verifies
+        (newer ones that fail are set aside, each reported in a
+        :class:`DamagedCheckpointWarning`).
       params: template (concrete arrays or ``jax.ShapeDtypeStruct`` s with
         shardings) for the params.
       opt_state: template of the optimizer state: an ``optax.adamw``-style
@@ -451,34 +497,36 @@ class CheckpointManager:
     Returns:
       ``(params, opt_state, meta)`` with every array in its template's sharding
       and memory kind.
+
+    Raises:
+      FileNotFoundError: no such directory, no checkpoint in it, no step ``step``, or (``step=None``) no step
+        that verifies.
+      ValueError: ``step`` fails verification.
+      TemplateMismatchError: the templates' trees differ from the checkpoint's (a ``ValueError``).
     """
     if _is_local(self.directory) and not os.path.isdir(self.directory):
       raise FileNotFoundError(
         f"checkpoint directory {self.directory} does not exist; check the path, or start from scratch."
       )
-    steps = self.all_steps()
+    self.wait_until_finished()
+    steps = self._finished_steps()
     if step is not None:
       if step not in steps:
         raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; committed steps: {steps}.")
-      reason = self._problem(step)
-      if reason is not None:
-        raise ValueError(f"checkpoint step {step} in {self.directory} is unusable: {reason}. Restore another step.")
+      damage = self._verify(step)
+      if damage is not None:
+        raise ValueError(self._set_aside(step, damage, warn=False))
       return self._restore_step(step, params, opt_state)
     if not steps:
       raise FileNotFoundError(f"no checkpoints in {self.directory}.")
-    reasons = []
-    for s in reversed(steps):
-      reason = self._problem(s)
-      if reason is None:
-        try:
-          return self._restore_step(s, params, opt_state)
-        except TemplateMismatchError:
-          raise
-        except Exception as e:  # an unreadable checkpoint: use an older one
-          reason = f"reading it failed ({type(e).__name__}: {str(e)[:500]})"
-      self._warn(s, reason)
-      reasons.append(f"step {s}: {reason}")
-    raise ValueError(f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(reasons))
+    found = self.latest_step()  # verifies
+    if found is None:
+      raise FileNotFoundError(
+        f"no checkpoint in {self.directory} verifies (steps {steps}; see the warnings above"
+        + (f", and {os.path.join(self.directory, integrity.DAMAGED_DIR)}" if self.move_damaged else "")
+        + ")."
+      )
+    return self._restore_step(found, params, opt_state)
 
   def _restore_step(self, step: int, params_t: Any, opt_t: Any) -> tuple[Any, Any, dict]:
     fmt = self._mgr.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))["format"]

@@ -420,7 +420,10 @@ def calibrate(*, size: int | None = None, force: bool = False, cache: bool = Tru
     if cal is not None:
       return cal
   # Shown by default (a silent half minute at init looks like a hang); once per machine when cached.
-  log.warning("jax_dos: measuring this machine for the performance model (plan='auto'); 20-30 s on a GPU, then cached.")
+  import jax
+
+  took = "a few seconds" if jax.default_backend() == "cpu" else "20-30 s"
+  log.warning("jax_dos: measuring this machine for the performance model (plan='auto'); %s, then cached.", took)
   cal = measure(size=size, reps=reps)
   if cache:
     try:

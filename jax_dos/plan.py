@@ -104,7 +104,7 @@ class Plan:
     """A few lines a person can read: what goes where, and the predicted times."""
     total = sum(self.sizes) or 1
     lines = [f"Plan ({self.source}): {len(self.subgroups)} subgroups, {total:,} parameters"]
-    for p in PLACEMENTS:
+    for p in (p for p in PLACEMENTS if self.indices(p)):  # the placements in use
       n = self.elements(p)
       lines.append(f"  {p:>6}: {len(self.indices(p)):4d} subgroups, {n:>15,} params ({100 * n / total:5.1f}%)")
     if self.indices("stream"):
@@ -112,7 +112,8 @@ class Plan:
     if self.ahead_budget_bytes is not None and self.indices("host"):
       lines.append(f"  state copies sent ahead: up to {self.ahead_budget_bytes / 2**30:.2f} GiB per device")
     if self.predicted:
-      lines.append("  predicted: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.predicted.items()))
+      shown = {k: v for k, v in self.predicted.items() if k not in PLACEMENTS or self.indices(k)}
+      lines.append("  predicted: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in shown.items()))
     return "\n".join(lines)
 
   __str__ = describe

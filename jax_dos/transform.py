@@ -197,6 +197,7 @@ class _InterleavedAdam:
         new_params, self.delay_predict,
       )  # fmt: skip
     else:
+      _check_not_consumed(masters + mus + nus + [state.count], param_leaves, grads)
       out = self._engine(plan, decay).update(*args, state.count, grad_scale, new_params)
     u, m32, m1, m2, count = out
     unflat = lambda xs: jax.tree.unflatten(sdef, xs)  # noqa: E731
@@ -209,6 +210,26 @@ class _InterleavedAdam:
         self.hyper, plan, decay, self.delay, self.delay_warmup, self.delay_predict, self.write_behind
       )
     return self._engines[key]
+
+
+def _deleted(xs: list) -> bool:
+  return any(isinstance(x, jax.Array) and x.is_deleted() for x in xs)
+
+
+def _check_not_consumed(state_leaves: list, param_leaves: list, grads: list) -> None:
+  """A clear error, before any work, for arrays an earlier eager update consumed (donated or released)."""
+  if _deleted(state_leaves):
+    raise ValueError(
+      "this optimizer state was already consumed by an earlier update (its buffers were donated to it or released"
+      " when copied). Pass the state returned by the latest update."
+    )
+  if _deleted(param_leaves):
+    raise ValueError(
+      "these params were already consumed by an earlier jax_dos.update_params (their buffers hold the new"
+      " parameters). Pass the params it returned."
+    )
+  if _deleted(grads):
+    raise ValueError("some gradients were deleted or donated before this update; pass live arrays.")
 
 
 DELAY_PREDICTIONS = ("moments", "gradient")

@@ -76,3 +76,10 @@ def test_accum_probe_smoke(tmp_path):
   rows = json.loads(out.read_text())["rows"]
   assert [r["variant"] for r in rows] == ["one", "sum", "inbwd"]
   assert rows[1]["alias_gib"] > 0 and rows[2]["alias_gib"] > 0  # the running sum is updated in place
+
+
+def test_checkpoint_cost_smoke(tmp_path):
+  run(tmp_path, "checkpoint_cost.py", "--params", "3e6")
+  out = json.loads((tmp_path / "checkpoint_cost.json").read_text())
+  assert out["params"] == 3_000_000 and out["bytes_on_disk"] > 14 * 3_000_000 // 2
+  assert set(out["seconds"]) == {"save_returned", "save_complete", "manifest", "verify", "restore"}

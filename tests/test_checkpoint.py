@@ -1,10 +1,13 @@
 """Checkpoints of the offloaded Adam state: roundtrips, cross-plan/optax restores, hazards, robustness."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ import optax
 import pytest
 
 import jax_dos
-from jax_dos.checkpoint import CheckpointManager, from_optax_adamw_state, to_optax_adamw_state
+from jax_dos.checkpoint import MANIFEST, CheckpointManager, from_optax_adamw_state, to_optax_adamw_state
 
 LR, WD = 1e-2, 0.1
 
@@ -63,6 +66,11 @@ def kinds(tree):
 
 def fresh(tx, seed=99):
   p = make_params(seed)  # different values: restore must overwrite everything
+  return p, tx.init(p)
+
+
+def fresh_tree(tx, like):
+  p = jax.tree.map(lambda x: x + 1.0, like)  # different values: restore must overwrite everything
   return p, tx.init(p)
 
 
@@ -192,52 +200,159 @@ def test_tree_mismatch_and_missing_directory(tmp_path):
   missing.close()
 
 
-def _save_two(tmp_path, tx, **kw):
-  params = make_params()
+def _save_two(tmp_path, tx, params=None, **kw):
+  """Steps 1 and 2 of a short run, written and closed; returns step 1's ``(params, state)`` and the params."""
+  params = make_params() if params is None else params
   params, state = train(tx, params, tx.init(params), 1)
   first = snapshot((params, state))
-  mgr = CheckpointManager(tmp_path, save_interval_steps=1, **kw)
-  mgr.save(1, params=params, opt_state=state)
-  params, state = train(tx, params, state, 1, start=1)
-  mgr.save(2, params=params, opt_state=state)
-  mgr.wait_until_finished()
-  return mgr, first
+  with CheckpointManager(tmp_path, save_interval_steps=1, **kw) as mgr:
+    mgr.save(1, params=params, opt_state=state)
+    params, state = train(tx, params, state, 1, start=1)
+    mgr.save(2, params=params, opt_state=state)
+  return first, params
 
 
-def _data_files(step_dir):
-  out = []
-  for root, _, files in os.walk(step_dir):
-    out += [os.path.join(root, f) for f in files if os.sep + "d" + os.sep in os.path.join(root, f) + os.sep]
-  return [f for f in out if os.path.getsize(f) > 64]
+def _largest_file(step_dir):
+  files = [os.path.join(root, f) for root, _, names in os.walk(step_dir) for f in names if f != MANIFEST]
+  return max(files, key=os.path.getsize)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's failed read
-@pytest.mark.parametrize("damage", ["truncate", "garbage_metadata", "truncate_without_manifest"])
-def test_corrupt_checkpoint_falls_back(tmp_path, damage):
-  tx = interleaved("host")
-  mgr, first = _save_two(tmp_path, tx)
-  step2 = tmp_path / "2"
-  if damage == "garbage_metadata":
-    (step2 / "opt_state" / "_METADATA").write_text("{not json")
+def _damage(step_dir, kind):
+  """Damages a saved step as disks, copies and interrupted saves do."""
+  rng = np.random.default_rng()
+  if kind == "truncated":
+    path = _largest_file(step_dir)
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  elif kind == "bit_flipped_in_metadata":
+    path = os.path.join(step_dir, "opt_state", "_METADATA")
+    data = bytearray(open(path, "rb").read())
+    i = int(rng.integers(len(data)))
+    data[i] ^= 1 << int(rng.integers(8))
+    open(path, "wb").write(bytes(data))
+  elif kind == "master_removed":
+    shutil.rmtree(os.path.join(step_dir, "master"))
+  elif kind == "4k_overwritten":  # in the middle of the largest file, same size: only the checksums can tell
+    path = _largest_file(step_dir)
+    size = os.path.getsize(path)
+    assert size > 64 * 1024, size
+    with open(path, "r+b") as f:
+      f.seek(size // 2)
+      f.write(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    assert os.path.getsize(path) == size
+  elif kind == "manifest_missing":  # a kill between Orbax's commit and the manifest
+    os.remove(os.path.join(step_dir, "jax_dos_manifest.json"))
   else:
-    for f in _data_files(step2):
-      with open(f, "r+b") as fh:
-        fh.truncate(os.path.getsize(f) // 2)
-    if damage == "truncate_without_manifest":
-      os.remove(step2 / "jax_dos_manifest.json")
-  with pytest.warns(UserWarning, match="step 2 .* unusable"):
-    if damage == "truncate_without_manifest":
-      assert mgr.latest_step() == 2  # cheap checks cannot see it; reading does
-    else:
+    raise ValueError(kind)
+
+
+DAMAGE = {
+  "truncated": "size-mismatch",
+  "bit_flipped_in_metadata": "checksum-mismatch",
+  "master_removed": "missing-files",
+  "4k_overwritten": "checksum-mismatch",
+  "manifest_missing": "no-manifest",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_step_is_moved_aside_and_its_number_reused(tmp_path, damage):
+  tx = interleaved("host")
+  big = {"w": jax.random.normal(jax.random.key(5), (512, 256), jnp.float32), "b": jnp.ones(7)}  # files of ~0.5 MB
+  first, params = _save_two(tmp_path, tx, big)
+  _damage(str(tmp_path / "2"), damage)
+  with CheckpointManager(tmp_path, save_interval_steps=1) as mgr:
+    template = fresh_tree(tx, big)
+    with pytest.warns(jax_dos.DamagedCheckpointWarning, match=r"step 2 .* failed verification: .*; moved to") as w:
+      rp, rs, _ = mgr.restore(params=template[0], opt_state=template[1])
+    assert len(w) == 1 and "\n" not in str(w[0].message)
+    assert_equal_trees(first, (rp, rs))
+    assert os.listdir(tmp_path / "damaged") == [f"2-{DAMAGE[damage]}"] and not (tmp_path / "2").exists()
+    assert mgr.all_steps() == [1]
+    # Training goes on and saves at the damaged step's number.
+    rp, rs = train(tx, rp, rs, 1, start=1)
+    want = snapshot((rp, rs))
+    mgr.save(2, params=rp, opt_state=rs)
+  with CheckpointManager(tmp_path) as mgr:  # a further resume
+    assert mgr.latest_step() == 2
+    got = mgr.restore(params=template[0], opt_state=template[1])
+  assert_equal_trees(want, got[:2])
+
+
+def test_damaged_steps_are_only_skipped_when_not_to_be_moved(tmp_path):
+  tx = interleaved("host")
+  first, _ = _save_two(tmp_path, tx)
+  _damage(str(tmp_path / "2"), "master_removed")
+  with CheckpointManager(tmp_path, move_damaged=False) as mgr:
+    with pytest.warns(jax_dos.DamagedCheckpointWarning, match="left in place"):
       assert mgr.latest_step() == 1
-    tp, ts = fresh(tx)
-    rp, rs, _ = mgr.restore(params=tp, opt_state=ts)
-  assert_equal_trees(first, (rp, rs))
-  assert step2.is_dir()  # never delete what could not be read
-  mgr.close()
+    with pytest.raises(ValueError, match="step 2 .* failed verification: .* files are missing .*; left in place"):
+      mgr.restore(2, params=make_params(), opt_state=tx.init(make_params()))
+  assert (tmp_path / "2").is_dir() and not (tmp_path / "damaged").exists()
 
 
-def test_retention_keeps_valid_steps_and_never_deletes_invalid(tmp_path):
+def test_no_step_verifies(tmp_path):
+  tx = interleaved("device")
+  _save_two(tmp_path, tx)
+  for step in ("1", "2"):
+    _damage(str(tmp_path / step), "bit_flipped_in_metadata" if step == "1" else "truncated")
+  with CheckpointManager(tmp_path) as mgr:
+    with (
+      pytest.warns(jax_dos.DamagedCheckpointWarning),
+      pytest.raises(FileNotFoundError, match="no checkpoint .* verifies"),
+    ):
+      mgr.restore(params=make_params(), opt_state=tx.init(make_params()))
+  assert sorted(os.listdir(tmp_path / "damaged")) == ["1-checksum-mismatch", "2-size-mismatch"]
+
+
+def test_a_step_that_verifies_is_not_overwritten(tmp_path):
+  tx = interleaved("device")
+  _save_two(tmp_path, tx)
+  with CheckpointManager(tmp_path, save_interval_steps=1) as mgr:
+    with pytest.raises(ValueError, match="step 2 already exists .* and verifies"):
+      mgr.save(2, params=make_params(), opt_state=tx.init(make_params()), force=True)
+    assert mgr.all_steps() == [1, 2]
+
+
+def test_manifest_checksums_every_segment_of_every_file(tmp_path, monkeypatch):
+  from jax_dos import checkpoint_integrity as integrity
+
+  tx = interleaved("host")
+  monkeypatch.setattr(integrity, "SEGMENT_BYTES", 4096)  # several segments per data file
+  _save_two(tmp_path, tx, {"w": jax.random.normal(jax.random.key(1), (64, 64))})
+  manifest = json.load(open(tmp_path / "2" / "jax_dos_manifest.json"))
+  on_disk = {os.path.relpath(os.path.join(r, f), tmp_path / "2") for r, _, fs in os.walk(tmp_path / "2") for f in fs}
+  assert set(manifest["files"]) == on_disk - {"jax_dos_manifest.json"}
+  for rel, (size, crcs) in manifest["files"].items():
+    assert len(crcs) == max(1, -(-size // 4096)), rel
+  assert integrity.verify(str(tmp_path / "2")) is None
+  with open(_largest_file(tmp_path / "2"), "r+b") as f:  # one byte of the last segment
+    f.seek(-1, os.SEEK_END)
+    last = f.read(1)
+    f.seek(-1, os.SEEK_END)
+    f.write(bytes([last[0] ^ 0x80]))
+  assert integrity.verify(str(tmp_path / "2")).kind == "checksum-mismatch"
+
+
+def test_a_manifest_of_the_earlier_format_still_verifies(tmp_path):
+  """Manifests written before content checksums hold the CRC-32 of files up to 1 MiB; larger files go by size."""
+  import zlib
+
+  from jax_dos import checkpoint_integrity as integrity
+
+  _save_two(tmp_path, interleaved("host"))
+  step = tmp_path / "2"
+  files = json.load(open(step / MANIFEST))["files"]
+  legacy = {}
+  for rel, (size, _) in files.items():
+    legacy[rel] = [size, zlib.crc32((step / rel).read_bytes()) if size <= 1 << 20 else None]
+  json.dump({"format": "jax_dos.adam/1", "step": 2, "files": legacy}, open(step / MANIFEST, "w"))
+  assert integrity.verify(str(step)) is None
+  _damage(str(step), "bit_flipped_in_metadata")
+  assert integrity.verify(str(step)).kind == "checksum-mismatch"
+
+
+def test_retention_keeps_intact_steps_and_never_deletes_damaged_ones(tmp_path):
   tx = interleaved("device")
   params = make_params()
   state = tx.init(params)
@@ -246,59 +361,96 @@ def test_retention_keeps_valid_steps_and_never_deletes_invalid(tmp_path):
     mgr.save(2, params=params, opt_state=state)
     (tmp_path / "2" / "params" / "_METADATA").write_text("garbage")
     mgr.save(3, params=params, opt_state=state)
+    assert mgr.all_steps() == [1, 2, 3]  # intact: 1 and 3
     mgr.save(4, params=params, opt_state=state)
-    assert mgr.all_steps() == [2, 3, 4]  # 1 rotated out, 2 (unreadable) kept
+    assert mgr.all_steps() == [2, 3, 4]  # 1 rotated out, 2 (damaged) kept
     mgr.save(5, params=params, opt_state=state)
     assert mgr.all_steps() == [2, 4, 5]
+    assert mgr.complete_steps() == [2, 4, 5]  # 2 has its manifest: it finished, then was damaged
 
 
-def test_incomplete_tmp_directory_is_ignored(tmp_path):
+def test_retention_deletes_only_after_the_newer_step_is_complete(tmp_path):
   tx = interleaved("host")
-  mgr, first = _save_two(tmp_path, tx)
-  mgr.close()
+  params = make_params()
+  state = tx.init(params)
+  with CheckpointManager(tmp_path, save_interval_steps=1, max_to_keep=1) as mgr:
+    mgr.save(1, params=params, opt_state=state)
+    mgr.save(2, params=params, opt_state=state)  # waits for 1's manifest, then writes 2 in the background
+    assert (tmp_path / "1" / "jax_dos_manifest.json").exists()  # still there while 2 is written
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [2] and mgr.complete_steps() == [2]
+
+
+def test_incomplete_tmp_directory_is_ignored_and_replaced(tmp_path):
+  tx = interleaved("host")
+  _save_two(tmp_path, tx)
   # What a save killed before commit leaves: a tmp directory without commit metadata.
   tmp_dir = tmp_path / "3.orbax-checkpoint-tmp"
   (tmp_dir / "params").mkdir(parents=True)
   (tmp_dir / "params" / "_METADATA").write_text("{")
-  with CheckpointManager(tmp_path) as mgr:
+  with CheckpointManager(tmp_path, save_interval_steps=1) as mgr:
     assert mgr.latest_step() == 2
+    mgr.save(3, params=make_params(), opt_state=tx.init(make_params()))
+    mgr.wait_until_finished()
+    assert mgr.latest_step() == 3 and not tmp_dir.exists()
 
 
+# A subprocess saves step 1, then is killed with SIGKILL while saving step 2 at one of several moments: during Orbax's
+# write, after Orbax's commit but before the manifest, or while the manifest's checksums are computed.
 _KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import jax, jax.numpy as jnp, numpy as np
     import jax_dos
+    from jax_dos import checkpoint_integrity as integrity
     from jax_dos.checkpoint import CheckpointManager
+    directory, moment = sys.argv[1], sys.argv[2]
     params = {"w": jnp.arange(64.0).reshape(8, 8)}
     tx = jax_dos.interleaved_adam(1e-2, plan="host")
     state = tx.init(params)
-    mgr = CheckpointManager(sys.argv[1], save_interval_steps=1)
+    mgr = CheckpointManager(directory, save_interval_steps=1, max_to_keep=1)
     mgr.save(1, params=params, opt_state=state)
     mgr.wait_until_finished()
+    die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    if moment == "committed":
+      integrity.write_manifest = die
+    elif moment == "checksums":
+      calls, crc = [], integrity._crc32_range
+      integrity._crc32_range = lambda *a: die() if len(calls) > 2 else calls.append(1) or crc(*a)
     big = {"w": jnp.ones((1024, 1024)), "v": jnp.ones((1024, 1024))}
     bstate = jax_dos.interleaved_adam(1e-2, plan="host").init(big)
-    mgr.save(2, params=big, opt_state=bstate)  # async: killed mid-write
-    os.kill(os.getpid(), signal.SIGKILL)
+    mgr.save(2, params=big, opt_state=bstate)  # async: returns while Orbax writes
+    if moment == "writing":
+      die()
+    mgr.wait_until_finished()
+    print("not killed")
 """)
 
 
-def test_kill_during_save_keeps_previous(tmp_path):
+@pytest.mark.parametrize("moment", ["writing", "committed", "checksums"])
+def test_kill_during_save_keeps_previous(tmp_path, moment):
   proc = subprocess.run(
-    [sys.executable, "-c", _KILL_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120
+    [sys.executable, "-c", _KILL_SCRIPT, str(tmp_path), moment], capture_output=True, text=True, timeout=120
   )
-  assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+  assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr[-2000:]
+  assert (tmp_path / "1" / "jax_dos_manifest.json").exists()  # retention kept it: step 2 never completed
   params = {"w": jnp.zeros((8, 8))}
   tx = jax_dos.interleaved_adam(1e-2, plan="host")
-  with CheckpointManager(tmp_path, save_interval_steps=1) as mgr:
-    latest = mgr.latest_step()
-    assert latest == (2 if (tmp_path / "2").is_dir() else 1)  # 2 only if it committed before the kill
-    rp, rs, _ = mgr.restore(1, params=params, opt_state=tx.init(params))
+  with CheckpointManager(tmp_path, save_interval_steps=1, max_to_keep=1) as mgr:
+    with warnings.catch_warnings(record=True) as w:
+      warnings.simplefilter("always")
+      rp, rs, _ = mgr.restore(params=params, opt_state=tx.init(params))
+    damaged = [str(x.message) for x in w if issubclass(x.category, jax_dos.DamagedCheckpointWarning)]
+    if moment == "writing" and not damaged:  # killed before the commit: only a tmp directory is left
+      assert not (tmp_path / "2").exists()
+    else:
+      assert len(damaged) == 1 and "no jax_dos_manifest.json" in damaged[0], damaged
+      assert os.listdir(tmp_path / "damaged") == ["2-no-manifest"]
     np.testing.assert_array_equal(np.asarray(rp["w"]), np.arange(64.0).reshape(8, 8))
     np.testing.assert_array_equal(np.asarray(rs.master["w"]), np.arange(64.0).reshape(8, 8))
-    # The run goes on and saves over the leftovers.
-    assert mgr.save(3, params=rp, opt_state=rs)
+    # The run goes on and saves over the leftovers, at the same step number.
+    assert mgr.save(2, params=rp, opt_state=rs)
     mgr.wait_until_finished()
-    assert mgr.latest_step() == 3
+    assert mgr.all_steps() == [2] and mgr.latest_step() == 2
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""

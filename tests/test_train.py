@@ -6,6 +6,11 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import jax
@@ -15,6 +20,7 @@ import pytest
 from train import data as D
 from train import gpt as T
 from train import gradients as G
+from train import progress as P
 
 # A model small enough that each run takes seconds on a CPU.
 TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--batch", "4", "--seq-len", "32", "--eval-batches", "1",
@@ -148,6 +154,21 @@ def test_defaults():
   assert T.parse_args(["--grad-accum", "4"]).grad_flush == "none"  # the sum is on the accelerator: nothing to flush
 
 
+def test_help_shows_only_real_defaults():
+  text = T.build_parser().format_help()
+  assert "(default: None)" not in text and "(default: False)" not in text
+  assert "(default: 500)" in text  # --steps
+
+
+def test_eta_waits_for_a_step_after_compilation():
+  eta = P.Eta(total=100)
+  assert eta.text(1, 50.0) == "--"  # the first step compiled: no estimate from it
+  eta.start(1, 50.0)
+  assert eta.text(1, 50.0) == "--"
+  assert eta.seconds(11, 60.0) == pytest.approx(89.0)  # 1 s a step since the first step, 89 steps left
+  assert eta.text(11, 60.0) == "1:29" and P.fmt_duration(3725) == "1:02:05"
+
+
 def test_weight_decay_mask_skips_vectors():
   mask = T.decay_mask({"w": np.zeros((2, 3)), "b": np.zeros(3), "emb": {"e": np.zeros((4, 2))}, "s": np.zeros(())})
   assert mask == {"w": True, "b": False, "emb": {"e": True}, "s": False}
@@ -163,6 +184,8 @@ def test_training_loss_falls_and_logs(tmp_path):
   assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
   assert sorted(out["val_losses"]) == [0, 15, 30] and out["val_losses"][30] < out["val_losses"][0]
   assert out["tokens_per_s"] > 0 and "host" in out["plan"]
+  if jax.default_backend() == "cpu":  # no accelerator: --offload auto streams nothing, and the plan does not say stream
+    assert "stream" not in out["plan"], out["plan"]
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert [r["step"] for r in rows if "loss" in r] == list(range(1, 31))
   assert {"step", "loss", "val_loss", "lr", "tokens_per_s", "mfu", "time"} <= set(rows[-1])
@@ -288,18 +311,129 @@ def test_resume_is_bit_exact(tmp_path, offload):
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
-def test_checkpoint_directory_guards(tmp_path):
+def test_checkpoint_directory_guards(tmp_path, capsys):
   with pytest.raises(SystemExit, match="no checkpoint"):
     _run(tmp_path, "fresh", "--steps", "1", "--resume")
   _run(tmp_path, "run", "--steps", "1", "--eval-every", "0")
-  with pytest.raises(SystemExit, match="--resume to continue"):
+  with pytest.raises(SystemExit, match="--resume to continue it, --overwrite to start again, --no-ckpt"):
     _run(tmp_path, "run", "--steps", "2")
+  with pytest.raises(SystemExit, match="not found"):  # other mistakes are not hidden by the refusal
+    _run(tmp_path, "run", "--steps", "2", "--data", str(tmp_path / "missing.txt"))
+  out = _run(tmp_path, "run", "--steps", "2", "--eval-every", "0", "--no-ckpt")  # a second run that saves nothing
+  assert out["step"] == 2 and "leaves the checkpoints" in capsys.readouterr().err
   with pytest.raises(SystemExit, match="model differs"):
     _run(tmp_path, "run", "--steps", "2", "--resume", "--d-model", "64")
-  assert os.listdir(tmp_path / "run" / "ckpt")
-  with pytest.raises(SystemExit, match="not found"):  # --overwrite clears the old run before anything else
+  with pytest.raises(SystemExit, match="not found"):  # a failed --overwrite deletes nothing
     _run(tmp_path, "run", "--steps", "2", "--overwrite", "--data", str(tmp_path / "missing.txt"))
-  assert not os.path.exists(tmp_path / "run" / "ckpt") and not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+  assert os.listdir(tmp_path / "run" / "ckpt") == ["1"]
+  _run(tmp_path, "run", "--steps", "2", "--overwrite", "--eval-every", "0")
+  assert os.listdir(tmp_path / "run" / "ckpt") == ["2"]
+
+
+# Damage done to the newest checkpoint of a run (tests/test_checkpoint.py damages files the same ways).
+def _damage_newest(ckpt: str, kind: str) -> None:
+  step_dir = os.path.join(ckpt, str(max(int(n) for n in os.listdir(ckpt) if n.isdigit())))
+  files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs if f != "jax_dos_manifest.json"]
+  largest = max(files, key=os.path.getsize)
+  rng = np.random.default_rng()
+  if kind == "truncated":
+    with open(largest, "r+b") as f:
+      f.truncate(os.path.getsize(largest) // 2)
+  elif kind == "bit_flipped_in_metadata":
+    path = os.path.join(step_dir, "params", "_METADATA")
+    data = bytearray(open(path, "rb").read())
+    data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+    open(path, "wb").write(bytes(data))
+  elif kind == "master_removed":
+    shutil.rmtree(os.path.join(step_dir, "master"))
+  elif kind == "4k_overwritten":
+    size = os.path.getsize(largest)
+    with open(largest, "r+b") as f:
+      f.seek(size // 2)
+      f.write(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+  elif kind == "manifest_missing":
+    os.remove(os.path.join(step_dir, "jax_dos_manifest.json"))
+
+
+RECOVERY = ["--offload", "host", "--decay-steps", "8", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def recovery_runs(tmp_path_factory):
+  """An undamaged run of 8 steps, and a run stopped at step 4 (checkpoints 2 and 4), to be damaged and resumed."""
+  root = tmp_path_factory.mktemp("recovery")
+  full = _run(root, "full", *RECOVERY, "--steps", "8")
+  _run(root, "stopped", *RECOVERY, "--steps", "4")
+  return root, full["losses"]
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+@pytest.mark.parametrize(
+  "kind", ["truncated", "bit_flipped_in_metadata", "master_removed", "4k_overwritten", "manifest_missing"]
+)
+def test_resume_survives_a_damaged_newest_checkpoint(tmp_path, recovery_runs, kind, capsys):
+  root, full = recovery_runs
+  shutil.copytree(root / "stopped", tmp_path / "run")
+  ckpt = tmp_path / "run" / "ckpt"
+  _damage_newest(str(ckpt), kind)
+  capsys.readouterr()
+  out = _run(tmp_path, "run", *RECOVERY, "--steps", "6", "--resume")
+  lines = [line for line in capsys.readouterr().err.splitlines() if "failed verification" in line]
+  assert len(lines) == 1 and "step 4" in lines[0] and "moved to" in lines[0], lines
+  assert out["start_step"] == 2 and out["step"] == 6
+  assert out["losses"] == {s: v for s, v in full.items() if 2 < s <= 6}  # the undamaged run's, bit for bit
+  assert len(os.listdir(ckpt / "damaged")) == 1 and os.listdir(ckpt / "damaged")[0].startswith("4-")
+  assert sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) == [2, 4, 6]  # step 2 kept, 4 written again
+  again = _run(tmp_path, "run", *RECOVERY, "--steps", "8", "--resume")
+  assert again["start_step"] == 6 and again["losses"] == {s: v for s, v in full.items() if s > 6}
+
+
+_KILLED_FIRST_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    from jax_dos import checkpoint_integrity
+    from train import gpt
+    # SIGKILL once Orbax has committed the first checkpoint, before its manifest is written.
+    checkpoint_integrity.write_manifest = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+    gpt.main(sys.argv[1:])
+""")
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+def test_a_first_save_killed_midway_is_taken_over_by_a_plain_run_and_by_resume(tmp_path, capsys):
+  flags = [*TINY, "--offload", "host", "--eval-every", "0", "--ckpt-every", "2", "--steps", "3"]
+  proc = subprocess.run(
+    [sys.executable, "-c", _KILLED_FIRST_SAVE, *flags, "--out", str(tmp_path / "a")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])),
+  )
+  assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+  assert os.listdir(tmp_path / "a" / "ckpt") == ["2"]  # committed, no manifest
+  shutil.copytree(tmp_path / "a", tmp_path / "b")
+  for name, extra in (("a", []), ("b", ["--resume"])):
+    capsys.readouterr()
+    out = _run(tmp_path, name, *flags[len(TINY) :], *extra)
+    err = capsys.readouterr().err
+    assert out["start_step"] == 0 and out["step"] == 3, name
+    assert "no complete checkpoint" in err and "2-no-manifest" in err, err
+    assert sorted(os.listdir(tmp_path / name / "ckpt")) == ["2", "3", "damaged"]
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the learning rate, in float32
+@pytest.mark.parametrize("ckpt_every, match", [("1", "parameters after step 5's update are not finite"),
+                                               ("4", "training loss of step 6 is nan")])  # fmt: skip
+def test_a_diverging_run_stops_and_saves_nothing(tmp_path, ckpt_every, match):
+  common = ["--offload", "host", "--decay-steps", "100", "--warmup", "0", "--eval-every", "0", "--log-every", "10"]
+  _run(tmp_path, "run", *common, "--steps", "4", "--ckpt-every", "2")
+  before = {n: os.path.getmtime(tmp_path / "run" / "ckpt" / n) for n in os.listdir(tmp_path / "run" / "ckpt")}
+  with pytest.raises(SystemExit, match=match) as e:  # an overflowing learning rate: inf parameters after step 5
+    _run(tmp_path, "run", *common, "--steps", "12", "--ckpt-every", ckpt_every, "--resume", "--lr", "1e39")
+  assert "Nothing of this state was saved; the newest checkpoint is step 4" in str(e.value)
+  after = {n: os.path.getmtime(tmp_path / "run" / "ckpt" / n) for n in os.listdir(tmp_path / "run" / "ckpt")}
+  assert after == before  # nothing written, nothing deleted
+  assert _run(tmp_path, "run", *common, "--steps", "6", "--resume")["start_step"] == 4
 
 
 def test_no_ckpt_writes_no_checkpoint(tmp_path):

@@ -38,17 +38,20 @@ schedule is the same).
 
 Outputs in ``--out`` (default ``runs/<preset>``): ``metrics.jsonl`` (one JSON
 object per logged step: step, loss, val_loss, lr, tokens_per_s, mfu, time),
-``ckpt/`` (Orbax, through ``jax_dos.checkpoint``) and with ``--plot`` ``loss.png``.
+``ckpt/`` (Orbax, through ``jax_dos.checkpoint``; steps that fail verification
+are moved to ``ckpt/damaged/``, see ``docs/checkpoints.md``) and with ``--plot`` ``loss.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
 import sys
 import time
+import warnings
 from typing import Any
 
 # Optimizer state offloaded to the host frees GPU memory for activations: take 94% of it, not jax's default 75%
@@ -73,11 +76,20 @@ DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4}
 FALLBACK_LR = 2e-4
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows ``(default: ...)`` only where there is a value to show (not for ``None`` or an off switch)."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    if action.default is None or action.default is False:
+      return action.help or ""
+    return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     prog="python -m train.gpt",
     description="Train a GPT (Flax NNX) with jax_dos.interleaved_adam: AdamW whose state lives in host memory.",
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    formatter_class=_HelpFormatter,
   )
   m = p.add_argument_group("model")
   m.add_argument("--preset", default="tiny", choices=sorted(gpt_model.PRESETS), help="model size")
@@ -143,9 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU; default: detected GPU")
   r.add_argument("--out", default=None, help="output directory; default runs/<preset>")
   r.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0 = only at the end)")
-  r.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
-  r.add_argument("--no-ckpt", action="store_true", help="write no checkpoints (not even the final one)")
-  r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in <out>/ckpt")
+  r.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+  r.add_argument("--no-ckpt", action="store_true",
+                 help="write no checkpoints (not even the final one); an earlier run's are left alone")  # fmt: skip
+  r.add_argument("--resume", action="store_true",
+                 help="continue from the newest checkpoint in <out>/ckpt that verifies (damaged ones are moved to"
+                      " <out>/ckpt/damaged/)")  # fmt: skip
   r.add_argument("--overwrite", action="store_true", help="delete <out>/ckpt and the metrics of an earlier run")
   r.add_argument("--plot", action="store_true", help="write <out>/loss.png")
   r.add_argument("--quiet", action="store_true", help="no progress bar or messages")
@@ -254,6 +269,8 @@ def make_optimizer(
 
     return optax.GradientTransformationExtraArgs(tx.init, jax.jit(update, donate_argnums=1)), schedule
   budgets = {"resident_budget_bytes": args.resident_gb, "staging_budget_bytes": args.staging_gb}
+  if budgets["staging_budget_bytes"] is None and jax.default_backend() == "cpu":
+    budgets["staging_budget_bytes"] = 0  # no accelerator to stream through: --offload auto streams nothing
   planner = jax_dos.auto_planner(
     **{k: int(v * 2**30) for k, v in budgets.items() if v is not None},
     step_memory=step_memory,
@@ -283,29 +300,77 @@ def optimizer_step(args: argparse.Namespace, tx, grads, opt_state, params, scale
 MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "bias", "norm")
 
 
-def _prepare_out(args: argparse.Namespace, ckpt_dir: str) -> None:
-  """Refuses to mix a new run into an old run's checkpoints unless told how."""
-  has_ckpt = os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
+def _open_checkpoints(args: argparse.Namespace, ckpt_dir: str) -> tuple[jax_dos.CheckpointManager | None, bool]:
+  """``(manager, resume)``: the run's checkpoint manager (``None`` with ``--no-ckpt``) and whether to restore.
+
+  Refuses to mix a new run into an earlier run's checkpoints unless told how.
+  A folder holding no complete checkpoint (a first save was interrupted) is
+  taken over by a plain run and by ``--resume``, both starting at step 0.
+  """
+  if args.no_ckpt:  # writes nothing to ckpt_dir, whatever it holds
+    if os.path.isdir(ckpt_dir) and not args.overwrite:
+      with jax_dos.CheckpointManager(ckpt_dir) as earlier:
+        if earlier.complete_steps():
+          _warn(f"note: --no-ckpt leaves the checkpoints in {ckpt_dir} alone; this run's metrics.jsonl replaces theirs")
+    return None, False
   if args.overwrite:
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     for name in ("metrics.jsonl", "loss.png"):
       if os.path.exists(os.path.join(args.out, name)):
         os.remove(os.path.join(args.out, name))
-  elif has_ckpt and not args.resume:
+  manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
+  complete = manager.complete_steps()
+  leftovers = os.path.isdir(ckpt_dir) and any(name != DAMAGED for name in os.listdir(ckpt_dir))
+  if complete and not args.resume:
+    manager.close()
     raise SystemExit(
-      f"error: {ckpt_dir} already holds checkpoints of an earlier run. Pass --resume to continue it,"
-      " --overwrite to start again, or a different --out."
+      f"error: {ckpt_dir} holds checkpoints of an earlier run (newest: step {complete[-1]}). Pass --resume to"
+      " continue it, --overwrite to start again, --no-ckpt to train without checkpoints, or another --out."
     )
-  elif args.resume and not has_ckpt:
+  if not complete and leftovers:
+    with _damage_reported():
+      manager.latest_step()  # moves the interrupted save's committed steps aside
+    _warn(f"note: {ckpt_dir} holds no complete checkpoint (a first save was interrupted): starting at step 0.")
+    return manager, False
+  if args.resume and not complete:
+    manager.close()
     raise SystemExit(f"error: --resume: no checkpoint in {ckpt_dir}. Run without --resume to start a new run.")
+  return manager, args.resume
+
+
+DAMAGED = "damaged"  # where jax_dos.CheckpointManager moves steps that fail verification
+
+
+def _warn(msg: str) -> None:
+  """One line on stderr, even with --quiet: something about the run's checkpoints the user must know."""
+  print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _damage_reported():
+  """Prints each damaged checkpoint the manager set aside as its one line (no traceback, no source line)."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", jax_dos.DamagedCheckpointWarning)
+    try:
+      yield
+    finally:
+      for w in caught:
+        if issubclass(w.category, jax_dos.DamagedCheckpointWarning):
+          _warn(f"warning: {w.message}")
+        else:
+          warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def _restore(manager, cfg: gpt_model.GPTConfig, params, opt_state, args) -> tuple[Any, Any, int]:
-  step = manager.latest_step()
-  if step is None:
-    raise SystemExit(f"error: --resume: no valid checkpoint in {os.path.join(args.out, 'ckpt')}.")
+  """Restores the newest checkpoint that verifies; damaged newer ones are moved aside, one line each."""
+  ckpt_dir = manager.directory
   try:
-    params, opt_state, meta = manager.restore(step, params=params, opt_state=opt_state)
+    with _damage_reported():
+      params, opt_state, meta = manager.restore(params=params, opt_state=opt_state)
+  except FileNotFoundError as e:  # every step failed verification (each moved aside and reported)
+    raise SystemExit(
+      f"error: --resume: {e}\nRun without --resume to start again in {ckpt_dir}, or pass another --out."
+    ) from None
   except ValueError as e:  # the checkpoint module's template mismatch: a different model or optimizer chain
     raise SystemExit(
       f"error: --resume: the checkpoint's model differs from this run's; give the same --preset, --n-layer,"
@@ -318,6 +383,36 @@ def _restore(manager, cfg: gpt_model.GPTConfig, params, opt_state, args) -> tupl
   if meta.get("seed") != args.seed:
     raise SystemExit(f"error: --resume: the checkpoint was trained with --seed {meta.get('seed')}, not {args.seed}.")
   return params, opt_state, int(meta["step"])
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _host_finite(tree: Any) -> bool:
+  """Whether every element of host-resident arrays is finite (numpy over zero-copy views, in 64 Mi pieces)."""
+  for x in jax.tree.leaves(tree):
+    for shard in x.addressable_shards:
+      flat = np.asarray(shard.data).reshape(-1)
+      if not all(np.isfinite(flat[i : i + 2**26]).all() for i in range(0, flat.size, 2**26)):
+        return False
+  return True
+
+
+def _stop_non_finite(args: argparse.Namespace, manager, what: str) -> None:
+  """Ends the run with an error naming the step: nothing of this state is saved, every checkpoint is kept."""
+  where = "no checkpoint is written (--no-ckpt)"
+  if manager is not None:
+    manager.close()  # the last good save finishes and keeps its manifest
+    steps = manager.complete_steps()
+    where = (
+      f"the newest checkpoint is step {steps[-1]} in {manager.directory} (continue from it with --resume, with a"
+      " lower --lr or more --warmup)"
+      if steps
+      else "no checkpoint was written yet"
+    )
+  raise SystemExit(f"error: training stopped: {what}. Nothing of this state was saved; {where}.")
 
 
 # ----------------------------------------------------------------------------- training
@@ -350,8 +445,7 @@ def cli() -> None:
 def train(args: argparse.Namespace) -> dict[str, Any]:
   """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
-  _prepare_out(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
-  # --- data
+  # --- data (its errors first: a wrong --data path is reported whatever the output folder holds)
   try:
     tokens, data_vocab, data_desc = data_lib.load_tokens(args.data)
   except (FileNotFoundError, ValueError) as e:
@@ -367,6 +461,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     data_lib.check_length(splits.val, args.seq_len, "validation")
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
+  manager, resume = _open_checkpoints(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
 
   # --- model and optimizer
   cfg = gpt_model.get_config(
@@ -403,17 +498,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
   # --- output, checkpoints, resume
   os.makedirs(args.out, exist_ok=True)
-  manager = None
-  if not args.no_ckpt:
-    manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
+  if manager is not None:
     try:
       manager.check_space(params, opt_state)  # fail now, not after the training run
     except OSError as e:
       raise SystemExit(f"{e} Or pass --no-ckpt to train without checkpoints.") from None
   start_step = 0
-  if args.resume:
+  if resume:
     params, opt_state, start_step = _restore(manager, cfg, params, opt_state, args)
-  log = progress.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if args.resume else None)
+  log = progress.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None)
 
   tokens_per_step = args.batch * args.grad_accum * args.seq_len
   flops_tok = gpt_model.flops_per_token(cfg, args.seq_len)
@@ -455,7 +548,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
   from tqdm import tqdm
 
-  bar = tqdm(total=args.steps, initial=start_step, unit="step", disable=args.quiet, dynamic_ncols=True, file=sys.stderr)
+  bar = tqdm(total=args.steps, initial=start_step, unit="step", disable=args.quiet, dynamic_ncols=True, file=sys.stderr,
+             bar_format=progress.BAR_FORMAT)  # fmt: skip
+  eta = progress.Eta(args.steps)
   t_start = time.perf_counter()
   t_mark, step_mark = None, start_step
   tok_s = mfu = None
@@ -468,9 +563,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     del grads  # gradients left on the accelerator are freed now: the planner counts them through the update only
     step = it + 1
     pending.append((step, loss))
-    if t_mark is None:  # the first step compiles: start the clock after it
+    if t_mark is None:  # the first step compiles: start the clocks after it
       jax.block_until_ready(params)
       t_mark, step_mark = time.perf_counter(), step
+      eta.start(step, t_mark)
     do_eval = step == args.steps or (args.eval_every > 0 and step % args.eval_every == 0)
     do_ckpt = manager is not None and (step == args.steps or (args.ckpt_every > 0 and step % args.ckpt_every == 0))
     if not (do_eval or do_ckpt or step % args.log_every == 0):
@@ -478,6 +574,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # --- log: the losses since the last row (one sync per interval)
     rows = [(s, float(x)) for s, x in pending]
     pending.clear()
+    bad = next(((s, v) for s, v in rows if not math.isfinite(v)), None)
+    if bad is not None:
+      bar.close()
+      _stop_non_finite(args, manager, f"the training loss of step {bad[0]} is {bad[1]}")
     now = time.perf_counter()
     if step > step_mark:
       tok_s = (step - step_mark) * tokens_per_step / (now - t_mark)
@@ -492,7 +592,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for s, value in rows[:-1]:
       log.write({"step": s, "loss": value})
     log.write(row)
-    postfix = {"loss": f"{rows[-1][1]:.3f}"}
+    postfix = {"eta": eta.text(step, now), "loss": f"{rows[-1][1]:.3f}"}
     if val_losses:
       postfix["val"] = f"{val_losses[max(val_losses)]:.3f}"
     if tok_s:
@@ -503,6 +603,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if do_eval and not args.quiet:
       bar.write(f"step {step}: train loss {rows[-1][1]:.4f}, val loss {val_losses[step]:.4f}", file=sys.stderr)
     if do_ckpt:
+      # Nothing non-finite is saved. With --delay 1 the parameters lag the host's last update: check its masters.
+      if args.delay:
+        jax_dos.wait_for_host_updates()
+      finite = bool(_all_finite(params)) and (not args.delay or _host_finite(opt_state.master))
+      if not finite:
+        bar.close()
+        _stop_non_finite(args, manager, f"the parameters after step {step}'s update are not finite (inf or nan)")
       # Returns once the arrays are copied (host state included), so the next in-place update is safe.
       manager.save(step, params=params, opt_state=opt_state, meta=meta(step), force=True)
     if do_eval or do_ckpt:

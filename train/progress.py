@@ -1,4 +1,4 @@
-"""What a person watching a run sees: peak FLOP/s for MFU, the JSONL metrics log, the loss plot.
+"""What a person watching a run sees: peak FLOP/s for MFU, the time left, the JSONL metrics log, the loss plot.
 
 MFU (model FLOPs utilisation, PaLM appendix B) is ``flops_per_token * tokens_per_s / peak``
 with the peak dense matmul rate of one chip for the compute dtype (float32
@@ -84,6 +84,44 @@ def plot_losses(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+# tqdm's own estimate of the time left counts the first step, which compiles: "22:00" for a run of 2 minutes. The
+# bar shows the elapsed time and leaves the estimate to the postfix (Eta).
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+
+class Eta:
+  """Time left to step ``total``, from the wall time per step since the first step after compilation.
+
+  ``text`` is ``"--"`` until a step after :meth:`start` has been timed.
+  Evaluations and checkpoints after that step count, as they will again.
+  """
+
+  def __init__(self, total: int):
+    self.total = total
+    self.mark: tuple[int, float] | None = None
+
+  def start(self, step: int, now: float) -> None:
+    """Called once the first (compiling) step has finished, at ``step``."""
+    self.mark = (step, now)
+
+  def seconds(self, step: int, now: float) -> float | None:
+    if self.mark is None or step <= self.mark[0]:
+      return None
+    return (now - self.mark[1]) / (step - self.mark[0]) * max(0, self.total - step)
+
+  def text(self, step: int, now: float) -> str:
+    return fmt_duration(self.seconds(step, now))
+
+
+def fmt_duration(seconds: float | None) -> str:
+  """``None -> '--'``, ``75 -> '1:15'``, ``3725 -> '1:02:05'``."""
+  if seconds is None:
+    return "--"
+  m, s = divmod(int(round(seconds)), 60)
+  h, m = divmod(m, 60)
+  return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def fmt_rate(x: float) -> str:
