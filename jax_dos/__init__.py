@@ -22,6 +22,7 @@ from jax_dos.perf_model import Calibration, calibrate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planner import StepMemory, auto_planner, make_plan
 from jax_dos.stages import Stage, StagedModel
+from jax_dos.timeline import StageTimes
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,
@@ -54,6 +55,7 @@ __all__ = [
   "Plan",
   "Stage",
   "StagedModel",
+  "StageTimes",
   "StepMemory",
   "get_plan",
   "gradient_memory_kinds",

@@ -70,6 +70,7 @@ from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
 from jax_dos.plan import MEMORY_KIND, PLACEMENTS, RESIDENT_CALL_ELEMENTS, Plan, partition_leaves
 from jax_dos.stages import Stage, StagedModel
+from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements
 from jax_dos.transform import InterleavedAdamState, _decay_flags, _leaves_with_paths, _owner
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
@@ -228,6 +229,11 @@ class OverlappedStep:
       parts along its leading axis; their gradients are summed in place and
       the update takes their mean (the whole batch's mean gradient).
     plan: overrides ``tx``'s plan (same forms).
+    stage_times: the stages' measured times (``StagedModel.measure_times``).
+      With them, ``"auto"`` places subgroups by the step's timeline
+      (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner
+      would, and records the predicted step in ``plan.predicted``; without
+      them it keeps ``tx``'s planner's shares, by stage order.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
   (an accelerator scalar), with the parameters it was computed at being the
@@ -247,6 +253,7 @@ class OverlappedStep:
     clip_norm: float | None = None,
     micro_batches: int = 1,
     plan: Any = None,
+    stage_times: StageTimes | None = None,
   ):
     owner = _overlappable(tx)
     _check_no_command_buffers()
@@ -269,6 +276,7 @@ class OverlappedStep:
         raise ValueError(f"opt_state.{name} does not match params: pass tx.init(params), or a state restored for them.")
     self.decay = _decay_flags(owner.mask, list(params), self.hyper.weight_decay)
     subgroups, sizes, self.subgroup_group = group_aligned_subgroups(params, owner.subgroup_size)
+    self.stage_times = stage_times
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     self._leaf_placement = self.plan.leaf_placements()
@@ -312,9 +320,21 @@ class OverlappedStep:
       return spec
     if isinstance(spec, str) and spec == "auto":
       whole = owner.plan_for(groups)
-      placements = stage_ordered_placements(forward_order, sizes, whole.elements("device"), whole.elements("stream"))
-      return Plan(tuple(subgroups), tuple(placements), tuple(sizes), whole.stream_slots, source="model+stages",
-                  calibration=whole.calibration)  # fmt: skip
+      if self.stage_times is None or whole.calibration is None:
+        placements = stage_ordered_placements(forward_order, sizes, whole.elements("device"), whole.elements("stream"))
+        return Plan(tuple(subgroups), tuple(placements), tuple(sizes), whole.stream_slots, source="model+stages",
+                    calibration=whole.calibration)  # fmt: skip
+      if len(self.stage_times.forward) != len(self.model.stages):
+        raise ValueError(f"stage_times has {len(self.stage_times.forward)} stages, the model {len(self.model.stages)}.")
+      cal = whole.calibration
+      rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
+                    cal["stream_rate_concurrent"])  # fmt: skip
+      timeline = [Subgroup(n, self.model.completion[self.subgroup_group[s]]) for s, n in enumerate(sizes)]
+      placements, predicted = choose_placements(self.stage_times, timeline, whole.elements("device"), rates)
+      predicted = {"exposed": predicted["exposed_s"], "step": self.stage_times.compute_s(self.micro_batches)
+                   + predicted["exposed_s"]}  # fmt: skip
+      return Plan(tuple(subgroups), tuple(placements), tuple(sizes), whole.stream_slots, predicted, "model+timeline",
+                  whole.calibration)  # fmt: skip
     if isinstance(spec, str):
       if spec not in PLACEMENTS:
         raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")

@@ -28,11 +28,14 @@ squares of that group's gradient, in float32, for the global norm.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jax_dos.timeline import StageTimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,3 +159,31 @@ class StagedModel:
       for g, s in zip(st.groups, new):
         sums[g] = s
     return loss, sums
+
+  def measure_times(self, groups: Sequence[Any], batch: Any) -> StageTimes:
+    """Each stage's forward and backward time on ``batch`` (one micro-batch), run one stage at a time.
+
+    A first pass compiles; the second is timed, waiting for each program.
+    """
+    n = len(self.stages)
+    for _ in range(2):  # the first pass compiles
+      fwd, bwd, xs, x = [], [], [], None
+      for i in range(n):
+        xs.append(x)
+        t = time.perf_counter()
+        if i < n - 1:
+          x = jax.block_until_ready(self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch))
+        fwd.append(time.perf_counter() - t)
+      sums: list[Any] = [None] * len(groups)
+      dy = None
+      for i in reversed(range(n)):
+        st = self.stages[i]
+        t = time.perf_counter()
+        _, new, dy, _ = jax.block_until_ready(self.backward(i, tuple(groups[g] for g in st.groups), xs[i], batch, dy,
+                                                            tuple(sums[g] for g in st.groups), last=True))  # fmt: skip
+        bwd.append(time.perf_counter() - t)
+        xs[i] = None
+        for g, s in zip(st.groups, new):
+          sums[g] = s
+      del sums
+    return StageTimes(tuple(fwd), tuple(reversed(bwd)))

@@ -131,6 +131,19 @@ def _subgroup_count(groups) -> int:
   return len(jax_dos.overlap.group_aligned_subgroups(groups, 40)[0])
 
 
+def test_auto_plan_from_the_measured_timeline():
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  times = jax_dos.StagedModel(STAGES, len(groups)).measure_times(
+    groups, jax.tree.map(lambda x: x[: ROWS // 2], batches[0])
+  )
+  assert len(times.forward) == len(STAGES) and min(times.backward) > 0
+  step, _ = overlapped_run(groups, batches, FIRES, 2, "auto", stage_times=times)
+  assert step.plan.source == "model+timeline"
+  assert step.plan.predicted["step"] >= times.compute_s(2)
+  check_against_reference(step, groups, batches, FIRES, 2)
+
+
 def test_one_micro_batch_and_no_clip():
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]

@@ -1,0 +1,135 @@
+"""The overlapped step's timeline: when each subgroup's update can run and what the next forward pass waits for.
+
+A model of one step of ``jax_dos.OverlappedStep`` on a staged model with
+``k`` micro-batches. Times are seconds, sizes parameters, rates parameters per
+second (``jax_dos.Calibration``'s). Time 0 is the start of the last
+micro-batch's backward pass:
+
+* stage ``i``'s backward pass ends at ``E_i = sum(backward[i:])``, and the
+  subgroups of the groups it completes are handed over then;
+* the host worker and the stream worker each take their subgroups in
+  hand-over order, one at a time, a subgroup starting when it has been handed
+  over and the previous one is done; each path runs at its concurrent rate
+  while the other path has work in the step, else at its own rate;
+* the backward pass ends at ``D = E_0``; resident subgroups are updated then,
+  ``device_elements / device_rate`` long;
+* the next step's forward pass starts at ``D`` plus the resident update, and
+  stage ``j`` starts when stage ``j - 1`` is done and every group it uses is
+  final (a group's subgroups are all final at its first stage, which is the
+  stage that completed its gradient).
+
+The exposed update is how much later the next forward pass ends than it would
+with no update at all: ``step = k (sum(forward) + sum(backward)) + exposed``.
+The first stages' gradients come last and their weights are needed first, so
+:func:`choose_placements` keeps them resident, puts the last stages on the
+host (most time between their gradients and their next use) and streams the
+ones between, trying every split of the non-resident subgroups between host
+and stream and keeping the one predicted fastest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTimes:
+  """Seconds each stage's forward and backward programs take on one micro-batch (forward order)."""
+
+  forward: tuple[float, ...]
+  backward: tuple[float, ...]
+
+  def __post_init__(self):
+    if len(self.forward) != len(self.backward) or not self.forward:
+      raise ValueError("StageTimes needs one forward and one backward time per stage.")
+    if min(self.forward) < 0 or min(self.backward) < 0:
+      raise ValueError("stage times must be >= 0 seconds.")
+
+  def compute_s(self, micro_batches: int) -> float:
+    """The step's forward and backward passes alone."""
+    return micro_batches * (sum(self.forward) + sum(self.backward))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """Update rates of each path, parameters per second (``Calibration``'s fields of the same meaning)."""
+
+  host: float
+  stream: float
+  device: float
+  host_concurrent: float
+  stream_concurrent: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Subgroup:
+  """A subgroup's size and its stage: the first stage using its group, whose backward pass completes its gradient."""
+
+  size: int
+  stage: int
+
+
+def simulate(times: StageTimes, subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> dict:
+  """The timeline of one step: ``{"exposed_s", "backward_end_s", "forward_end_s", "host_end_s", "stream_end_s"}``."""
+  n = len(times.forward)
+  ends = [sum(times.backward[i:]) for i in range(n)]
+  backward_end = ends[0]
+  both = {"host", "stream"} <= set(placements)
+  rate = {
+    "host": rates.host_concurrent if both else rates.host,
+    "stream": rates.stream_concurrent if both else rates.stream,
+  }
+  order = sorted(range(len(subgroups)), key=lambda s: (-subgroups[s].stage, s))  # hand-over order
+  done = [0.0] * len(subgroups)
+  free = {"host": 0.0, "stream": 0.0}
+  for s in order:
+    path = placements[s]
+    if path in free:
+      start = max(ends[subgroups[s].stage], free[path])
+      free[path] = done[s] = start + subgroups[s].size / max(rate[path], 1e-30)
+  resident = sum(g.size for g, p in zip(subgroups, placements) if p == "device") / max(rates.device, 1e-30)
+  for s, p in enumerate(placements):
+    if p == "device":
+      done[s] = backward_end + resident
+  ready = [backward_end + resident] * n
+  for s, g in enumerate(subgroups):
+    ready[g.stage] = max(ready[g.stage], done[s])
+  t = backward_end + resident
+  for j in range(n):
+    t = max(t, ready[j]) + times.forward[j]
+  return {
+    "exposed_s": t - (backward_end + sum(times.forward)),
+    "backward_end_s": backward_end,
+    "forward_end_s": t,
+    "host_end_s": free["host"],
+    "stream_end_s": free["stream"],
+  }
+
+
+def choose_placements(
+  times: StageTimes, subgroups: Sequence[Subgroup], device_elements: int, rates: Rates, allow_stream: bool = True
+) -> tuple[list[str], dict]:
+  """Placements predicted to hide the most update: ``(placements, simulate's result of them)``.
+
+  Resident first, in the order the forward pass needs the subgroups, up to
+  ``device_elements``; of the rest, the first ``j`` streamed and the others on
+  the host, for the ``j`` (0 to all, 0 only without ``allow_stream``) with the
+  smallest predicted exposed time (ties: fewer streamed).
+  """
+  forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
+  placements = ["host"] * len(subgroups)
+  used = 0
+  rest = list(forward_order)
+  while rest and used + subgroups[rest[0]].size <= device_elements:
+    used += subgroups[rest[0]].size
+    placements[rest.pop(0)] = "device"
+  best: tuple[float, list[str], dict] | None = None
+  for j in range(len(rest) + 1 if allow_stream else 1):
+    trial = list(placements)
+    for s in rest[:j]:
+      trial[s] = "stream"
+    result = simulate(times, subgroups, trial, rates)
+    if best is None or result["exposed_s"] < best[0] - 1e-9:
+      best = (result["exposed_s"], trial, result)
+  return best[1], best[2]
