@@ -107,8 +107,8 @@ class StagedModel:
     for st in self.stages:
       if st.fn not in self._forward:
         self._forward[st.fn] = jax.jit(_forward, static_argnums=0)
-        # x and dy are dead after their stage's backward; the running sums are updated in place.
-        self._backward[st.fn] = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(3, 5, 6))
+        # dy is dead after its stage's backward; the running sums are updated in place.
+        self._backward[st.fn] = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(5, 6))
 
   def groups_completing(self, stage: int) -> tuple[int, ...]:
     """The groups whose gradient is complete once ``stage``'s backward pass has run."""
@@ -122,7 +122,7 @@ class StagedModel:
   def backward(
     self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool
   ) -> tuple[Any, tuple, Any, tuple]:
-    """Stage ``stage``'s backward pass; ``x``, ``dy`` and ``sums`` are consumed.
+    """Stage ``stage``'s backward pass; ``dy`` and ``sums`` are consumed.
 
     ``dy`` is ``None`` for the last stage (whose output is the loss), and
     ``sums`` holds, per group of the stage, the running gradient sum or

@@ -66,6 +66,7 @@ import optax  # noqa: E402
 import jax_dos  # noqa: E402
 from models import gpt as gpt_model  # noqa: E402
 from train import data as data_lib  # noqa: E402
+from train import overlapped as overlapped_lib  # noqa: E402
 from train import progress  # noqa: E402
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step  # noqa: E402
 
@@ -143,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --delay 1, what the forward pass gets instead of the stale weights: a prediction"
                       " from the moments (moments, the default), or the step itself taken on the accelerator"
                       " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
+  x.add_argument("--overlap", choices=overlapped_lib.OVERLAP_MODES, default="auto",
+                 help="the overlapped step (AdamW under the backward and the next forward pass, same numbers): on, off,"
+                      " or auto: on a GPU when the timeline model predicts a shorter step")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default=None,
                  help="gradients the backward pass writes to host memory: host subgroups' (host, the default"
                       " without --grad-accum; refused when that program needs more memory than the plan left, as"
@@ -224,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f" the backward pass; drop --grad-flush {args.grad_flush} (or use --grad-accum 1).")  # fmt: skip
   if args.delay_predict and not args.delay:
     err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
+  if args.overlap == "on" and overlapped_lib.refusal(args):
+    err(f"--overlap on: {overlapped_lib.refusal(args)}; drop --overlap on.")
   if args.resume and args.overwrite:
     err("--resume and --overwrite contradict each other; pick one.")
   args.out = os.path.join("runs", args.preset) if args.out is None else args.out
@@ -432,6 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   (``{step: loss}`` of this invocation), ``tokens_per_s``, ``mfu`` (or
   ``None``), ``num_params``, ``plan`` (text or ``None``), ``out``, ``params``.
   """
+  overlapped_lib.allow_overlap_on_gpu(build_parser().parse_args(argv))  # before jax starts its GPU client
   args = parse_args(argv)
   results = train(args)
   return results if argv is not None else None
@@ -506,6 +513,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   start_step = 0
   if resume:
     params, opt_state, start_step = _restore(manager, cfg, params, opt_state, args)
+  overlapped = None
+  on_gpu = jax.default_backend() == "gpu"
+  if overlapped_lib.refusal(args) is None and (args.overlap == "on" or (args.overlap == "auto" and on_gpu)):
+    times = None
+    if args.offload == "auto":
+      first = data_lib.get_batch(splits.train, step_shape[0], args.seq_len, args.seed, 0)
+      times = overlapped_lib.stage_times(cfg, params, first, args.grad_accum)
+    candidate = overlapped_lib.OverlappedTraining(args, tx, cfg, params, opt_state, times)
+    if args.overlap == "on" or overlapped_lib.predicted_faster(candidate.plan, plan):
+      overlapped, plan = candidate, candidate.plan
+      params = opt_state = None  # the overlapped step owns them: read them through it
+    else:
+      params, opt_state = candidate.params, candidate.opt_state
+    del candidate
   log = progress.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None)
 
   tokens_per_step = args.batch * args.grad_accum * args.seq_len
@@ -517,7 +538,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   ]
 
   def evaluate() -> float:
-    return float(np.mean([float(eval_step(graphdef, params, b)) for b in val_batches]))
+    current = params if overlapped is None else overlapped.params
+    return float(np.mean([float(eval_step(graphdef, current, b)) for b in val_batches]))
 
   def meta(step: int) -> dict[str, Any]:
     data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": step, "seed": args.seed, "source": data_desc}
@@ -527,6 +549,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
+       + (", overlapped step" if overlapped is not None else "")
        + (f", {args.grad_accum} micro-batches of {args.batch} per step" if args.grad_accum > 1 else "")
        + (f", delay 1 after {args.delay_warmup} steps" if args.delay else "")
        + (f" (weights predicted from the {args.delay_predict})" if args.delay_predict else ""))  # fmt: skip
@@ -558,13 +581,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   step = start_step
   for it in range(start_step, args.steps):
     batch = data_lib.get_batch(splits.train, step_shape[0], args.seq_len, args.seed, it)
-    loss, grads, scale = grad_step(graphdef, params, batch, args.clip)
-    params, opt_state = optimizer_step(args, tx, grads, opt_state, params, scale)
-    del grads  # gradients left on the accelerator are freed now: the planner counts them through the update only
+    if overlapped is not None:
+      loss = overlapped(batch)
+    else:
+      loss, grads, scale = grad_step(graphdef, params, batch, args.clip)
+      params, opt_state = optimizer_step(args, tx, grads, opt_state, params, scale)
+      del grads  # gradients left on the accelerator are freed now: the planner counts them through the update only
     step = it + 1
     pending.append((step, loss))
     if t_mark is None:  # the first step compiles: start the clocks after it
-      jax.block_until_ready(params)
+      jax.block_until_ready(params if overlapped is None else overlapped.params)
       t_mark, step_mark = time.perf_counter(), step
       eta.start(step, t_mark)
     do_eval = step == args.steps or (args.eval_every > 0 and step % args.eval_every == 0)
@@ -603,6 +629,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if do_eval and not args.quiet:
       bar.write(f"step {step}: train loss {rows[-1][1]:.4f}, val loss {val_losses[step]:.4f}", file=sys.stderr)
     if do_ckpt:
+      if overlapped is not None:
+        params, opt_state = overlapped.params, overlapped.opt_state  # settled; the next step consumes them
       # Nothing non-finite is saved. With --delay 1 the parameters lag the host's last update: check its masters.
       if args.delay:
         jax_dos.wait_for_host_updates()
@@ -615,6 +643,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if do_eval or do_ckpt:
       t_mark = time.perf_counter()  # tokens/s measures training only
   bar.close()
+  if overlapped is not None:
+    params = overlapped.params
   if manager is not None:
     manager.wait_until_finished()
     manager.close()
