@@ -29,8 +29,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_dos  # noqa: E402
-from jax_dos import perf_model, planner  # noqa: E402
 from jax_dos.plan import Plan, partition_leaves  # noqa: E402
+from jax_dos.planning import calibration as perf_model  # noqa: E402
+from jax_dos.planning import search as planner  # noqa: E402
 
 
 def run_plan(params, grads, placements, leaf: int, reps: int) -> dict:

@@ -123,7 +123,8 @@ class Bench:
   def __init__(self, args, env):
     import jax
 
-    from jax_dos import host_kernels, perf_model
+    from jax_dos import host_kernels
+    from jax_dos.planning import calibration as perf_model
 
     self.args, self.env, self.jax = args, env, jax
     self.threads = host_kernels.set_num_threads()
@@ -271,8 +272,8 @@ class Bench:
   def budget(self, frac: float, params, grads, n: int) -> dict:
     """All jax_dos variants at one resident budget (a fraction of the 12 B/param state)."""
     import jax_dos
-    from jax_dos import planner
     from jax_dos.plan import Plan, partition_leaves
+    from jax_dos.planning import search as planner
 
     args, cal = self.args, self.cal
     subgroups, sizes = partition_leaves(params, args.subgroup_size)

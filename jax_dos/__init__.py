@@ -17,9 +17,9 @@ from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager
 from jax_dos.engine import wait_for_host_updates
-from jax_dos.perf_model import Calibration, calibrate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
-from jax_dos.planner import StepMemory, auto_planner, make_plan
+from jax_dos.planning.calibration import Calibration, calibrate
+from jax_dos.planning.search import StepMemory, auto_planner, make_plan
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,

@@ -39,7 +39,7 @@ from jax_dos import memory, traced
 from jax_dos.adam_math import AdamHyper, ScalarOrSchedule
 from jax_dos.engine import Engine
 from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, check_subgroup_size, resolve_plan
-from jax_dos.planner import auto_planner
+from jax_dos.planning.search import auto_planner
 
 DEFAULT_SUBGROUP_SIZE = 64 * 2**20  # 256 MiB of fp32 per state array; see docs/design.md
 
@@ -439,7 +439,7 @@ def gradient_memory_kinds(tx: optax.GradientTransformation, params: Any, flush: 
   temporaries and no gradients on it, against 7.0 GiB plus 12.4 GiB of
   gradients unflushed). With ``"host"``, a plan that splits the gradients
   between memories can make XLA keep far more (47 GiB at 6.7B,
-  ``bench/flush_probe.py``); compile the step and check its memory.
+  ``bench/probes/flush_probe.py``); compile the step and check its memory.
 
   Empty leaves stay on the device: nothing to move, and jax 0.11 reports a
   zero-size output of ``pinned_host`` sharding as device memory.

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import jax_dos
-from jax_dos.perf_model import Calibration
-from jax_dos.planner import (
+from jax_dos.planning.calibration import Calibration
+from jax_dos.planning.search import (
   STAGING_BYTES,
   STATE_BYTES,
   STEP_MARGIN,
@@ -180,7 +180,7 @@ def _params(rng, shapes):
 @pytest.fixture
 def no_memory_stats(monkeypatch):
   """The accelerator reports no free memory, as on the CPU backend: budgets come from the calibration or are 0."""
-  monkeypatch.setattr(jax_dos.planner, "device_free_bytes", lambda: None)
+  monkeypatch.setattr(jax_dos.planning.search, "device_free_bytes", lambda: None)
 
 
 def test_make_plan_on_a_tree(no_memory_stats):

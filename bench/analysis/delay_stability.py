@@ -13,7 +13,7 @@ Adam trains near that threshold (the "edge of stability", Cohen et al.
 This prints it for a few ``b1``: without delay it is ``(2 + 2 b1) / (1 - b1)``
 (38 at b1 = 0.9), with one step of delay it is 1 for every ``b1``::
 
-    python bench/delay_stability.py
+    python bench/analysis/delay_stability.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Step-time breakdown chart of a ``bench/train_step.py`` result: forward+backward and exposed update per variant.
 
-python bench/plot_train_step.py bench/results/<run>/train_step_1p3b.json out.png
-python bench/plot_train_step.py a.json b.json out.png    # the variants of several runs of one model
+python bench/analysis/plot_train_step.py bench/results/<run>/train_step_1p3b.json out.png
+python bench/analysis/plot_train_step.py a.json b.json out.png    # the variants of several runs of one model
                                                          # (labelled by micro-batches where those differ)
 """
 

@@ -9,7 +9,7 @@ its per-step losses next to those of a ``python -m train.gpt --delay 1`` run's
 and any convergence gap belongs to the recursion itself::
 
     python -m train.gpt --steps 300 --offload host --delay 1 --lr 3e-4 --out /tmp/d1 --overwrite
-    python bench/delay_reference.py --lr 3e-4 --steps 40 /tmp/d1/metrics.jsonl
+    python bench/analysis/delay_reference.py --lr 3e-4 --steps 40 /tmp/d1/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any, NamedTuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

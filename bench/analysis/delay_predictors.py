@@ -11,7 +11,7 @@ Trains the GPT (the train script's data, schedule and clip; tiny preset by defau
 
 Prints the mean training loss over each 100 steps and the validation loss::
 
-    python bench/delay_predictors.py next --lr 3e-3 --steps 600 --delay-warmup 100
+    python bench/analysis/delay_predictors.py next --lr 3e-3 --steps 600 --delay-warmup 100
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.delay_reference import reference  # noqa: E402
+from bench.analysis.delay_reference import reference  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import gpt as train_gpt  # noqa: E402
 from train import gradients  # noqa: E402

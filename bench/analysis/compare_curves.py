@@ -1,6 +1,6 @@
 """Overlay the loss curves of several training runs and say how far apart they are.
 
-    python bench/compare_curves.py OUT.png label=metrics.jsonl [label=metrics.jsonl ...]
+    python bench/analysis/compare_curves.py OUT.png label=metrics.jsonl [label=metrics.jsonl ...]
 
 Prints, per run against the first: the mean and max |difference| of the training loss over the last half of the
 steps (smoothed over 10 steps), and the final validation losses. Reads the JSONL written by ``train.gpt``.

@@ -83,8 +83,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from jax_dos.memory import device_elements
-from jax_dos.perf_model import Calibration, CalibrationSpec, as_calibration, device_free_bytes, get_calibration
 from jax_dos.plan import RESIDENT_CALL_ELEMENTS, Plan, partition_leaves
+from jax_dos.planning.calibration import (
+  Calibration,
+  CalibrationSpec,
+  as_calibration,
+  device_free_bytes,
+  get_calibration,
+)
 
 STATE_BYTES = 12  # resident: fp32 master, mu, nu
 STAGING_BYTES = 16  # a streamed subgroup in flight: master, mu, nu in, the fp32 update out

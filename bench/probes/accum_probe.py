@@ -10,7 +10,7 @@ The 6.7B gradient program (``gpt.loss``, per-block ``nnx.remat``), three ways:
 
 Reports XLA's temporaries, outputs and aliased outputs per program (GiB).
 
-    python bench/accum_probe.py --out $OUT/accum_probe.json [--dump $OUT/hlo]
+    python bench/probes/accum_probe.py --out $OUT/accum_probe.json [--dump $OUT/hlo]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ and, per head, ``f32`` (logits from an fp32 copy of the tied embedding), ``bf16`
 in token chunks, each rematerialised). With ``--time`` it also times
 forward+backward at 1.3B for the chosen schemes.
 
-    python bench/remat_probe.py --out $OUT/remat_probe.json [--time]
+    python bench/probes/remat_probe.py --out $OUT/remat_probe.json [--time]
 """
 
 from __future__ import annotations

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
-import common
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common
 
-import jax_dos
+import common  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jax_dos  # noqa: E402
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ Reports XLA's temporaries and outputs per program. On the H100 (``bench/results/
 neither the in-backward flush nor the split saves memory: XLA keeps the gradients on the accelerator until the
 program ends, and a split made it keep far more.
 
-    python bench/flush_probe.py --variants none,all,half,bwd-all,bwd-half --out $OUT/flush_probe.json
+    python bench/probes/flush_probe.py --variants none,all,half,bwd-all,bwd-half --out $OUT/flush_probe.json
 """
 
 from __future__ import annotations

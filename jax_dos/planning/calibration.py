@@ -300,7 +300,7 @@ def fit_concurrent_rates(solo: Calibration, size: int, n_subgroups: int, mixes) 
   best (least squares of the relative error, on a grid): the model is then
   calibrated on exactly what it predicts.
   """
-  from jax_dos import planner  # the model lives there; it imports this module
+  from jax_dos.planning import search as planner  # the model lives there; it imports this module
 
   best = (math.inf, 1.0, 1.0)
   grid = [1.0 + 0.025 * i for i in range(161)]  # slowdowns 1x .. 5x
