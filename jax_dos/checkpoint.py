@@ -213,9 +213,7 @@ class _KeepNewestValid:
       return keep
     valid_seen = 0
     for i in sorted(range(len(checkpoints)), key=lambda j: checkpoints[j].step, reverse=True):
-      step = checkpoints[i].step
-      in_flight = not os.path.isdir(self.owner._step_dir(step))
-      if in_flight or self.owner._problem(step) is None:
+      if self.owner.counts_as_valid(checkpoints[i].step):
         valid_seen += 1
         keep[i] = valid_seen <= self.n
     return keep
@@ -377,6 +375,10 @@ class CheckpointManager:
 
   def _step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
+
+  def counts_as_valid(self, step: int) -> bool:
+    """Whether retention counts ``step`` among the valid steps: not committed yet (being written), or valid."""
+    return not os.path.isdir(self._step_dir(step)) or self._problem(step) is None
 
   def _problem(self, step: int) -> Optional[str]:
     """Why ``step`` is not a valid checkpoint, or ``None`` if it is."""

@@ -8,8 +8,8 @@ import socket
 import jax
 import pytest
 
-from jax_dos.planning import calibration
-from jax_dos.planning.calibration import Calibration
+from jax_dos.planning import calibration, cost_model
+from jax_dos.planning.cost_model import Calibration
 
 
 def this_machine(**rates) -> Calibration:
@@ -87,8 +87,8 @@ def test_bad_overrides_are_explained(cache_home):
 
 def test_calibrate_measures(cache_home):
   c = calibration.calibrate(size=2048, force=True, cache=True, reps=1)
-  rates = [getattr(c, f) for f in calibration._RATE_FIELDS]
-  times = [getattr(c, f) for f in calibration._TIME_FIELDS]
+  rates = [getattr(c, f) for f in cost_model._RATE_FIELDS]
+  times = [getattr(c, f) for f in cost_model._TIME_FIELDS]
   assert all(math.isfinite(r) and r > 0 for r in rates)
   assert all(math.isfinite(t) and t >= 0 for t in times)
   assert c.size == 2048

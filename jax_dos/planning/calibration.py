@@ -1,41 +1,28 @@
-"""Calibration: the rates of each update path, measured on this machine.
+"""Calibration: this machine's rates of each update path, measured with the real engine.
 
-The performance model (``planner.py``) needs five rates, in parameters per
-second, and a few fixed costs, all measured with the real engine on synthetic
-fp32 parameter trees (eager ``tx.update`` of an ``interleaved_adam`` with
-an explicit plan, timed with ``block_until_ready``). The rates are measured
-on subgroups shaped like transformer layers (two tiny norm leaves and four
-matrices of 3 : 1 : 4 : 4, :func:`layer_leaf_sizes`): the engine's cost per
-transferred array, and how it contends with the other path, then match real
-models' trees (equal one-leaf subgroups made the model 20-25% optimistic on a
-4 B-parameter GPT tree, H200):
+The cost model (``cost_model.py``) needs the rates of a :class:`~jax_dos.planning.cost_model.Calibration`.
+They are measured here with the real optimizer (:class:`~jax_dos.interleaved.InterleavedAdam`
+with an explicit plan, stepped eagerly, timed with ``block_until_ready``) on
+synthetic fp32 parameter trees. The rates are measured on subgroups shaped like
+transformer layers (two tiny norm leaves and four matrices of 3 : 1 : 4 : 4,
+:func:`layer_leaf_sizes`): the engine's cost per transferred array, and how it
+contends with the other path, then match real models' trees (equal one-leaf
+subgroups made the model 20-25% optimistic on a 4 B-parameter GPT tree, H200).
 
-* ``host_rate``: every subgroup on the host kernel, including the gradient
-  device-to-host copy and the update host-to-device copy that path needs;
-* ``stream_rate``: every subgroup streamed through the accelerator with two
-  subgroups in flight (both PCIe directions busy); ``stream_rate_single``
-  with one in flight (directions serialised);
-* ``device_rate``: state resident in accelerator memory;
-* ``host_rate_concurrent`` / ``stream_rate_concurrent``: each path's rate
-  while the other one runs, fitted to the real engine running mixed plans at
-  two host/stream splits (:func:`fit_concurrent_rates`). Host kernel and DMA
-  share host DRAM, so each path slows down while the other runs; on the H100
-  machine the two together still beat either alone (BENCHMARKS.md). An
-  earlier version timed two engines in two Python threads, which measured
-  their contention for the GIL rather than for DRAM;
-* fixed costs, in seconds: ``subgroup_overhead_host`` / ``_stream`` per
-  subgroup (from many tiny one-leaf subgroups against one; what further
-  leaves of a subgroup cost is in the rates), ``device_call_overhead``
-  per jitted call that updates resident subgroups (one per 256 Mi parameters), and
-  ``step_overhead`` paid by every step (step scalars, count increment).
-
-``device_free_bytes`` is the accelerator memory free when calibrating
-(``bytes_limit - bytes_in_use``; ``None`` on the CPU backend); the planner
-prefers the memory free at plan time.
+* the solo rates: every subgroup on one path (``host``, ``stream`` with two
+  slots and with one, ``device``);
+* the concurrent rates: fitted to the real engine running mixed plans at two
+  host/stream splits (:func:`fit_concurrent_rates`). On the H100 machine the
+  two paths together still beat either alone (BENCHMARKS.md). An earlier
+  version timed two engines in two Python threads, which measured their
+  contention for the GIL rather than for DRAM;
+* the fixed costs: per subgroup from many tiny one-leaf subgroups against one
+  (what further leaves of a subgroup cost is in the rates), per resident
+  jitted call, and per step.
 
 Calibrations are cached as JSON in ``$XDG_CACHE_HOME/jax_dos/`` (default
 ``~/.cache/jax_dos/``), keyed by platform, device kind, hostname and jax
-version. Override with a :class:`Calibration`, a dict, a JSON path, or the
+version. Override with a ``Calibration``, a dict, a JSON path, or the
 environment variable ``JAX_DOS_CALIBRATION`` (a JSON path).
 """
 
@@ -47,108 +34,34 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Union
 
-ENV_OVERRIDE = "JAX_DOS_CALIBRATION"
+import jax
+import jax.numpy as jnp
+
+from jax_dos.adam_math import AdamHyper
+from jax_dos.interleaved import InterleavedAdam
+from jax_dos.memory import device_free_bytes
+from jax_dos.plan import Plan, partition_leaves
+from jax_dos.planning.cost_model import (
+  ENV_OVERRIDE,
+  Calibration,
+  CalibrationSpec,
+  as_calibration,
+  calibration_key,
+  predict,
+)
+
 log = logging.getLogger(__name__)
 # 2 GiB per fp32 array. Smaller runs are dominated by the pipeline's fill and drain (the first subgroup's
 # gradients, the last one's update): at 64 Mi the host rate came out 40% below a 1 B-parameter model's (H200).
 GPU_DEFAULT_SIZE = 512 * 2**20
 CALIBRATION_BYTES_PER_PARAM = 64  # accelerator and host memory a calibration run may need, per parameter (bound)
 CPU_DEFAULT_SIZE = 2**16  # CPU backend: code paths only, no performance signal
-_RATE_FIELDS = (
-  "host_rate",
-  "stream_rate",
-  "stream_rate_single",
-  "device_rate",
-  "host_rate_concurrent",
-  "stream_rate_concurrent",
-)
-_TIME_FIELDS = ("subgroup_overhead_host", "subgroup_overhead_stream", "device_call_overhead", "step_overhead")
 _MIN_TIME = 1e-9  # clamp for differences of noisy timings
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-  """Measured rates (params/s) and fixed costs (s) of the update paths; see the module docstring."""
-
-  host_rate: float
-  stream_rate: float
-  device_rate: float
-  host_rate_concurrent: float
-  stream_rate_concurrent: float
-  stream_rate_single: float = 0.0  # 0: unknown, the model takes stream_rate / 2
-  subgroup_overhead_host: float = 0.0
-  subgroup_overhead_stream: float = 0.0
-  device_call_overhead: float = 0.0
-  step_overhead: float = 0.0
-  device_free_bytes: int | None = None
-  platform: str = ""
-  device_kind: str = ""
-  hostname: str = ""
-  jax_version: str = ""
-  size: int = 0  # parameters per measurement
-  measured_at: str = ""
-
-  def __post_init__(self):
-    for name in _RATE_FIELDS:
-      v = getattr(self, name)
-      ok = math.isfinite(v) and (v > 0 or (name == "stream_rate_single" and v == 0))
-      if not ok:
-        raise ValueError(f"Calibration.{name} must be a positive finite rate in params/s, got {v!r}.")
-    for name in _TIME_FIELDS:
-      v = getattr(self, name)
-      if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"Calibration.{name} must be a finite number of seconds >= 0, got {v!r}.")
-
-  @property
-  def key(self) -> str:
-    """Cache key: platform, device kind, hostname, jax version."""
-    return _key(self.platform, self.device_kind, self.hostname, self.jax_version)
-
-  def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> Calibration:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"unknown Calibration fields {unknown}; known fields: {sorted(names)}.")
-    missing = [n for n in ("host_rate", "stream_rate", "device_rate") if n not in d]
-    if missing:
-      raise ValueError(f"a Calibration needs at least {missing} (params/s).")
-    d = dict(d)
-    # Unknown concurrency defaults to no slowdown (the paths add up); say so by giving them.
-    d.setdefault("host_rate_concurrent", d["host_rate"])
-    d.setdefault("stream_rate_concurrent", d["stream_rate"])
-    return cls(**d)
-
-  def summary(self) -> str:
-    g = lambda r: f"{r / 1e9:.3g} G/s"  # noqa: E731
-    return (
-      f"host {g(self.host_rate)}, stream {g(self.stream_rate)}, device {g(self.device_rate)},"
-      f" concurrent host {g(self.host_rate_concurrent)} + stream {g(self.stream_rate_concurrent)}"
-    )
-
-
-CalibrationSpec = Union[Calibration, dict, str, os.PathLike, None]
-
-
-def _slug(s: str) -> str:
-  return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "unknown"
-
-
-CACHE_FORMAT = 3  # bump when what is measured changes, so stale caches are measured again
-
-
-def _key(platform: str, device_kind: str, hostname: str, jax_version: str) -> str:
-  return "-".join(_slug(x) for x in (platform, device_kind, hostname, "jax" + jax_version, f"v{CACHE_FORMAT}"))
 
 
 def cache_dir() -> Path:
@@ -159,10 +72,8 @@ def cache_dir() -> Path:
 
 def current_key() -> str:
   """The cache key of this process's default backend."""
-  import jax
-
   d = jax.devices()[0]
-  return _key(d.platform, d.device_kind, socket.gethostname(), jax.__version__)
+  return calibration_key(d.platform, d.device_kind, socket.gethostname(), jax.__version__)
 
 
 def cache_path(key: str | None = None) -> Path:
@@ -192,20 +103,6 @@ def load_cached(key: str | None = None) -> Calibration | None:
   return cal if cal.key == key else None
 
 
-def as_calibration(spec: Calibration | dict | str | os.PathLike) -> Calibration:
-  """A :class:`Calibration` from itself, a dict of its fields, or a JSON file path."""
-  if isinstance(spec, Calibration):
-    return spec
-  if isinstance(spec, dict):
-    return Calibration.from_dict(spec)
-  if isinstance(spec, (str, os.PathLike)):
-    path = Path(spec)
-    if not path.exists():
-      raise FileNotFoundError(f"calibration file {str(path)!r} does not exist (from a path or ${ENV_OVERRIDE}).")
-    return Calibration.from_dict(json.loads(path.read_text()))
-  raise TypeError(f"expected a Calibration, a dict or a JSON path, got {type(spec).__name__}.")
-
-
 def get_calibration(spec: CalibrationSpec = None, **calibrate_kwargs) -> Calibration:
   """Resolves a calibration: ``spec`` if given, else ``$JAX_DOS_CALIBRATION``, else the cache, else measures."""
   if spec is not None:
@@ -219,22 +116,6 @@ def get_calibration(spec: CalibrationSpec = None, **calibrate_kwargs) -> Calibra
 # ----------------------------------------------------------------------------- measuring
 
 
-def device_free_bytes() -> int | None:
-  """Smallest free accelerator memory over local devices (``bytes_limit - bytes_in_use``), or ``None``."""
-  import jax
-
-  free = []
-  for d in jax.local_devices():
-    try:
-      stats = d.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-      stats = None
-    if not stats or "bytes_limit" not in stats:
-      return None
-    free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
-  return min(free) if free else None
-
-
 def layer_leaf_sizes(size: int) -> list[int]:
   """Leaf sizes of one layer-shaped subgroup of ``size`` parameters (64 or more): a norm, attention's qkv and
   projection, a norm, the MLP's two matrices (3 : 1 : 4 : 4), summing to ``size``."""
@@ -246,9 +127,6 @@ def layer_leaf_sizes(size: int) -> list[int]:
 
 def _tree(n_subgroups: int, size: int, seed: int, layered: bool):
   """Params and grads: ``n_subgroups`` layer-shaped subgroups of ``size`` parameters (or one leaf each)."""
-  import jax
-  import jax.numpy as jnp
-
   sizes = layer_leaf_sizes(size) if layered else [size]
   names = [f"w{i:03d}_{j}" for i in range(n_subgroups) for j in range(len(sizes))]
   keys = jax.random.split(jax.random.key(seed), 2 * len(names))
@@ -259,29 +137,25 @@ def _tree(n_subgroups: int, size: int, seed: int, layered: bool):
 
 
 class _Runner:
-  """An ``interleaved_adam`` with an explicit plan over a synthetic tree, stepped eagerly."""
+  """An :class:`InterleavedAdam` with an explicit plan over a synthetic tree, stepped eagerly."""
 
   def __init__(self, n_subgroups: int, size: int, plan, stream_slots: int = 2, seed: int = 0, layered: bool = False):
-    import jax
-
-    import jax_dos
-    from jax_dos.plan import Plan, partition_leaves
-
     self.params, self.grads = _tree(n_subgroups, size, seed, layered)
     self.size = n_subgroups * size
     subgroups, sizes = partition_leaves(self.params, size)
     assert len(subgroups) == n_subgroups, (len(subgroups), n_subgroups)
     placements = (plan,) * len(subgroups) if isinstance(plan, str) else tuple(plan)
     plan_obj = Plan(subgroups, placements, sizes, stream_slots=stream_slots, source="calibration")
-    self.tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=size, plan=plan_obj)
-    self.state = self.tx.init(self.params)
+    self.opt = InterleavedAdam(
+      AdamHyper(1e-3, weight_decay=0.01), mask=None, subgroup_size=size, plan=plan_obj, planner=None, delay=0,
+      delay_warmup=0, delay_predict=False, write_behind=False,
+    )  # fmt: skip
+    self.state = self.opt.init(self.params)
     jax.block_until_ready(self.state)
 
   def step(self) -> float:
-    import jax
-
     t = time.perf_counter()
-    updates, self.state = self.tx.update(self.grads, self.state, self.params)
+    updates, self.state = self.opt.update(self.grads, self.state, self.params)
     jax.block_until_ready((updates, self.state))
     return time.perf_counter() - t
 
@@ -296,12 +170,10 @@ def fit_concurrent_rates(solo: Calibration, size: int, n_subgroups: int, mixes) 
   ``mixes`` holds ``(streamed subgroups, seconds)`` of plans that stream that
   many of the ``n_subgroups`` subgroups of ``size`` parameters and update the
   rest on the host. The slowdown of each path while the other runs is chosen
-  so that the planner's own model (``planner.predict``) reproduces those times
+  so that the cost model (``cost_model.predict``) reproduces those times
   best (least squares of the relative error, on a grid): the model is then
   calibrated on exactly what it predicts.
   """
-  from jax_dos.planning import search as planner  # the model lives there; it imports this module
-
   best = (math.inf, 1.0, 1.0)
   grid = [1.0 + 0.025 * i for i in range(161)]  # slowdowns 1x .. 5x
   for slow_h in grid:
@@ -312,7 +184,7 @@ def fit_concurrent_rates(solo: Calibration, size: int, n_subgroups: int, mixes) 
       err = 0.0
       for k_s, t in mixes:
         k_h = n_subgroups - k_s
-        pred = planner.predict(cal, n_host=k_h * size, n_stream=k_s * size, k_host=k_h, k_stream=k_s)["total"]
+        pred = predict(cal, n_host=k_h * size, n_stream=k_s * size, k_host=k_h, k_stream=k_s)["total"]
         err += ((pred - t) / t) ** 2
       if err < best[0]:
         best = (err, slow_h, slow_s)
@@ -328,8 +200,6 @@ def measure(
   subgroups; fixed costs from ``tiny_subgroups`` one-leaf subgroups of 8
   parameters (default 32; 8 on the CPU backend).
   """
-  import jax
-
   dev = jax.devices()[0]
   free = device_free_bytes()
   on_cpu = dev.platform == "cpu"
