@@ -101,15 +101,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _memory(jax) -> dict:
-  from jax_dos import memory
-
   stats = jax.devices()[0].memory_stats() or {}
-  total = memory.host_memory_total()
+  total = common.host_ram_bytes()
   return {
     "gpu_peak_bytes": stats.get("peak_bytes_in_use"),
     "gpu_limit_bytes": stats.get("bytes_limit"),
     "host_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    "host_used_bytes": total - memory.host_memory_available(),
+    "host_used_bytes": total - common.host_ram_available_bytes(),
     "host_total_bytes": total,
   }
 
@@ -133,7 +131,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   import jax_dos
   from models import gpt
   from train import data, gradients
-  from train import gpt as train_gpt
+  from train.optimizer import decay_mask
 
   out = {"variant": args.variant, "env": env, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   if args.variant == "peak":
@@ -151,7 +149,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   tokens = data.load_tokens(None)[0]
   rows = args.batch * args.grad_accum
   batches = [jax.device_put(data.get_batch(tokens, rows, args.seq_len, 0, i)) for i in range(2)]
-  hyper = dict(b1=0.9, b2=0.95, weight_decay=0.1, mask=train_gpt.decay_mask)
+  hyper = dict(b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)
   lr = 1e-5
 
   def loss_and_grads(params, batch):  # raw gradients and the factor of a global-norm clip at 1.0 (grad_scale)

@@ -4,7 +4,7 @@ The 6.7B gradient program (``gpt.loss``, per-block ``nnx.remat``), three ways:
 
   ``one``    one batch, gradients returned on the accelerator (no flush): the reference;
   ``sum``    a micro-batch adding its gradients to a running sum it takes donated, after the backward pass
-             (``train.gradients``' step as of the tenth session);
+             (``train.gradients.accumulated_grad_step``);
   ``inbwd``  the same sum, added inside the backward pass: each parameter passes through an identity whose
              ``custom_vjp`` returns ``cotangent + sum``, so each leaf's gradient is added the moment it is final.
 

@@ -13,7 +13,7 @@ raw gradients and their global norm), with the gradients flushed five ways:
                 squared norm, so the norm needs no gradient on the accelerator;
   ``bwd-half``  as ``bwd-all`` for every other leaf.
 
-Reports XLA's temporaries and outputs per program. On the H100 (``bench/results/2026-11-22-h100-ahead-budget/``)
+Reports XLA's temporaries and outputs per program. On the H100 (``bench/results/flush_probe-h100/``)
 neither the in-backward flush nor the split saves memory: XLA keeps the gradients on the accelerator until the
 program ends, and a split made it keep far more.
 
