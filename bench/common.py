@@ -15,13 +15,25 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 
+def _meminfo(field: str) -> int | None:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith(field + ":"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
 def host_ram_bytes() -> int:
   """Total host RAM (``MemTotal``)."""
-  with open("/proc/meminfo") as f:
-    for line in f:
-      if line.startswith("MemTotal:"):
-        return int(line.split()[1]) * 1024
-  return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  return _meminfo("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_ram_available_bytes() -> int:
+  """Host RAM available for new allocations (``MemAvailable``)."""
+  return _meminfo("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def setup_env(pinned_fraction: float = 0.85, gpu_mem_fraction: str = "0.90") -> dict[str, str]:

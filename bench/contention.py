@@ -29,13 +29,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_dos  # noqa: E402
-from jax_dos import perf_model, planner  # noqa: E402
-from jax_dos.plan import Plan, partition_leaves  # noqa: E402
+from jax_dos import planning  # noqa: E402
 
 
 def run_plan(params, grads, placements, leaf: int, reps: int) -> dict:
-  subgroups, sizes = partition_leaves(params, leaf)
-  plan = Plan(subgroups, tuple(placements), sizes, source="user")
+  subgroups, sizes = jax_dos.partition_leaves(params, leaf)
+  plan = jax_dos.Plan(subgroups, tuple(placements), sizes, source="user")
   tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=leaf, plan=plan)
   # update_params consumes both, so they are carried from step to step
   carry = {"params": jax.tree.map(jnp.copy, params), "state": tx.init(params)}
@@ -61,7 +60,7 @@ def main() -> None:
   ap.add_argument("--switch-interval", type=float, default=None, help="seconds; also run the mix with it")
   args = ap.parse_args()
   t0 = time.perf_counter()
-  cal = perf_model.calibrate(size=args.calibration_size, force=True, cache=False)
+  cal = jax_dos.calibrate(size=args.calibration_size, force=True, cache=False)
   print(f"calibration: {cal.summary()}", flush=True)
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "calibration": cal.to_dict(), "rows": []}
   for cfg in args.configs.split(","):
@@ -78,7 +77,7 @@ def main() -> None:
     for name, placements, interval in runs:
       k_s = placements.count("stream")
       k_h = n_leaves - k_s
-      pred = planner.predict(cal, n_host=k_h * leaf, n_stream=k_s * leaf, k_host=k_h, k_stream=k_s)["total"]
+      pred = planning.predict(cal, n_host=k_h * leaf, n_stream=k_s * leaf, k_host=k_h, k_stream=k_s)["total"]
       old = sys.getswitchinterval()
       if interval:
         sys.setswitchinterval(interval)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Convergence of the one-step delayed update: GPT-2 124M on the built-in corpus, every subgroup on the host kernel
 # (so that the delay applies to all of the state): --delay 0, --delay 1, --delay 1 --delay-predict moments and
-# --delay 1 --delay-predict gradient (after $WARMUP normal steps), same seed, data and schedule. Writes metrics_<run>.jsonl, delay_curves.log and (compare_curves.py)
+# --delay 1 --delay-predict gradient (after $WARMUP normal steps), same seed, data and schedule. Writes metrics_<run>.jsonl, delay_curves.log and (bench/analysis/compare_curves.py)
 # curves under $OUT. RUNS picks the runs (default: "delay0 delay1 predict"); PRESET, BATCH, SEQ, LR, STEPS set the run.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results}
@@ -19,4 +19,4 @@ for run in $RUNS; do
   cp "/tmp/delay_runs/$run/metrics.jsonl" "$OUT/metrics_$run.jsonl"
 done 2>&1 | tee "$OUT/delay_curves.log"
 for run in $RUNS; do curves+=("$run=$OUT/metrics_$run.jsonl"); done
-python3 bench/compare_curves.py "$OUT/delay_curves.png" "${curves[@]}" | tee "$OUT/delay_compare.txt"
+python3 bench/analysis/compare_curves.py "$OUT/delay_curves.png" "${curves[@]}" | tee "$OUT/delay_compare.txt"

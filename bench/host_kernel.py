@@ -106,8 +106,8 @@ def main() -> None:
     cpus=os.cpu_count(),
     host=platform.node(),
     rows=rows,
-    bytes_per_param={"jax_dos": 32, "torch": 28},
-    note="jax_dos reads g,p,m,v and writes p,m,v and the update into g (32 B/param); torch writes p,m,v (28 B).",
+    bytes_per_param={"jax_dos": 28, "torch": 28},
+    note="both read g, p, m, v and write p, m, v (28 B/param).",
   )
   out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   with open(os.path.join(out, "host_kernel.json"), "w") as f:

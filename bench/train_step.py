@@ -108,15 +108,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _memory(jax) -> dict:
-  from jax_dos import memory
-
   stats = jax.devices()[0].memory_stats() or {}
-  total = memory.host_memory_total()
+  total = common.host_ram_bytes()
   return {
     "gpu_peak_bytes": stats.get("peak_bytes_in_use"),
     "gpu_limit_bytes": stats.get("bytes_limit"),
     "host_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    "host_used_bytes": total - memory.host_memory_available(),
+    "host_used_bytes": total - common.host_ram_available_bytes(),
     "host_total_bytes": total,
   }
 
@@ -140,7 +138,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   import jax_dos
   from models import gpt
   from train import data, gradients
-  from train import gpt as train_gpt
+  from train.optimizer import decay_mask
 
   out = {"variant": args.variant, "env": env, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
   if args.variant == "peak":
@@ -158,7 +156,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   tokens = data.load_tokens(None)[0]
   rows = args.batch * args.grad_accum
   batches = [jax.device_put(data.get_batch(tokens, rows, args.seq_len, 0, i)) for i in range(2)]
-  hyper = dict(b1=0.9, b2=0.95, weight_decay=0.1, mask=train_gpt.decay_mask)
+  hyper = dict(b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)
   lr = 1e-5
 
   def loss_and_grads(params, batch):  # raw gradients and the factor of a global-norm clip at 1.0 (grad_scale)
@@ -172,7 +170,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   apply = jax.jit(optax.apply_updates, donate_argnums=0)
   t0 = time.perf_counter()
   if args.variant in OVERLAPPED:
-    return {**out, **run_overlapped(args, jax, jax_dos, gpt, gradients, train_gpt, cfg, graphdef, params, batches)}
+    return {**out, **run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef, params, batches)}
   if args.variant == "idiom":
     if args.grad_accum > 1:
       raise SystemExit("the idiom runs the whole step in one jit: --grad-accum is not implemented for it")
@@ -278,7 +276,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   return out
 
 
-def run_overlapped(args, jax, jax_dos, gpt, gradients, train_gpt, cfg, graphdef, params, batches) -> dict:
+def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef, params, batches) -> dict:
   """The ``overlap`` variants: ``jax_dos.OverlappedStep`` on the GPT's stages, timed step by step.
 
   Forward/backward alone is the same stage programs with no optimizer
@@ -299,7 +297,7 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, train_gpt, cfg, graphdef,
     out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
   t0 = time.perf_counter()
   planner = jax_dos.auto_planner(**budgets, params_in_place=True)
-  tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=train_gpt.decay_mask, planner=planner)
+  tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask, planner=planner)
   groups = gpt.stage_groups(params)
   del params
   stages = gpt.make_stages(cfg)

@@ -123,7 +123,8 @@ class Bench:
   def __init__(self, args, env):
     import jax
 
-    from jax_dos import host_kernels, perf_model
+    import jax_dos
+    from jax_dos import host_kernels  # the kernel's thread count, shared with torch's here
 
     self.args, self.env, self.jax = args, env, jax
     self.threads = host_kernels.set_num_threads()
@@ -142,9 +143,9 @@ class Bench:
     self.bw = self.dram["bandwidth_Bps"]
     print(f"host DRAM: copy {self.dram['copy_Bps'] / 1e9:.1f} GB/s, add {self.dram['add_Bps'] / 1e9:.1f} GB/s")
     if args.calibration_size:
-      self.cal = perf_model.calibrate(size=args.calibration_size, force=True, cache=False)
+      self.cal = jax_dos.calibrate(size=args.calibration_size, force=True, cache=False)
     else:
-      self.cal = perf_model.calibrate(force=args.recalibrate)
+      self.cal = jax_dos.calibrate(force=args.recalibrate)
     print(f"calibration: {self.cal.summary()}", flush=True)
     self.staging = int(args.staging_gib * 2**30)
     self.donate = "traced" not in args.skip and donation_works()
@@ -220,10 +221,8 @@ class Bench:
     Done here with ``device_put`` because arrays that come out of the traced path carry a host memory
     space in their type, which ``jax_dos.memory.copy_in`` (used by the engine) cannot yet move to the device.
     """
-    from jax_dos.plan import MEMORY_KIND
-
     jax = self.jax
-    kinds = [MEMORY_KIND[p] for p in plan.leaf_placements()]
+    kinds = plan.leaf_memory_kinds()
 
     def move(tree):
       leaves, tdef = jax.tree.flatten(tree)
@@ -271,13 +270,12 @@ class Bench:
   def budget(self, frac: float, params, grads, n: int) -> dict:
     """All jax_dos variants at one resident budget (a fraction of the 12 B/param state)."""
     import jax_dos
-    from jax_dos import planner
-    from jax_dos.plan import Plan, partition_leaves
+    from jax_dos import planning
 
     args, cal = self.args, self.cal
-    subgroups, sizes = partition_leaves(params, args.subgroup_size)
+    subgroups, sizes = jax_dos.partition_leaves(params, args.subgroup_size)
     budget = int(frac * STATE_B * n)
-    device = planner.fill_resident(sizes, budget)
+    device = planning.fill_resident(sizes, budget)
     rest = [i for i in range(len(sizes)) if i not in device]
     n_dev = sum(sizes[i] for i in device)
     n_off, k_rest = n - n_dev, len(rest)  # the model's fixed costs are per subgroup
@@ -287,12 +285,12 @@ class Bench:
         "floor_s": floor, "floor_stream_s": FLOOR_STREAM_B * n_off / self.bw, "variants": {},
     }  # fmt: skip
     print(f"  -- resident budget {frac:.0%}: {n_dev / n:.1%} of params resident", flush=True)
-    slots = planner.stream_slots_for(rest, sizes, self.staging)
+    slots = planning.stream_slots_for(rest, sizes, self.staging)
     explicit = {
-      kind: Plan(subgroups, tuple("device" if i in device else kind for i in range(len(sizes))), sizes, slots)
+      kind: jax_dos.Plan(subgroups, tuple("device" if i in device else kind for i in range(len(sizes))), sizes, slots)
       for kind in ("host", "stream")
     }
-    auto = planner.make_plan(
+    auto = planning.make_plan(
       params, args.subgroup_size, cal, resident_budget_bytes=budget, staging_budget_bytes=self.staging
     )
     out["auto_plan"] = {
@@ -311,7 +309,7 @@ class Bench:
         pred = plan.predicted["total"]
       else:
         kw = {f"n_{name}": n_off, f"k_{name}": k_rest}
-        pred = planner.predict(cal, n_device=n_dev, stream_slots=plan.stream_slots, **kw)["total"]
+        pred = planning.predict(cal, n_device=n_dev, stream_slots=plan.stream_slots, **kw)["total"]
       if self.state is None:
         gc.collect()
         init_tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=args.subgroup_size, plan="host")

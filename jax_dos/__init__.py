@@ -10,25 +10,37 @@ to JAX/XLA. Public API::
 
 Jit the gradient function with ``out_shardings=(None, jax_dos.gradient_shardings(tx, params))``
 to send host subgroups' gradients to host memory during the backward pass.
+
+The package, from the ground up: ``state``, ``adam_math``, ``memory``,
+``plan``, ``trace`` and ``host_kernels``; the two ways to run a step,
+``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
+``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
+face) with ``accumulate``, ``state_convert`` and ``checkpoint`` (docs/design.md).
+
+Importing it changes one thing outside itself: XLA's pinned host pool cap
+(``memory.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
 """
 
+from jax_dos import memory as _memory
 from jax_dos import trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.engine import wait_for_host_updates
+from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation
 from jax_dos.overlap import OverlappedStep
-from jax_dos.perf_model import Calibration, calibrate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
-from jax_dos.planner import StepMemory, auto_planner, make_plan
+from jax_dos.planning.budgets import StepMemory
+from jax_dos.planning.calibration import calibrate
+from jax_dos.planning.cost_model import Calibration
+from jax_dos.planning.planner import auto_planner, make_plan
 from jax_dos.stages import Stage, StagedModel
-from jax_dos.timeline import StageTimes
+from jax_dos.state import InterleavedAdamState
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
+from jax_dos.timeline import StageTimes
 from jax_dos.transform import (
   DEFAULT_SUBGROUP_SIZE,
-  DELAY_PREDICTIONS,
   GRADIENT_FLUSHES,
-  InterleavedAdamState,
   get_plan,
   gradient_memory_kinds,
   gradient_shardings,
@@ -45,18 +57,19 @@ __all__ = [
   "DEFAULT_SUBGROUP_SIZE",
   "DELAY_PREDICTIONS",
   "GRADIENT_FLUSHES",
+  "InterleavedAdamState",
+  "InterleavedAdamTransformation",
+  "PLACEMENTS",
+  "Plan",
+  "StepMemory",
   "auto_planner",
   "calibrate",
   "clip_scale",
   "from_optax_adamw_state",
-  "InterleavedAdamState",
   "OverlappedStep",
-  "PLACEMENTS",
-  "Plan",
   "Stage",
   "StagedModel",
   "StageTimes",
-  "StepMemory",
   "get_plan",
   "gradient_memory_kinds",
   "gradient_shardings",
@@ -73,6 +86,6 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-from jax_dos import memory as _memory  # noqa: E402
-
+# XLA reads its pinned-host pool cap once, when the GPU client starts, which is usually before any jax_dos call:
+# import time is the last moment it can be raised. A value the user set is kept (docs/api.md).
 _memory.raise_pinned_pool_limit()

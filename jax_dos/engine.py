@@ -176,8 +176,8 @@ class Engine:
     hyper: adam_math.AdamHyper,
     plan: Plan,
     decay: Sequence[bool],
-    delay: int = 0,
-    delay_warmup: int = 0,
+    delay: int,
+    delay_warmup: int,  # no default: interleaved_adam's (10) is the only one
     delay_predict: str | None = None,
     write_behind: bool = False,
   ):

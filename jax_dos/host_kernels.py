@@ -33,11 +33,25 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-# numba's OpenMP layer waits at its barriers for every thread of the team: with any core busy (XLA's
-# threads, the engine's dispatch thread) a launch took 4-8 ms here, against ~50 us for the workqueue
-# layer, which the engine's single calling thread can use safely. A user's explicit choice wins.
-if "NUMBA_THREADING_LAYER" not in os.environ:
-  numba.config.THREADING_LAYER = "workqueue"
+_layer_chosen = False
+
+
+def use_workqueue_layer() -> None:
+  """Selects numba's workqueue threading layer, once, before this module's first parallel launch.
+
+  numba's OpenMP layer waits at its barriers for every thread of the team: with
+  any core busy (XLA's threads, the engine's dispatch thread) a launch took
+  4-8 ms, against about 50 us for the workqueue layer, which the engine's single
+  calling thread can use safely. A user's ``NUMBA_THREADING_LAYER`` wins, and
+  importing this module changes nothing: numba reads the setting when it first
+  starts its threads, so it is set at first use. Every function here that
+  launches a parallel kernel calls this first.
+  """
+  global _layer_chosen
+  if not _layer_chosen:
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+      numba.config.THREADING_LAYER = "workqueue"
+    _layer_chosen = True
 
 
 @numba.njit(inline="always")
@@ -178,6 +192,7 @@ def adam_many(
   """
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
+  use_workqueue_layer()
   views = []
   for bufs in buffers:
     if len(bufs) not in (4, 5, 7) or len({b.size for b in bufs}) != 1:
@@ -230,6 +245,7 @@ def adam_many_into(
   28 bytes of DRAM traffic a parameter as in place (30 with ``low``), and the
   old state stays intact, so a step can be taken again from it.
   """
+  use_workqueue_layer()
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
   views = []
@@ -259,6 +275,7 @@ def predict_many(
   ``low`` is bfloat16 or float32; ``p, m, v`` float32 and only read. Used where
   no kernel pass has written the prediction (the first delayed step).
   """
+  use_workqueue_layer()
   f = np.float32
   for (low, p, m, v), d in zip(buffers, decay):
     if str(low.dtype) not in LOW_DTYPES or {str(x.dtype) for x in (p, m, v)} != {"float32"}:
@@ -302,6 +319,7 @@ def round_to_bf16(dst, src) -> None:
   if dst.size != src.size or str(dst.dtype) != "bfloat16" or str(src.dtype) != "float32":
     raise TypeError(f"round_to_bf16 needs float32 -> bfloat16 of one size, got {src.dtype} -> {dst.dtype}.")
   if src.size:
+    use_workqueue_layer()
     _to_bf16(_flat(dst, np.uint16), _flat(src, np.float32))
 
 
@@ -323,6 +341,7 @@ def snapshot(x) -> np.ndarray:
   src = np.asarray(x)
   out = np.empty(src.shape, src.dtype)
   if src.size:
+    use_workqueue_layer()
     _copy(out.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
   return out
 
@@ -342,6 +361,7 @@ def writable_view(array_shard, dtype=np.float32) -> np.ndarray:
 
 def set_num_threads(n: int | None = None) -> int:
   """Sets the host kernel's thread count (default: all cores). Returns it."""
+  use_workqueue_layer()  # numba starts its threads here
   n = n or int(os.environ.get("JAX_DOS_HOST_THREADS", numba.config.NUMBA_NUM_THREADS))
   numba.set_num_threads(n)
   return n

@@ -64,6 +64,20 @@ def traced_put_like(x: jax.Array, ref) -> jax.Array:
   return traced_put(x, "pinned_host" if space.endswith("Host") else "device")
 
 
+def device_free_bytes() -> int | None:
+  """Smallest free accelerator memory over local devices (``bytes_limit - bytes_in_use``), or ``None``."""
+  free = []
+  for d in jax.local_devices():
+    try:
+      stats = d.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+      stats = None
+    if not stats or "bytes_limit" not in stats:
+      return None
+    free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+  return min(free) if free else None
+
+
 def _meminfo(field: str) -> int | None:
   try:
     with open("/proc/meminfo") as f:

@@ -68,10 +68,11 @@ import numpy as np
 from jax_dos import device_steps, host_kernels, memory, trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
+from jax_dos.interleaved import InterleavedAdam, decay_flags, find_interleaved, leaves_with_paths
 from jax_dos.plan import MEMORY_KIND, PLACEMENTS, RESIDENT_CALL_ELEMENTS, Plan, partition_leaves
 from jax_dos.stages import Stage, StagedModel
+from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements
-from jax_dos.transform import InterleavedAdamState, _decay_flags, _leaves_with_paths, _owner
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 # Several threads launch accelerator work at once here. XLA's GPU command buffers (CUDA graphs) capture a program's
@@ -255,7 +256,7 @@ class OverlappedStep:
     plan: Any = None,
     stage_times: StageTimes | None = None,
   ):
-    owner = _overlappable(tx)
+    owner = _overlappable(tx, list(params) if isinstance(params, (list, tuple)) else params)
     _check_no_command_buffers()
     if not isinstance(params, (list, tuple)):
       raise TypeError(
@@ -270,11 +271,11 @@ class OverlappedStep:
       raise TypeError(f"opt_state must be the InterleavedAdamState of tx.init(params), got {type(opt_state).__name__}.")
     self.model = StagedModel(stages, len(params))
     self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, micro_batches
-    leaves, self._treedef = _leaves_with_paths(list(params), "params")
+    leaves, self._treedef = leaves_with_paths(list(params), "params")
     for name, tree in (("master", opt_state.master), ("mu", opt_state.mu), ("nu", opt_state.nu)):
       if jax.tree.structure(tree) != self._treedef:
         raise ValueError(f"opt_state.{name} does not match params: pass tx.init(params), or a state restored for them.")
-    self.decay = _decay_flags(owner.mask, list(params), self.hyper.weight_decay)
+    self.decay = decay_flags(owner.mask, list(params), self.hyper.weight_decay)
     subgroups, sizes, self.subgroup_group = group_aligned_subgroups(params, owner.subgroup_size)
     self.stage_times = stage_times
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
@@ -619,15 +620,18 @@ class OverlappedStep:
     return InterleavedAdamState(self._count, unflat(self._masters), unflat(self._mus), unflat(self._nus))
 
 
-def _overlappable(tx: Any) -> Any:
+def _overlappable(tx: Any, params: Any) -> InterleavedAdam:
   try:
-    owner = _owner(tx, "OverlappedStep")
+    owner, alone = find_interleaved(tx, params, "OverlappedStep")
   except TypeError:
+    alone = False
+  if not alone:
     raise TypeError(
-      "OverlappedStep takes the transformation returned by jax_dos.interleaved_adam (or interleaved_adamw). For"
-      " another optimizer use the plain path: loss, grads = jax.value_and_grad(loss_fn)(params, batch), then"
+      "OverlappedStep takes the transformation returned by jax_dos.interleaved_adam (or interleaved_adamw), alone:"
+      " it clips (clip_norm=) and steps AdamW itself. For another optimizer or a chain use the plain path:"
+      " loss, grads = jax.value_and_grad(loss_fn)(params, batch), then"
       " tx.update(grads, opt_state, params)."
-    ) from None
+    )
   if owner.delay or owner.write_behind:
     raise ValueError(
       "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"

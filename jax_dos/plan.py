@@ -6,9 +6,11 @@ own; ``subgroup_size=1`` makes every leaf its own subgroup). Each subgroup has a
 *placement*:
 
 * ``"device"``: master, mu and nu stay in accelerator memory (fastest, costs
-  12 bytes per parameter of accelerator memory);
+  ``STATE_BYTES``, 12 bytes per parameter of accelerator memory);
 * ``"stream"``: state lives in ``pinned_host`` memory, is copied to the
-  accelerator for the update and copied back;
+  accelerator for the update and copied back (``STAGING_BYTES``, 16 bytes per
+  parameter of accelerator memory while in flight: master, mu and nu in,
+  donated to the update, and the float32 update out);
 * ``"host"``: state lives in ``pinned_host`` memory and is updated in place by
   the fused host kernel; only gradients and updates cross PCIe.
 
@@ -31,6 +33,8 @@ Placement = Literal["device", "stream", "host"]
 PLACEMENTS: tuple[str, ...] = ("device", "stream", "host")
 MEMORY_KIND: dict[str, str] = {"device": "device", "stream": "pinned_host", "host": "pinned_host"}
 RESIDENT_CALL_ELEMENTS = 256 * 2**20  # elements per jitted call of the resident update, at most (whole subgroups)
+STATE_BYTES = 12  # accelerator bytes per resident parameter: float32 master, mu, nu
+STAGING_BYTES = 16  # accelerator bytes per parameter of a streamed subgroup in flight: its state and the float32 update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Plan:
     sizes: number of elements per subgroup.
     stream_slots: how many streamed subgroups may be in flight on the
       accelerator at once (their staging memory is ``stream_slots`` times the
-      largest streamed subgroup's 12 bytes per parameter).
+      largest streamed subgroup's ``STAGING_BYTES``, 16 bytes per parameter).
     predicted: predicted seconds per path and in total (empty if the plan was
       not chosen by the performance model).
     source: how the plan was made (``"user"``, ``"default"``, ``"model"``).
@@ -89,6 +93,10 @@ class Plan:
       for i in leaves:
         out[i] = placement
     return tuple(out)
+
+  def leaf_memory_kinds(self) -> tuple[str, ...]:
+    """The memory kind of every leaf's state, in flatten order (``"device"`` or ``"pinned_host"``)."""
+    return tuple(MEMORY_KIND[p] for p in self.leaf_placements())
 
   def indices(self, placement: str) -> list[int]:
     """Indices of the subgroups with this placement, in plan order."""

@@ -35,7 +35,7 @@ import optax
 from jax_dos import memory
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.plan import MEMORY_KIND, Plan
-from jax_dos.transform import InterleavedAdamState
+from jax_dos.state import InterleavedAdamState
 
 _ADAM_NODES = (InterleavedAdamState, optax.ScaleByAdamState)
 

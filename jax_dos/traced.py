@@ -3,7 +3,7 @@
 Every leaf's state is brought to the accelerator with an in-jit
 ``device_put`` (a no-op for resident state), updated there, and put back into
 the memory kind its placement asks for. XLA schedules the copies; it does not
-pipeline them (see MEASUREMENTS.md), which is why the eager engine exists.
+pipeline them (``docs/measurements.md``), which is why the eager engine exists.
 This path is also the baseline the engine is measured against.
 
 With ``delay=1`` it computes what the engine's delayed update does: from step
@@ -34,8 +34,8 @@ def update_leaves(
   leaf_placements: Sequence[str],
   decay: Sequence[bool],
   hyper: adam_math.AdamHyper,
-  delay: int = 0,
-  delay_warmup: int = 0,
+  delay: int,
+  delay_warmup: int,  # no default: interleaved_adam's (10) is the only one
   grad_scale=1.0,
   new_params: bool = False,
   delay_predict: str | None = None,

@@ -1,17 +1,11 @@
-"""``interleaved_adam``: optax's AdamW with its state offloaded to host memory.
+"""``interleaved_adam``: optax's AdamW with its state offloaded to host memory, and the functions around it.
 
 Drop-in for ``optax.adamw``: same hyperparameters, same numbers. The state is
 a pytree of ordinary ``jax.Array`` s mirroring the parameters (fp32 master
-weights, mu, nu) plus a step count; each leaf lives in ``pinned_host`` or
-``device`` memory according to the plan (see ``plan.py``).
-
-``update`` runs one of two ways, with the same arithmetic:
-
-* **traced** (called inside ``jax.jit``, or under ``optax.MultiSteps`` whose
-  ``lax.cond`` traces it): pure XLA with in-jit ``device_put`` (``traced.py``);
-* **eager** (called on concrete arrays): the engine (``engine.py``), which
-  pipelines streamed subgroups and runs the host kernel concurrently. This is
-  the fast path; it consumes ``state`` like a donated argument.
+weights, mu, nu) plus a step count (``state.py``); each leaf lives in
+``pinned_host`` or ``device`` memory according to the plan (``plan.py``), which
+the performance model chooses by default (``planning/``). The optimizer itself,
+traced or eager, is ``interleaved.py``'s.
 
 Gradient flush: jit the gradient function with
 ``out_shardings=gradient_shardings(tx, params)`` (for its gradient output):
@@ -20,267 +14,36 @@ itself, copying each one out of the accelerator inside the backward pass, and
 the engine finds them on the host already (float32 or bfloat16, which the
 host kernel reads as they are).
 
-Gradient accumulation on the fast path: accumulate in the jitted gradient
-step and call ``update`` eagerly every ``k`` micro-batches (see README), since
-``optax.MultiSteps`` always traces its inner update.
+:func:`get_plan`, :func:`gradient_memory_kinds` and :func:`gradient_shardings`
+take the transformation ``interleaved_adam`` returned, alone or inside an
+``optax.chain`` (or ``jax_dos.multi_steps``); :func:`update_params` takes it
+alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_dos import memory, traced
+from jax_dos import memory
 from jax_dos.adam_math import AdamHyper, ScalarOrSchedule
-from jax_dos.engine import Engine
-from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, check_subgroup_size, resolve_plan
-from jax_dos.planner import auto_planner
+from jax_dos.interleaved import (
+  InterleavedAdam,
+  InterleavedAdamTransformation,
+  Planner,
+  find_interleaved,
+  prediction_mode,
+)
+from jax_dos.plan import Plan, PlanSpec
+from jax_dos.planning.planner import auto_planner
+from jax_dos.state import InterleavedAdamState
 
 DEFAULT_SUBGROUP_SIZE = 64 * 2**20  # 256 MiB of fp32 per state array; see docs/design.md
-
-
-class InterleavedAdamState(NamedTuple):
-  """State of :func:`interleaved_adam`: trees mirroring the parameters."""
-
-  count: jax.Array  # int32 scalar: steps taken
-  master: optax.Params  # fp32 master weights
-  mu: optax.Updates  # first moment, fp32
-  nu: optax.Updates  # second moment, fp32
-
-
-def _leaves_with_paths(tree: Any, what: str) -> tuple[list[Any], Any]:
-  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = []
-  for path, leaf in path_leaves:
-    dtype = jnp.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(
-        f"interleaved_adam: {what} leaf {jax.tree_util.keystr(path)} has dtype {dtype}; every leaf must be a"
-        " floating-point array. Keep integer buffers out of the optimized tree (e.g. with optax.masked or a"
-        " flax.nnx filter)."
-      )
-    leaves.append(leaf)
-  return leaves, treedef
-
-
-def _decay_flags(mask, params, weight_decay: float) -> tuple[bool, ...]:
-  n = len(jax.tree.leaves(params))
-  if weight_decay == 0.0:
-    return (False,) * n
-  if mask is None:
-    return (True,) * n
-  mask_tree = mask(params) if callable(mask) else mask
-  flags = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), mask_tree, params)
-  out = tuple(jax.tree.leaves(flags))
-  if len(out) != n:
-    raise ValueError("mask must have the structure of params (or a prefix of it).")
-  return out
-
-
-class _InterleavedAdam:
-  """Holds the hyperparameters and caches a plan and an engine per tree signature."""
-
-  def __init__(
-    self,
-    hyper: AdamHyper,
-    mask,
-    subgroup_size: int,
-    plan: PlanSpec,
-    planner: Optional[Callable],
-    delay: int = 0,
-    delay_warmup: int = 0,
-    delay_predict: Union[bool, str] = False,
-    write_behind: bool = False,
-  ):
-    check_subgroup_size(subgroup_size)
-    delay_predict = _prediction_mode(delay_predict)
-    if delay not in (0, 1) or isinstance(delay, bool):
-      raise ValueError(f"delay must be 0 (off) or 1 (host subgroups update one step late), got {delay!r}.")
-    if write_behind and delay:
-      raise ValueError(
-        "write_behind=True keeps optax's numbers and hides part of the host update; delay=1 hides all of it one"
-        " step late. Pick one."
-      )
-    if delay_predict and not delay:
-      raise ValueError(
-        f"delay_predict={delay_predict!r} predicts the parameters a delayed update hands on: it needs delay=1."
-      )
-    if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, (int, np.integer)) or delay_warmup < 0:
-      raise ValueError(f"delay_warmup must be an integer >= 0 (normal steps before the delay), got {delay_warmup!r}.")
-    self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
-    self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), delay_predict
-    self.write_behind = bool(write_behind)
-    self._plans: dict[Any, Plan] = {}
-    self._engines: dict[Any, Engine] = {}
-
-  def plan_for(self, params: Any) -> Plan:
-    leaves, treedef = jax.tree.flatten(params)
-    key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
-    if key not in self._plans:
-      if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
-        if self.planner is None:
-          self.planner = auto_planner(ahead_copies=self.delay_predict == "gradient")
-        plan = self.planner(params, self.subgroup_size)
-        if (self.delay or self.write_behind) and plan.indices("stream"):
-          # Delayed (or written-behind) host work overlaps the next forward/backward pass, streamed work does not:
-          # stream nothing.
-          placements = [p if p != "stream" else "host" for p in plan.placements]
-          source = "model+delay" if self.delay else "model+write_behind"
-          plan = plan.with_placements(placements, source=source, predicted={})
-        self._plans[key] = plan
-      else:
-        self._plans[key] = resolve_plan(self.plan_spec, params, self.subgroup_size)
-    return self._plans[key]
-
-  def init(self, params: optax.Params) -> InterleavedAdamState:
-    leaves, treedef = _leaves_with_paths(params, "params")
-    plan = self.plan_for(params)
-    kinds = [MEMORY_KIND[p] for p in plan.leaf_placements()]
-    if not any(memory.is_traced(x) for x in leaves):
-      copies = (self.delay and self.delay_predict == "moments") or self.write_behind
-      moments = bool(self.delay) and self.delay_predict == "gradient"
-      memory.check_host_capacity(host_state_bytes(plan, leaves, copies, moments))
-    master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
-    mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
-    nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
-    return InterleavedAdamState(jnp.zeros([], jnp.int32), unflat(master), unflat(mu), unflat(nu))
-
-  def update(
-    self,
-    updates: optax.Updates,
-    state: InterleavedAdamState,
-    params: Optional[optax.Params] = None,
-    *,
-    grad_scale: Any = None,
-    **extra_args,
-  ):
-    del extra_args  # optax's convention: a transformation ignores extra arguments it does not take
-    return self._step(updates, state, params, grad_scale, new_params=False)
-
-  def update_params(self, grads: optax.Updates, state: InterleavedAdamState, params: optax.Params, grad_scale: Any):
-    """``(new_params, new_state)``: see :func:`update_params`."""
-    return self._step(grads, state, params, grad_scale, new_params=True)
-
-  def _step(self, updates, state, params, grad_scale, new_params: bool):
-    if params is None:
-      raise ValueError("interleaved_adam.update needs params (like optax.adamw): call tx.update(grads, state, params).")
-    if not isinstance(state, InterleavedAdamState):
-      raise TypeError(
-        f"expected an InterleavedAdamState, got {type(state).__name__}; pass the state made by this optimizer's init."
-      )
-    grads, gdef = _leaves_with_paths(updates, "gradient")
-    sdef = jax.tree.structure(state.master)
-    if gdef != sdef:
-      raise ValueError(f"gradient tree does not match the optimizer state.\n  gradients: {gdef}\n  state:     {sdef}")
-    param_leaves, pdef = _leaves_with_paths(params, "params")
-    if pdef != sdef:
-      raise ValueError(f"params tree does not match the optimizer state.\n  params: {pdef}\n  state:  {sdef}")
-    for g, p, path in zip(grads, param_leaves, jax.tree_util.tree_flatten_with_path(params)[0]):
-      if np.shape(g) != np.shape(p):
-        raise ValueError(
-          f"gradient for {jax.tree_util.keystr(path[0])} has shape {np.shape(g)}, params have {np.shape(p)}."
-        )
-    grad_scale = _check_grad_scale(grad_scale)
-    plan = self.plan_for(params)
-    decay = _decay_flags(self.mask, params, self.hyper.weight_decay)
-    masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
-    args = (grads, masters, mus, nus, param_leaves)
-    if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count, grad_scale)):
-      out = traced.update_leaves(
-        *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup, grad_scale,
-        new_params, self.delay_predict,
-      )  # fmt: skip
-    else:
-      _check_not_consumed(masters + mus + nus + [state.count], param_leaves, grads)
-      out = self._engine(plan, decay).update(*args, state.count, grad_scale, new_params)
-    u, m32, m1, m2, count = out
-    unflat = lambda xs: jax.tree.unflatten(sdef, xs)  # noqa: E731
-    return unflat(u), InterleavedAdamState(count, unflat(m32), unflat(m1), unflat(m2))
-
-  def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
-    key = (plan, decay)
-    if key not in self._engines:
-      self._engines[key] = Engine(
-        self.hyper, plan, decay, self.delay, self.delay_warmup, self.delay_predict, self.write_behind
-      )
-    return self._engines[key]
-
-
-def _deleted(xs: list) -> bool:
-  return any(isinstance(x, jax.Array) and x.is_deleted() for x in xs)
-
-
-def _check_not_consumed(state_leaves: list, param_leaves: list, grads: list) -> None:
-  """A clear error, before any work, for arrays an earlier eager update consumed (donated or released)."""
-  if _deleted(state_leaves):
-    raise ValueError(
-      "this optimizer state was already consumed by an earlier update (its buffers were donated to it or released"
-      " when copied). Pass the state returned by the latest update."
-    )
-  if _deleted(param_leaves):
-    raise ValueError(
-      "these params were already consumed by an earlier jax_dos.update_params (their buffers hold the new"
-      " parameters). Pass the params it returned."
-    )
-  if _deleted(grads):
-    raise ValueError("some gradients were deleted or donated before this update; pass live arrays.")
-
-
-DELAY_PREDICTIONS = ("moments", "gradient")
-
-
-def _prediction_mode(delay_predict: Union[bool, str, None]) -> Optional[str]:
-  """``delay_predict`` as ``None``, ``"moments"`` (``True``) or ``"gradient"``."""
-  if delay_predict is None or delay_predict is False:
-    return None
-  if delay_predict is True:
-    return "moments"
-  if isinstance(delay_predict, str) and delay_predict in DELAY_PREDICTIONS:
-    return delay_predict
-  raise ValueError(
-    f"delay_predict must be False, True (= 'moments') or one of {DELAY_PREDICTIONS}, got {delay_predict!r}."
-  )
-
-
-def _check_grad_scale(grad_scale: Any) -> Any:
-  if grad_scale is None:
-    return 1.0
-  try:
-    dtype = jnp.result_type(grad_scale)
-    real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
-  except TypeError:
-    real = False
-  if not real or np.shape(grad_scale) != ():
-    raise ValueError(
-      f"grad_scale must be a real scalar (a float or a 0-d array) multiplying every gradient, got"
-      f" {type(grad_scale).__name__} of shape {np.shape(grad_scale)}. For a global-norm clip pass"
-      " jax_dos.clip_scale(optax.global_norm(grads), max_norm)."
-    )
-  return grad_scale
-
-
-def host_state_bytes(plan: Plan, leaves: list[Any], float32_copies: bool = False, moment_copies: bool = False) -> int:
-  """Pinned host bytes a plan needs: 12 B per offloaded parameter (master, mu, nu), 4 more per host-updated one.
-
-  The 4 are its gradient (float32), or its bfloat16 gradient and the engine's bfloat16 copy of its new weight.
-  With ``float32_copies`` (``delay_predict="moments"``, ``write_behind``), float32 parameters' host copies add 4
-  more; with ``moment_copies`` (``delay_predict="gradient"``), bfloat16 ones' copies of mu and nu add 4.
-  """
-  placements = plan.leaf_placements()
-  size = lambda x: int(np.prod(np.shape(x)))  # noqa: E731
-  state = sum(12 * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
-
-  def extra(x):
-    bf16 = jnp.result_type(x) == jnp.bfloat16
-    return 4 + (4 if float32_copies and not bf16 else 0) + (4 if moment_copies and bf16 else 0)
-
-  return state + sum(extra(x) * size(x) for x, p in zip(leaves, placements) if p == "host")
+DEFAULT_DELAY_WARMUP = 10  # normal steps before delay=1 starts
 
 
 def interleaved_adam(
@@ -294,12 +57,12 @@ def interleaved_adam(
   *,
   subgroup_size: int = DEFAULT_SUBGROUP_SIZE,
   plan: PlanSpec = "auto",
-  planner: Optional[Callable[[Any, int], Plan]] = None,
+  planner: Optional[Planner] = None,
   delay: int = 0,
-  delay_warmup: int = 10,
+  delay_warmup: int = DEFAULT_DELAY_WARMUP,
   delay_predict: Union[bool, str] = False,
   write_behind: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> InterleavedAdamTransformation:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
   The maths is exactly ``optax.adamw``'s (see ``adam_math.py``)::
@@ -335,7 +98,9 @@ def interleaved_adam(
       gradients they are given. ``0`` (default) is optax's AdamW. With
       ``plan="auto"``, subgroups the model would stream are host-updated
       instead, since only host work is hidden behind the next step.
-    delay_warmup: normal steps before the delay starts (default 10).
+    delay_warmup: normal steps before the delay starts (default 10). The
+      layers below (``InterleavedAdam``, ``traced.update_leaves``, the
+      engine) take it without a default: this is the only one.
     delay_predict: with ``delay=1``, what the forward pass of step ``t + 1``
       gets for host subgroups instead of the stale masters of step ``t - 1``
       (moments and masters still follow Adam exactly on the gradients they
@@ -375,7 +140,9 @@ def interleaved_adam(
       With ``plan="auto"`` streamed subgroups become host ones. Not with ``delay``.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``. Its ``update`` requires
+    An ``optax.GradientTransformationExtraArgs`` (an
+    :class:`~jax_dos.interleaved.InterleavedAdamTransformation`, whose
+    ``interleaved`` is the optimizer behind it). Its ``update`` requires
     ``params``. Eagerly (outside ``jit``) it consumes ``state`` in place; inside
     ``jit`` it is pure. ``update(grads, state, params, grad_scale=s)`` takes
     ``s * grads`` as the gradients (a scalar, on any device); with
@@ -385,9 +152,13 @@ def interleaved_adam(
     host subgroups' gradients during the backward pass (see ``docs/design.md``).
   """
   hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay)
-  opt = _InterleavedAdam(hyper, mask, subgroup_size, plan, planner, delay, delay_warmup, delay_predict, write_behind)
-  tx = optax.GradientTransformationExtraArgs(opt.init, opt.update)
-  return tx
+  if planner is None and isinstance(plan, str) and plan == "auto":
+    planner = auto_planner(ahead_copies=prediction_mode(delay_predict) == "gradient")  # calibrates on first use
+  opt = InterleavedAdam(
+    hyper, mask=mask, subgroup_size=subgroup_size, plan=plan, planner=planner, delay=delay, delay_warmup=delay_warmup,
+    delay_predict=delay_predict, write_behind=write_behind,
+  )  # fmt: skip
+  return InterleavedAdamTransformation.of(opt)
 
 
 def interleaved_adamw(
@@ -399,16 +170,9 @@ def interleaved_adamw(
   weight_decay: float = 1e-4,
   mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
   **kwargs,
-) -> optax.GradientTransformationExtraArgs:
+) -> InterleavedAdamTransformation:
   """:func:`interleaved_adam` with ``optax.adamw``'s default ``weight_decay=1e-4``."""
   return interleaved_adam(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, **kwargs)
-
-
-def _owner(tx: optax.GradientTransformation, what: str) -> _InterleavedAdam:
-  owner = getattr(tx.update, "__self__", None)
-  if not isinstance(owner, _InterleavedAdam):
-    raise TypeError(f"{what} takes the transformation returned by jax_dos.interleaved_adam (not a chain of it).")
-  return owner
 
 
 def update_params(
@@ -436,14 +200,23 @@ def update_params(
   parameter (27 GB at 6.7B) the accelerator can give to resident state
   instead (tell the planner: ``auto_planner(params_in_place=True)``).
   Eagerly it consumes ``params`` and ``state`` like donated arguments; inside
-  ``jit`` it is pure.
+  ``jit`` it is pure. ``tx`` must be the transformation itself, not a chain of
+  it: the chain's other members would transform an update tree that is never
+  made. Clip with ``grad_scale=jax_dos.clip_scale(optax.global_norm(grads), c)``.
   """
-  return _owner(tx, "update_params").update_params(grads, state, params, grad_scale)
+  opt, alone = find_interleaved(tx, params, "update_params")
+  if not alone:
+    raise TypeError(
+      "update_params takes the transformation returned by jax_dos.interleaved_adam itself, not a chain of it: the"
+      " chain's other members would transform an update tree that update_params never makes. Call tx.update and"
+      " optax.apply_updates instead, or clip with grad_scale=jax_dos.clip_scale(optax.global_norm(grads), max_norm)."
+    )
+  return opt.update_params(grads, state, params, grad_scale)
 
 
 def get_plan(tx: optax.GradientTransformation, params: Any) -> Plan:
-  """The :class:`Plan` an ``interleaved_adam`` transformation uses for ``params``."""
-  return _owner(tx, "get_plan").plan_for(params)
+  """The :class:`Plan` an ``interleaved_adam`` transformation (alone or in an ``optax.chain``) uses for ``params``."""
+  return find_interleaved(tx, params, "get_plan")[0].plan_for(params)
 
 
 GRADIENT_FLUSHES = ("host", "all")
@@ -460,14 +233,14 @@ def gradient_memory_kinds(tx: optax.GradientTransformation, params: Any, flush: 
   temporaries and no gradients on it, against 7.0 GiB plus 12.4 GiB of
   gradients unflushed). With ``"host"``, a plan that splits the gradients
   between memories can make XLA keep far more (47 GiB at 6.7B,
-  ``bench/flush_probe.py``); compile the step and check its memory.
+  ``bench/probes/flush_probe.py``); compile the step and check its memory.
 
   Empty leaves stay on the device: nothing to move, and jax 0.11 reports a
   zero-size output of ``pinned_host`` sharding as device memory.
   """
   if flush not in GRADIENT_FLUSHES:
     raise ValueError(f"flush must be one of {GRADIENT_FLUSHES}, got {flush!r}.")
-  plan = _owner(tx, "gradient_memory_kinds").plan_for(params)
+  plan = find_interleaved(tx, params, "gradient_memory_kinds")[0].plan_for(params)
   leaves = jax.tree.leaves(params)
   kinds = [
     "pinned_host" if (flush == "all" or p == "host") and np.size(x) else "device"

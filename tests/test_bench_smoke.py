@@ -63,7 +63,7 @@ def test_train_step_smoke_accumulated(tmp_path):
 def test_flush_probe_smoke(tmp_path):
   """Every flush variant of the gradient program compiles (the in-backward one leans on custom_vjp rules)."""
   out = tmp_path / "flush_probe.json"
-  run(tmp_path, "flush_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out))
+  run(tmp_path, "probes/flush_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out))
   rows = json.loads(out.read_text())["rows"]
   assert [r["variant"] for r in rows] == ["none", "all", "half", "first", "bwd-all", "bwd-half"]
   assert all("error" not in r and r["temp_gib"] > 0 for r in rows)
@@ -72,7 +72,7 @@ def test_flush_probe_smoke(tmp_path):
 def test_accum_probe_smoke(tmp_path):
   """The three accumulation programs compile (the in-backward one leans on a custom_vjp returning None)."""
   out = tmp_path / "accum_probe.json"
-  run(tmp_path, "accum_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out))
+  run(tmp_path, "probes/accum_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out))
   rows = json.loads(out.read_text())["rows"]
   assert [r["variant"] for r in rows] == ["one", "sum", "inbwd"]
   assert rows[1]["alias_gib"] > 0 and rows[2]["alias_gib"] > 0  # the running sum is updated in place

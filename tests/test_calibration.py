@@ -8,8 +8,8 @@ import socket
 import jax
 import pytest
 
-from jax_dos import perf_model
-from jax_dos.perf_model import Calibration
+from jax_dos.planning import calibration, cost_model
+from jax_dos.planning.cost_model import Calibration
 
 
 def this_machine(**rates) -> Calibration:
@@ -30,7 +30,7 @@ def this_machine(**rates) -> Calibration:
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-  monkeypatch.delenv(perf_model.ENV_OVERRIDE, raising=False)
+  monkeypatch.delenv(calibration.ENV_OVERRIDE, raising=False)
   return tmp_path
 
 
@@ -42,33 +42,33 @@ def test_dict_roundtrip():
 
 def test_cache_roundtrip_is_keyed(cache_home):
   c = this_machine()
-  path = perf_model.save(c)
+  path = calibration.save(c)
   assert path.parent == cache_home / "jax_dos" and c.key in path.name
-  assert perf_model.load_cached(c.key) == c
-  assert perf_model.load_cached() == c  # this machine's key
+  assert calibration.load_cached(c.key) == c
+  assert calibration.load_cached() == c  # this machine's key
   other = dataclasses.replace(c, hostname="elsewhere")
-  assert perf_model.load_cached(other.key) is None
-  perf_model.save(other)
-  assert perf_model.load_cached() == c and perf_model.load_cached(other.key) == other
+  assert calibration.load_cached(other.key) is None
+  calibration.save(other)
+  assert calibration.load_cached() == c and calibration.load_cached(other.key) == other
   # calibrate() reads the cache instead of measuring.
-  assert perf_model.calibrate() == c
+  assert calibration.calibrate() == c
 
 
 def test_damaged_cache_is_ignored(cache_home):
-  path = perf_model.cache_path()
+  path = calibration.cache_path()
   path.parent.mkdir(parents=True)
   path.write_text("{not json")
-  assert perf_model.load_cached() is None
+  assert calibration.load_cached() is None
 
 
 def test_overrides(cache_home, monkeypatch):
   c = this_machine(h=3e9)
-  assert perf_model.get_calibration(c.to_dict()) == c
+  assert calibration.get_calibration(c.to_dict()) == c
   path = cache_home / "mine.json"
   path.write_text(json.dumps(c.to_dict()))
-  assert perf_model.get_calibration(str(path)) == c
-  monkeypatch.setenv(perf_model.ENV_OVERRIDE, str(path))
-  assert perf_model.get_calibration() == c
+  assert calibration.get_calibration(str(path)) == c
+  monkeypatch.setenv(calibration.ENV_OVERRIDE, str(path))
+  assert calibration.get_calibration() == c
   # Only the three solo rates are required; concurrency defaults to "the paths add up".
   small = Calibration.from_dict({"host_rate": 1.0, "stream_rate": 2.0, "device_rate": 3.0})
   assert small.host_rate_concurrent == 1.0 and small.stream_rate_concurrent == 2.0
@@ -76,22 +76,22 @@ def test_overrides(cache_home, monkeypatch):
 
 def test_bad_overrides_are_explained(cache_home):
   with pytest.raises(ValueError, match="unknown Calibration fields"):
-    perf_model.as_calibration({"host_rate": 1.0, "stream_rate": 1.0, "device_rate": 1.0, "hots_rate": 2.0})
+    calibration.as_calibration({"host_rate": 1.0, "stream_rate": 1.0, "device_rate": 1.0, "hots_rate": 2.0})
   with pytest.raises(ValueError, match="needs at least"):
-    perf_model.as_calibration({"host_rate": 1.0})
+    calibration.as_calibration({"host_rate": 1.0})
   with pytest.raises(FileNotFoundError, match="does not exist"):
-    perf_model.as_calibration(str(cache_home / "missing.json"))
+    calibration.as_calibration(str(cache_home / "missing.json"))
   with pytest.raises(TypeError, match="Calibration, a dict or a JSON path"):
-    perf_model.as_calibration(3.0)
+    calibration.as_calibration(3.0)
 
 
 def test_calibrate_measures(cache_home):
-  c = perf_model.calibrate(size=2048, force=True, cache=True, reps=1)
-  rates = [getattr(c, f) for f in perf_model._RATE_FIELDS]
-  times = [getattr(c, f) for f in perf_model._TIME_FIELDS]
+  c = calibration.calibrate(size=2048, force=True, cache=True, reps=1)
+  rates = [getattr(c, f) for f in cost_model._RATE_FIELDS]
+  times = [getattr(c, f) for f in cost_model._TIME_FIELDS]
   assert all(math.isfinite(r) and r > 0 for r in rates)
   assert all(math.isfinite(t) and t >= 0 for t in times)
   assert c.size == 2048
   assert (c.device_free_bytes is None) == (jax.default_backend() == "cpu")  # the CPU backend has no memory stats
-  assert c.key == perf_model.current_key()
-  assert perf_model.load_cached() == c
+  assert c.key == calibration.current_key()
+  assert calibration.load_cached() == c

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import max_rel_diff, random_tree
-from test_flush_and_delay import MIXED, delayed_reference, make_grad_fn, quadratic_loss
+from test_flush_and_delay import MIXED, make_grad_fn, quadratic_grads, reference
 
 import jax_dos
 
@@ -25,17 +25,6 @@ def make_tx(plan=MIXED, warmup=2, **kwargs):
   )  # fmt: skip
 
 
-def optax_trajectory(params, targets_per_step, lr=1e-2, wd=0.1):
-  """Undelayed ``optax.adamw`` on the quadratic loss: the parameters after each step, and the final state."""
-  ref = optax.adamw(lr, weight_decay=wd)
-  state, history = ref.init(params), []
-  for targets in targets_per_step:
-    updates, state = ref.update(jax.grad(quadratic_loss)(params, targets), state, params)
-    params = optax.apply_updates(params, updates)
-    history.append(params)
-  return history, state
-
-
 @pytest.mark.parametrize("call", ["update", "update_params", "jit"])
 def test_the_trajectory_is_undelayed_adamw(call):
   """Gradients that depend on the parameters: every step's parameters are optax.adamw's, not the delayed recursion's."""
@@ -44,9 +33,9 @@ def test_the_trajectory_is_undelayed_adamw(call):
   warmup, steps = 2, 8
   tx = make_tx(warmup=warmup)
   targets = [random_tree(rng) for _ in range(steps)]
-  expected, ref_state = optax_trajectory(params0, targets)
+  expected, _, ref_state = reference(params0, quadratic_grads(targets), steps)  # undelayed optax.adamw
   placements = jax_dos.get_plan(tx, params0).leaf_placements()
-  plain, _ = delayed_reference(params0, targets, placements, warmup)
+  plain, _, _ = reference(params0, quadratic_grads(targets), steps, placements, warmup)
 
   params, state, grad_fn = params0, tx.init(params0), make_grad_fn(tx, params0)
   for t in range(steps):
@@ -121,7 +110,7 @@ def test_copies_that_do_not_fit_ahead_cross_in_update(room):
   budget = sum(3 * leaves[i].nbytes for i in first) if room == "first subgroup" else 0
   tx = make_tx(plan=dataclasses.replace(plan, ahead_budget_bytes=budget), warmup=0)
   targets = [random_tree(rng) for _ in range(4)]
-  expected, _ = optax_trajectory(params0, targets)
+  expected, _, _ = reference(params0, quadratic_grads(targets), len(targets))  # undelayed optax.adamw
   params, state, grad_fn = params0, tx.init(params0), make_grad_fn(tx, params0)
   for t in range(4):
     with jax_dos.trace.recording() as spans:

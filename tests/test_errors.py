@@ -119,7 +119,7 @@ def test_import_raises_the_pinned_pool_limit_unless_the_user_set_it():
 
 def test_host_bytes_count_the_prediction_buffers_of_float32_parameters():
   """delay_predict keeps a float32 copy per float32 host parameter (bfloat16 ones reuse the rounded copy)."""
-  from jax_dos.transform import host_state_bytes
+  from jax_dos.interleaved import host_state_bytes
 
   leaves = [jax.ShapeDtypeStruct((10,), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.bfloat16)]
   plan = jax_dos.resolve_plan("host", {"a": leaves[0], "b": leaves[1]}, 100)

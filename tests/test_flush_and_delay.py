@@ -10,11 +10,13 @@ import numpy as np
 import optax
 import pytest
 from helpers import SHAPES, max_rel_diff, random_tree
+from reference import adamw_prediction, adamw_trajectory
 
 import jax_dos
 
 MIXED = ["host", "stream", "device", "host"]  # the helpers' tree packs into 4 subgroups at subgroup_size=100
 TOL = 1e-6
+LR, WD = 1e-2, 0.1  # the references' optax.adamw
 
 
 def quadratic_loss(params, targets):
@@ -22,6 +24,23 @@ def quadratic_loss(params, targets):
   return sum(
     jnp.sum((p.astype(jnp.float32) - t) ** 2) for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets))
   )
+
+
+def reference(params, grads_at, steps, placements=(), warmup=0, predict=None):
+  """``reference.py``'s recursion with ``optax.adamw(LR, weight_decay=WD)``: host leaves delayed from ``warmup``."""
+  delayed = [p == "host" for p in placements] or False
+  tx = optax.adamw(LR, weight_decay=WD)
+  return adamw_trajectory(params, grads_at, steps, tx=tx, delayed=delayed, warmup=warmup, predict=predict)
+
+
+def quadratic_grads(targets_per_step):
+  """Step ``t``'s gradients of :func:`quadratic_loss` at the parameters handed on."""
+  return lambda t, params: jax.grad(quadratic_loss)(params, targets_per_step[t])
+
+
+def given_grads(grads_per_step):
+  """Step ``t``'s gradients, given in advance."""
+  return lambda t, params: grads_per_step[t]
 
 
 def make_grad_fn(tx, params, flush="host"):
@@ -94,28 +113,6 @@ def test_gradients_the_host_kernel_cannot_read_are_refused():
   assert jax.tree.structure(updates) == jax.tree.structure(params)
 
 
-def delayed_reference(params, targets_per_step, plan_leaf_placements, warmup, lr=1e-2, wd=0.1):
-  """optax.adamw on the masters; host leaves' parameters trail their masters by one step from ``warmup`` on."""
-  ref = optax.adamw(lr, weight_decay=wd)
-  masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-  state = ref.init(masters)
-  treedef = jax.tree.structure(params)
-  history = []
-  for t, targets in enumerate(targets_per_step):
-    grads = jax.grad(quadratic_loss)(params, targets)
-    before = masters
-    updates, state = ref.update(grads, state, masters)
-    masters = optax.apply_updates(masters, updates)
-    delayed = t >= warmup
-    leaves = [
-      (b if delayed and placement == "host" else m)
-      for b, m, placement in zip(jax.tree.leaves(before), jax.tree.leaves(masters), plan_leaf_placements)
-    ]
-    params = jax.tree.unflatten(treedef, [x.astype(p.dtype) for x, p in zip(leaves, jax.tree.leaves(params))])
-    history.append(params)
-  return history, masters
-
-
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_delay_one_semantics(jit):
   """Host subgroups' parameters at step t+1 are those of step t-1; the first ``delay_warmup`` steps are normal."""
@@ -125,8 +122,8 @@ def test_delay_one_semantics(jit):
   tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan=MIXED, delay=1, delay_warmup=warmup)
   placements = jax_dos.get_plan(tx, params0).leaf_placements()
   targets = [random_tree(rng) for _ in range(steps)]
-  expected, expected_masters = delayed_reference(params0, targets, placements, warmup)
-  normal, _ = delayed_reference(params0, targets, placements, warmup=steps)
+  expected, expected_masters, _ = reference(params0, quadratic_grads(targets), steps, placements, warmup)
+  normal, _, _ = reference(params0, quadratic_grads(targets), steps, placements, warmup=steps)
 
   params, state = params0, tx.init(params0)
   grad_fn = make_grad_fn(tx, params0)
@@ -150,7 +147,8 @@ def test_delayed_state_is_complete_when_checkpointed(tmp_path):
   params = random_tree(rng, {k: v for k, v in SHAPES.items() if k != "empty"})  # Orbax refuses zero-size arrays
   targets = [random_tree(rng, jax.tree.map(jnp.shape, params)) for _ in range(3)]
   tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=100, plan="host", delay=1, delay_warmup=0)
-  _, expected_masters = delayed_reference(params, targets, ("host",) * len(jax.tree.leaves(params)), warmup=0)
+  host = ("host",) * len(jax.tree.leaves(params))
+  _, expected_masters, _ = reference(params, quadratic_grads(targets), len(targets), host, warmup=0)
   state = tx.init(params)
   for t in targets:
     updates, state = tx.update(jax.grad(quadratic_loss)(params, t), state, params)
@@ -252,35 +250,6 @@ def test_a_delayed_engine_handed_another_state_starts_from_its_masters():
     np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
 
 
-def predicted_reference(params, grads_per_step, placements, warmup, lr=1e-2, wd=0.1, b1=0.9, b2=0.999, eps=1e-8):
-  """optax.adamw on the masters; from ``warmup`` on, host leaves get the prediction made from the state before the step.
-
-  The prediction: one more AdamW step with the moments as they are, in numpy (float32), from optax's own state.
-  """
-  ref = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
-  masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-  state = ref.init(masters)
-  f32 = np.float32
-  history = []
-  for t, grads in enumerate(grads_per_step):
-    before, adam = masters, state[0]  # ScaleByAdamState: count, mu, nu
-    updates, state = ref.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), state, masters)
-    masters = optax.apply_updates(masters, updates)
-    bc1, bc2 = f32(1 - b1 ** (t + 1)), f32(1 - b2 ** (t + 1))
-    leaves = []
-    for x, m, v, new, placement in zip(*(jax.tree.leaves(a) for a in (before, adam.mu, adam.nu, masters)), placements):
-      if placement == "host" and t >= warmup:
-        x, m, v = (np.asarray(a, f32) for a in (x, m, v))
-        u = (m / bc1) / (np.sqrt(v / bc2) + f32(eps)) + f32(wd) * x
-        leaves.append(x + f32(-lr) * u)
-      else:
-        leaves.append(np.asarray(new))
-    treedef = jax.tree.structure(params)
-    params = jax.tree.unflatten(treedef, [jnp.asarray(x, p.dtype) for x, p in zip(leaves, jax.tree.leaves(params))])
-    history.append(params)
-  return history, masters
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_delay_predict_hands_on_the_predicted_step(jit, dtype):
@@ -293,8 +262,9 @@ def test_delay_predict_hands_on_the_predicted_step(jit, dtype):
   )
   placements = jax_dos.get_plan(tx, params).leaf_placements()
   grads = [random_tree(rng, dtype=dtype) for _ in range(steps)]
-  expected, expected_masters = predicted_reference(params, grads, placements, warmup)
-  plain, _ = delayed_reference_from_grads(params, grads, placements, warmup)
+  predict = adamw_prediction(LR, weight_decay=WD)
+  expected, expected_masters, _ = reference(params, given_grads(grads), steps, placements, warmup, predict)
+  plain, _, _ = reference(params, given_grads(grads), steps, placements, warmup)
   state = tx.init(params)
   flush = jax.jit(lambda g: g, out_shardings=jax_dos.gradient_shardings(tx, params))
   step = jax.jit(lambda g, s, p: jax_dos.update_params(tx, g, s, p)) if jit else partial(jax_dos.update_params, tx)
@@ -308,26 +278,6 @@ def test_delay_predict_hands_on_the_predicted_step(jit, dtype):
   # The prediction differs from the plain delay's stale weights (the test can fail).
   host = [i for i, p in enumerate(placements) if p == "host" and np.size(jax.tree.leaves(params)[i])]
   assert max(max_rel_diff(jax.tree.leaves(params)[i], jax.tree.leaves(plain[-1])[i]) for i in host) > 1e-3
-
-
-def delayed_reference_from_grads(params, grads_per_step, placements, warmup, lr=1e-2, wd=0.1):
-  """:func:`delayed_reference` on given gradients: host leaves trail their masters by one step from ``warmup`` on."""
-  ref = optax.adamw(lr, weight_decay=wd)
-  masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-  state = ref.init(masters)
-  history = []
-  for t, grads in enumerate(grads_per_step):
-    before = masters
-    updates, state = ref.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), state, masters)
-    masters = optax.apply_updates(masters, updates)
-    leaves = [
-      (b if t >= warmup and placement == "host" else m)
-      for b, m, placement in zip(jax.tree.leaves(before), jax.tree.leaves(masters), placements)
-    ]
-    cast = [x.astype(p.dtype) for x, p in zip(leaves, jax.tree.leaves(params))]
-    params = jax.tree.unflatten(jax.tree.structure(params), cast)
-    history.append(params)
-  return history, masters
 
 
 @pytest.mark.parametrize("predict", [True, "gradient"], ids=["moments", "gradient"])

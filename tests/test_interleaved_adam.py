@@ -177,3 +177,27 @@ def test_plan_can_change_between_steps():
 def test_shapes_fixture_has_scalars_and_empty_leaves():
   leaves = jax.tree.leaves(random_tree(np.random.default_rng(), SHAPES))
   assert any(x.ndim == 0 for x in leaves) and any(x.size == 0 for x in leaves)
+
+
+@pytest.mark.parametrize("combine", ["chain", "multi_steps"])
+def test_plan_and_gradient_shardings_are_found_inside_a_combination(combine):
+  """get_plan and gradient_shardings find the interleaved_adam inside optax.chain or jax_dos.multi_steps."""
+  params = random_tree(np.random.default_rng())
+  adam = jax_dos.interleaved_adam(1e-2, subgroup_size=100, plan=PLANS["mixed"])
+  if combine == "chain":
+    tx = optax.chain(optax.clip_by_global_norm(1.0), adam)
+  else:
+    tx = jax_dos.multi_steps(adam, 2)
+  assert isinstance(adam, optax.GradientTransformationExtraArgs) and adam.interleaved.plan_spec == PLANS["mixed"]
+  for _ in range(2):  # twice: jax caches traces, the search must still find it
+    assert jax_dos.get_plan(tx, params) == jax_dos.get_plan(adam, params)
+  for flush in jax_dos.GRADIENT_FLUSHES:
+    assert jax_dos.gradient_memory_kinds(tx, params, flush) == jax_dos.gradient_memory_kinds(adam, params, flush)
+    assert jax_dos.gradient_shardings(tx, params, flush) == jax_dos.gradient_shardings(adam, params, flush)
+  assert {s.memory_kind for s in jax.tree.leaves(jax_dos.gradient_shardings(tx, params))} == {"pinned_host", "device"}
+
+
+def test_a_transformation_without_interleaved_adam_is_refused_clearly():
+  params = random_tree(np.random.default_rng())
+  with pytest.raises(TypeError, match="exactly one jax_dos.interleaved_adam"):
+    jax_dos.get_plan(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), params)

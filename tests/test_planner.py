@@ -7,12 +7,10 @@ import optax
 import pytest
 
 import jax_dos
-from jax_dos.perf_model import Calibration
-from jax_dos.planner import (
-  STAGING_BYTES,
-  STATE_BYTES,
-  STEP_MARGIN,
-  UPDATE_BYTES,
+from jax_dos.plan import STAGING_BYTES, STATE_BYTES
+from jax_dos.planning import (
+  BudgetInputs,
+  Calibration,
   StepMemory,
   auto_planner,
   make_plan,
@@ -20,6 +18,7 @@ from jax_dos.planner import (
   predict,
   resolve_budgets,
 )
+from jax_dos.planning.budgets import STEP_MARGIN, UPDATE_BYTES
 
 G = 1e9
 
@@ -51,6 +50,11 @@ def random_cal(rng) -> Calibration:
     device_call_overhead=rng.uniform(0, 1e-3),
     step_overhead=rng.uniform(0, 1e-3),
   )
+
+
+def budgets_for(**inputs):
+  """:func:`resolve_budgets` of ``BudgetInputs(**inputs)``, without a calibration."""
+  return resolve_budgets(BudgetInputs(**inputs))
 
 
 def counts(choice):
@@ -180,7 +184,7 @@ def _params(rng, shapes):
 @pytest.fixture
 def no_memory_stats(monkeypatch):
   """The accelerator reports no free memory, as on the CPU backend: budgets come from the calibration or are 0."""
-  monkeypatch.setattr(jax_dos.planner, "device_free_bytes", lambda: None)
+  monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)
 
 
 def test_make_plan_on_a_tree(no_memory_stats):
@@ -232,7 +236,7 @@ def test_step_memory_budgets_by_hand(seed, in_place, kept):
     back = max(0, 2 * resident // STATE_BYTES - live)
     return resident + back + staging + live + update_bytes * n
 
-  got = resolve_budgets(
+  got = budgets_for(
     free_bytes=free, step_memory=step, device_elements=n, largest_subgroup=largest, grad_itemsize=2,
     params_in_place=in_place,
   )  # fmt: skip
@@ -252,14 +256,14 @@ def test_step_memory_budgets_edges():
   gib = 2**30
   # The whole state fits beside the step: no staging slots held back, everything can be resident.
   n = 10**9
-  got = resolve_budgets(free_bytes=100 * gib, step_memory=StepMemory(20 * gib), device_elements=n, largest_subgroup=n)
+  got = budgets_for(free_bytes=100 * gib, step_memory=StepMemory(20 * gib), device_elements=n, largest_subgroup=n)
   assert got[0] >= STATE_BYTES * n
   # A step that needs more than is free leaves nothing resident and no staging (never negative).
-  short = resolve_budgets(free_bytes=10 * gib, step_memory=StepMemory(20 * gib, 15 * gib), device_elements=n)
+  short = budgets_for(free_bytes=10 * gib, step_memory=StepMemory(20 * gib, 15 * gib), device_elements=n)
   assert short[:2] == (0, 0)
   # Explicit budgets win over the step's.
   kw = dict(free_bytes=100 * gib, step_memory=StepMemory(20 * gib), device_elements=n)
-  assert resolve_budgets(resident_budget_bytes=gib, staging_budget_bytes=2 * gib, **kw)[:2] == (gib, 2 * gib)
+  assert budgets_for(resident_budget_bytes=gib, staging_budget_bytes=2 * gib, **kw)[:2] == (gib, 2 * gib)
   with pytest.raises(ValueError, match="live_bytes <= peak_bytes"):
     StepMemory(peak_bytes=1, live_bytes=2)
 
@@ -303,8 +307,8 @@ def test_state_copies_sent_ahead_take_what_the_resident_state_leaves(seed):
   back = lambda r: r + max(0, 2 * r // STATE_BYTES - step.live_bytes)  # noqa: E731  (resident gradients come back)
   kw = dict(free_bytes=free, step_memory=step, device_elements=n, largest_subgroup=2**26, grad_itemsize=2,
             params_in_place=True)  # fmt: skip
-  plain = resolve_budgets(**kw)
-  got = resolve_budgets(**kw, ahead_bytes=6)  # bfloat16 parameters: copies of master, mu, nu in bfloat16
+  plain = budgets_for(**kw)
+  got = budgets_for(**kw, ahead_bytes=6)  # bfloat16 parameters: copies of master, mu, nu in bfloat16
   assert got[:2] == plain[:2] and plain.ahead is None
   state = min(got.resident, STATE_BYTES * n)  # the budget may exceed the whole state
   assert abs(got.ahead - max(0, min(fb_room - state, update_room - back(state)))) <= 1
@@ -314,20 +318,20 @@ def test_state_copies_sent_ahead_take_what_the_resident_state_leaves(seed):
 def test_a_step_with_no_room_left_sends_no_copies_ahead():
   gib = 2**30
   # 6e9 parameters, 40 GiB free, 20 GiB for the step: resident state takes what is left, copies cross in update.
-  got = resolve_budgets(free_bytes=40 * gib, step_memory=StepMemory(20 * gib), device_elements=6 * 10**9, ahead_bytes=6)
+  got = budgets_for(free_bytes=40 * gib, step_memory=StepMemory(20 * gib), device_elements=6 * 10**9, ahead_bytes=6)
   assert got.resident > 0 and got.ahead < 2**20  # (rounding)
   # The whole state resident with room to spare: the rest may hold copies (none are needed).
-  got = resolve_budgets(free_bytes=100 * gib, step_memory=StepMemory(gib), device_elements=10**9, ahead_bytes=6)
+  got = budgets_for(free_bytes=100 * gib, step_memory=StepMemory(gib), device_elements=10**9, ahead_bytes=6)
   assert got.resident >= STATE_BYTES * 10**9 and got.ahead > 0
   # Without memory statistics (the CPU backend) every copy is sent ahead.
-  assert resolve_budgets(device_elements=10**9, ahead_bytes=6, free_bytes=None).ahead is None
+  assert budgets_for(device_elements=10**9, ahead_bytes=6, free_bytes=None).ahead is None
 
 
 def test_state_copies_share_the_guessed_resident_fraction():
   """Without the step's needs the resident guess leaves room for the copies sent ahead (never below 0)."""
   gib, n = 2**30, 10**9
-  plain = resolve_budgets(free_bytes=60 * gib, device_elements=n).resident
-  ahead = resolve_budgets(free_bytes=60 * gib, device_elements=n, ahead_bytes=6).resident
+  plain = budgets_for(free_bytes=60 * gib, device_elements=n).resident
+  ahead = budgets_for(free_bytes=60 * gib, device_elements=n, ahead_bytes=6).resident
   assert plain == int(0.4 * 60 * gib)
   assert ahead + 6 * (n - ahead / STATE_BYTES) <= plain + 1 and ahead < plain
-  assert resolve_budgets(free_bytes=4 * gib, device_elements=n, ahead_bytes=6)[0] == 0
+  assert budgets_for(free_bytes=4 * gib, device_elements=n, ahead_bytes=6)[0] == 0

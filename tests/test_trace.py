@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_dos
-from jax_dos import perf_model
+from jax_dos.planning import calibration
 
 
 def _mixed_step():
@@ -46,6 +46,6 @@ def test_nothing_is_recorded_outside_a_recording():
 
 @pytest.mark.parametrize("size", [64, 1000, 8 * 2**20 + 3])
 def test_calibration_subgroups_are_layer_shaped(size):
-  sizes = perf_model.layer_leaf_sizes(size)
+  sizes = calibration.layer_leaf_sizes(size)
   assert len(sizes) == 6 and sum(sizes) == size and min(sizes) >= 1
   assert sizes[4] >= sizes[1] >= sizes[2]  # MLP matrix >= qkv >= attention projection

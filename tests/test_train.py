@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from train import data as D
+from train import flags as F
 from train import gpt as T
 from train import gradients as G
+from train import optimizer as O
 from train import progress as P
 
 # A model small enough that each run takes seconds on a CPU.
@@ -139,23 +141,23 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
   with pytest.raises(SystemExit) as e:
-    T.parse_args(["--d-model", "32", *flags])
+    F.parse_args(["--d-model", "32", *flags])
   assert e.value.code == 2
   assert match in capsys.readouterr().err
 
 
 def test_defaults():
-  args = T.parse_args([])
+  args = F.parse_args([])
   assert (args.preset, args.offload, args.param_dtype) == ("tiny", "auto", "bfloat16")
   assert args.compute_dtype == ("bfloat16" if jax.default_backend() == "gpu" else "float32")
   assert args.seq_len == 128 and args.out == os.path.join("runs", "tiny")
-  assert T.parse_args(["--offload", "none"]).param_dtype == "float32"
+  assert F.parse_args(["--offload", "none"]).param_dtype == "float32"
   assert (args.grad_accum, args.grad_flush) == (1, "host")
-  assert T.parse_args(["--grad-accum", "4"]).grad_flush == "none"  # the sum is on the accelerator: nothing to flush
+  assert F.parse_args(["--grad-accum", "4"]).grad_flush == "none"  # the sum is on the accelerator: nothing to flush
 
 
 def test_help_shows_only_real_defaults():
-  text = T.build_parser().format_help()
+  text = F.build_parser().format_help()
   assert "(default: None)" not in text and "(default: False)" not in text
   assert "(default: 500)" in text  # --steps
 
@@ -170,7 +172,7 @@ def test_eta_waits_for_a_step_after_compilation():
 
 
 def test_weight_decay_mask_skips_vectors():
-  mask = T.decay_mask({"w": np.zeros((2, 3)), "b": np.zeros(3), "emb": {"e": np.zeros((4, 2))}, "s": np.zeros(())})
+  mask = O.decay_mask({"w": np.zeros((2, 3)), "b": np.zeros(3), "emb": {"e": np.zeros((4, 2))}, "s": np.zeros(())})
   assert mask == {"w": True, "b": False, "emb": {"e": True}, "s": False}
 
 

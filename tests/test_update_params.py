@@ -113,7 +113,7 @@ def test_resident_update_in_bounded_calls_matches_optax(monkeypatch):
   params = random_tree(rng)
   tx, ref = make_tx("device"), optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
   plan = jax_dos.get_plan(tx, params)
-  engine = jax_dos.engine.Engine(tx.update.__self__.hyper, plan, (False,) * len(jax.tree.leaves(params)))
+  engine = jax_dos.engine.Engine(tx.interleaved.hyper, plan, (False,) * len(jax.tree.leaves(params)), 0, 0)
   calls = engine._resident_calls()
   assert len(calls) > 1 and sorted(i for c in calls for i in c) == list(range(len(jax.tree.leaves(params))))
   ref_params, state, ref_state = jax.tree.map(jnp.copy, params), tx.init(params), ref.init(params)

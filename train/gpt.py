@@ -14,8 +14,10 @@ One step, nanoGPT style, with the optimizer update outside ``jit`` so that
 with no float32 update tree: the 4 bytes a parameter it saves go to resident
 optimizer state (the planner is told so).
 
-The gradient step (``train/gradients.py``) puts the gradients of
-host-updated subgroups in host memory inside its own program
+The flags are ``train/flags.py``'s, the optimizer ``train/optimizer.py``'s,
+the validation ``train/evaluate.py``'s. The gradient step
+(``train/gradients.py``) puts the gradients of host-updated subgroups in
+host memory inside its own program
 (``jax_dos.gradient_shardings``, ``--grad-flush``), and leaves the global-norm
 clip to the optimizer as the factor ``scale``. ``--grad-accum k`` makes a step
 of ``k`` micro-batches of ``--batch`` sequences, their gradients summed in
@@ -54,250 +56,24 @@ import time
 import warnings
 from typing import Any
 
-# Optimizer state offloaded to the host frees GPU memory for activations: take 94% of it, not jax's default 75%
-# (a 6.7B model on an 80 GB H100 ran out of memory at 75%). Read when jax first uses the GPU; a user's value wins.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax_dos
+from models import gpt as gpt_model
+from train import data as data_lib
+from train import overlapped as overlapped_lib
+from train import progress
+from train.evaluate import validation_loss
+from train.flags import build_parser, model_overrides, parse_args
+from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
+from train.optimizer import make_optimizer, optimizer_step
 
-import jax_dos  # noqa: E402
-from models import gpt as gpt_model  # noqa: E402
-from train import data as data_lib  # noqa: E402
-from train import overlapped as overlapped_lib  # noqa: E402
-from train import progress  # noqa: E402
-from train.gradients import check_split_flush, gradient_step_memory, make_grad_step  # noqa: E402
-
-OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
-
-# Learning rate per preset when --lr is not given (smaller models tolerate larger steps).
-DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4}
-FALLBACK_LR = 2e-4
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-  """Shows ``(default: ...)`` only where there is a value to show (not for ``None`` or an off switch)."""
-
-  def _get_help_string(self, action: argparse.Action) -> str:
-    if action.default is None or action.default is False:
-      return action.help or ""
-    return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-    prog="python -m train.gpt",
-    description="Train a GPT (Flax NNX) with jax_dos.interleaved_adam: AdamW whose state lives in host memory.",
-    formatter_class=_HelpFormatter,
-  )
-  m = p.add_argument_group("model")
-  m.add_argument("--preset", default="tiny", choices=sorted(gpt_model.PRESETS), help="model size")
-  m.add_argument("--n-layer", type=int, default=None, help="override the preset's number of blocks")
-  m.add_argument("--n-head", type=int, default=None, help="override the preset's attention heads")
-  m.add_argument("--d-model", type=int, default=None, help="override the preset's width")
-  m.add_argument("--vocab-size", type=int, default=None, help="default: 256 for byte data, 50304 for a .bin file")
-  m.add_argument("--param-dtype", choices=gpt_model.DTYPES, default=None,
-                 help="parameter storage; default float32 for --offload none, bfloat16 otherwise")  # fmt: skip
-  m.add_argument("--compute-dtype", choices=gpt_model.DTYPES, default=None,
-                 help="default bfloat16 on a GPU, float32 otherwise")  # fmt: skip
-  m.add_argument("--remat", action="store_true", help="rematerialise block activations (less memory, more compute)")
-
-  d = p.add_argument_group("data")
-  d.add_argument("--data", default=None, help="text file (read as bytes) or nanoGPT uint16 .bin token file;"
-                 " default: the Python standard library's sources")  # fmt: skip
-  d.add_argument("--batch", type=int, default=16, help="sequences per micro-batch (per step without --grad-accum)")
-  d.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default: the preset's block size")
-
-  o = p.add_argument_group("optimization")
-  o.add_argument("--grad-accum", type=int, default=1,
-                 help="micro-batches of --batch sequences per optimizer step, their gradients summed on the"
-                      " accelerator (then crossing to the host in the update, as --grad-flush none)")  # fmt: skip
-  o.add_argument("--steps", type=int, default=500, help="optimizer steps to train to (total, counting resumed ones)")
-  o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default per preset {DEFAULT_LR}")
-  o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay; default lr/10")
-  o.add_argument("--warmup", type=int, default=None, help="linear warm-up steps; default min(100, steps/10)")
-  o.add_argument("--decay-steps", type=int, default=None, help="length of warm-up + cosine decay; default --steps")
-  o.add_argument("--beta1", type=float, default=0.9)
-  o.add_argument("--beta2", type=float, default=0.95)
-  o.add_argument("--weight-decay", type=float, default=0.1, help="decoupled, on matrices/embeddings only")
-  o.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
-  o.add_argument("--seed", type=int, default=0)
-
-  x = p.add_argument_group("optimizer offload")
-  x.add_argument("--offload", choices=OFFLOAD_MODES, default="auto",
-                 help="none: optax.adamw on the accelerator; else jax_dos.interleaved_adam(plan=<mode>)")  # fmt: skip
-  x.add_argument("--subgroup-size", type=int, default=jax_dos.DEFAULT_SUBGROUP_SIZE, help="elements per subgroup")
-  x.add_argument("--resident-gb", type=float, default=None,
-                 help="--offload auto: accelerator GiB for resident state (default: what the compiled"
-                      " gradient step leaves free)")  # fmt: skip
-  x.add_argument("--staging-gb", type=float, default=None,
-                 help="--offload auto: GiB for streamed subgroups in flight (default: what the update phase"
-                      " leaves free)")  # fmt: skip
-  x.add_argument("--delay", type=int, choices=(0, 1), default=0,
-                 help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
-  x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
-  x.add_argument("--write-behind", action="store_true",
-                 help="optax's exact numbers; host subgroups' state is written during the next step")  # fmt: skip
-  x.add_argument("--delay-predict", nargs="?", const="moments", default=None, choices=jax_dos.DELAY_PREDICTIONS,
-                 help="with --delay 1, what the forward pass gets instead of the stale weights: a prediction"
-                      " from the moments (moments, the default), or the step itself taken on the accelerator"
-                      " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
-  x.add_argument("--overlap", choices=overlapped_lib.OVERLAP_MODES, default="auto",
-                 help="the overlapped step (AdamW under the backward and the next forward pass, same numbers): on, off,"
-                      " or auto: on a GPU when the timeline model predicts a shorter step")  # fmt: skip
-  x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default=None,
-                 help="gradients the backward pass writes to host memory: host subgroups' (host, the default"
-                      " without --grad-accum; refused when that program needs more memory than the plan left, as"
-                      " at 6.7B), every one (all) or none (the default with --grad-accum)")  # fmt: skip
-
-  r = p.add_argument_group("evaluation, logging, checkpoints")
-  r.add_argument("--eval-every", type=int, default=100, help="steps between validation passes (0 = only at the end)")
-  r.add_argument("--eval-batches", type=int, default=8, help="validation batches per pass")
-  r.add_argument("--log-every", type=int, default=10, help="steps between metric rows / progress updates")
-  r.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU; default: detected GPU")
-  r.add_argument("--out", default=None, help="output directory; default runs/<preset>")
-  r.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0 = only at the end)")
-  r.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
-  r.add_argument("--no-ckpt", action="store_true",
-                 help="write no checkpoints (not even the final one); an earlier run's are left alone")  # fmt: skip
-  r.add_argument("--resume", action="store_true",
-                 help="continue from the newest checkpoint in <out>/ckpt that verifies (damaged ones are moved to"
-                      " <out>/ckpt/damaged/)")  # fmt: skip
-  r.add_argument("--overwrite", action="store_true", help="delete <out>/ckpt and the metrics of an earlier run")
-  r.add_argument("--plot", action="store_true", help="write <out>/loss.png")
-  r.add_argument("--quiet", action="store_true", help="no progress bar or messages")
-  return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  """Parses and checks the flags; any inconsistency is an argparse error saying what to change."""
-  parser = build_parser()
-  args = parser.parse_args(argv)
-  err = parser.error
-  positive = ("batch", "grad_accum", "steps", "eval_batches", "log_every", "keep", "subgroup_size")
-  for name in positive:
-    if getattr(args, name) < 1:
-      err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-  for name in ("eval_every", "ckpt_every", "clip", "weight_decay", "delay_warmup"):
-    if getattr(args, name) < 0:
-      err(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}.")
-  for name in ("n_layer", "n_head", "d_model", "vocab_size"):
-    if getattr(args, name) is not None and getattr(args, name) < 1:
-      err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-  if args.resume and args.no_ckpt:
-    err("--resume continues from a checkpoint and saves more; drop --no-ckpt.")
-  shape = {**gpt_model.PRESETS[args.preset], **model_overrides(args)}
-  if shape["d_model"] % shape["n_head"]:
-    err(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}.")
-  block = shape["block_size"]
-  args.seq_len = block if args.seq_len is None else args.seq_len
-  if not 1 <= args.seq_len <= block:
-    err(f"--seq-len {args.seq_len} must be between 1 and the block size of preset {args.preset!r} ({block}).")
-  args.lr = DEFAULT_LR.get(args.preset, FALLBACK_LR) if args.lr is None else args.lr
-  if args.lr <= 0:
-    err(f"--lr must be > 0, got {args.lr}.")
-  args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-  if not 0 <= args.min_lr <= args.lr:
-    err(f"--min-lr must be in [0, --lr={args.lr}], got {args.min_lr}.")
-  args.decay_steps = args.steps if args.decay_steps is None else args.decay_steps
-  args.warmup = min(100, args.decay_steps // 10) if args.warmup is None else args.warmup
-  if not 0 <= args.warmup < args.decay_steps:
-    err(f"--warmup must be in [0, --decay-steps={args.decay_steps}), got {args.warmup}.")
-  for name in ("beta1", "beta2"):
-    if not 0 <= getattr(args, name) < 1:
-      err(f"--{name} must be in [0, 1), got {getattr(args, name)}.")
-  if args.peak_flops is not None and args.peak_flops <= 0:
-    err(f"--peak-flops must be > 0, got {args.peak_flops}.")
-  if args.param_dtype is None:
-    args.param_dtype = "float32" if args.offload == "none" else "bfloat16"
-  if args.offload == "none" and args.param_dtype != "float32":
-    err("--offload none trains float32 parameters with plain optax.adamw (no float32 master copy);"
-        " use --param-dtype float32, or an offload mode for bfloat16 parameters.")  # fmt: skip
-  if args.compute_dtype is None:
-    args.compute_dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
-  if args.delay and args.offload == "none":
-    err("--delay 1 delays the host update of jax_dos; it needs an offload mode, not --offload none.")
-  if args.write_behind and (args.delay or args.offload == "none"):
-    err("--write-behind defers the host state's writes of an offload mode without --delay; drop one of them.")
-  if args.grad_flush is None:
-    args.grad_flush = "host" if args.grad_accum == 1 else "none"
-  elif args.grad_accum > 1 and args.grad_flush != "none":
-    err(f"--grad-accum {args.grad_accum} sums the gradients on the accelerator, so there is nothing to flush during"
-        f" the backward pass; drop --grad-flush {args.grad_flush} (or use --grad-accum 1).")  # fmt: skip
-  if args.delay_predict and not args.delay:
-    err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
-  if args.overlap == "on" and overlapped_lib.refusal(args):
-    err(f"--overlap on: {overlapped_lib.refusal(args)}; drop --overlap on.")
-  if args.resume and args.overwrite:
-    err("--resume and --overwrite contradict each other; pick one.")
-  args.out = os.path.join("runs", args.preset) if args.out is None else args.out
-  return args
-
-
-def model_overrides(args: argparse.Namespace) -> dict[str, int]:
-  """The model-shape flags that were given (they override the preset)."""
-  return {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model") if getattr(args, k) is not None}
-
-
-# ----------------------------------------------------------------------------- optimizer
-
-
-def decay_mask(params: Any) -> Any:
-  """Weight decay on matrices and embeddings only (``ndim >= 2``), not on norms or biases."""
-  return jax.tree.map(lambda x: x.ndim >= 2, params)
-
-
-# Jitted at module level (the model's graphdef is a static, hashable argument) so that runs of the same model in one
-# process share compiled code.
-eval_step = jax.jit(gpt_model.loss, static_argnums=0)
-apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)
-
-
-def make_optimizer(
-  args: argparse.Namespace, step_memory: jax_dos.StepMemory | None = None
-) -> tuple[optax.GradientTransformation, Any]:
-  """Returns ``(tx, schedule)``: AdamW (``optax.adamw`` for ``--offload none``, else ``jax_dos``).
-
-  Both take ``update(grads, state, params, grad_scale=s)``: AdamW on ``s * grads`` (the clip's factor); the
-  training loop calls ``jax_dos.update_params`` on the ``jax_dos`` one (see :func:`optimizer_step`).
-  ``step_memory`` (the gradient step's needs) lets ``--offload auto`` size its
-  budgets exactly where ``--resident-gb``/``--staging-gb`` are not given.
-  """
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
-  kw = dict(b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay, mask=decay_mask)
-  if args.offload == "none":  # pure: jit the whole update, donating the state.
-    tx = optax.adamw(schedule, **kw)
-
-    def update(grads, state, params, grad_scale):
-      return tx.update(jax.tree.map(lambda g: g * grad_scale, grads), state, params)
-
-    return optax.GradientTransformationExtraArgs(tx.init, jax.jit(update, donate_argnums=1)), schedule
-  budgets = {"resident_budget_bytes": args.resident_gb, "staging_budget_bytes": args.staging_gb}
-  if budgets["staging_budget_bytes"] is None and jax.default_backend() == "cpu":
-    budgets["staging_budget_bytes"] = 0  # no accelerator to stream through: --offload auto streams nothing
-  planner = jax_dos.auto_planner(
-    **{k: int(v * 2**30) for k, v in budgets.items() if v is not None},
-    step_memory=step_memory,
-    params_in_place=True,
-    ahead_copies=args.delay == 1 and args.delay_predict == "gradient",
-  )
-  offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
-  if args.delay:
-    offload["delay_predict"] = args.delay_predict or False
-  if args.write_behind:
-    offload["write_behind"] = True
-  tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
-  return tx, schedule
-
-
-def optimizer_step(args: argparse.Namespace, tx, grads, opt_state, params, scale) -> tuple[Any, Any]:
-  """``(params, opt_state)`` after one AdamW step: ``jax_dos.update_params``, or optax's update and apply."""
-  if args.offload == "none":
-    updates, opt_state = tx.update(grads, opt_state, params, grad_scale=scale)
-    return apply_updates(params, updates), opt_state
-  return jax_dos.update_params(tx, grads, opt_state, params, grad_scale=scale)
+# Optimizer state offloaded to the host frees GPU memory for activations: take 94% of it, not jax's default 75% (a
+# 6.7B model on an 80 GB H100 ran out of memory at 75%). Set by main(), before jax first uses the GPU (which reads it
+# then); importing this module changes nothing. A user's value wins.
+GPU_MEMORY_FRACTION = "0.94"
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -438,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   (``{step: loss}`` of this invocation), ``tokens_per_s``, ``mfu`` (or
   ``None``), ``num_params``, ``plan`` (text or ``None``), ``out``, ``params``.
   """
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)  # parse_args starts jax's backend
   overlapped_lib.allow_overlap_on_gpu(build_parser().parse_args(argv))  # before jax starts its GPU client
   args = parse_args(argv)
   results = train(args)
@@ -539,7 +316,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
   def evaluate() -> float:
     current = params if overlapped is None else overlapped.params
-    return float(np.mean([float(eval_step(graphdef, current, b)) for b in val_batches]))
+    return validation_loss(graphdef, current, val_batches)
 
   def meta(step: int) -> dict[str, Any]:
     data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": step, "seed": args.seed, "source": data_desc}

@@ -58,7 +58,8 @@ def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batch
 
 # The running sum is donated and updated in place: a micro-batch's program needs about what a one-batch step whose
 # gradients stay on the accelerator needs (6.7B: 11.3 GiB of temporaries and the 12.4 GiB sum, against 7.0 + 12.4;
-# bench/accum_probe.py). A scan over the micro-batches in one program needed about two gradients' worth more (CPU).
+# bench/probes/accum_probe.py). A scan over the micro-batches in one program needed about two gradients' worth
+# more (CPU).
 _accumulate_step_jit = jax.jit(_accumulate_step, static_argnums=(0, 4, 5), donate_argnums=2)
 _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
@@ -165,7 +166,7 @@ def check_split_flush(compiled: Any, assumed: jax_dos.StepMemory) -> None:
 
   The plan's budgets bound the split by the flush-all program plus every
   gradient. XLA can need far more when a program's outputs go to two
-  memories (47 GiB of temporaries at 6.7B, ``bench/flush_probe.py``), and
+  memories (47 GiB of temporaries at 6.7B, ``bench/probes/flush_probe.py``), and
   the run would fail out of memory some steps later.
   """
   need = jax_dos.StepMemory.of(compiled)

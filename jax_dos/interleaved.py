@@ -1,0 +1,329 @@
+"""The optimizer behind ``interleaved_adam``: hyperparameters, a plan and an engine per tree signature.
+
+:class:`InterleavedAdam` holds what ``jax_dos.interleaved_adam`` was given and
+runs ``init`` and ``update``. ``update`` takes one of two ways, with the same
+arithmetic (``adam_math.py``):
+
+* **traced** (called inside ``jax.jit``, or under ``optax.MultiSteps`` whose
+  ``lax.cond`` traces it): pure XLA with in-jit ``device_put`` (``traced.py``);
+* **eager** (called on concrete arrays): the engine (``engine.py``), which
+  pipelines streamed subgroups and runs the host kernel concurrently. This is
+  the fast path; it consumes ``state`` like a donated argument.
+
+The transformation ``interleaved_adam`` returns, an
+:class:`InterleavedAdamTransformation`, carries its optimizer as
+``tx.interleaved``; :func:`find_interleaved` also finds it inside a
+combination of transformations (``optax.chain``, ``jax_dos.multi_steps``).
+The plan comes from a planner the caller gives (``plan="auto"``) or from
+``plan`` itself; this module knows nothing of how a planner decides.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_dos import memory, traced
+from jax_dos.adam_math import AdamHyper
+from jax_dos.engine import Engine
+from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, check_subgroup_size, resolve_plan
+from jax_dos.state import InterleavedAdamState
+
+Planner = Callable[[Any, int], Plan]  # (params, subgroup_size) -> Plan
+DELAY_PREDICTIONS = ("moments", "gradient")
+
+
+def _deleted(xs: list) -> bool:
+  return any(isinstance(x, jax.Array) and x.is_deleted() for x in xs)
+
+
+def _check_not_consumed(state_leaves: list, param_leaves: list, grads: list) -> None:
+  """A clear error, before any work, for arrays an earlier eager update consumed (donated or released)."""
+  if _deleted(state_leaves):
+    raise ValueError(
+      "this optimizer state was already consumed by an earlier update (its buffers were donated to it or released"
+      " when copied). Pass the state returned by the latest update."
+    )
+  if _deleted(param_leaves):
+    raise ValueError(
+      "these params were already consumed by an earlier jax_dos.update_params (their buffers hold the new"
+      " parameters). Pass the params it returned."
+    )
+  if _deleted(grads):
+    raise ValueError("some gradients were deleted or donated before this update; pass live arrays.")
+
+
+# Set by find_interleaved while it traces a combined transformation's init: the optimizers met are recorded there.
+_FOUND: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("jax_dos_found", default=None)
+
+
+def leaves_with_paths(tree: Any, what: str) -> tuple[list[Any], Any]:
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = []
+  for path, leaf in path_leaves:
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+        f"interleaved_adam: {what} leaf {jax.tree_util.keystr(path)} has dtype {dtype}; every leaf must be a"
+        " floating-point array. Keep integer buffers out of the optimized tree (e.g. with optax.masked or a"
+        " flax.nnx filter)."
+      )
+    leaves.append(leaf)
+  return leaves, treedef
+
+
+def decay_flags(mask, params, weight_decay: float) -> tuple[bool, ...]:
+  n = len(jax.tree.leaves(params))
+  if weight_decay == 0.0:
+    return (False,) * n
+  if mask is None:
+    return (True,) * n
+  mask_tree = mask(params) if callable(mask) else mask
+  flags = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), mask_tree, params)
+  out = tuple(jax.tree.leaves(flags))
+  if len(out) != n:
+    raise ValueError("mask must have the structure of params (or a prefix of it).")
+  return out
+
+
+class InterleavedAdam:
+  """The optimizer of one ``interleaved_adam`` transformation: its options, and a plan and an engine per tree.
+
+  Every option is ``jax_dos.interleaved_adam``'s and is given explicitly (the
+  defaults live there alone). ``planner`` is called for ``plan="auto"``.
+  """
+
+  def __init__(
+    self,
+    hyper: AdamHyper,
+    *,
+    mask: Any,
+    subgroup_size: int,
+    plan: PlanSpec,
+    planner: Optional[Planner],
+    delay: int,
+    delay_warmup: int,
+    delay_predict: Union[bool, str, None],
+    write_behind: bool,
+  ):
+    check_subgroup_size(subgroup_size)
+    delay_predict = prediction_mode(delay_predict)
+    if delay not in (0, 1) or isinstance(delay, bool):
+      raise ValueError(f"delay must be 0 (off) or 1 (host subgroups update one step late), got {delay!r}.")
+    if write_behind and delay:
+      raise ValueError(
+        "write_behind=True keeps optax's numbers and hides part of the host update; delay=1 hides all of it one"
+        " step late. Pick one."
+      )
+    if delay_predict and not delay:
+      raise ValueError(
+        f"delay_predict={delay_predict!r} predicts the parameters a delayed update hands on: it needs delay=1."
+      )
+    if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, (int, np.integer)) or delay_warmup < 0:
+      raise ValueError(f"delay_warmup must be an integer >= 0 (normal steps before the delay), got {delay_warmup!r}.")
+    self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
+    self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), delay_predict
+    self.write_behind = bool(write_behind)
+    self._plans: dict[Any, Plan] = {}
+    self._engines: dict[Any, Engine] = {}
+
+  def plan_for(self, params: Any) -> Plan:
+    """The :class:`Plan` for ``params`` (made once per tree structure, shapes and dtypes)."""
+    leaves, treedef = jax.tree.flatten(params)
+    key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+    if key not in self._plans:
+      if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
+        if self.planner is None:
+          raise ValueError("plan='auto' needs a planner: pass planner=jax_dos.auto_planner() (interleaved_adam does).")
+        plan = self.planner(params, self.subgroup_size)
+        if (self.delay or self.write_behind) and plan.indices("stream"):
+          # Delayed (or written-behind) host work overlaps the next forward/backward pass, streamed work does not:
+          # stream nothing.
+          placements = [p if p != "stream" else "host" for p in plan.placements]
+          source = "model+delay" if self.delay else "model+write_behind"
+          plan = plan.with_placements(placements, source=source, predicted={})
+        self._plans[key] = plan
+      else:
+        self._plans[key] = resolve_plan(self.plan_spec, params, self.subgroup_size)
+    return self._plans[key]
+
+  def init(self, params: optax.Params) -> InterleavedAdamState:
+    """Master weights (float32 copies of ``params``) and zero moments, each leaf in its plan's memory kind."""
+    found = _FOUND.get()
+    if found is not None:  # find_interleaved is tracing a combined transformation: say who is here, plan nothing
+      found.append(self)
+      zero = jnp.zeros([], jnp.int32)
+      return InterleavedAdamState(zero, params, params, params)
+    leaves, treedef = leaves_with_paths(params, "params")
+    plan = self.plan_for(params)
+    kinds = plan.leaf_memory_kinds()
+    if not any(memory.is_traced(x) for x in leaves):
+      copies = (self.delay and self.delay_predict == "moments") or self.write_behind
+      moments = bool(self.delay) and self.delay_predict == "gradient"
+      memory.check_host_capacity(host_state_bytes(plan, leaves, copies, moments))
+    master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
+    mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
+    nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
+    unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
+    return InterleavedAdamState(jnp.zeros([], jnp.int32), unflat(master), unflat(mu), unflat(nu))
+
+  def update(
+    self,
+    updates: optax.Updates,
+    state: InterleavedAdamState,
+    params: Optional[optax.Params] = None,
+    *,
+    grad_scale: Any = None,
+    **extra_args,
+  ):
+    """optax's ``update``: ``(updates, new_state)``, with ``s * updates`` as the gradients for ``grad_scale=s``."""
+    del extra_args  # optax's convention: a transformation ignores extra arguments it does not take
+    return self._step(updates, state, params, grad_scale, new_params=False)
+
+  def update_params(self, grads: optax.Updates, state: InterleavedAdamState, params: optax.Params, grad_scale: Any):
+    """``(new_params, new_state)``: see ``jax_dos.update_params``."""
+    return self._step(grads, state, params, grad_scale, new_params=True)
+
+  def _step(self, updates, state, params, grad_scale, new_params: bool):
+    if params is None:
+      raise ValueError("interleaved_adam.update needs params (like optax.adamw): call tx.update(grads, state, params).")
+    if not isinstance(state, InterleavedAdamState):
+      raise TypeError(
+        f"expected an InterleavedAdamState, got {type(state).__name__}; pass the state made by this optimizer's init."
+      )
+    grads, gdef = leaves_with_paths(updates, "gradient")
+    sdef = jax.tree.structure(state.master)
+    if gdef != sdef:
+      raise ValueError(f"gradient tree does not match the optimizer state.\n  gradients: {gdef}\n  state:     {sdef}")
+    param_leaves, pdef = leaves_with_paths(params, "params")
+    if pdef != sdef:
+      raise ValueError(f"params tree does not match the optimizer state.\n  params: {pdef}\n  state:  {sdef}")
+    for g, p, path in zip(grads, param_leaves, jax.tree_util.tree_flatten_with_path(params)[0]):
+      if np.shape(g) != np.shape(p):
+        raise ValueError(
+          f"gradient for {jax.tree_util.keystr(path[0])} has shape {np.shape(g)}, params have {np.shape(p)}."
+        )
+    grad_scale = _check_grad_scale(grad_scale)
+    plan = self.plan_for(params)
+    decay = decay_flags(self.mask, params, self.hyper.weight_decay)
+    masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
+    args = (grads, masters, mus, nus, param_leaves)
+    if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count, grad_scale)):
+      out = traced.update_leaves(
+        *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup, grad_scale,
+        new_params, self.delay_predict,
+      )  # fmt: skip
+    else:
+      _check_not_consumed(masters + mus + nus + [state.count], param_leaves, grads)
+      out = self._engine(plan, decay).update(*args, state.count, grad_scale, new_params)
+    u, m32, m1, m2, count = out
+    unflat = lambda xs: jax.tree.unflatten(sdef, xs)  # noqa: E731
+    return unflat(u), InterleavedAdamState(count, unflat(m32), unflat(m1), unflat(m2))
+
+  def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
+    key = (plan, decay)
+    if key not in self._engines:
+      self._engines[key] = Engine(
+        self.hyper, plan, decay, self.delay, self.delay_warmup, self.delay_predict, self.write_behind
+      )
+    return self._engines[key]
+
+
+def prediction_mode(delay_predict: Union[bool, str, None]) -> Optional[str]:
+  """``delay_predict`` as ``None``, ``"moments"`` (``True``) or ``"gradient"``."""
+  if delay_predict is None or delay_predict is False:
+    return None
+  if delay_predict is True:
+    return "moments"
+  if isinstance(delay_predict, str) and delay_predict in DELAY_PREDICTIONS:
+    return delay_predict
+  raise ValueError(
+    f"delay_predict must be False, True (= 'moments') or one of {DELAY_PREDICTIONS}, got {delay_predict!r}."
+  )
+
+
+def _check_grad_scale(grad_scale: Any) -> Any:
+  if grad_scale is None:
+    return 1.0
+  try:
+    dtype = jnp.result_type(grad_scale)
+    real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  except TypeError:
+    real = False
+  if not real or np.shape(grad_scale) != ():
+    raise ValueError(
+      f"grad_scale must be a real scalar (a float or a 0-d array) multiplying every gradient, got"
+      f" {type(grad_scale).__name__} of shape {np.shape(grad_scale)}. For a global-norm clip pass"
+      " jax_dos.clip_scale(optax.global_norm(grads), max_norm)."
+    )
+  return grad_scale
+
+
+def host_state_bytes(plan: Plan, leaves: list[Any], float32_copies: bool = False, moment_copies: bool = False) -> int:
+  """Pinned host bytes a plan needs: 12 B per offloaded parameter (master, mu, nu), 4 more per host-updated one.
+
+  The 4 are its gradient (float32), or its bfloat16 gradient and the engine's bfloat16 copy of its new weight.
+  With ``float32_copies`` (``delay_predict="moments"``, ``write_behind``), float32 parameters' host copies add 4
+  more; with ``moment_copies`` (``delay_predict="gradient"``), bfloat16 ones' copies of mu and nu add 4.
+  """
+  placements = plan.leaf_placements()
+  size = lambda x: int(np.prod(np.shape(x)))  # noqa: E731
+  state = sum(12 * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
+
+  def extra(x):
+    bf16 = jnp.result_type(x) == jnp.bfloat16
+    return 4 + (4 if float32_copies and not bf16 else 0) + (4 if moment_copies and bf16 else 0)
+
+  return state + sum(extra(x) * size(x) for x, p in zip(leaves, placements) if p == "host")
+
+
+class InterleavedAdamTransformation(optax.GradientTransformationExtraArgs):
+  """The ``optax.GradientTransformationExtraArgs`` that ``interleaved_adam`` returns, with its optimizer.
+
+  ``init`` and ``update`` are optax's; ``interleaved`` is the
+  :class:`InterleavedAdam` behind them (its hyperparameters, plans and engines).
+  """
+
+  interleaved: InterleavedAdam
+
+  @classmethod
+  def of(cls, opt: InterleavedAdam) -> InterleavedAdamTransformation:
+    tx = cls(opt.init, opt.update)
+    tx.interleaved = opt
+    return tx
+
+
+def find_interleaved(tx: optax.GradientTransformation, params: Any, what: str) -> tuple[InterleavedAdam, bool]:
+  """The :class:`InterleavedAdam` of ``tx``, and whether ``tx`` is its own transformation (not a combination).
+
+  ``tx`` is the transformation ``interleaved_adam`` returned (``tx.interleaved``),
+  or one combining it with others: ``optax.chain``, ``jax_dos.multi_steps``, any
+  transformation whose ``init`` calls its members' ``init``. Those are found by
+  tracing ``tx.init`` abstractly on ``params`` (nothing is allocated or
+  planned); exactly one ``interleaved_adam`` must be among them. ``what`` names
+  the caller in errors.
+  """
+  own = getattr(tx, "interleaved", None)
+  if isinstance(own, InterleavedAdam):
+    return own, True
+  if not callable(getattr(tx, "init", None)):
+    raise TypeError(f"{what} takes an optax transformation containing jax_dos.interleaved_adam, got {tx!r}.")
+  found: list[InterleavedAdam] = []
+  token = _FOUND.set(found)
+  try:
+    jax.eval_shape(lambda p: tx.init(p), params)  # a fresh function each time: jax caches traces per function
+  finally:
+    _FOUND.reset(token)
+  distinct = list({id(opt): opt for opt in found}.values())
+  if len(distinct) != 1:
+    raise TypeError(
+      f"{what} takes a transformation containing exactly one jax_dos.interleaved_adam (alone, or in an optax.chain"
+      f" or jax_dos.multi_steps), found {len(distinct)}."
+    )
+  return distinct[0], False

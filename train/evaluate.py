@@ -1,0 +1,20 @@
+"""The training script's validation: the model's loss on held-out batches, jitted once per model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from models import gpt as gpt_model
+
+# Jitted at module level (the model's graphdef is a static, hashable argument) so that runs of the same model in one
+# process share compiled code.
+eval_step = jax.jit(gpt_model.loss, static_argnums=0)
+
+
+def validation_loss(graphdef: Any, params: Any, batches: Sequence[Any]) -> float:
+  """The mean of the model's loss over ``batches`` (each an ``(inputs, targets)`` pair of token arrays)."""
+  return float(np.mean([float(eval_step(graphdef, params, b)) for b in batches]))
