@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -292,6 +293,7 @@ def test_write_behind_trains_bit_identically(tmp_path):
     "host --delay 1 --delay-warmup 1 --delay-predict",
     "host --delay 1 --delay-warmup 1 --delay-predict gradient",
     "host --delay 1 --delay-warmup 1 --delay-predict gradient --batch 2 --grad-accum 2",
+    "auto --overlap on --batch 2 --grad-accum 2",
   ],
 )
 def test_resume_is_bit_exact(tmp_path, offload):
@@ -310,6 +312,17 @@ def test_resume_is_bit_exact(tmp_path, offload):
     (r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, open(tmp_path / name / "metrics.jsonl"))
   ]  # noqa: E731
   assert rows("split") == rows("full")
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+def test_overlapped_step_trains_and_its_checkpoint_resumes_on_the_plain_path(tmp_path):
+  overlapped = _run(tmp_path, "run", "--steps", "4", "--overlap", "on", "--eval-every", "0", "--log-every", "1")
+  assert overlapped["plan"].startswith(("Plan (model+timeline)", "Plan (model+stages)"))
+  assert list(overlapped["losses"]) == [1, 2, 3, 4] and all(math.isfinite(v) for v in overlapped["losses"].values())
+  plain = _run(tmp_path, "run", "--steps", "5", "--overlap", "off", "--resume", "--eval-every", "0")
+  assert plain["start_step"] == 4 and plain["plan"].startswith("Plan (model)")
+  with pytest.raises(SystemExit):
+    _run(tmp_path, "bad", "--overlap", "on", "--delay", "1")
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
