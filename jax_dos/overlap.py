@@ -197,9 +197,17 @@ class _Worker:
   def join(self) -> None:
     self._queue.join()
 
+  def stop(self) -> None:
+    """Ends the thread once the jobs queued before have run."""
+    self._queue.put(None)
+
   def _run(self) -> None:
     while True:
-      fn, args = self._queue.get()
+      job = self._queue.get()
+      if job is None:
+        self._queue.task_done()
+        return
+      fn, args = job
       try:
         if not self._errors:
           fn(*args)
@@ -297,6 +305,8 @@ class OverlappedStep:
     self._spares = {i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(host_leaves)}
     self._group_start = np.cumsum([0] + [len(jax.tree.leaves(t)) for t in params]).tolist()
     self._unfinished = [0] * len(params)  # per group: subgroups whose new weights are not yet final
+    self._closed = False
+    self._updating = False  # between a step's first hand-over and its decision
     self.grad_norm: jax.Array | None = None  # the last step's global norm of the mean gradient (before the clip)
     self._errors: list[BaseException] = []
     self._wake = threading.Condition()
@@ -371,6 +381,8 @@ class OverlappedStep:
   # ----------------------------------------------------------------------------- one step
 
   def __call__(self, batch: Any) -> jax.Array:
+    if self._closed:
+      raise RuntimeError("this OverlappedStep was closed; make a new one from its params and opt_state.")
     self._raise_errors()
     k = self.micro_batches
     rows = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
@@ -382,10 +394,15 @@ class OverlappedStep:
     n = next(iter(rows)) // k
     sums: list[Any] = [None] * len(self._unfinished)
     losses = []
-    for m in range(k):
-      part = jax.tree.map(lambda x, m=m: x[m * n : (m + 1) * n], batch) if k > 1 else batch
-      xs = self._forward(part, wait=m == 0)
-      losses.append(self._backward(xs, part, sums, last=m == k - 1))
+    try:
+      for m in range(k):
+        part = jax.tree.map(lambda x, m=m: x[m * n : (m + 1) * n], batch) if k > 1 else batch
+        xs = self._forward(part, wait=m == 0)
+        losses.append(self._backward(xs, part, sums, last=m == k - 1))
+    except BaseException as e:
+      if self._updating and not self._errors:  # cut short between hand-over and decision: refuse further steps
+        self._errors.append(e)
+      raise
     return losses[0] if k == 1 else sum(losses) / k
 
   def _stage_params(self, stage: int) -> tuple:
@@ -432,6 +449,7 @@ class OverlappedStep:
 
   def _hand_over(self, record: _StepRecord, g: int, grads: Any) -> None:
     """Queues group ``g``'s complete gradients for its subgroups' paths (host ones leave the accelerator now)."""
+    self._updating = True
     lo = self._group_start[g]
     grads = jax.tree.leaves(grads)
     with self._wake:
@@ -461,6 +479,7 @@ class OverlappedStep:
     self._host.submit(self._host_finish, record)
     self._streamer.submit(self._stream_finish, record)
     self._count = device_steps.increment(self._count)
+    self._updating = False
 
   def _resident_update(self, record: _StepRecord, scalars: jax.Array) -> None:
     calls, size = [[]], 0
@@ -605,6 +624,26 @@ class OverlappedStep:
     self._host.join()
     self._streamer.join()
     self._raise_errors()
+
+  def close(self) -> None:
+    """Settles the pending update and ends the worker threads; the step cannot be called again."""
+    try:
+      self.settle()
+    finally:
+      self._host.stop()
+      self._streamer.stop()
+      self._closed = True
+
+  def __enter__(self) -> OverlappedStep:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __del__(self):
+    for worker in (getattr(self, "_host", None), getattr(self, "_streamer", None)):
+      if worker is not None:
+        worker.stop()
 
   @property
   def params(self) -> list[Any]:

@@ -249,6 +249,9 @@ def test_refuses_what_it_cannot_do():
   step = jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), micro_batches=3)
   with pytest.raises(ValueError, match="divisible by micro_batches=3"):
     step(make_batch(rng))
+  step.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    step(make_batch(rng))
 
 
 SHARDED = textwrap.dedent(

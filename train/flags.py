@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                       " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
   x.add_argument("--overlap", choices=overlapped.OVERLAP_MODES, default="off",
                  help="the overlapped step (AdamW under the backward and the next forward pass, same numbers): on,"
-                      " off, or auto: on a GPU when the timeline model predicts a shorter step (docs/overlap.md)")  # fmt: skip
+                      " off, or auto: on a GPU when the timeline model predicts a shorter step"
+                      " (docs/overlap.md)")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default=None,
                  help="gradients the backward pass writes to host memory: host subgroups' (host, the default"
                       " without --grad-accum; refused when that program needs more memory than the plan left, as"

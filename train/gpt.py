@@ -303,6 +303,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
       params = opt_state = None  # the overlapped step owns them: read them through it
     else:
       params, opt_state = candidate.params, candidate.opt_state
+      candidate.close()
     del candidate
   log = progress.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None)
 
@@ -422,6 +423,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   bar.close()
   if overlapped is not None:
     params = overlapped.params
+    overlapped.close()
   if manager is not None:
     manager.wait_until_finished()
     manager.close()

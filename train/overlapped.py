@@ -70,6 +70,9 @@ class OverlappedTraining:
   def __call__(self, batch: Any) -> jax.Array:
     return self.step(batch)
 
+  def close(self) -> None:
+    self.step.close()
+
   @property
   def plan(self) -> jax_dos.Plan:
     return self.step.plan

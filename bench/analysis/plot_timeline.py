@@ -62,7 +62,7 @@ def main() -> None:
   ends = list(zip(decisions[:-1], decisions[1:]))
   lo, hi = ends[args.step]
   fig, ax = plt.subplots(figsize=(14, 3.6))
-  for row, (thread, label) in enumerate(ROWS.items()):
+  for row, thread in enumerate(ROWS):
     for s in spans:
       c = color(s["name"])
       if s["thread"] != thread or c is None or s["end"] < lo or s["start"] > hi:
