@@ -426,7 +426,8 @@ class OverlappedStep:
     return xs
 
   def _backward(self, xs: list, batch: Any, sums: list, last: bool) -> jax.Array:
-    record = _StepRecord(device_steps.scalars(self.hyper, self._count, np.float32(1.0 / self.micro_batches)))
+    spec = np.float32(1.0 / self.micro_batches)  # the scale if the clip does not fire
+    record = _StepRecord(device_steps.scalars(self.hyper, self._count, spec)) if last else None
     squares, loss, dy = [], None, None
     for i in reversed(range(len(self.model.stages))):
       st = self.model.stages[i]
