@@ -1,0 +1,101 @@
+"""One of the processes of ``test_multiprocess.py``: ``python tests/multiprocess_worker.py PORT PROCESS_ID SEED``.
+
+Joins the others through ``jax.distributed`` (CPU, gloo collectives, two
+devices per process), builds a global (data, model) mesh of all devices, and
+runs ``jax_dos.interleaved_adam`` eagerly for every placement on FSDP-sharded
+and replicated parameters. The reference is ``optax.adamw`` on whole arrays on
+this process's first device; every process compares the shards it addresses.
+Every process draws the same numbers from ``SEED``, so replicas agree.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+NUM_PROCESSES, LOCAL_DEVICES = 2, 2
+
+
+def main(port: int, process_id: int, seed: int) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    f"127.0.0.1:{port}", num_processes=NUM_PROCESSES, process_id=process_id,
+    local_device_ids=list(range(LOCAL_DEVICES)), initialization_timeout=60,
+  )  # fmt: skip
+  try:
+    run_checks(seed)
+  finally:
+    jax.distributed.shutdown()
+
+
+def run_checks(seed: int) -> None:
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jax_dos
+
+  assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
+  local = jax.local_devices()[0]
+  specs = {"fsdp": P("data", "model"), "rows": P("data"), "table": P(), "replicated": P(), "vec": P("model")}
+  shapes = {"fsdp": (8, 6), "rows": (4, 3), "table": (4, 3), "replicated": (5,), "vec": (6,)}
+  layouts = {"fsdp": ("fsdp", "rows", "vec"), "data_parallel": ("table", "replicated", "vec")}
+  rng = np.random.default_rng(seed)
+
+  def global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``x`` (the same on every process) laid out by ``sharding``, from the shards this process addresses."""
+    index = sharding.addressable_devices_indices_map(x.shape)
+    shards = [jax.device_put(x[i], d) for d, i in index.items()]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+  def process_local(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``x`` laid out by ``sharding``, from the block of it this process holds (as a data loader would)."""
+    index = list(sharding.addressable_devices_indices_map(x.shape).values())
+    block = tuple(
+      slice(min(i[d].indices(n)[0] for i in index), max(i[d].indices(n)[1] for i in index))
+      for d, n in enumerate(x.shape)
+    )
+    return jax.make_array_from_process_local_data(sharding, x[block], x.shape)
+
+  def check_shards(got: jax.Array, want: np.ndarray, what: str) -> float:
+    assert not got.is_fully_addressable, what
+    worst = 0.0
+    for shard in got.addressable_shards:
+      x, y = np.asarray(shard.data, np.float64), np.asarray(want[shard.index], np.float64)
+      if y.size:
+        worst = max(worst, float(np.max(np.abs(x - y)) / max(1.0, float(np.max(np.abs(y))))))
+    assert worst <= 1e-6, (what, worst)
+    return worst
+
+  plans = ["device", "stream", "host", ["host", "stream", "device"]]
+  for layout, names in layouts.items():
+    shardings = {k: NamedSharding(mesh, specs[k]) for k in names}
+    values = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in names}
+    for plan in plans:
+      params = {k: process_local(values[k], shardings[k]) for k in names}
+      ref_params = {k: jax.device_put(values[k], local) for k in names}
+      tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan)
+      ref = optax.adamw(1e-2, weight_decay=0.1)
+      state, ref_state = tx.init(params), ref.init(ref_params)
+      for _ in range(5):
+        grads = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in names}
+        updates, state = tx.update({k: global_array(g, shardings[k]) for k, g in grads.items()}, state, params)
+        params = optax.apply_updates(params, updates)
+        ref_updates, ref_state = ref.update({k: jnp.asarray(g, device=local) for k, g in grads.items()}, ref_state,
+                                            ref_params)  # fmt: skip
+        ref_params = optax.apply_updates(ref_params, ref_updates)
+      err = max(check_shards(params[k], np.asarray(ref_params[k]), f"{layout} {plan} {k}") for k in names)
+      for k in names:
+        check_shards(state.master[k], np.asarray(ref_params[k]), f"{layout} {plan} master {k}")
+        assert state.master[k].sharding.is_equivalent_to(shardings[k].with_memory_kind(
+          state.master[k].sharding.memory_kind), len(shapes[k])), k  # fmt: skip
+        assert params[k].sharding.is_equivalent_to(shardings[k], len(shapes[k])), k
+      print("ok", layout, plan, err, flush=True)
+
+
+if __name__ == "__main__":
+  main(*(int(a) for a in sys.argv[1:4]))
