@@ -32,7 +32,7 @@ import optax
 from jax_dos import memory, traced
 from jax_dos.adam_math import AdamHyper
 from jax_dos.engine import Engine
-from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, check_subgroup_size, resolve_plan
+from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, agreed_across_processes, check_subgroup_size, resolve_plan
 from jax_dos.state import InterleavedAdamState
 
 Planner = Callable[[Any, int], Plan]  # (params, subgroup_size) -> Plan
@@ -141,7 +141,7 @@ class InterleavedAdam:
       if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
         if self.planner is None:
           raise ValueError("plan='auto' needs a planner: pass planner=jax_dos.auto_planner() (interleaved_adam does).")
-        plan = self.planner(params, self.subgroup_size)
+        plan = agreed_across_processes(self.planner(params, self.subgroup_size))
         if (self.delay or self.write_behind) and plan.indices("stream"):
           # Delayed (or written-behind) host work overlaps the next forward/backward pass, streamed work does not:
           # stream nothing.

@@ -38,7 +38,7 @@ def sharding_of(x: Any) -> Sharding:
   """The sharding of a concrete array, or the default device's for anything else."""
   if isinstance(x, jax.Array) and not is_traced(x):
     return x.sharding
-  return SingleDeviceSharding(jax.devices()[0])
+  return SingleDeviceSharding(jax.local_devices()[0])
 
 
 def with_kind(x: Any, kind: str) -> Sharding:

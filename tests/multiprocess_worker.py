@@ -10,6 +10,7 @@ Every process draws the same numbers from ``SEED``, so replicas agree.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -71,30 +72,50 @@ def run_checks(seed: int) -> None:
     assert worst <= 1e-6, (what, worst)
     return worst
 
-  plans = ["device", "stream", "host", ["host", "stream", "device"]]
-  for layout, names in layouts.items():
+  def check(layout: str, label: str, tx, update_params: bool = False) -> None:
+    """Five eager steps of ``tx`` against ``optax.adamw`` from the same start and gradients; checks every shard."""
+    names = layouts[layout]
     shardings = {k: NamedSharding(mesh, specs[k]) for k in names}
     values = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in names}
-    for plan in plans:
-      params = {k: process_local(values[k], shardings[k]) for k in names}
-      ref_params = {k: jax.device_put(values[k], local) for k in names}
-      tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan)
-      ref = optax.adamw(1e-2, weight_decay=0.1)
-      state, ref_state = tx.init(params), ref.init(ref_params)
-      for _ in range(5):
-        grads = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in names}
-        updates, state = tx.update({k: global_array(g, shardings[k]) for k, g in grads.items()}, state, params)
+    params = {k: process_local(values[k], shardings[k]) for k in names}
+    ref_params = {k: jax.device_put(values[k], local) for k in names}
+    ref = optax.adamw(1e-2, weight_decay=0.1)
+    state, ref_state = tx.init(params), ref.init(ref_params)
+    for _ in range(5):
+      grads = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in names}
+      laid_out = {k: global_array(g, shardings[k]) for k, g in grads.items()}
+      if update_params:
+        params, state = jax_dos.update_params(tx, laid_out, state, params)
+      else:
+        updates, state = tx.update(laid_out, state, params)
         params = optax.apply_updates(params, updates)
-        ref_updates, ref_state = ref.update({k: jnp.asarray(g, device=local) for k, g in grads.items()}, ref_state,
-                                            ref_params)  # fmt: skip
-        ref_params = optax.apply_updates(ref_params, ref_updates)
-      err = max(check_shards(params[k], np.asarray(ref_params[k]), f"{layout} {plan} {k}") for k in names)
-      for k in names:
-        check_shards(state.master[k], np.asarray(ref_params[k]), f"{layout} {plan} master {k}")
-        assert state.master[k].sharding.is_equivalent_to(shardings[k].with_memory_kind(
-          state.master[k].sharding.memory_kind), len(shapes[k])), k  # fmt: skip
-        assert params[k].sharding.is_equivalent_to(shardings[k], len(shapes[k])), k
-      print("ok", layout, plan, err, flush=True)
+      ref_updates, ref_state = ref.update({k: jnp.asarray(g, device=local) for k, g in grads.items()}, ref_state,
+                                          ref_params)  # fmt: skip
+      ref_params = optax.apply_updates(ref_params, ref_updates)
+    jax_dos.wait_for_host_updates()
+    err = max(check_shards(params[k], np.asarray(ref_params[k]), f"{layout} {label} {k}") for k in names)
+    for k in names:
+      check_shards(state.master[k], np.asarray(ref_params[k]), f"{layout} {label} master {k}")
+      kind = state.master[k].sharding.memory_kind
+      assert state.master[k].sharding.is_equivalent_to(shardings[k].with_memory_kind(kind), len(shapes[k])), k
+      assert params[k].sharding.is_equivalent_to(shardings[k], len(shapes[k])), k
+    print("ok", layout, label, err, flush=True)
+
+  adamw = functools.partial(jax_dos.interleaved_adam, 1e-2, weight_decay=0.1, subgroup_size=1)
+  for layout in layouts:
+    for plan in ["device", "stream", "host", ["host", "stream", "device"]]:
+      check(layout, str(plan), adamw(plan=plan))
+    check(layout, "update_params", adamw(plan=["host", "stream", "device"]), update_params=True)
+    check(layout, "write_behind", adamw(plan="host", write_behind=True))
+    check(layout, "delay_predict=gradient", adamw(plan="host", delay=1, delay_warmup=2, delay_predict="gradient"))
+    # Processes that plan differently (here: their resident budgets) agree on one plan, the leaner per subgroup.
+    budget = 2**20 if jax.process_index() == 0 else 0
+    tx = adamw(plan="auto", planner=jax_dos.auto_planner(resident_budget_bytes=budget, staging_budget_bytes=2**20))
+    check(layout, "auto", tx)
+    plan = jax_dos.get_plan(tx, {k: jax.ShapeDtypeStruct(shapes[k], jnp.float32) for k in layouts[layout]})
+    assert "device" not in plan.placements, plan
+    assert plan.source.endswith("+processes") == (jax.process_index() == 0), plan.source  # process 0 gave way
+    print("plan", layout, plan.placements, flush=True)
 
 
 if __name__ == "__main__":
