@@ -43,7 +43,7 @@ def run_checks(seed: int) -> None:
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
   local = jax.local_devices()[0]
   specs = {"fsdp": P("data", "model"), "rows": P("data"), "table": P(), "replicated": P(), "vec": P("model")}
-  shapes = {"fsdp": (8, 6), "rows": (4, 3), "table": (4, 3), "replicated": (5,), "vec": (6,)}
+  shapes = {"fsdp": (8, 6), "rows": (4, 3), "table": (4, 3), "replicated": (8,), "vec": (8,)}
   layouts = {"fsdp": ("fsdp", "rows", "vec"), "data_parallel": ("table", "replicated", "vec")}
   rng = np.random.default_rng(seed)
 
@@ -73,7 +73,10 @@ def run_checks(seed: int) -> None:
     return worst
 
   def check(layout: str, label: str, tx, update_params: bool = False) -> None:
-    """Five eager steps of ``tx`` against ``optax.adamw`` from the same start and gradients; checks every shard."""
+    """Five eager steps of ``tx`` against ``optax.adamw`` from the same start and gradients; checks every shard.
+
+    With ``partition_replicated``, each process must hold only its share (1/P) of every leaf's state.
+    """
     names = layouts[layout]
     shardings = {k: NamedSharding(mesh, specs[k]) for k in names}
     values = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in names}
@@ -96,8 +99,13 @@ def run_checks(seed: int) -> None:
     err = max(check_shards(params[k], np.asarray(ref_params[k]), f"{layout} {label} {k}") for k in names)
     for k in names:
       check_shards(state.master[k], np.asarray(ref_params[k]), f"{layout} {label} master {k}")
-      kind = state.master[k].sharding.memory_kind
-      assert state.master[k].sharding.is_equivalent_to(shardings[k].with_memory_kind(kind), len(shapes[k])), k
+      if tx.interleaved.partition_replicated:
+        for tree in (state.master, state.mu, state.nu):
+          held = sum(shard.data.size for shard in tree[k].addressable_shards)
+          assert held * NUM_PROCESSES == np.prod(shapes[k]), (label, k, held)
+      else:
+        kind = state.master[k].sharding.memory_kind
+        assert state.master[k].sharding.is_equivalent_to(shardings[k].with_memory_kind(kind), len(shapes[k])), k
       assert params[k].sharding.is_equivalent_to(shardings[k], len(shapes[k])), k
     print("ok", layout, label, err, flush=True)
 
@@ -116,6 +124,13 @@ def run_checks(seed: int) -> None:
     assert "device" not in plan.placements, plan
     assert plan.source.endswith("+processes") == (jax.process_index() == 0), plan.source  # process 0 gave way
     print("plan", layout, plan.placements, flush=True)
+  # Partitioned state (ZeRO-1/2): replicated leaves' state split over all four devices, parameters gathered back.
+  partitioned = functools.partial(adamw, partition_replicated=True)
+  for plan in ["device", "stream", "host", ["host", "stream", "device"]]:
+    check("data_parallel", f"partitioned {plan}", partitioned(plan=plan))
+  mixed = ["host", "stream", "device"]
+  check("data_parallel", "partitioned update_params", partitioned(plan=mixed), update_params=True)
+  check("fsdp", "partitioned", partitioned(plan=mixed))
 
 
 if __name__ == "__main__":
