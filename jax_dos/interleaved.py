@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_dos import memory, traced
+from jax_dos import memory, partition, traced
 from jax_dos.adam_math import AdamHyper
 from jax_dos.engine import Engine
-from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, check_subgroup_size, resolve_plan
+from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, agreed_across_processes, check_subgroup_size, resolve_plan
 from jax_dos.state import InterleavedAdamState
 
 Planner = Callable[[Any, int], Plan]  # (params, subgroup_size) -> Plan
@@ -111,6 +111,7 @@ class InterleavedAdam:
     delay_warmup: int,
     delay_predict: Union[bool, str, None],
     write_behind: bool,
+    partition_replicated: bool = False,
   ):
     check_subgroup_size(subgroup_size)
     delay_predict = prediction_mode(delay_predict)
@@ -130,6 +131,7 @@ class InterleavedAdam:
     self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
     self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), delay_predict
     self.write_behind = bool(write_behind)
+    self.partition_replicated = bool(partition_replicated)
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
 
@@ -141,7 +143,8 @@ class InterleavedAdam:
       if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
         if self.planner is None:
           raise ValueError("plan='auto' needs a planner: pass planner=jax_dos.auto_planner() (interleaved_adam does).")
-        plan = self.planner(params, self.subgroup_size)
+        planned = partition.state_layout(params) if self.partition_replicated else params
+        plan = agreed_across_processes(self.planner(planned, self.subgroup_size))
         if (self.delay or self.write_behind) and plan.indices("stream"):
           # Delayed (or written-behind) host work overlaps the next forward/backward pass, streamed work does not:
           # stream nothing.
@@ -163,6 +166,8 @@ class InterleavedAdam:
     leaves, treedef = leaves_with_paths(params, "params")
     plan = self.plan_for(params)
     kinds = plan.leaf_memory_kinds()
+    if self.partition_replicated:  # each device's state: its share of the leaves replicated over mesh axes
+      leaves = partition.relaid(leaves, jax.tree.leaves(partition.state_layout(params)))
     if not any(memory.is_traced(x) for x in leaves):
       copies = (self.delay and self.delay_predict == "moments") or self.write_behind
       moments = bool(self.delay) and self.delay_predict == "gradient"
@@ -221,7 +226,13 @@ class InterleavedAdam:
       )  # fmt: skip
     else:
       _check_not_consumed(masters + mus + nus + [state.count], param_leaves, grads)
+      # State laid out otherwise than its parameters (partitioned): the engine works on the state's shards, and
+      # the new parameters (or updates) go back to the parameters' layout.
+      engine_params = partition.relaid(param_leaves, masters)
+      args = (grads, masters, mus, nus, engine_params)
       out = self._engine(plan, decay).update(*args, state.count, grad_scale, new_params)
+      if any(a is not b for a, b in zip(engine_params, param_leaves)):
+        out = (partition.relaid(out[0], param_leaves), *out[1:])
     u, m32, m1, m2, count = out
     unflat = lambda xs: jax.tree.unflatten(sdef, xs)  # noqa: E731
     return unflat(u), InterleavedAdamState(count, unflat(m32), unflat(m1), unflat(m2))
@@ -266,14 +277,15 @@ def _check_grad_scale(grad_scale: Any) -> Any:
 
 
 def host_state_bytes(plan: Plan, leaves: list[Any], float32_copies: bool = False, moment_copies: bool = False) -> int:
-  """Pinned host bytes a plan needs: 12 B per offloaded parameter (master, mu, nu), 4 more per host-updated one.
+  """Pinned host bytes a plan needs in this process: 12 B per offloaded parameter (master, mu, nu), 4 more per
+  host-updated one, counted over this process's devices (a leaf replicated over them costs a copy each).
 
   The 4 are its gradient (float32), or its bfloat16 gradient and the engine's bfloat16 copy of its new weight.
   With ``float32_copies`` (``delay_predict="moments"``, ``write_behind``), float32 parameters' host copies add 4
   more; with ``moment_copies`` (``delay_predict="gradient"``), bfloat16 ones' copies of mu and nu add 4.
   """
   placements = plan.leaf_placements()
-  size = lambda x: int(np.prod(np.shape(x)))  # noqa: E731
+  size = memory.process_elements
   state = sum(12 * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
 
   def extra(x):

@@ -34,11 +34,22 @@ def device_elements(x: Any) -> int:
   return math.prod(shape)
 
 
+def process_elements(x: Any) -> int:
+  """Elements of ``x`` this process's devices hold, summed over them (each keeps its own shard), or all of them."""
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None and not is_traced(x):
+    try:
+      return len(sharding.addressable_devices) * device_elements(x)
+    except Exception:  # exotic shardings: count the whole leaf
+      pass
+  return math.prod(tuple(getattr(x, "shape", ()) or ()))
+
+
 def sharding_of(x: Any) -> Sharding:
   """The sharding of a concrete array, or the default device's for anything else."""
   if isinstance(x, jax.Array) and not is_traced(x):
     return x.sharding
-  return SingleDeviceSharding(jax.devices()[0])
+  return SingleDeviceSharding(jax.local_devices()[0])
 
 
 def with_kind(x: Any, kind: str) -> Sharding:

@@ -130,6 +130,36 @@ class Plan:
 PlanSpec = Union[str, Sequence[str], Plan]
 
 
+def agreed_across_processes(plan: Plan) -> Plan:
+  """``plan`` as every process of a ``jax.distributed`` job runs it (``plan`` itself in a single process).
+
+  Each process plans alone, from its own calibration and free memory, but all
+  of them update the same global arrays, so they must run one plan. Each
+  subgroup gets, of the placements the processes chose for it, the one holding
+  the least accelerator memory (host, then stream, then device); the plan gets
+  the fewest stream slots and the smallest ahead budget (to the KiB below). A
+  plan changed so keeps no prediction. Costs one small all-gather, at plan time.
+  """
+  if jax.process_count() == 1:
+    return plan
+  from jax.experimental import multihost_utils
+
+  order = ("host", "stream", "device")
+  ahead_kib = -1 if plan.ahead_budget_bytes is None else plan.ahead_budget_bytes // 1024
+  mine = np.array([order.index(p) for p in plan.placements] + [plan.stream_slots, ahead_kib], np.int32)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+  placements = tuple(order[i] for i in every[:, :-2].min(axis=0))
+  slots, ahead = int(every[:, -2].min()), every[:, -1]
+  ahead_bytes = None if (ahead < 0).all() else int(ahead[ahead >= 0].min()) * 1024
+  if (every == mine).all():
+    return plan
+  changed = placements != plan.placements
+  return dataclasses.replace(
+    plan, placements=placements, stream_slots=slots, ahead_budget_bytes=ahead_bytes,
+    predicted={} if changed else plan.predicted, source=plan.source + ("+processes" if changed else ""),
+  )  # fmt: skip
+
+
 def _leaf_size(x) -> int:
   return int(np.prod(np.shape(x), dtype=np.int64))
 

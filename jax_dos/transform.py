@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import optax
 
-from jax_dos import memory
+from jax_dos import memory, partition
 from jax_dos.adam_math import AdamHyper, ScalarOrSchedule
 from jax_dos.interleaved import (
   InterleavedAdam,
@@ -62,6 +62,7 @@ def interleaved_adam(
   delay_warmup: int = DEFAULT_DELAY_WARMUP,
   delay_predict: Union[bool, str] = False,
   write_behind: bool = False,
+  partition_replicated: bool = False,
 ) -> InterleavedAdamTransformation:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
@@ -138,6 +139,15 @@ def interleaved_adam(
       state in the background during the caller's next forward/backward
       pass (the next ``update`` and ``wait_for_host_updates`` wait for it).
       With ``plan="auto"`` streamed subgroups become host ones. Not with ``delay``.
+    partition_replicated: on a mesh, a parameter replicated over some of its
+      axes (data parallelism) keeps its Adam state partitioned over them
+      (ZeRO-1/2 style): each device holds and updates ``1/N`` of master, mu
+      and nu, along the first dimension those axes divide, and the new
+      parameters are gathered back to their replicated layout; its gradients
+      are sliced (or, flushed through ``gradient_shardings``, reduced and
+      scattered by XLA) to the state's layout. Leaves sharded over every axis
+      (FSDP), scalars, and leaves no dimension of which the axes divide keep
+      their own layout. Off (default): every device keeps a whole copy.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (an
@@ -156,7 +166,7 @@ def interleaved_adam(
     planner = auto_planner(ahead_copies=prediction_mode(delay_predict) == "gradient")  # calibrates on first use
   opt = InterleavedAdam(
     hyper, mask=mask, subgroup_size=subgroup_size, plan=plan, planner=planner, delay=delay, delay_warmup=delay_warmup,
-    delay_predict=delay_predict, write_behind=write_behind,
+    delay_predict=delay_predict, write_behind=write_behind, partition_replicated=partition_replicated,
   )  # fmt: skip
   return InterleavedAdamTransformation.of(opt)
 
@@ -253,7 +263,9 @@ def gradient_shardings(tx: optax.GradientTransformation, params: Any, flush: str
   """Output shardings for a jitted gradient function: each parameter's sharding, in the memory it is flushed to.
 
   The memory is :func:`gradient_memory_kinds`'s: host memory for host
-  subgroups' gradients (for every gradient with ``flush="all"``).
+  subgroups' gradients (for every gradient with ``flush="all"``). With
+  ``partition_replicated``, a replicated parameter's gradient takes its
+  state's partitioned layout (XLA then reduces and scatters it).
 
   Use as the gradients' part of ``jax.jit(..., out_shardings=...)``::
 
@@ -262,4 +274,10 @@ def gradient_shardings(tx: optax.GradientTransformation, params: Any, flush: str
   Gradients must be float32 or bfloat16 (the host kernel reads either).
   """
   kinds = gradient_memory_kinds(tx, params, flush)
-  return jax.tree.map(lambda p, k: memory.with_kind(p, k), params, kinds)
+  partitioned = find_interleaved(tx, params, "gradient_shardings")[0].partition_replicated
+
+  def sharding(p, kind):
+    state = partition.state_sharding(p) if partitioned else None  # each device: its share of a replicated gradient
+    return memory.with_kind(p, kind) if state is None else state.with_memory_kind(kind)
+
+  return jax.tree.map(sharding, params, kinds)

@@ -72,7 +72,7 @@ def cache_dir() -> Path:
 
 def current_key() -> str:
   """The cache key of this process's default backend."""
-  d = jax.devices()[0]
+  d = jax.local_devices()[0]
   return calibration_key(d.platform, d.device_kind, socket.gethostname(), jax.__version__)
 
 
@@ -200,7 +200,7 @@ def measure(
   subgroups; fixed costs from ``tiny_subgroups`` one-leaf subgroups of 8
   parameters (default 32; 8 on the CPU backend).
   """
-  dev = jax.devices()[0]
+  dev = jax.local_devices()[0]
   free = device_free_bytes()
   on_cpu = dev.platform == "cpu"
   if size is None:

@@ -1,0 +1,79 @@
+"""Partitioned state for replicated parameters (ZeRO-1/2 style): the layout of a leaf's Adam state on a mesh.
+
+A parameter replicated over mesh axes (data parallelism) would keep a whole
+copy of its float32 master, mu and nu in every device's memory. Partitioned,
+its state is split over those axes along one dimension: each device holds and
+updates ``1/N`` of it (``N`` the product of those axes' sizes), and the new
+parameters are gathered back to their replicated layout (by XLA: an
+all-gather, across processes too). A parameter already sharded over every
+axis (FSDP) keeps its own layout: its state is per shard already.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
+
+
+def state_sharding(x: Any) -> Sharding | None:
+  """The sharding of ``x``'s state when partitioned, or ``None`` where it keeps ``x``'s own.
+
+  ``x``'s ``NamedSharding`` with the mesh axes it is replicated over (those of
+  size > 1) added, in mesh order, to the first dimension they divide (with
+  the axes that dimension is sharded over already). ``None`` for traced or
+  unsharded values, scalars, and leaves no dimension of which they divide:
+  those keep a whole copy per device.
+  """
+  sharding = getattr(x, "sharding", None)
+  shape = tuple(getattr(x, "shape", ()))
+  if not isinstance(sharding, NamedSharding) or isinstance(x, jax.core.Tracer) or not math.prod(shape):
+    return None
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  used = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+  free = [a for a in sharding.mesh.axis_names if a not in used and sharding.mesh.shape[a] > 1]
+  if not free:
+    return None
+  for d, entry in enumerate(spec):
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    if shape[d] % math.prod(sharding.mesh.shape[a] for a in (*axes, *free)) == 0:
+      spec[d] = (*axes, *free)
+      return NamedSharding(sharding.mesh, P(*spec), memory_kind=sharding.memory_kind)
+  return None
+
+
+def state_layout(params: Any) -> Any:
+  """``params`` as their partitioned state is laid out: ``ShapeDtypeStruct`` where it differs, else the leaf."""
+
+  def layout(x):
+    s = state_sharding(x)
+    return x if s is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+  return jax.tree.map(layout, params)
+
+
+def same_layout(x: jax.Array, like: jax.Array) -> bool:
+  """Whether ``x`` is laid out over devices as ``like`` is (memory kinds aside)."""
+  return x.sharding.is_equivalent_to(like.sharding.with_memory_kind(x.sharding.memory_kind), x.ndim)
+
+
+def relaid(xs: list[jax.Array], likes: list[jax.Array]) -> list[jax.Array]:
+  """``xs`` laid out as ``likes`` (each in its own memory kind), moved in one ``device_put``; the others as they are.
+
+  Into a partitioned layout this is a slice of what each device holds; out
+  of one, an all-gather (across processes, jax runs it as a jitted copy).
+  """
+  move = [
+    j for j, (x, like) in enumerate(zip(xs, likes))
+    if isinstance(x, jax.Array) and like is not x and not same_layout(x, like)
+  ]  # fmt: skip
+  if not move:
+    return list(xs)
+  targets = [likes[j].sharding.with_memory_kind(xs[j].sharding.memory_kind) for j in move]
+  out = list(xs)
+  for j, y in zip(move, jax.device_put([xs[j] for j in move], targets)):
+    out[j] = y
+  return out

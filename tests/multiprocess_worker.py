@@ -1,0 +1,137 @@
+"""One of the processes of ``test_multiprocess.py``: ``python tests/multiprocess_worker.py PORT PROCESS_ID SEED``.
+
+Joins the others through ``jax.distributed`` (CPU, gloo collectives, two
+devices per process), builds a global (data, model) mesh of all devices, and
+runs ``jax_dos.interleaved_adam`` eagerly for every placement on FSDP-sharded
+and replicated parameters. The reference is ``optax.adamw`` on whole arrays on
+this process's first device; every process compares the shards it addresses.
+Every process draws the same numbers from ``SEED``, so replicas agree.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import numpy as np
+
+NUM_PROCESSES, LOCAL_DEVICES = 2, 2
+
+
+def main(port: int, process_id: int, seed: int) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    f"127.0.0.1:{port}", num_processes=NUM_PROCESSES, process_id=process_id,
+    local_device_ids=list(range(LOCAL_DEVICES)), initialization_timeout=60,
+  )  # fmt: skip
+  try:
+    run_checks(seed)
+  finally:
+    jax.distributed.shutdown()
+
+
+def run_checks(seed: int) -> None:
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jax_dos
+
+  assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
+  local = jax.local_devices()[0]
+  specs = {"fsdp": P("data", "model"), "rows": P("data"), "table": P(), "replicated": P(), "vec": P("model")}
+  shapes = {"fsdp": (8, 6), "rows": (4, 3), "table": (4, 3), "replicated": (8,), "vec": (8,)}
+  layouts = {"fsdp": ("fsdp", "rows", "vec"), "data_parallel": ("table", "replicated", "vec")}
+  rng = np.random.default_rng(seed)
+
+  def global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``x`` (the same on every process) laid out by ``sharding``, from the shards this process addresses."""
+    index = sharding.addressable_devices_indices_map(x.shape)
+    shards = [jax.device_put(x[i], d) for d, i in index.items()]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+  def process_local(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``x`` laid out by ``sharding``, from the block of it this process holds (as a data loader would)."""
+    index = list(sharding.addressable_devices_indices_map(x.shape).values())
+    block = tuple(
+      slice(min(i[d].indices(n)[0] for i in index), max(i[d].indices(n)[1] for i in index))
+      for d, n in enumerate(x.shape)
+    )
+    return jax.make_array_from_process_local_data(sharding, x[block], x.shape)
+
+  def check_shards(got: jax.Array, want: np.ndarray, what: str) -> float:
+    assert not got.is_fully_addressable, what
+    worst = 0.0
+    for shard in got.addressable_shards:
+      x, y = np.asarray(shard.data, np.float64), np.asarray(want[shard.index], np.float64)
+      if y.size:
+        worst = max(worst, float(np.max(np.abs(x - y)) / max(1.0, float(np.max(np.abs(y))))))
+    assert worst <= 1e-6, (what, worst)
+    return worst
+
+  def check(layout: str, label: str, tx, update_params: bool = False) -> None:
+    """Five eager steps of ``tx`` against ``optax.adamw`` from the same start and gradients; checks every shard.
+
+    With ``partition_replicated``, each process must hold only its share (1/P) of every leaf's state.
+    """
+    names = layouts[layout]
+    shardings = {k: NamedSharding(mesh, specs[k]) for k in names}
+    values = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in names}
+    params = {k: process_local(values[k], shardings[k]) for k in names}
+    ref_params = {k: jax.device_put(values[k], local) for k in names}
+    ref = optax.adamw(1e-2, weight_decay=0.1)
+    state, ref_state = tx.init(params), ref.init(ref_params)
+    for _ in range(5):
+      grads = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in names}
+      laid_out = {k: global_array(g, shardings[k]) for k, g in grads.items()}
+      if update_params:
+        params, state = jax_dos.update_params(tx, laid_out, state, params)
+      else:
+        updates, state = tx.update(laid_out, state, params)
+        params = optax.apply_updates(params, updates)
+      ref_updates, ref_state = ref.update({k: jnp.asarray(g, device=local) for k, g in grads.items()}, ref_state,
+                                          ref_params)  # fmt: skip
+      ref_params = optax.apply_updates(ref_params, ref_updates)
+    jax_dos.wait_for_host_updates()
+    err = max(check_shards(params[k], np.asarray(ref_params[k]), f"{layout} {label} {k}") for k in names)
+    for k in names:
+      check_shards(state.master[k], np.asarray(ref_params[k]), f"{layout} {label} master {k}")
+      if tx.interleaved.partition_replicated:
+        for tree in (state.master, state.mu, state.nu):
+          held = sum(shard.data.size for shard in tree[k].addressable_shards)
+          assert held * NUM_PROCESSES == np.prod(shapes[k]), (label, k, held)
+      else:
+        kind = state.master[k].sharding.memory_kind
+        assert state.master[k].sharding.is_equivalent_to(shardings[k].with_memory_kind(kind), len(shapes[k])), k
+      assert params[k].sharding.is_equivalent_to(shardings[k], len(shapes[k])), k
+    print("ok", layout, label, err, flush=True)
+
+  adamw = functools.partial(jax_dos.interleaved_adam, 1e-2, weight_decay=0.1, subgroup_size=1)
+  for layout in layouts:
+    for plan in ["device", "stream", "host", ["host", "stream", "device"]]:
+      check(layout, str(plan), adamw(plan=plan))
+    check(layout, "update_params", adamw(plan=["host", "stream", "device"]), update_params=True)
+    check(layout, "write_behind", adamw(plan="host", write_behind=True))
+    check(layout, "delay_predict=gradient", adamw(plan="host", delay=1, delay_warmup=2, delay_predict="gradient"))
+    # Processes that plan differently (here: their resident budgets) agree on one plan, the leaner per subgroup.
+    budget = 2**20 if jax.process_index() == 0 else 0
+    tx = adamw(plan="auto", planner=jax_dos.auto_planner(resident_budget_bytes=budget, staging_budget_bytes=2**20))
+    check(layout, "auto", tx)
+    plan = jax_dos.get_plan(tx, {k: jax.ShapeDtypeStruct(shapes[k], jnp.float32) for k in layouts[layout]})
+    assert "device" not in plan.placements, plan
+    assert plan.source.endswith("+processes") == (jax.process_index() == 0), plan.source  # process 0 gave way
+    print("plan", layout, plan.placements, flush=True)
+  # Partitioned state (ZeRO-1/2): replicated leaves' state split over all four devices, parameters gathered back.
+  partitioned = functools.partial(adamw, partition_replicated=True)
+  for plan in ["device", "stream", "host", ["host", "stream", "device"]]:
+    check("data_parallel", f"partitioned {plan}", partitioned(plan=plan))
+  mixed = ["host", "stream", "device"]
+  check("data_parallel", "partitioned update_params", partitioned(plan=mixed), update_params=True)
+  check("fsdp", "partitioned", partitioned(plan=mixed))
+
+
+if __name__ == "__main__":
+  main(*(int(a) for a in sys.argv[1:4]))

@@ -1,0 +1,85 @@
+"""``partition_replicated=True`` on 4 (fake) CPU devices: replicated parameters' state split over the mesh.
+
+Each device must hold only its share of a replicated leaf's master, mu and nu,
+the parameters must come back replicated, and the numbers must be optax's.
+Runs in a fresh interpreter with 4 host devices (set before jax starts).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SCRIPT = textwrap.dedent(
+  """
+    import jax, jax.numpy as jnp, numpy as np, optax, sys
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sys.path.insert(0, "tests")
+    from helpers import max_rel_diff, run_pair
+    import jax_dos
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    rng = np.random.default_rng()
+    specs = {"fsdp": P("data", "model"), "rows": P("data"), "replicated": P(), "vec": P("model"), "odd": P()}
+    shapes = {"fsdp": (8, 6), "rows": (4, 3), "replicated": (8, 5), "vec": (8,), "odd": (3,)}
+    # devices holding one leaf's state among them: 4 where partitioned, else as the parameter is laid out
+    share = {"fsdp": 4, "rows": 4, "replicated": 4, "vec": 4, "odd": 1}
+    params = {k: jax.device_put(jnp.asarray(rng.standard_normal(shapes[k]), jnp.float32), NamedSharding(mesh, specs[k]))
+              for k in shapes}
+
+    def check_layout(state, p, what, params_layout=True):
+      for k in shapes:
+        for tree in (state.master, state.mu, state.nu):
+          for shard in tree[k].addressable_shards:
+            assert shard.data.size * share[k] == np.prod(shapes[k]), (what, k, shard.data.shape)
+        if params_layout:
+          assert p[k].sharding.is_equivalent_to(params[k].sharding, len(shapes[k])), (what, k, p[k].sharding)
+
+    plans = ["device", "stream", "host", ["host", "stream", "device", "host", "stream"]]
+    for plan in plans:
+      for jit in (False, True):
+        tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan, partition_replicated=True)
+        p, state, ref_p, _ = run_pair(tx, optax.adamw(1e-2, weight_decay=0.1), params, 6, rng, jit=jit)
+        err = max_rel_diff(p, ref_p)
+        assert err <= 1e-6 and max_rel_diff(state.master, ref_p) <= 1e-6, (plan, jit, err)
+        check_layout(state, p, plan, params_layout=not jit)  # inside jit the caller's out_shardings decide
+        print("ok", plan, "jit" if jit else "eager", err)
+
+    ref = optax.adamw(1e-2, weight_decay=0.1)
+    for name, kw in [("update_params", {}), ("write_behind", dict(write_behind=True)),
+                     ("delay_predict=gradient", dict(delay=1, delay_warmup=2, delay_predict="gradient"))]:
+      tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plans[-1],
+                                    partition_replicated=True, **kw)
+      # Gradients flushed in the state's layout: each device receives its share of a replicated leaf's gradient.
+      shardings = jax_dos.gradient_shardings(tx, params)
+      assert shardings["replicated"].spec[0] == ("data", "model"), shardings["replicated"]
+      grad_fn = jax.jit(lambda g: g, out_shardings=shardings)
+      p = {k: jax.device_put(x, x.sharding, may_alias=False) for k, x in params.items()}  # update_params consumes
+      state, ref_p, ref_state = tx.init(p), params, ref.init(params)
+      for _ in range(6):
+        g = {k: jax.device_put(jnp.asarray(rng.standard_normal(shapes[k]), jnp.float32), params[k].sharding)
+             for k in shapes}
+        if name == "update_params":
+          p, state = jax_dos.update_params(tx, grad_fn(g), state, p)
+        else:
+          u, state = tx.update(grad_fn(g), state, p)
+          p = optax.apply_updates(p, u)
+        ref_u, ref_state = ref.update(g, ref_state, ref_p)
+        ref_p = optax.apply_updates(ref_p, ref_u)
+      jax_dos.wait_for_host_updates()
+      assert max_rel_diff(p, ref_p) <= 1e-6 and max_rel_diff(state.master, ref_p) <= 1e-6, name
+      check_layout(state, p, name)
+      print("ok", name)
+    """
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_partitioned_state_matches_optax_and_holds_shares():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  command = [sys.executable, "-c", SCRIPT]
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert result.stdout.count("ok ") == 11, result.stdout
