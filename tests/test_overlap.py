@@ -236,6 +236,9 @@ def test_refuses_what_it_cannot_do():
   delayed = jax_dos.interleaved_adam(1e-3, delay=1)
   with pytest.raises(ValueError, match="plain path"):
     jax_dos.OverlappedStep(delayed, STAGES, groups, delayed.init(groups))
+  partitioned = jax_dos.interleaved_adam(1e-3, partition_replicated=True)
+  with pytest.raises(ValueError, match="plain path"):
+    jax_dos.OverlappedStep(partitioned, STAGES, groups, partitioned.init(groups))
   tx = jax_dos.interleaved_adam(1e-3, plan="host")
   with pytest.raises(TypeError, match="list of parameter groups"):
     jax_dos.OverlappedStep(tx, STAGES, {"a": groups[0]}, tx.init({"a": groups[0]}))
