@@ -56,7 +56,6 @@ import dataclasses
 import os
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,10 +68,10 @@ from jax_dos import device_steps, host_kernels, memory, trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import InterleavedAdam, decay_flags, find_interleaved, leaves_with_paths
-from jax_dos.plan import MEMORY_KIND, PLACEMENTS, RESIDENT_CALL_ELEMENTS, Plan, partition_leaves
+from jax_dos.plan import MEMORY_KIND, PLACEMENTS, RESIDENT_CALL_ELEMENTS, Plan, partition_groups
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements
+from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements, stage_ordered_placements
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 # Several threads launch accelerator work at once here. XLA's GPU command buffers (CUDA graphs) capture a program's
@@ -102,50 +101,6 @@ def _step_scale(squares: list[jax.Array], clip_norm: float | None, micro_batches
 
 
 _jit_step_scale = jax.jit(_step_scale, static_argnums=(1, 2))
-
-
-def group_aligned_subgroups(
-  groups: Sequence[Any], subgroup_size: int
-) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
-  """Subgroups that never span two parameter groups: ``(subgroups, sizes, group of each subgroup)``.
-
-  Each group's leaves are packed as ``jax_dos.partition_leaves`` packs a tree;
-  leaf indices are those of the whole list of groups, flattened.
-  """
-  subgroups, sizes, owner = [], [], []
-  offset = 0
-  for g, tree in enumerate(groups):
-    subs, subsizes = partition_leaves(tree, subgroup_size)
-    subgroups += [tuple(offset + i for i in s) for s in subs]
-    sizes += subsizes
-    owner += [g] * len(subs)
-    offset += len(jax.tree.leaves(tree))
-  return subgroups, sizes, owner
-
-
-def stage_ordered_placements(
-  forward_order: Sequence[int], sizes: Sequence[int], device_elements: int, stream_elements: int
-) -> list[str]:
-  """Placements by stage order: resident for the first subgroups the forward pass needs, host for the last.
-
-  The first stages' gradients are complete last and their weights are needed
-  first, so they get the fastest path (resident, up to ``device_elements``);
-  the last stages' gradients come first and their weights are needed last, so
-  the host has the longest time for them; streamed subgroups (up to
-  ``stream_elements``) sit between. ``forward_order`` lists subgroup indices
-  in the order the forward pass needs them.
-  """
-  placements = ["host"] * len(sizes)
-  used = 0
-  rest = list(forward_order)
-  while rest and used + sizes[rest[0]] <= device_elements:
-    used += sizes[rest[0]]
-    placements[rest.pop(0)] = "device"
-  used = 0
-  while rest and used + sizes[rest[0]] <= stream_elements:
-    used += sizes[rest[0]]
-    placements[rest.pop(0)] = "stream"
-  return placements
 
 
 @dataclasses.dataclass
@@ -226,7 +181,7 @@ class OverlappedStep:
     tx: a ``jax_dos.interleaved_adam`` (or ``interleaved_adamw``) transformation,
       without ``delay`` or ``write_behind``. Its hyperparameters, mask and
       ``subgroup_size`` are used; its ``plan`` gives the placements (a
-      placement name, one per subgroup of :func:`group_aligned_subgroups`, a
+      placement name, one per subgroup of ``jax_dos.plan.partition_groups``, a
       ``Plan`` whose subgroups stay within groups, or ``"auto"``).
     stages: the model's :class:`jax_dos.Stage` s in forward order.
     params: the parameter groups, a list of trees (``stages`` refer to them by
@@ -284,7 +239,7 @@ class OverlappedStep:
       if jax.tree.structure(tree) != self._treedef:
         raise ValueError(f"opt_state.{name} does not match params: pass tx.init(params), or a state restored for them.")
     self.decay = decay_flags(owner.mask, list(params), self.hyper.weight_decay)
-    subgroups, sizes, self.subgroup_group = group_aligned_subgroups(params, owner.subgroup_size)
+    subgroups, sizes, self.subgroup_group = partition_groups(params, owner.subgroup_size)
     self.stage_times = stage_times
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
@@ -326,7 +281,7 @@ class OverlappedStep:
         if len({where[i] for i in leaves}) > 1:
           raise ValueError(
             f"plan subgroup {s} spans two parameter groups; the overlapped step needs subgroups within groups"
-            " (jax_dos.overlap.group_aligned_subgroups), or use the plain path (tx.update after jax.grad)."
+            " (jax_dos.plan.partition_groups), or use the plain path (tx.update after jax.grad)."
           )
       return spec
     if isinstance(spec, str) and spec == "auto":
@@ -354,7 +309,7 @@ class OverlappedStep:
     if len(placements) != len(subgroups):
       raise ValueError(
         f"plan lists {len(placements)} placements but the groups pack into {len(subgroups)} subgroups"
-        " (jax_dos.overlap.group_aligned_subgroups); pass one placement per subgroup."
+        " (jax_dos.plan.partition_groups); pass one placement per subgroup."
       )
     return Plan(tuple(subgroups), placements, tuple(sizes), source="user")
 
@@ -422,7 +377,7 @@ class OverlappedStep:
       if i < n - 1:
         with trace.span("overlap.forward"):
           x = self.model.forward(i, self._stage_params(i), x, batch)
-        _watch(f"forward {i}", x)
+        trace.watch(f"forward {i}", x)
     return xs
 
   def _backward(self, xs: list, batch: Any, sums: list, last: bool) -> jax.Array:
@@ -438,7 +393,7 @@ class OverlappedStep:
       loss = out if out is not None else loss
       for g, s in zip(st.groups, new):
         sums[g] = s
-      _watch(f"backward {i}", dy if dy is not None else new)
+      trace.watch(f"backward {i}", dy if dy is not None else new)
       if last:
         squares += sq
         for g in self.model.groups_completing(i):
@@ -683,41 +638,3 @@ def _overlappable(tx: Any, params: Any) -> InterleavedAdam:
       " without delay/write_behind, or keep those modes on the plain path (jax_dos.update_params after jax.grad)."
     )
   return owner
-
-
-# ----------------------------------------------------------------------------- device timeline (trace only)
-
-
-class _Watcher:
-  """Records when dispatched accelerator work finishes (spans on the ``"accelerator"`` row), while tracing."""
-
-  def __init__(self):
-    self._queue: queue.Queue = queue.Queue()
-    self._last = 0.0
-    threading.Thread(target=self._run, name="jax_dos-watch", daemon=True).start()
-
-  def watch(self, name: str, x: Any, spans: list) -> None:
-    # A one-element read right behind the stage's program: ``x`` itself may be donated before it is waited on.
-    self._queue.put((name, _first_element(jax.tree.leaves(x)[0]), time.perf_counter(), spans))
-
-  def _run(self) -> None:
-    while True:
-      name, x, dispatched, spans = self._queue.get()
-      jax.block_until_ready(x)
-      end = time.perf_counter()
-      spans.append(trace.Span(name, "accelerator", max(dispatched, min(self._last, end)), end))
-      self._last = end
-
-
-_first_element = jax.jit(lambda x: x.ravel()[:1])
-_WATCHER: _Watcher | None = None
-
-
-def _watch(name: str, x: Any) -> None:
-  global _WATCHER
-  spans = trace.active()
-  if spans is None or x is None:
-    return
-  if _WATCHER is None:
-    _WATCHER = _Watcher()
-  _WATCHER.watch(name, x, spans)

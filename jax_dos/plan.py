@@ -189,6 +189,23 @@ def partition_leaves(params: Any, subgroup_size: int) -> tuple[tuple[tuple[int, 
   return tuple(tuple(g) for g in groups), tuple(group_sizes)
 
 
+def partition_groups(groups: Sequence[Any], subgroup_size: int) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
+  """Subgroups that never span two parameter groups: ``(subgroups, sizes, group of each subgroup)``.
+
+  Each group's leaves are packed as :func:`partition_leaves` packs a tree;
+  leaf indices are those of the whole list of groups, flattened.
+  """
+  subgroups, sizes, owner = [], [], []
+  offset = 0
+  for g, tree in enumerate(groups):
+    subs, subsizes = partition_leaves(tree, subgroup_size)
+    subgroups += [tuple(offset + i for i in s) for s in subs]
+    sizes += subsizes
+    owner += [g] * len(subs)
+    offset += len(jax.tree.leaves(tree))
+  return subgroups, sizes, owner
+
+
 def resolve_plan(spec: PlanSpec, params: Any, subgroup_size: int, *, default: str = "host") -> Plan:
   """Turns a user's ``plan=`` argument into a :class:`Plan` for ``params``.
 

@@ -18,7 +18,8 @@ micro-batch's backward pass:
   final (a group's subgroups are all final at its first stage, which is the
   stage that completed its gradient).
 
-The exposed update is how much later the next forward pass ends than it would
+:func:`stage_ordered_placements` places by stage order alone, given how many
+parameters each path takes. The exposed update is how much later the next forward pass ends than it would
 with no update at all: ``step = k (sum(forward) + sum(backward)) + exposed``.
 The first stages' gradients come last and their weights are needed first, so
 :func:`choose_placements` keeps them resident, puts the last stages on the
@@ -118,12 +119,8 @@ def choose_placements(
   smallest predicted exposed time (ties: fewer streamed).
   """
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
-  placements = ["host"] * len(subgroups)
-  used = 0
-  rest = list(forward_order)
-  while rest and used + subgroups[rest[0]].size <= device_elements:
-    used += subgroups[rest[0]].size
-    placements[rest.pop(0)] = "device"
+  placements = stage_ordered_placements(forward_order, [g.size for g in subgroups], device_elements, 0)
+  rest = [s for s in forward_order if placements[s] != "device"]
   best: tuple[float, list[str], dict] | None = None
   for j in range(len(rest) + 1 if allow_stream else 1):
     trial = list(placements)
@@ -133,3 +130,28 @@ def choose_placements(
     if best is None or result["exposed_s"] < best[0] - 1e-9:
       best = (result["exposed_s"], trial, result)
   return best[1], best[2]
+
+
+def stage_ordered_placements(
+  forward_order: Sequence[int], sizes: Sequence[int], device_elements: int, stream_elements: int
+) -> list[str]:
+  """Placements by stage order: resident for the first subgroups the forward pass needs, host for the last.
+
+  The first stages' gradients are complete last and their weights are needed
+  first, so they get the fastest path (resident, up to ``device_elements``);
+  the last stages' gradients come first and their weights are needed last, so
+  the host has the longest time for them; streamed subgroups (up to
+  ``stream_elements``) sit between. ``forward_order`` lists subgroup indices
+  in the order the forward pass needs them.
+  """
+  placements = ["host"] * len(sizes)
+  used = 0
+  rest = list(forward_order)
+  while rest and used + sizes[rest[0]] <= device_elements:
+    used += sizes[rest[0]]
+    placements[rest.pop(0)] = "device"
+  used = 0
+  while rest and used + sizes[rest[0]] <= stream_elements:
+    used += sizes[rest[0]]
+    placements[rest.pop(0)] = "stream"
+  return placements

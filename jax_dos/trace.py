@@ -9,17 +9,23 @@
 The engine marks what its threads do on the host: the calling thread's
 resident and streaming dispatch and its waits for free stream slots, the
 worker thread's waits for gradients, host kernel calls and sends. Device work
-is asynchronous and shows up only as waits. Off by default; a span then costs
-one check.
+is asynchronous and shows up only as waits, except where a caller watches a
+program's output (:func:`watch`; the overlapped step does, for its stage
+programs): the ``"accelerator"`` row then shows when each one finished. Off by
+default; a span then costs one check.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
+
+import jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +92,45 @@ def summary(spans: list[Span]) -> str:
   """One line per span name: count and total milliseconds, longest first."""
   rows = sorted(totals(spans).items(), key=lambda kv: -kv[1]["seconds"])
   return "\n".join(f"{name:>22}: {t['seconds'] * 1e3:9.2f} ms in {int(t['count'])}" for name, t in rows)
+
+
+class _Watcher:
+  """Records when dispatched accelerator work finishes (spans on the ``"accelerator"`` row), while tracing."""
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue()
+    self._last = 0.0
+    threading.Thread(target=self._run, name="jax_dos-watch", daemon=True).start()
+
+  def watch(self, name: str, x: Any, spans: list) -> None:
+    # A one-element read right behind the stage's program: ``x`` itself may be donated before it is waited on.
+    self._queue.put((name, _first_element(jax.tree.leaves(x)[0]), time.perf_counter(), spans))
+
+  def _run(self) -> None:
+    while True:
+      name, x, dispatched, spans = self._queue.get()
+      jax.block_until_ready(x)
+      end = time.perf_counter()
+      spans.append(Span(name, "accelerator", max(dispatched, min(self._last, end)), end))
+      self._last = end
+
+
+_first_element = jax.jit(lambda x: x.ravel()[:1])
+_WATCHER: _Watcher | None = None
+
+
+def watch(name: str, x: Any) -> None:
+  """While a :func:`recording` is active, records when the accelerator work that produces ``x`` has finished.
+
+  A span named ``name`` on the ``"accelerator"`` row, from when the previous
+  watched work finished (or ``x`` was dispatched, if later) to when ``x`` is
+  ready. Accelerator work runs in dispatch order, so watching each program's
+  output in that order gives the accelerator's timeline. Off: one check.
+  """
+  global _WATCHER
+  spans = active()
+  if spans is None or x is None:
+    return
+  if _WATCHER is None:
+    _WATCHER = _Watcher()
+  _WATCHER.watch(name, x, spans)

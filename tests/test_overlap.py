@@ -128,7 +128,7 @@ def test_equals_optax_chain(plan, clip_norm):
 
 
 def _subgroup_count(groups) -> int:
-  return len(jax_dos.overlap.group_aligned_subgroups(groups, 40)[0])
+  return len(jax_dos.plan.partition_groups(groups, 40)[0])
 
 
 def test_auto_plan_from_the_measured_timeline():
