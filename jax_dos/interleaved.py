@@ -111,7 +111,7 @@ class InterleavedAdam:
     delay_warmup: int,
     delay_predict: Union[bool, str, None],
     write_behind: bool,
-    partition_replicated: bool = False,
+    partition_replicated: bool,
   ):
     check_subgroup_size(subgroup_size)
     delay_predict = prediction_mode(delay_predict)

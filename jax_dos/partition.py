@@ -18,6 +18,13 @@ import jax
 from jax.sharding import NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from jax_dos import memory
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes one entry of a ``PartitionSpec`` names (``None``, one axis, or several)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
 
 def state_sharding(x: Any) -> Sharding | None:
   """The sharding of ``x``'s state when partitioned, or ``None`` where it keeps ``x``'s own.
@@ -30,15 +37,15 @@ def state_sharding(x: Any) -> Sharding | None:
   """
   sharding = getattr(x, "sharding", None)
   shape = tuple(getattr(x, "shape", ()))
-  if not isinstance(sharding, NamedSharding) or isinstance(x, jax.core.Tracer) or not math.prod(shape):
+  if not isinstance(sharding, NamedSharding) or memory.is_traced(x) or not math.prod(shape):
     return None
   spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-  used = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+  used = {a for entry in spec for a in _axes(entry)}
   free = [a for a in sharding.mesh.axis_names if a not in used and sharding.mesh.shape[a] > 1]
   if not free:
     return None
   for d, entry in enumerate(spec):
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = _axes(entry)
     if shape[d] % math.prod(sharding.mesh.shape[a] for a in (*axes, *free)) == 0:
       spec[d] = (*axes, *free)
       return NamedSharding(sharding.mesh, P(*spec), memory_kind=sharding.memory_kind)

@@ -148,11 +148,11 @@ def agreed_across_processes(plan: Plan) -> Plan:
   ahead_kib = -1 if plan.ahead_budget_bytes is None else plan.ahead_budget_bytes // 1024
   mine = np.array([order.index(p) for p in plan.placements] + [plan.stream_slots, ahead_kib], np.int32)
   every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+  if (every == mine).all():
+    return plan
   placements = tuple(order[i] for i in every[:, :-2].min(axis=0))
   slots, ahead = int(every[:, -2].min()), every[:, -1]
   ahead_bytes = None if (ahead < 0).all() else int(ahead[ahead >= 0].min()) * 1024
-  if (every == mine).all():
-    return plan
   changed = placements != plan.placements
   return dataclasses.replace(
     plan, placements=placements, stream_slots=slots, ahead_budget_bytes=ahead_bytes,

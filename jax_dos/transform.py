@@ -248,13 +248,21 @@ def gradient_memory_kinds(tx: optax.GradientTransformation, params: Any, flush: 
   Empty leaves stay on the device: nothing to move, and jax 0.11 reports a
   zero-size output of ``pinned_host`` sharding as device memory.
   """
+  _check_flush(flush)
+  return _gradient_kinds(find_interleaved(tx, params, "gradient_memory_kinds")[0], params, flush)
+
+
+def _check_flush(flush: str) -> None:
   if flush not in GRADIENT_FLUSHES:
     raise ValueError(f"flush must be one of {GRADIENT_FLUSHES}, got {flush!r}.")
-  plan = find_interleaved(tx, params, "gradient_memory_kinds")[0].plan_for(params)
+
+
+def _gradient_kinds(opt: InterleavedAdam, params: Any, flush: str) -> Any:
+  """:func:`gradient_memory_kinds` for the optimizer ``opt`` (found once by the caller)."""
   leaves = jax.tree.leaves(params)
   kinds = [
     "pinned_host" if (flush == "all" or p == "host") and np.size(x) else "device"
-    for p, x in zip(plan.leaf_placements(), leaves)
+    for p, x in zip(opt.plan_for(params).leaf_placements(), leaves)
   ]
   return jax.tree.unflatten(jax.tree.structure(params), kinds)
 
@@ -273,8 +281,10 @@ def gradient_shardings(tx: optax.GradientTransformation, params: Any, flush: str
 
   Gradients must be float32 or bfloat16 (the host kernel reads either).
   """
-  kinds = gradient_memory_kinds(tx, params, flush)
-  partitioned = find_interleaved(tx, params, "gradient_shardings")[0].partition_replicated
+  _check_flush(flush)
+  opt = find_interleaved(tx, params, "gradient_shardings")[0]  # (in a chain: one abstract trace of its init)
+  kinds = _gradient_kinds(opt, params, flush)
+  partitioned = opt.partition_replicated
 
   def sharding(p, kind):
     state = partition.state_sharding(p) if partitioned else None  # each device: its share of a replicated gradient

@@ -263,10 +263,8 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def init_distributed() -> None:
   """A one-process ``torch.distributed`` group on this machine, as a launcher would set it up."""
-  import socket as sock
-
   if "MASTER_PORT" not in os.environ:
-    with sock.socket() as s:
+    with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       os.environ["MASTER_PORT"] = str(s.getsockname()[1])
   for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):

@@ -148,7 +148,7 @@ class _Runner:
     plan_obj = Plan(subgroups, placements, sizes, stream_slots=stream_slots, source="calibration")
     self.opt = InterleavedAdam(
       AdamHyper(1e-3, weight_decay=0.01), mask=None, subgroup_size=size, plan=plan_obj, planner=None, delay=0,
-      delay_warmup=0, delay_predict=False, write_behind=False,
+      delay_warmup=0, delay_predict=False, write_behind=False, partition_replicated=False,
     )  # fmt: skip
     self.state = self.opt.init(self.params)
     jax.block_until_ready(self.state)
@@ -253,17 +253,10 @@ def measure(
     placements = ["stream"] * k_stream + ["host"] * (n_subgroups - k_stream)
     mixes.append((k_stream, timed(placements)))
   host_c, stream_c = fit_concurrent_rates(solo, leaf, n_subgroups, mixes)
-  return Calibration(
-    host_rate=host_rate,
-    stream_rate=stream_rate,
-    device_rate=device_rate,
+  return dataclasses.replace(
+    solo,
     host_rate_concurrent=host_c,
     stream_rate_concurrent=stream_c,
-    stream_rate_single=stream_rate_single,
-    subgroup_overhead_host=ovh_host,
-    subgroup_overhead_stream=ovh_stream,
-    device_call_overhead=dev_call,
-    step_overhead=step,
     device_free_bytes=free,
     platform=dev.platform,
     device_kind=dev.device_kind,
@@ -290,8 +283,6 @@ def calibrate(*, size: int | None = None, force: bool = False, cache: bool = Tru
     if cal is not None:
       return cal
   # Shown by default (a silent half minute at init looks like a hang); once per machine when cached.
-  import jax
-
   took = "a few seconds" if jax.default_backend() == "cpu" else "20-30 s"
   log.warning("jax_dos: measuring this machine for the performance model (plan='auto'); %s, then cached.", took)
   cal = measure(size=size, reps=reps)

@@ -166,13 +166,16 @@ def plan_sizes(
   prob = _Problem(list(sizes), dev_sizes, leaves, calibration, staging, max_stream_slots)
 
   fit = fill_resident(dev_sizes, budget)
+
+  def stageable(i: int, m: int) -> bool:  # whether m subgroups of subgroup i's size fit in staging at once
+    return staging is None or STAGING_BYTES * dev_sizes[i] * m <= staging
+
   candidates: list[tuple[str, frozenset[int], frozenset[int]]] = []
   for device, tag in ((frozenset(), ""), (fit, "resident+")):
     if tag and not fit:
       continue
     rest = [i for i in range(n) if i not in device]
     candidates.append((tag + "host", device, frozenset()))
-    stageable = lambda i, m: staging is None or STAGING_BYTES * dev_sizes[i] * m <= staging  # noqa: E731
     if rest and all(stageable(i, 1) for i in rest):
       candidates.append((tag + "stream", device, frozenset(rest)))
   for device, tag in ((frozenset(), ""), (fit, "resident+")):
@@ -181,7 +184,7 @@ def plan_sizes(
     rest = [i for i in range(n) if i not in device]
     seen: set[tuple[int, ...]] = set()
     for m in range(max_stream_slots, 0, -1):  # more slots first; fewer only if they admit more subgroups
-      eligible = [i for i in rest if staging is None or STAGING_BYTES * dev_sizes[i] * m <= staging]
+      eligible = [i for i in rest if stageable(i, m)]
       if not eligible or tuple(eligible) in seen:
         continue
       seen.add(tuple(eligible))
