@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=4, help="timed steps")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation, delay warm-up)")
   p.add_argument("--fb-reps", type=int, default=3, help="timed forward/backward-only calls")
+  p.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
+                 help="overlap variants: plan by the measured stages' timeline (train.gpt --overlap auto's way)")
   p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
   p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
@@ -301,9 +303,18 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   groups = gpt.stage_groups(params)
   del params
   stages = gpt.make_stages(cfg)
-  step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum)
+  times = None
+  if args.timeline:  # train.gpt --overlap auto's way: place subgroups by the measured stages' timeline
+    t1 = time.perf_counter()
+    micro = tuple(x[: args.batch] for x in batches[0])
+    times = jax_dos.StagedModel(stages, len(groups)).measure_times(groups, micro)
+    out["stage_times"] = {"forward_s": times.forward, "backward_s": times.backward,
+                          "measure_s": time.perf_counter() - t1}  # fmt: skip
+  step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum,
+                                stage_times=times)  # fmt: skip
   del groups
   out["plan"] = str(step.plan)
+  out["plan_predicted"] = dict(step.plan.predicted)
   out["plan_elements"] = {k: step.plan.elements(k) for k in ("device", "stream", "host")}
   out["init_s"] = time.perf_counter() - t0
 
