@@ -79,8 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=4, help="timed steps")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation, delay warm-up)")
   p.add_argument("--fb-reps", type=int, default=3, help="timed forward/backward-only calls")
-  p.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
-                 help="overlap variants: plan by the measured stages' timeline (train.gpt --overlap auto's way)")
+  p.add_argument(
+    "--timeline",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="overlap variants: plan by the measured stages' timeline (train.gpt --overlap auto's way)",
+  )
   p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
   p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
