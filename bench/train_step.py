@@ -85,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     default=True,
     help="overlap variants: plan by the measured stages' timeline (train.gpt --overlap auto's way)",
   )
+  p.add_argument(
+    "--overlap-stream-slots",
+    type=int,
+    default=4,
+    help="overlap variants: most streamed subgroups in flight (the planner's max_stream_slots)",
+  )
   p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
   p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
@@ -302,7 +308,7 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
     budgets["step_memory"] = need
     out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
   t0 = time.perf_counter()
-  planner = jax_dos.auto_planner(**budgets, params_in_place=True)
+  planner = jax_dos.auto_planner(**budgets, params_in_place=True, max_stream_slots=args.overlap_stream_slots)
   tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask, planner=planner)
   groups = gpt.stage_groups(params)
   del params

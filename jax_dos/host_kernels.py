@@ -359,9 +359,14 @@ def writable_view(array_shard, dtype=np.float32) -> np.ndarray:
   return np.frombuffer(raw, dtype=dtype)
 
 
-def set_num_threads(n: int | None = None) -> int:
-  """Sets the host kernel's thread count (default: all cores). Returns it."""
+def set_num_threads(n: int | None = None, leave: int = 0) -> int:
+  """Sets the host kernel's thread count for kernels launched from the calling thread. Returns it.
+
+  ``n`` threads; else ``JAX_DOS_HOST_THREADS``; else all cores but ``leave``
+  (at least one). numba's setting is per launching thread.
+  """
   use_workqueue_layer()  # numba starts its threads here
-  n = n or int(os.environ.get("JAX_DOS_HOST_THREADS", numba.config.NUMBA_NUM_THREADS))
-  numba.set_num_threads(n)
-  return n
+  cores = numba.config.NUMBA_NUM_THREADS
+  n = n or int(os.environ.get("JAX_DOS_HOST_THREADS", 0)) or max(1, cores - leave)
+  numba.set_num_threads(min(n, cores))
+  return min(n, cores)

@@ -78,6 +78,14 @@ _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 # launches on the compute stream, and a launch from another thread during a capture fails it
 # (cudaErrorStreamCaptureUnjoined, seen on an H100 at 6.7B). This flag, set before jax starts, turns them off.
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+# How many stage programs the training thread may have dispatched beyond the one the accelerator is running. The
+# workers' programs (streamed updates, the host path's copies) queue behind whatever the training thread dispatched
+# before them, and a launch into a full CUDA queue blocks holding the GIL, stalling both workers: at 6.7B on an H100,
+# an unpaced backward pass ran ~10 stages (0.3 s) ahead and the stream path fell to a tenth of its rate.
+RUN_AHEAD_STAGES = 2
+# Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
+# launches are the training thread's work, and the accelerator idles while they wait for a core.
+TRAINING_CORES = 2
 
 
 def _check_no_command_buffers() -> None:
@@ -267,7 +275,10 @@ class OverlappedStep:
     self._wake = threading.Condition()
     self._host = _Worker("jax_dos-overlap-host", self._errors, self._wake)
     self._streamer = _Worker("jax_dos-overlap-stream", self._errors, self._wake)
+    cores = os.cpu_count() or 1
+    self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES if cores >= 8 else 0)
     self._in_flight: deque = deque()  # streamed subgroups' copies back to the host, oldest first
+    self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
     kw = self.hyper
     self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
 
@@ -378,6 +389,7 @@ class OverlappedStep:
         with trace.span("overlap.forward"):
           x = self.model.forward(i, self._stage_params(i), x, batch)
         trace.watch(f"forward {i}", x)
+        self._pace(x)
     return xs
 
   def _backward(self, xs: list, batch: Any, sums: list, last: bool) -> jax.Array:
@@ -394,6 +406,7 @@ class OverlappedStep:
       for g, s in zip(st.groups, new):
         sums[g] = s
       trace.watch(f"backward {i}", dy if dy is not None else new)
+      self._pace(dy if dy is not None else new)
       if last:
         squares += sq
         for g in self.model.groups_completing(i):
@@ -402,6 +415,15 @@ class OverlappedStep:
     if last:
       self._decide(record, squares)
     return loss
+
+  def _pace(self, x: Any) -> None:
+    """Waits until at most ``RUN_AHEAD_STAGES`` dispatched stage programs (the last one producing ``x``) are unrun."""
+    if not jax.tree.leaves(x):
+      return
+    self._run_ahead.append(trace.ready_marker(x))
+    while len(self._run_ahead) > RUN_AHEAD_STAGES + 1:
+      with trace.span("overlap.pace"):
+        jax.block_until_ready(self._run_ahead.popleft())
 
   def _hand_over(self, record: _StepRecord, g: int, grads: Any) -> None:
     """Queues group ``g``'s complete gradients for its subgroups' paths (host ones leave the accelerator now)."""

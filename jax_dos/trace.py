@@ -104,7 +104,7 @@ class _Watcher:
 
   def watch(self, name: str, x: Any, spans: list) -> None:
     # A one-element read right behind the stage's program: ``x`` itself may be donated before it is waited on.
-    self._queue.put((name, _first_element(jax.tree.leaves(x)[0]), time.perf_counter(), spans))
+    self._queue.put((name, ready_marker(x), time.perf_counter(), spans))
 
   def _run(self) -> None:
     while True:
@@ -116,6 +116,17 @@ class _Watcher:
 
 
 _first_element = jax.jit(lambda x: x.ravel()[:1])
+
+
+def ready_marker(x: Any) -> jax.Array:
+  """A one-element array that is ready once the accelerator work producing ``x`` is done.
+
+  Dispatched right behind that work (accelerator work runs in dispatch order),
+  it stays valid when ``x`` itself is later donated.
+  """
+  return _first_element(jax.tree.leaves(x)[0])
+
+
 _WATCHER: _Watcher | None = None
 
 
