@@ -3,8 +3,9 @@
 Joins the others through ``jax.distributed`` (CPU, gloo collectives, two
 devices per process), builds a global (data, model) mesh of all devices, and
 runs ``jax_dos.interleaved_adam`` eagerly for every placement on FSDP-sharded
-and replicated parameters. The reference is ``optax.adamw`` on whole arrays on
-this process's first device; every process compares the shards it addresses.
+and replicated parameters, with partitioned state (the default) and whole
+copies. The reference is ``optax.adamw`` on whole arrays on this process's
+first device; every process compares the shards it addresses.
 Every process draws the same numbers from ``SEED``, so replicas agree.
 """
 
@@ -75,7 +76,8 @@ def run_checks(seed: int) -> None:
   def check(layout: str, label: str, tx, update_params: bool = False) -> None:
     """Five eager steps of ``tx`` against ``optax.adamw`` from the same start and gradients; checks every shard.
 
-    With ``partition_replicated``, each process must hold only its share (1/P) of every leaf's state.
+    Partitioned (the default, on this mesh every leaf is), each process must hold only its share (1/P) of every
+    leaf's state; with ``partition_replicated=False`` the state keeps the parameters' layout.
     """
     names = layouts[layout]
     shardings = {k: NamedSharding(mesh, specs[k]) for k in names}
@@ -99,7 +101,7 @@ def run_checks(seed: int) -> None:
     err = max(check_shards(params[k], np.asarray(ref_params[k]), f"{layout} {label} {k}") for k in names)
     for k in names:
       check_shards(state.master[k], np.asarray(ref_params[k]), f"{layout} {label} master {k}")
-      if tx.interleaved.partition_replicated:
+      if tx.interleaved.partitions:
         for tree in (state.master, state.mu, state.nu):
           held = sum(shard.data.size for shard in tree[k].addressable_shards)
           assert held * NUM_PROCESSES == np.prod(shapes[k]), (label, k, held)
@@ -124,13 +126,13 @@ def run_checks(seed: int) -> None:
     assert "device" not in plan.placements, plan
     assert plan.source.endswith("+processes") == (jax.process_index() == 0), plan.source  # process 0 gave way
     print("plan", layout, plan.placements, flush=True)
-  # Partitioned state (ZeRO-1/2): replicated leaves' state split over all four devices, parameters gathered back.
-  partitioned = functools.partial(adamw, partition_replicated=True)
+  # Whole copies (partition_replicated=False): each device keeps the state of the shard its parameter holds.
+  copies = functools.partial(adamw, partition_replicated=False)
   for plan in ["device", "stream", "host", ["host", "stream", "device"]]:
-    check("data_parallel", f"partitioned {plan}", partitioned(plan=plan))
+    check("data_parallel", f"copies {plan}", copies(plan=plan))
   mixed = ["host", "stream", "device"]
-  check("data_parallel", "partitioned update_params", partitioned(plan=mixed), update_params=True)
-  check("fsdp", "partitioned", partitioned(plan=mixed))
+  check("data_parallel", "copies update_params", copies(plan=mixed), update_params=True)
+  check("fsdp", "copies", copies(plan=mixed))
 
 
 if __name__ == "__main__":

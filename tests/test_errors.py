@@ -65,6 +65,12 @@ def test_subgroup_size_must_be_a_positive_integer(size):
     jax_dos.interleaved_adam(1e-3, subgroup_size=size)
 
 
+@pytest.mark.parametrize("mode", ["yes", None, 1, "on"])
+def test_partition_mode_must_be_auto_or_a_bool(mode):
+  with pytest.raises(ValueError, match="partition_replicated must be 'auto'.*False"):
+    jax_dos.interleaved_adam(1e-3, partition_replicated=mode)
+
+
 def test_plan_for_another_tree_is_refused(params):
   other = jax_dos.resolve_plan("host", {"w": jnp.ones(3)}, 1)
   with pytest.raises(ValueError, match="covers 1 leaves"):

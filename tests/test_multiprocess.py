@@ -21,7 +21,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
 TIMEOUT_S = 240
-CHECKS = 22  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 partitioned
+CHECKS = 22  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 whole copies
 
 
 def _free_port() -> int:
