@@ -20,12 +20,26 @@ import numpy as np
 NUM_PROCESSES, LOCAL_DEVICES = 2, 2
 
 
-def main(port: int, process_id: int, seed: int) -> None:
+def join(port: int, process_id: int) -> None:
+  """Joins the other processes (CPU, gloo collectives, ``LOCAL_DEVICES`` devices each)."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
     f"127.0.0.1:{port}", num_processes=NUM_PROCESSES, process_id=process_id,
     local_device_ids=list(range(LOCAL_DEVICES)), initialization_timeout=60,
   )  # fmt: skip
+
+
+def process_local(x: np.ndarray, sharding) -> jax.Array:
+  """``x`` laid out by ``sharding``, from the block of it this process holds (as a data loader would)."""
+  index = list(sharding.addressable_devices_indices_map(x.shape).values())
+  block = tuple(
+    slice(min(i[d].indices(n)[0] for i in index), max(i[d].indices(n)[1] for i in index)) for d, n in enumerate(x.shape)
+  )
+  return jax.make_array_from_process_local_data(sharding, x[block], x.shape)
+
+
+def main(port: int, process_id: int, seed: int) -> None:
+  join(port, process_id)
   try:
     run_checks(seed)
   finally:
@@ -53,15 +67,6 @@ def run_checks(seed: int) -> None:
     index = sharding.addressable_devices_indices_map(x.shape)
     shards = [jax.device_put(x[i], d) for d, i in index.items()]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
-
-  def process_local(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """``x`` laid out by ``sharding``, from the block of it this process holds (as a data loader would)."""
-    index = list(sharding.addressable_devices_indices_map(x.shape).values())
-    block = tuple(
-      slice(min(i[d].indices(n)[0] for i in index), max(i[d].indices(n)[1] for i in index))
-      for d, n in enumerate(x.shape)
-    )
-    return jax.make_array_from_process_local_data(sharding, x[block], x.shape)
 
   def check_shards(got: jax.Array, want: np.ndarray, what: str) -> float:
     assert not got.is_fully_addressable, what

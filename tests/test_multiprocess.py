@@ -20,6 +20,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
+CHECKPOINT_WORKER = Path(__file__).resolve().parent / "multiprocess_checkpoint_worker.py"
 TIMEOUT_S = 240
 CHECKS = 22  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 whole copies
 
@@ -68,3 +69,16 @@ def test_two_processes_match_optax():
   seed = str(np.random.default_rng().integers(2**31))
   for out in run_processes(WORKER, seed):
     assert out.count("ok ") == CHECKS, out
+
+
+def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(tmp_path):
+  """Each process writes its shards; the step restores bit-exact into 2 processes, and into 1 on other layouts."""
+  seed = str(np.random.default_rng().integers(2**31))
+  for out in run_processes(CHECKPOINT_WORKER, seed, str(tmp_path)):
+    assert "ok restored in 2 processes" in out, out
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+  command = [sys.executable, str(CHECKPOINT_WORKER), "single", str(tmp_path)]
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert result.stdout.count("ok restored in one process") == 2, result.stdout
