@@ -189,7 +189,8 @@ class InterleavedAdam:
     if not any(memory.is_traced(x) for x in leaves):
       copies = (self.delay and self.delay_predict == "moments") or self.write_behind
       moments = bool(self.delay) and self.delay_predict == "gradient"
-      memory.check_host_capacity(host_state_bytes(plan, leaves, copies, moments))
+      need = host_state_bytes(plan, leaves, copies, moments)  # this process's; the host's RAM holds all of its own
+      memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need))
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
     nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]

@@ -55,6 +55,8 @@ def run_checks(seed: int) -> None:
   import jax_dos
 
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
+  # Both processes run on this host: its RAM must hold what both need.
+  assert jax_dos.memory.bytes_on_this_host(2**20 * (1 + jax.process_index())) == (3 * 2**20, NUM_PROCESSES)
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
   local = jax.local_devices()[0]
   specs = {"fsdp": P("data", "model"), "rows": P("data"), "table": P(), "replicated": P(), "vec": P("model")}

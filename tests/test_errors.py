@@ -93,6 +93,13 @@ def test_host_memory_request_that_cannot_be_met():
     jax_dos.interleaved_adam(1e-3, plan="host").init(huge)
 
 
+def test_host_memory_counts_every_process_on_this_host():
+  one = memory.host_memory_total() // 2 + 1  # fits alone; two processes of it do not
+  memory.check_host_capacity(one // 4)
+  with pytest.raises(MemoryError, match="2 processes on this host together"):
+    memory.check_host_capacity(one, on_host=(2 * one, 2))
+
+
 def test_state_from_another_optimizer_is_refused(params):
   import optax
 
