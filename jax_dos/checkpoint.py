@@ -535,10 +535,9 @@ class CheckpointManager:
     processes, process 0 searches and the others take its answer.
     """
     found = self._search_latest() if jax.process_index() == 0 else -1
-    found = _from_primary(-1 if found is None else found)
+    found = _from_primary(-1 if found is None else found)  # sent once process 0 has moved what it found damaged
     if found >= 0:
       self._verified.add(found)
-    _barrier("jax_dos_checkpoint_latest")  # damaged steps process 0 found are moved aside by now
     return None if found < 0 else found
 
   def _search_latest(self) -> Optional[int]:

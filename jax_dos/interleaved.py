@@ -189,8 +189,10 @@ class InterleavedAdam:
     if not any(memory.is_traced(x) for x in leaves):
       copies = (self.delay and self.delay_predict == "moments") or self.write_behind
       moments = bool(self.delay) and self.delay_predict == "gradient"
-      need = host_state_bytes(plan, leaves, copies, moments)  # this process's; the host's RAM holds all of its own
-      memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need))
+      need = host_state_bytes(plan, leaves, copies, moments)  # this process's
+      # Global arrays: every process of the job calls init, and the host's RAM holds all of theirs (a collective).
+      shared = any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
+      memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need) if shared else None)
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
     nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
