@@ -56,6 +56,19 @@ verifies is used. Its step number is then free: a later save there works.
 Retention keeps the newest ``max_to_keep`` intact steps and deletes older
 ones only after a newer step has been written and its manifest computed, so
 the newest verified checkpoint always survives until a newer one exists.
+
+Several processes (``jax.distributed``). Every process makes the same calls
+(``save``, ``restore``, ``latest_step``, ``wait_until_finished``, ``close``) in
+the same order, on a directory all of them see (Orbax's requirement). Each
+process writes the shards it addresses (Orbax; host-resident shards copied
+first by ``host_kernels.snapshot``, shard by shard). Process 0 alone writes
+the manifest, verifies steps (it reads every file) and moves damaged ones
+aside; the others take its verdict (one broadcast), so every process restores
+the same step. ``wait_until_finished`` ends at a barrier once a save is
+finished: no process sees a step before its manifest exists. How an async
+save guards host state (copy or block) is agreed too: block if any process
+lacks the memory to copy. A checkpoint restores into any process count and
+mesh: Orbax reads each array's shards as the template lays them out.
 """
 
 from __future__ import annotations
@@ -90,6 +103,7 @@ FORMAT = "jax_dos.adam/1"
 MANIFEST = integrity.MANIFEST
 _PYTREE_ITEMS = ("params", "opt_state", "master")
 HostCopy = Literal["auto", "copy", "block"]
+OTHER_PROCESS = "other-process"  # the kind of damage another process found (process 0 says what it was)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step being written
 DELETING_SUFFIX = ".deleting"  # a step retention is deleting: .<step>.deleting
 
@@ -111,6 +125,39 @@ def _aliases_host(x: Any) -> bool:
   if x.sharding.memory_kind in ("pinned_host", "unpinned_host"):
     return True
   return any(d.platform == "cpu" for d in x.sharding.device_set)
+
+
+def _process_bytes(x: Any) -> int:
+  """Bytes of ``x`` held by this process's devices (all of a numpy array)."""
+  if isinstance(x, jax.Array):
+    return sum(s.data.nbytes for s in x.addressable_shards)
+  return int(getattr(x, "nbytes", 0))
+
+
+def _from_primary(value: int) -> int:
+  """Process 0's ``value`` in every process (``value`` itself in a single process); a collective."""
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils
+
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def _any_process(flag: bool) -> bool:
+  """Whether ``flag`` holds in some process (``flag`` itself in a single process); a collective."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+
+  return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+
+def _barrier(name: str) -> None:
+  """Every process waits here for the others (nothing in a single process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
 
 
 def _key_str(key: tuple) -> str:
@@ -226,6 +273,7 @@ class CheckpointManager:
     self._verified: set[int] = set()  # verified (or written) by this manager
     self._finisher: Optional[threading.Thread] = None
     self._finisher_error: Optional[BaseException] = None
+    self._unsynced = False  # a save finished here that the other processes have not been synchronised with
     options = ocp.CheckpointManagerOptions(
       save_interval_steps=save_interval_steps,
       max_to_keep=None,  # retention is ours: it counts intact steps only (see _apply_retention)
@@ -288,6 +336,7 @@ class CheckpointManager:
       if not saved:
         with self._lock:
           self._pending.discard(step)
+    self._unsynced |= saved
     if saved and (mode == "block" or not self.async_save):
       self.wait_until_finished()
     elif saved:  # the manifest is written as soon as Orbax commits, not at the next call
@@ -340,20 +389,22 @@ class CheckpointManager:
       )
 
   def _guard_mode(self, trees: Any) -> str:
+    """``"none"``, ``"copy"`` or ``"block"``: how this save guards host-resident arrays (module docstring).
+
+    With several processes a collective: all block if one does (a process blocking alone would wait at a barrier
+    the others pass only at their next call).
+    """
     if not self.async_save:
       return "none"
-    host_bytes = sum(x.nbytes for x in jax.tree.leaves(trees) if _aliases_host(x))
-    if host_bytes == 0:
-      return "none"
-    if self.host_copy != "auto":
-      return self.host_copy
-    if host_bytes <= memory.host_memory_available() // 2:
-      return "copy"
-    log.warning("checkpoint: %.2f GiB of host state is too much to copy; saving synchronously.", host_bytes / 2**30)
-    return "block"
+    host_bytes = sum(_process_bytes(x) for x in jax.tree.leaves(trees) if _aliases_host(x))
+    too_much = self.host_copy == "auto" and host_bytes > memory.host_memory_available() // 2
+    mode = "none" if host_bytes == 0 else "block" if too_much else self.host_copy.replace("auto", "copy")
+    if too_much:
+      log.warning("checkpoint: %.2f GiB of host state is too much to copy; saving synchronously.", host_bytes / 2**30)
+    return "block" if _any_process(mode == "block") else mode
 
   def _write_pending_manifests(self) -> None:
-    """Writes the manifest of every committed step saved by this manager (primary process only)."""
+    """Writes the manifest of every committed step saved by this manager (process 0 only; the others mark them)."""
     with self._lock:
       pending = sorted(self._pending)
     for step in pending:
@@ -377,6 +428,10 @@ class CheckpointManager:
       raise error
     self._write_pending_manifests()
     self._apply_retention()
+    if self._unsynced:  # every process waits for process 0's manifests and retention
+      _barrier("jax_dos_checkpoint_finished")
+      self._unsynced = False
+      self._write_pending_manifests()  # the other processes: their steps are committed, with manifests, by now
 
   def _apply_retention(self) -> None:
     """Deletes intact steps older than the newest ``max_to_keep`` intact ones.
@@ -421,25 +476,39 @@ class CheckpointManager:
     return os.path.join(self.directory, str(step))
 
   def _verify(self, step: int) -> Optional[integrity.Damage]:
-    """Why ``step`` fails verification (every file's size and checksums: reads the whole step), or ``None``."""
+    """Why ``step`` fails verification (every file's size and checksums: reads the whole step), or ``None``.
+
+    With several processes, process 0 verifies and the others take its verdict (a collective: every process calls).
+    """
     if not _is_local(self.directory):
       return None
-    damage = integrity.verify(self._step_dir(step))
+    damage = integrity.verify(self._step_dir(step)) if jax.process_index() == 0 else None
+    if _from_primary(damage is not None) and damage is None:
+      damage = integrity.Damage(OTHER_PROCESS, "process 0 found it damaged (its warning or error says how)")
     if damage is None:
       self._verified.add(step)
     return damage
 
   def _set_aside(self, step: int, damage: integrity.Damage, *, warn: bool = True) -> str:
-    """Moves a damaged step to ``<directory>/damaged/`` (if ``move_damaged``); returns (and warns) one line on it."""
+    """:meth:`_set_aside_here`, then every process waits until the step is moved (a collective)."""
+    line = self._set_aside_here(step, damage, warn=warn)
+    _barrier("jax_dos_checkpoint_set_aside")
+    return line
+
+  def _set_aside_here(self, step: int, damage: integrity.Damage, *, warn: bool = True) -> str:
+    """Moves a damaged step to ``<directory>/damaged/`` (if ``move_damaged``: process 0 moves it); returns one line
+    on it, and warns it in process 0."""
     self._verified.discard(step)
     where = "left in place"
     if self.move_damaged and jax.process_index() == 0:
       target = integrity.quarantine(self.directory, step, damage)
       self._mgr.reload()
       where = f"moved to {target}"
+    elif self.move_damaged:
+      where = "moved aside by process 0"
     line = f"checkpoint step {step} in {self.directory} failed verification: {damage}; {where}."
-    if warn:
-      warnings.warn(line, DamagedCheckpointWarning, stacklevel=3)
+    if warn and jax.process_index() == 0:
+      warnings.warn(line, DamagedCheckpointWarning, stacklevel=4)
     return line
 
   def all_steps(self) -> list[int]:
@@ -462,13 +531,23 @@ class CheckpointManager:
   def latest_step(self) -> Optional[int]:
     """The newest step that verifies, or ``None``; newer ones that fail are set aside (see ``move_damaged``).
 
-    Reads every file of the steps it checks; :meth:`restore` with ``step=None`` does the same search.
+    Reads every file of the steps it checks; :meth:`restore` with ``step=None`` does the same search. With several
+    processes, process 0 searches and the others take its answer.
     """
+    found = self._search_latest() if jax.process_index() == 0 else -1
+    found = _from_primary(-1 if found is None else found)  # sent once process 0 has moved what it found damaged
+    if found >= 0:
+      self._verified.add(found)
+    return None if found < 0 else found
+
+  def _search_latest(self) -> Optional[int]:
+    """:meth:`latest_step` in this process alone (no collective)."""
     for step in reversed(self._finished_steps()):
-      damage = self._verify(step)
+      damage = integrity.verify(self._step_dir(step)) if _is_local(self.directory) else None
       if damage is None:
+        self._verified.add(step)
         return step
-      self._set_aside(step, damage)
+      self._set_aside_here(step, damage)
     return None
 
   def _finished_steps(self) -> list[int]:

@@ -227,6 +227,9 @@ class Engine:
     new = [list(masters), list(mus), list(nus)]
 
     step = int(count)
+    # The count as an uncommitted scalar: one restored by a checkpoint is committed to one device, and the scalars
+    # must go where the gradient scale and the state are (a mesh).
+    count = jnp.asarray(step, jnp.int32)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
     with trace.span("host.grads_d2h"):
       host_grads = host_gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing

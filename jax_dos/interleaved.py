@@ -111,9 +111,14 @@ class InterleavedAdam:
     delay_warmup: int,
     delay_predict: Union[bool, str, None],
     write_behind: bool,
-    partition_replicated: bool,
+    partition_replicated: Union[bool, str],
   ):
     check_subgroup_size(subgroup_size)
+    if not (isinstance(partition_replicated, bool) or partition_replicated == "auto"):
+      raise ValueError(
+        f"partition_replicated must be 'auto' (partition replicated parameters' state over the mesh), False (a"
+        f" whole copy per device) or True, got {partition_replicated!r}."
+      )
     delay_predict = prediction_mode(delay_predict)
     if delay not in (0, 1) or isinstance(delay, bool):
       raise ValueError(f"delay must be 0 (off) or 1 (host subgroups update one step late), got {delay!r}.")
@@ -131,9 +136,22 @@ class InterleavedAdam:
     self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
     self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), delay_predict
     self.write_behind = bool(write_behind)
-    self.partition_replicated = bool(partition_replicated)
+    self.partition_replicated = partition_replicated
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
+
+  @property
+  def partitions(self) -> bool:
+    """Whether replicated parameters get partitioned state (``"auto"`` or ``True``; a no-op on one device)."""
+    return self.partition_replicated is not False
+
+  def unpartitioned(self) -> InterleavedAdam:
+    """This optimizer with ``partition_replicated=False`` (same options and planner; plans made afresh)."""
+    return InterleavedAdam(
+      self.hyper, mask=self.mask, subgroup_size=self.subgroup_size, plan=self.plan_spec, planner=self.planner,
+      delay=self.delay, delay_warmup=self.delay_warmup, delay_predict=self.delay_predict,
+      write_behind=self.write_behind, partition_replicated=False,
+    )  # fmt: skip
 
   def plan_for(self, params: Any) -> Plan:
     """The :class:`Plan` for ``params`` (made once per tree structure, shapes and dtypes)."""
@@ -143,7 +161,7 @@ class InterleavedAdam:
       if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
         if self.planner is None:
           raise ValueError("plan='auto' needs a planner: pass planner=jax_dos.auto_planner() (interleaved_adam does).")
-        planned = partition.state_layout(params) if self.partition_replicated else params
+        planned = partition.state_layout(params) if self.partitions else params
         plan = agreed_across_processes(self.planner(planned, self.subgroup_size))
         if (self.delay or self.write_behind) and plan.indices("stream"):
           # Delayed (or written-behind) host work overlaps the next forward/backward pass, streamed work does not:
@@ -166,12 +184,15 @@ class InterleavedAdam:
     leaves, treedef = leaves_with_paths(params, "params")
     plan = self.plan_for(params)
     kinds = plan.leaf_memory_kinds()
-    if self.partition_replicated:  # each device's state: its share of the leaves replicated over mesh axes
+    if self.partitions:  # each device's state: its share of the leaves replicated over mesh axes
       leaves = partition.relaid(leaves, jax.tree.leaves(partition.state_layout(params)))
     if not any(memory.is_traced(x) for x in leaves):
       copies = (self.delay and self.delay_predict == "moments") or self.write_behind
       moments = bool(self.delay) and self.delay_predict == "gradient"
-      memory.check_host_capacity(host_state_bytes(plan, leaves, copies, moments))
+      need = host_state_bytes(plan, leaves, copies, moments)  # this process's
+      # Global arrays: every process of the job calls init, and the host's RAM holds all of theirs (a collective).
+      shared = any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
+      memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need) if shared else None)
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
     nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]

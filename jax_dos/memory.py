@@ -10,11 +10,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+import socket
 import warnings
+import zlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 
@@ -143,8 +146,28 @@ def pinned_pool_limit() -> int | None:
     return XLA_DEFAULT_POOL_GIB * 2**30
 
 
-def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> None:
-  """Fails early, with advice, if ``nbytes`` of pinned host memory cannot be had.
+def bytes_on_this_host(nbytes: int) -> tuple[int, int]:
+  """``(total, processes)``: ``nbytes`` summed over the processes of the job on this host (by host name), and their
+  number. ``(nbytes, 1)`` in a single process; with several, a collective (every process calls it)."""
+  if jax.process_count() == 1:
+    return nbytes, 1
+  from jax.experimental import multihost_utils
+
+  host = np.uint32(zlib.crc32(socket.gethostname().encode())).view(np.int32)
+  mine = np.array([host, -(-nbytes // 2**20)], np.int32)  # MiB: int32 holds 2 PiB
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+  here = every[every[:, 0] == host]
+  return max(nbytes, int(here[:, 1].astype(np.int64).sum()) * 2**20), len(here)
+
+
+def check_host_capacity(
+  nbytes: int, what: str = "the offloaded Adam state", on_host: tuple[int, int] | None = None
+) -> None:
+  """Fails early, with advice, if ``nbytes`` of pinned host memory cannot be had by this process.
+
+  ``on_host`` is :func:`bytes_on_this_host`'s ``(total, processes)``: the
+  host's RAM must hold what every process of the job on it needs, XLA's pinned
+  pool (one per process) this process's ``nbytes``.
 
   Raises ``MemoryError`` when the request exceeds the machine's physical
   memory or XLA's pinned pool limit on a GPU. When it exceeds what the OS
@@ -156,10 +179,12 @@ def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> 
     "Keep more subgroups on the device (plan='device' or a larger resident budget), use a smaller model,"
     " or add host RAM."
   )
+  host_bytes, processes = on_host or (nbytes, 1)
+  on_this_host = f"{what} ({processes} processes on this host together)" if processes > 1 else what
   total, available = host_memory_total(), host_memory_available()
-  if nbytes > total:
+  if host_bytes > total:
     raise MemoryError(
-      f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but this machine has"
+      f"{on_this_host} needs {host_bytes / 2**30:.2f} GiB of pinned host memory but this machine has"
       f" {total / 2**30:.2f} GiB of RAM in all. {advice}"
     )
   pool = pinned_pool_limit()
@@ -169,10 +194,11 @@ def check_host_capacity(nbytes: int, what: str = "the offloaded Adam state") -> 
       f" {pool / 2**30:.0f} GiB. Set {POOL_LIMIT_ENV} (GiB) above that before jax starts, or import jax_dos"
       f" before running anything with jax (it raises the cap to {DEFAULT_POOL_FRACTION:.0%} of RAM). {advice}"
     )
-  if nbytes > available:
+  if host_bytes > available:
     warnings.warn(
-      f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory and the OS reports {available / 2**30:.2f} GiB"
-      " available; this fits only if memory already held by this process (XLA's pinned pool) is reused.",
+      f"{on_this_host} needs {host_bytes / 2**30:.2f} GiB of pinned host memory and the OS reports"
+      f" {available / 2**30:.2f} GiB available; this fits only if memory already held by this process (XLA's pinned"
+      " pool) is reused.",
       ResourceWarning,
       stacklevel=3,
     )

@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import device_steps, host_kernels, memory, trace
+from jax_dos import device_steps, host_kernels, memory, partition, trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import InterleavedAdam, decay_flags, find_interleaved, leaves_with_paths
@@ -258,7 +258,8 @@ class OverlappedStep:
     ]
     self._params = list(leaves)
     state = (opt_state.master, opt_state.mu, opt_state.nu)
-    self._masters, self._mus, self._nus = (place(jax.tree.leaves(t)) for t in state)
+    # A state tx.init partitioned over the mesh ('auto') is gathered back to the parameters' layout.
+    self._masters, self._mus, self._nus = (place(partition.relaid(jax.tree.leaves(t), leaves)) for t in state)
     self._count = opt_state.count
     host_leaves = [i for s in self.plan.indices("host") for i in self.plan.subgroups[s]]
     low = lambda i: jnp.bfloat16 if leaves[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
@@ -649,14 +650,15 @@ def _overlappable(tx: Any, params: Any) -> InterleavedAdam:
       " loss, grads = jax.value_and_grad(loss_fn)(params, batch), then"
       " tx.update(grads, opt_state, params)."
     )
-  if owner.partition_replicated:
+  if owner.partition_replicated is True:
     raise ValueError(
       "OverlappedStep keeps each parameter's state in the parameter's own layout; build the optimizer without"
-      " partition_replicated, or train on the plain path (jax_dos.update_params after jax.grad)."
+      " partition_replicated=True (the default, 'auto', keeps that layout here), or train on the plain path"
+      " (jax_dos.update_params after jax.grad)."
     )
   if owner.delay or owner.write_behind:
     raise ValueError(
       "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"
       " without delay/write_behind, or keep those modes on the plain path (jax_dos.update_params after jax.grad)."
     )
-  return owner
+  return owner.unpartitioned() if owner.partitions else owner  # 'auto': the state in the parameters' layout

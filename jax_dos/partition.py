@@ -75,7 +75,8 @@ def relaid(xs: list[jax.Array], likes: list[jax.Array]) -> list[jax.Array]:
   """
   move = [
     j for j, (x, like) in enumerate(zip(xs, likes))
-    if isinstance(x, jax.Array) and like is not x and not same_layout(x, like)
+    if isinstance(x, jax.Array) and getattr(like, "sharding", None) is not None and like is not x
+    and not same_layout(x, like)
   ]  # fmt: skip
   if not move:
     return list(xs)

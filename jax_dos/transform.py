@@ -62,7 +62,7 @@ def interleaved_adam(
   delay_warmup: int = DEFAULT_DELAY_WARMUP,
   delay_predict: Union[bool, str] = False,
   write_behind: bool = False,
-  partition_replicated: bool = False,
+  partition_replicated: Union[bool, str] = "auto",
 ) -> InterleavedAdamTransformation:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
@@ -147,7 +147,11 @@ def interleaved_adam(
       are sliced (or, flushed through ``gradient_shardings``, reduced and
       scattered by XLA) to the state's layout. Leaves sharded over every axis
       (FSDP), scalars, and leaves no dimension of which the axes divide keep
-      their own layout. Off (default): every device keeps a whole copy.
+      their own layout. ``"auto"`` (default): so wherever a parameter is
+      replicated over mesh axes of more than one device (on one device
+      nothing changes); ``jax_dos.OverlappedStep`` keeps the parameters'
+      layout instead. ``True``: the same, and ``OverlappedStep`` refuses it.
+      ``False``: every device keeps a whole copy.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (an
@@ -284,7 +288,7 @@ def gradient_shardings(tx: optax.GradientTransformation, params: Any, flush: str
   _check_flush(flush)
   opt = find_interleaved(tx, params, "gradient_shardings")[0]  # (in a chain: one abstract trace of its init)
   kinds = _gradient_kinds(opt, params, flush)
-  partitioned = opt.partition_replicated
+  partitioned = opt.partitions
 
   def sharding(p, kind):
     state = partition.state_sharding(p) if partitioned else None  # each device: its share of a replicated gradient

@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -199,18 +200,24 @@ class GPT(nnx.Module):
 # ----------------------------------------------------------------------------- parameters, loss
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init(cfg: GPTConfig, seed: jax.Array) -> dict:
+def _init_tree(cfg: GPTConfig, seed: jax.Array) -> dict:
   return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(jax.random.key(seed))), nnx.Param))
 
 
-def init_params(cfg: GPTConfig, seed: int = 0) -> tuple[nnx.GraphDef, dict]:
+_init = jax.jit(_init_tree, static_argnums=0)
+
+
+def init_params(cfg: GPTConfig, seed: int = 0, shardings: Any = None) -> tuple[nnx.GraphDef, dict]:
   """Builds the model; returns ``(graphdef, params)`` with ``params`` a plain nested dict of arrays.
 
   Initialisation is one jitted call (compiled once per config), not one dispatch per initializer.
+  ``shardings`` (a tree like :func:`abstract_params`, or one sharding) lays the parameters out on a mesh as they
+  are made: each device computes its own shards, the same values as unsharded.
   """
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-  return graphdef, _init(cfg, jnp.asarray(seed, jnp.uint32))
+  if shardings is None:
+    return graphdef, _init(cfg, jnp.asarray(seed, jnp.uint32))
+  return graphdef, jax.jit(_init_tree, static_argnums=0, out_shardings=shardings)(cfg, np.uint32(seed))
 
 
 def abstract_params(cfg: GPTConfig) -> dict:

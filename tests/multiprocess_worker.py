@@ -3,8 +3,9 @@
 Joins the others through ``jax.distributed`` (CPU, gloo collectives, two
 devices per process), builds a global (data, model) mesh of all devices, and
 runs ``jax_dos.interleaved_adam`` eagerly for every placement on FSDP-sharded
-and replicated parameters. The reference is ``optax.adamw`` on whole arrays on
-this process's first device; every process compares the shards it addresses.
+and replicated parameters, with partitioned state (the default) and whole
+copies. The reference is ``optax.adamw`` on whole arrays on this process's
+first device; every process compares the shards it addresses.
 Every process draws the same numbers from ``SEED``, so replicas agree.
 """
 
@@ -19,12 +20,26 @@ import numpy as np
 NUM_PROCESSES, LOCAL_DEVICES = 2, 2
 
 
-def main(port: int, process_id: int, seed: int) -> None:
+def join(port: int, process_id: int) -> None:
+  """Joins the other processes (CPU, gloo collectives, ``LOCAL_DEVICES`` devices each)."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
     f"127.0.0.1:{port}", num_processes=NUM_PROCESSES, process_id=process_id,
     local_device_ids=list(range(LOCAL_DEVICES)), initialization_timeout=60,
   )  # fmt: skip
+
+
+def process_local(x: np.ndarray, sharding) -> jax.Array:
+  """``x`` laid out by ``sharding``, from the block of it this process holds (as a data loader would)."""
+  index = list(sharding.addressable_devices_indices_map(x.shape).values())
+  block = tuple(
+    slice(min(i[d].indices(n)[0] for i in index), max(i[d].indices(n)[1] for i in index)) for d, n in enumerate(x.shape)
+  )
+  return jax.make_array_from_process_local_data(sharding, x[block], x.shape)
+
+
+def main(port: int, process_id: int, seed: int) -> None:
+  join(port, process_id)
   try:
     run_checks(seed)
   finally:
@@ -40,6 +55,8 @@ def run_checks(seed: int) -> None:
   import jax_dos
 
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
+  # Both processes run on this host: its RAM must hold what both need.
+  assert jax_dos.memory.bytes_on_this_host(2**20 * (1 + jax.process_index())) == (3 * 2**20, NUM_PROCESSES)
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
   local = jax.local_devices()[0]
   specs = {"fsdp": P("data", "model"), "rows": P("data"), "table": P(), "replicated": P(), "vec": P("model")}
@@ -52,15 +69,6 @@ def run_checks(seed: int) -> None:
     index = sharding.addressable_devices_indices_map(x.shape)
     shards = [jax.device_put(x[i], d) for d, i in index.items()]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
-
-  def process_local(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """``x`` laid out by ``sharding``, from the block of it this process holds (as a data loader would)."""
-    index = list(sharding.addressable_devices_indices_map(x.shape).values())
-    block = tuple(
-      slice(min(i[d].indices(n)[0] for i in index), max(i[d].indices(n)[1] for i in index))
-      for d, n in enumerate(x.shape)
-    )
-    return jax.make_array_from_process_local_data(sharding, x[block], x.shape)
 
   def check_shards(got: jax.Array, want: np.ndarray, what: str) -> float:
     assert not got.is_fully_addressable, what
@@ -75,7 +83,8 @@ def run_checks(seed: int) -> None:
   def check(layout: str, label: str, tx, update_params: bool = False) -> None:
     """Five eager steps of ``tx`` against ``optax.adamw`` from the same start and gradients; checks every shard.
 
-    With ``partition_replicated``, each process must hold only its share (1/P) of every leaf's state.
+    Partitioned (the default, on this mesh every leaf is), each process must hold only its share (1/P) of every
+    leaf's state; with ``partition_replicated=False`` the state keeps the parameters' layout.
     """
     names = layouts[layout]
     shardings = {k: NamedSharding(mesh, specs[k]) for k in names}
@@ -99,7 +108,7 @@ def run_checks(seed: int) -> None:
     err = max(check_shards(params[k], np.asarray(ref_params[k]), f"{layout} {label} {k}") for k in names)
     for k in names:
       check_shards(state.master[k], np.asarray(ref_params[k]), f"{layout} {label} master {k}")
-      if tx.interleaved.partition_replicated:
+      if tx.interleaved.partitions:
         for tree in (state.master, state.mu, state.nu):
           held = sum(shard.data.size for shard in tree[k].addressable_shards)
           assert held * NUM_PROCESSES == np.prod(shapes[k]), (label, k, held)
@@ -124,13 +133,13 @@ def run_checks(seed: int) -> None:
     assert "device" not in plan.placements, plan
     assert plan.source.endswith("+processes") == (jax.process_index() == 0), plan.source  # process 0 gave way
     print("plan", layout, plan.placements, flush=True)
-  # Partitioned state (ZeRO-1/2): replicated leaves' state split over all four devices, parameters gathered back.
-  partitioned = functools.partial(adamw, partition_replicated=True)
+  # Whole copies (partition_replicated=False): each device keeps the state of the shard its parameter holds.
+  copies = functools.partial(adamw, partition_replicated=False)
   for plan in ["device", "stream", "host", ["host", "stream", "device"]]:
-    check("data_parallel", f"partitioned {plan}", partitioned(plan=plan))
+    check("data_parallel", f"copies {plan}", copies(plan=plan))
   mixed = ["host", "stream", "device"]
-  check("data_parallel", "partitioned update_params", partitioned(plan=mixed), update_params=True)
-  check("fsdp", "partitioned", partitioned(plan=mixed))
+  check("data_parallel", "copies update_params", copies(plan=mixed), update_params=True)
+  check("fsdp", "copies", copies(plan=mixed))
 
 
 if __name__ == "__main__":

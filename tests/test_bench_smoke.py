@@ -83,3 +83,16 @@ def test_checkpoint_cost_smoke(tmp_path):
   out = json.loads((tmp_path / "checkpoint_cost.json").read_text())
   assert out["params"] == 3_000_000 and out["bytes_on_disk"] > 14 * 3_000_000 // 2
   assert set(out["seconds"]) == {"save_returned", "save_complete", "manifest", "verify", "restore"}
+
+
+def test_scale_out_smoke(tmp_path):
+  """Two CPU processes against one: every run finishes, and each of the two holds about half of the state."""
+  run(tmp_path, "scale_out.py", "--smoke")
+  doc = json.loads((tmp_path / "scale_out.json").read_text())
+  one, two = doc["runs"]
+  assert (one["processes"], two["processes"], two["mesh"]) == (1, 2, "data=2")
+  for r in (one, two):
+    assert "error" not in r and r["summary"]["tokens_per_s_per_gpu"] > 0 and r["summary"]["update_rate_per_gpu"] > 0
+  assert one["state_params_per_gpu"] == one["params"]
+  assert two["state_params_per_gpu"] <= 0.55 * two["params"]  # partitioned (a few small leaves stay whole)
+  assert two["summary"]["tokens_per_s_per_gpu_vs_one"] > 0 and doc["meta"]["dram"]["bandwidth_Bps"] > 0

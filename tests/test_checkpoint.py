@@ -486,8 +486,13 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     for a, b in zip(jax.tree.leaves((tp, ts)), jax.tree.leaves((rp, rs))):
       assert a.sharding == b.sharding, (a.sharding, b.sharding)
     assert rs.master["w"].sharding.memory_kind == "pinned_host"
+    # The restored count sits on one device; an update with a gradient scale on the mesh still runs.
+    scale = jax.device_put(jnp.float32(0.5), NamedSharding(mesh, P()))
+    u, _ = tx2.update(jax.tree.map(jnp.ones_like, rp), rs, rp, grad_scale=scale)
+    jax.block_until_ready(u)
     assert rs.master["b"].sharding.memory_kind == "device"
-    assert rs.mu["w"].sharding.spec == P(None, "x")
+    # The template's layout: w's state partitioned over the axis that replicates it (the default), as saved b's was.
+    assert rs.mu["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("y", "x"), memory_kind="pinned_host"), 2)
     print("OK")
 """)
 

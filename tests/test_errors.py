@@ -65,6 +65,12 @@ def test_subgroup_size_must_be_a_positive_integer(size):
     jax_dos.interleaved_adam(1e-3, subgroup_size=size)
 
 
+@pytest.mark.parametrize("mode", ["yes", None, 1, "on"])
+def test_partition_mode_must_be_auto_or_a_bool(mode):
+  with pytest.raises(ValueError, match="partition_replicated must be 'auto'.*False"):
+    jax_dos.interleaved_adam(1e-3, partition_replicated=mode)
+
+
 def test_plan_for_another_tree_is_refused(params):
   other = jax_dos.resolve_plan("host", {"w": jnp.ones(3)}, 1)
   with pytest.raises(ValueError, match="covers 1 leaves"):
@@ -85,6 +91,13 @@ def test_host_memory_request_that_cannot_be_met():
   huge = {"w": jax.ShapeDtypeStruct((memory.host_memory_total() // 4,), jnp.float32)}  # 3x the RAM
   with pytest.raises(MemoryError, match="GiB of RAM in all"):
     jax_dos.interleaved_adam(1e-3, plan="host").init(huge)
+
+
+def test_host_memory_counts_every_process_on_this_host():
+  one = memory.host_memory_total() // 2 + 1  # fits alone; two processes of it do not
+  memory.check_host_capacity(one // 4)
+  with pytest.raises(MemoryError, match="2 processes on this host together"):
+    memory.check_host_capacity(one, on_host=(2 * one, 2))
 
 
 def test_state_from_another_optimizer_is_refused(params):

@@ -8,20 +8,23 @@ if they outlive it.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
+CHECKPOINT_WORKER = Path(__file__).resolve().parent / "multiprocess_checkpoint_worker.py"
 TIMEOUT_S = 240
-CHECKS = 22  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 partitioned
+CHECKS = 22  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 whole copies
 
 
 def _free_port() -> int:
@@ -31,7 +34,13 @@ def _free_port() -> int:
 
 
 def run_processes(worker: Path, *args: str, processes: int = 2, devices: int = 2) -> list[str]:
-  """Runs ``worker PORT PROCESS_ID *args`` in ``processes`` CPU processes; returns their outputs (all must pass).
+  """Runs ``worker PORT PROCESS_ID *args`` in ``processes`` CPU processes; returns their outputs (all must pass)."""
+  return launch(lambda port, i: ([sys.executable, str(worker), port, str(i), *args], {}), processes, devices)
+
+
+def launch(command: Callable[[str, int], tuple[list[str], dict]], processes: int = 2, devices: int = 2) -> list[str]:
+  """Runs ``command(port, i) -> (argv, extra environment)`` as process ``i`` of ``processes`` CPU processes of
+  ``devices`` devices each, ``port`` free for their coordinator; returns their outputs (all must pass).
 
   A process that fails ends the others (they would wait for it in a collective); none outlives ``TIMEOUT_S``.
   """
@@ -40,9 +49,9 @@ def run_processes(worker: Path, *args: str, processes: int = 2, devices: int = 2
   port = str(_free_port())
   with tempfile.TemporaryDirectory() as tmp:
     logs = [open(Path(tmp) / f"process{i}.log", "w+") for i in range(processes)]
-    command = lambda i: [sys.executable, str(worker), port, str(i), *args]  # noqa: E731
-    procs = [subprocess.Popen(command(i), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for i, log in
-             enumerate(logs)]  # fmt: skip
+    commands = [command(port, i) for i in range(processes)]
+    procs = [subprocess.Popen(argv, cwd=ROOT, env=env | extra, stdout=log, stderr=subprocess.STDOUT) for
+             (argv, extra), log in zip(commands, logs)]  # fmt: skip
     deadline = time.monotonic() + TIMEOUT_S
     try:
       while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -68,3 +77,50 @@ def test_two_processes_match_optax():
   seed = str(np.random.default_rng().integers(2**31))
   for out in run_processes(WORKER, seed):
     assert out.count("ok ") == CHECKS, out
+
+
+def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(tmp_path):
+  """Each process writes its shards; the step restores bit-exact into 2 processes, and into 1 on other layouts."""
+  seed = str(np.random.default_rng().integers(2**31))
+  for out in run_processes(CHECKPOINT_WORKER, seed, str(tmp_path)):
+    assert "ok restored in 2 processes" in out, out
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+  command = [sys.executable, str(CHECKPOINT_WORKER), "single", str(tmp_path)]
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert result.stdout.count("ok restored in one process") == 2, result.stdout
+
+
+# A GPT small enough that a run takes seconds; 8 rows a step (2 micro-batches of 4: one per device of the mesh).
+TINY_GPT = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "16", "--batch", "4", "--grad-accum",
+            "2", "--eval-batches", "1", "--eval-every", "0", "--log-every", "1", "--offload", "host",
+            "--decay-steps", "6", "--mesh", "data=2,fsdp=2"]  # fmt: skip
+
+
+def _losses(out: Path) -> dict[int, float]:
+  rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_train_gpt_on_two_processes_matches_one_and_resumes(tmp_path):
+  """``python -m train.gpt --mesh data=2,fsdp=2`` as 2 processes x 2 devices (explicit coordinator) trains as 1 process
+  of 4 devices does, and resumes from the checkpoint the 2 processes wrote."""
+
+  def gpt(*flags: str):
+    def command(port: str, i: int) -> tuple[list[str], dict]:
+      coordinator = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+      return [sys.executable, "-m", "train.gpt", *TINY_GPT, *flags], coordinator
+
+    return command
+
+  launch(lambda port, i: ([sys.executable, "-m", "train.gpt", *TINY_GPT, "--steps", "6", "--quiet", "--no-ckpt",
+                           "--out", str(tmp_path / "one")], {}), processes=1, devices=4)  # fmt: skip
+  outputs = launch(gpt("--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "two")))
+  assert "done: step 4" in outputs[0] and "done:" not in outputs[1], outputs  # messages from process 0 only
+  assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["2", "4"]
+  outputs = launch(gpt("--steps", "6", "--resume", "--out", str(tmp_path / "two")))
+  assert "resumed from step 4" in outputs[0], outputs[0]
+  one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+  assert sorted(one) == sorted(two) == list(range(1, 7)), (one, two)
+  np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=1e-5)

@@ -273,7 +273,9 @@ SHARDED = textwrap.dedent(
         for clip in (t.FIRES, t.NEVER):
             step, _ = t.overlapped_run(groups, batches, clip, 2, t.MIXED[: t._subgroup_count(groups)])
             t.check_against_reference(step, groups, batches, clip, 2)
-            assert all(len(m.sharding.device_set) == 4 for m in jax.tree.leaves(step.opt_state.master))
+            # tx.init partitioned the vectors' state (the default); the overlapped step keeps the parameters' layout.
+            for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
+                assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
     print("sharded ok")
   """
 )

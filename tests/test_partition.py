@@ -1,4 +1,6 @@
-"""``partition_replicated=True`` on 4 (fake) CPU devices: replicated parameters' state split over the mesh.
+"""Partitioned state on 4 (fake) CPU devices: replicated parameters' state split over the mesh, by default.
+
+The default (``partition_replicated="auto"``) and ``True`` partition alike.
 
 Each device must hold only its share of a replicated leaf's master, mu and nu,
 the parameters must come back replicated, and the numbers must be optax's.
@@ -39,7 +41,7 @@ SCRIPT = textwrap.dedent(
     plans = ["device", "stream", "host", ["host", "stream", "device", "host", "stream"]]
     for plan in plans:
       for jit in (False, True):
-        tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan, partition_replicated=True)
+        tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan)  # partitioned by default
         p, state, ref_p, _ = run_pair(tx, optax.adamw(1e-2, weight_decay=0.1), params, 6, rng, jit=jit)
         err = max_rel_diff(p, ref_p)
         assert err <= 1e-6 and max_rel_diff(state.master, ref_p) <= 1e-6, (plan, jit, err)

@@ -1,4 +1,5 @@
-"""Sharded parameters on several devices: state per addressable shard, optax's numbers.
+"""Sharded parameters on several devices, each keeping a whole copy of its shard's state (``partition_replicated=
+False``; the default partitions replicated parameters' state, ``test_partition.py``), optax's numbers.
 
 On 4 (fake) CPU devices in CI: the device count must be set before jax
 starts, so the check runs in a fresh interpreter with
@@ -35,7 +36,8 @@ SCRIPT = textwrap.dedent(
               for k in shapes}
     for plan in ["device", "stream", "host", ["host", "stream", "device", "host"]]:
         for jit in (False, True):
-            tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan)
+            tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan,
+                                          partition_replicated=False)  # a whole copy per shard
             p, state, ref_p, _ = run_pair(tx, optax.adamw(1e-2, weight_decay=0.1), params, 20, rng, jit=jit)
             err = max_rel_diff(p, ref_p)
             assert err <= 1e-6, (plan, jit, err)
@@ -47,7 +49,7 @@ SCRIPT = textwrap.dedent(
     # delay_predict="gradient": the copies sent ahead are per shard too; the weights handed on are optax's.
     for plan in ["host", ["host", "stream", "device", "host"]]:
         tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan, delay=1, delay_warmup=2,
-                                      delay_predict="gradient")
+                                      delay_predict="gradient", partition_replicated=False)
         p, state, ref_p, _ = run_pair(tx, optax.adamw(1e-2, weight_decay=0.1), params, 8, rng, jit=False)
         jax_dos.wait_for_host_updates()
         assert max_rel_diff(p, ref_p) <= 1e-6 and max_rel_diff(state.master, ref_p) <= 1e-6, plan

@@ -23,6 +23,7 @@ from train import flags as F
 from train import gpt as T
 from train import gradients as G
 from train import optimizer as O
+from train import parallel as M
 from train import progress as P
 
 # A model small enough that each run takes seconds on a CPU.
@@ -68,6 +69,21 @@ def test_split_and_batches_are_deterministic():
   assert x.shape == (5, 16) and x.dtype == np.int32 and int(y.max()) < 900
   assert not np.array_equal(x, D.get_batch(s.train, 5, 16, seed=3, index=8)[0])
   assert not np.array_equal(x, D.get_batch(s.train, 5, 16, seed=3, index=7, stream=D.VAL_STREAM)[0])
+
+
+def test_a_process_reads_its_rows_of_the_same_batch():
+  tokens = np.random.default_rng().integers(0, 256, 1000).astype(np.uint8)
+  whole = D.get_batch(tokens, 8, 16, 0, 3)
+  for rows in (slice(0, 4), slice(4, 8), slice(2, 3)):
+    for part, full in zip(D.get_batch(tokens, 8, 16, 0, 3, rows=rows), whole):
+      np.testing.assert_array_equal(part, full[rows])
+
+
+def test_joining_a_job_needs_the_whole_coordinator():
+  assert M.join_from_environment({}) is False  # one process: nothing to join
+  assert M.join_from_environment({"SLURM_NTASKS": "1"}) is False
+  with pytest.raises(SystemExit, match="JAX_PROCESS_ID"):
+    M.join_from_environment({"JAX_COORDINATOR_ADDRESS": "localhost:1234", "JAX_NUM_PROCESSES": "2"})
 
 
 def test_bin_file_is_memory_mapped_uint16(tmp_path):
@@ -138,6 +154,10 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
     (["--delay-predict"], "--delay-predict"),
     (["--grad-accum", "0"], "--grad-accum must be >= 1"),
     (["--grad-accum", "2", "--grad-flush", "all"], "drop --grad-flush all"),
+    (["--mesh", "data=2"], "this job has 1"),
+    (["--mesh", "dp=1"], "give axis sizes as data=D,fsdp=F"),
+    (["--mesh", "data=1,data=1"], "each once"),
+    (["--mesh", "data=1", "--overlap", "on"], "drop --overlap on"),
   ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
@@ -155,6 +175,7 @@ def test_defaults():
   assert F.parse_args(["--offload", "none"]).param_dtype == "float32"
   assert (args.grad_accum, args.grad_flush) == (1, "host")
   assert F.parse_args(["--grad-accum", "4"]).grad_flush == "none"  # the sum is on the accelerator: nothing to flush
+  assert args.mesh is None and F.parse_args(["--mesh", "data=1"]).mesh == {"data": 1, "fsdp": 1}
 
 
 def test_help_shows_only_real_defaults():

@@ -15,7 +15,9 @@ the validation split.
 Batches are a pure function of ``(seed, step)``: batch ``i`` draws its
 ``batch`` window offsets from ``np.random.default_rng([seed, 0, i])``. The data
 position is therefore just the step number, and a resumed run sees exactly the
-batches an uninterrupted run would have seen.
+batches an uninterrupted run would have seen. Each process of a job reads only
+its rows of each batch (``rows=``), so the global batch does not depend on the
+number of processes.
 """
 
 from __future__ import annotations
@@ -114,15 +116,22 @@ TRAIN_STREAM, VAL_STREAM = 0, 1
 
 
 def get_batch(
-  tokens: np.ndarray, batch: int, seq_len: int, seed: int, index: int, stream: int = TRAIN_STREAM
+  tokens: np.ndarray,
+  batch: int,
+  seq_len: int,
+  seed: int,
+  index: int,
+  stream: int = TRAIN_STREAM,
+  rows: slice = slice(None),
 ) -> tuple[np.ndarray, np.ndarray]:
   """Batch number ``index``: ``(x, y)`` int32 ``[batch, seq_len]``, ``y`` = ``x`` shifted by one token.
 
   Window offsets come from ``np.random.default_rng([seed, stream, index])``, so
   the batch depends only on these three numbers (``stream`` separates training
-  batches from validation batches).
+  batches from validation batches). ``rows`` reads only those rows of it (a
+  process's share): the same windows as in the whole batch, the others unread.
   """
   rng = np.random.default_rng([seed, stream, index])
-  starts = rng.integers(0, len(tokens) - seq_len, size=batch)
+  starts = rng.integers(0, len(tokens) - seq_len, size=batch)[rows]
   windows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts]).astype(np.int32)
   return windows[:, :-1], windows[:, 1:]

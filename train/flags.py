@@ -14,7 +14,7 @@ import jax
 
 import jax_dos
 from models import gpt as gpt_model
-from train import overlapped
+from train import overlapped, parallel
 
 OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 
@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help="gradients the backward pass writes to host memory: host subgroups' (host, the default"
                       " without --grad-accum; refused when that program needs more memory than the plan left, as"
                       " at 6.7B), every one (all) or none (the default with --grad-accum)")  # fmt: skip
+
+  j = p.add_argument_group("devices and processes")
+  j.add_argument("--mesh", default=None,
+                 help="lay every device of the job on a mesh, e.g. data=2 or data=2,fsdp=4: parameters replicated"
+                      " over data (their optimizer state partitioned over it) and sharded over fsdp, batch rows over"
+                      " both (--batch rows per step in all). Default: one device; in a job of several processes"
+                      " (jax.distributed: JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or SLURM)"
+                      " data=<all devices>")  # fmt: skip
 
   r = p.add_argument_group("evaluation, logging, checkpoints")
   r.add_argument("--eval-every", type=int, default=100, help="steps between validation passes (0 = only at the end)")
@@ -183,6 +191,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     err(f"--overlap on: {overlapped.refusal(args)}; drop --overlap on.")
   if args.resume and args.overwrite:
     err("--resume and --overwrite contradict each other; pick one.")
+  try:
+    args.mesh = parallel.parse_mesh(args.mesh) if args.mesh is not None else parallel.default_mesh()
+  except ValueError as e:
+    err(str(e))
+  if args.mesh is not None:
+    devices = args.mesh["data"] * args.mesh["fsdp"]
+    if devices != jax.device_count():
+      err(f"--mesh data={args.mesh['data']},fsdp={args.mesh['fsdp']} lays out {devices} devices; this job has"
+          f" {jax.device_count()} ({jax.process_count()} process(es) x {jax.local_device_count()}): give sizes whose"
+          " product is that.")  # fmt: skip
+    if args.batch % devices:
+      err(f"--batch {args.batch} rows do not split over the mesh's {devices} devices; give a multiple of {devices}.")
+    if args.overlap == "on":
+      err("--overlap on: the overlapped step runs on one device; drop --mesh (or --overlap on).")
   args.out = os.path.join("runs", args.preset) if args.out is None else args.out
   return args
 

@@ -32,6 +32,10 @@ use ``jax_dos.interleaved_adam(plan=<mode>)``: float32 master weights and
 moments in host memory, parameters in ``--param-dtype`` (bfloat16 by default)
 on the accelerator.
 
+``--mesh data=D,fsdp=F`` trains on every device of the job (``train/parallel.py``): one process per GPU joined
+through ``jax.distributed`` from the environment, each reading its rows of every batch; process 0 prints and
+logs. README.md, "Several GPUs", has the launch commands.
+
 Batches depend only on ``(seed, step)`` (``train/data.py``), so a checkpoint
 (parameters, optimizer state, step) resumes bit-exactly: ``N + N`` steps with
 ``--resume`` end with the same parameters as ``2N`` steps in one go (give both
@@ -64,7 +68,7 @@ import jax_dos
 from models import gpt as gpt_model
 from train import data as data_lib
 from train import overlapped as overlapped_lib
-from train import progress
+from train import parallel, progress
 from train.evaluate import validation_loss
 from train.flags import build_parser, model_overrides, parse_args
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
@@ -95,11 +99,12 @@ def _open_checkpoints(args: argparse.Namespace, ckpt_dir: str) -> tuple[jax_dos.
         if earlier.complete_steps():
           _warn(f"note: --no-ckpt leaves the checkpoints in {ckpt_dir} alone; this run's metrics.jsonl replaces theirs")
     return None, False
-  if args.overwrite:
+  if args.overwrite and _primary():
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     for name in ("metrics.jsonl", "loss.png"):
       if os.path.exists(os.path.join(args.out, name)):
         os.remove(os.path.join(args.out, name))
+  _barrier("overwrite")  # the other processes look at the folder once process 0 has cleared it
   manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
   complete = manager.complete_steps()
   leftovers = os.path.isdir(ckpt_dir) and any(name != DAMAGED for name in os.listdir(ckpt_dir))
@@ -124,8 +129,31 @@ DAMAGED = "damaged"  # where jax_dos.CheckpointManager moves steps that fail ver
 
 
 def _warn(msg: str) -> None:
-  """One line on stderr, even with --quiet: something about the run's checkpoints the user must know."""
-  print(msg, file=sys.stderr, flush=True)
+  """One line on stderr, even with --quiet: something about the run's checkpoints the user must know (process 0)."""
+  if _primary():
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _primary() -> bool:
+  """Whether this is process 0 of the job: the one that prints, logs and plots."""
+  return jax.process_index() == 0
+
+
+def _barrier(name: str) -> None:
+  """Every process of the job waits here for the others (nothing in a single process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(f"train.gpt {name}")
+
+
+def _everywhere(flag: bool) -> bool:
+  """Whether ``flag`` holds in every process of the job (a collective with several processes)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+
+  return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).all())
 
 
 @contextlib.contextmanager
@@ -201,7 +229,7 @@ def _stop_non_finite(args: argparse.Namespace, manager, what: str) -> None:
 
 
 def _say(args: argparse.Namespace, msg: str) -> None:
-  if not args.quiet:
+  if not args.quiet and _primary():
     from tqdm import tqdm
 
     tqdm.write(msg, file=sys.stderr)
@@ -216,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   """
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)  # parse_args starts jax's backend
   overlapped_lib.allow_overlap_on_gpu(build_parser().parse_args(argv))  # before jax starts its GPU client
+  parallel.join_from_environment()  # a job of several processes (jax.distributed), before jax starts a backend
   args = parse_args(argv)
   results = train(args)
   return results if argv is not None else None
@@ -261,23 +290,27 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # accelerator and leaves no fragments behind for a large model's step.
     t = time.perf_counter()
     cal = jax_dos.calibrate()
-    print(f"calibration ({time.perf_counter() - t:.0f} s; cached per machine): {cal.summary()}", flush=True)
-  graphdef, params = gpt_model.init_params(cfg, seed=args.seed)
+    if _primary():
+      print(f"calibration ({time.perf_counter() - t:.0f} s; cached per machine): {cal.summary()}", flush=True)
+  # On a mesh, parameters replicated over "data" and sharded over "fsdp", batch rows over both (train/parallel.py).
+  mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
+  shardings = None if mesh is None else parallel.param_shardings(mesh, gpt_model.abstract_params(cfg))
+  batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
+  graphdef, params = gpt_model.init_params(cfg, seed=args.seed, shardings=shardings)
   num_params = gpt_model.tree_size(params)
   step_memory = None
-  step_shape = (
-    args.batch * args.grad_accum,
-    args.seq_len,
-  )  # one step's batch: --grad-accum micro-batches of --batch rows
-  sized = jax.devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
+  step_shape = (args.batch * args.grad_accum, args.seq_len)  # one step's batch: --grad-accum micro-batches of --batch
+  sized = jax.local_devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
   if args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized:
-    step_memory = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum)
+    step_memory = gradient_step_memory(
+      graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum, batch_sharding=batch_layout
+    )
   tx, schedule = make_optimizer(args, step_memory)
   opt_state = tx.init(params)
   plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
   grad_step = make_grad_step(None if args.offload == "none" else tx, params, args.grad_flush, args.grad_accum)
   if step_memory is not None and args.grad_flush == "host":  # the split's own program, now that the plan exists
-    batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32),) * 2
+    batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32, sharding=batch_layout),) * 2
     check_split_flush(grad_step.lower(graphdef, params, batch, args.clip).compile(), step_memory)
 
   # --- output, checkpoints, resume
@@ -305,15 +338,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
       params, opt_state = candidate.params, candidate.opt_state
       candidate.close()
     del candidate
-  log = progress.MetricsLog(os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None)
+  log = progress.MetricsLog(
+    os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None, enabled=_primary()
+  )
 
   tokens_per_step = args.batch * args.grad_accum * args.seq_len
   flops_tok = gpt_model.flops_per_token(cfg, args.seq_len)
-  peak = args.peak_flops or progress.detect_peak_flops(args.compute_dtype)
-  val_batches = [
-    data_lib.get_batch(splits.val, args.batch, args.seq_len, args.seed, i, data_lib.VAL_STREAM)
-    for i in range(args.eval_batches)
-  ]
+  peak = args.peak_flops or progress.detect_peak_flops(args.compute_dtype, jax.local_devices()[0])
+  peak = peak and peak * (1 if mesh is None else mesh.size)  # MFU of the job: every chip's peak
+
+  def get_batch(tokens: np.ndarray, batch_rows: int, index: int, stream: int = data_lib.TRAIN_STREAM) -> tuple:
+    """Batch ``index``: numpy on one device, or global arrays on the mesh of which this process reads its rows."""
+    read = lambda part: data_lib.get_batch(tokens, batch_rows, args.seq_len, args.seed, index, stream, part)  # noqa: E731
+    return read(slice(None)) if batch_layout is None else parallel.global_batch(read, batch_layout, batch_rows)
+
+  val_batches = [get_batch(splits.val, args.batch, i, data_lib.VAL_STREAM) for i in range(args.eval_batches)]
 
   def evaluate() -> float:
     current = params if overlapped is None else overlapped.params
@@ -349,8 +388,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
   from tqdm import tqdm
 
-  bar = tqdm(total=args.steps, initial=start_step, unit="step", disable=args.quiet, dynamic_ncols=True, file=sys.stderr,
-             bar_format=progress.BAR_FORMAT)  # fmt: skip
+  bar = tqdm(total=args.steps, initial=start_step, unit="step", disable=args.quiet or not _primary(),
+             dynamic_ncols=True, file=sys.stderr, bar_format=progress.BAR_FORMAT)  # fmt: skip
   eta = progress.Eta(args.steps)
   t_start = time.perf_counter()
   t_mark, step_mark = None, start_step
@@ -358,7 +397,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   pending: list[tuple[int, jax.Array]] = []
   step = start_step
   for it in range(start_step, args.steps):
-    batch = data_lib.get_batch(splits.train, step_shape[0], args.seq_len, args.seed, it)
+    batch = get_batch(splits.train, step_shape[0], it)
     if overlapped is not None:
       loss = overlapped(batch)
     else:
@@ -404,7 +443,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     postfix["mfu"] = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
     bar.set_postfix(postfix, refresh=False)
     bar.update(step - bar.n)
-    if do_eval and not args.quiet:
+    if do_eval and not args.quiet and _primary():
       bar.write(f"step {step}: train loss {rows[-1][1]:.4f}, val loss {val_losses[step]:.4f}", file=sys.stderr)
     if do_ckpt:
       if overlapped is not None:
@@ -412,7 +451,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
       # Nothing non-finite is saved. With --delay 1 the parameters lag the host's last update: check its masters.
       if args.delay:
         jax_dos.wait_for_host_updates()
-      finite = bool(_all_finite(params)) and (not args.delay or _host_finite(opt_state.master))
+      finite = bool(_all_finite(params)) and (not args.delay or _everywhere(_host_finite(opt_state.master)))
       if not finite:
         bar.close()
         _stop_non_finite(args, manager, f"the parameters after step {step}'s update are not finite (inf or nan)")
@@ -428,7 +467,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     manager.wait_until_finished()
     manager.close()
 
-  if args.plot:
+  if args.plot and _primary():
     png = os.path.join(args.out, "loss.png")
     progress.plot_losses(progress.read_metrics(log.path), png, title=f"{args.preset}, offload {args.offload}")
     _say(args, f"wrote {png}")

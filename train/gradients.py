@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 import jax_dos
 from models import gpt as gpt_model
@@ -83,6 +84,8 @@ def accumulated_grad_step(micro_batches: int) -> Callable[..., tuple[jax.Array, 
     grad_sum, losses = _zeros_like(params), []
     for i in range(micro_batches):
       part = (x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows])
+      if isinstance(getattr(x, "sharding", None), NamedSharding):  # on a mesh: each part's rows over every device
+        part = jax.device_put(part, (x.sharding, y.sharding))
       loss, grad_sum, scale = _accumulate_step_jit(graphdef, params, grad_sum, part, clip, micro_batches)
       losses.append(loss)
     return sum(losses) / micro_batches, grad_sum, scale
@@ -139,7 +142,13 @@ def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMem
 
 
 def gradient_step_memory(
-  graphdef, params: Any, batch_shape: tuple[int, int], clip: float, flush: str, micro_batches: int = 1
+  graphdef,
+  params: Any,
+  batch_shape: tuple[int, int],
+  clip: float,
+  flush: str,
+  micro_batches: int = 1,
+  batch_sharding: Any = None,
 ) -> jax_dos.StepMemory:
   """What the gradient step needs on the accelerator (``jax_dos.StepMemory``), from its compiled program.
 
@@ -147,16 +156,18 @@ def gradient_step_memory(
   training loop then runs, reusing the compilation); see
   :func:`step_memory_bound` for ``"host"``. With ``micro_batches > 1`` it is
   one micro-batch's program (``batch_shape`` is the whole batch's), plus the
-  running sum it updates in place, which stays alive through the update.
+  running sum it updates in place, which stays alive through the update. ``batch_sharding`` lays the batch's rows
+  out on a mesh (the figures are then each device's).
   """
   if micro_batches > 1:
-    part = (jax.ShapeDtypeStruct((batch_shape[0] // micro_batches, batch_shape[1]), jnp.int32),) * 2
+    part_shape = (batch_shape[0] // micro_batches, batch_shape[1])
+    part = (jax.ShapeDtypeStruct(part_shape, jnp.int32, sharding=batch_sharding),) * 2
     grad_sum = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
     compiled = _accumulate_step_jit.lower(graphdef, params, grad_sum, part, clip, micro_batches).compile()
     need = jax_dos.StepMemory.of(compiled)
     sums = sum(x.nbytes for x in jax.tree.leaves(params))
     return jax_dos.StepMemory(need.peak_bytes + sums, need.live_bytes + sums)
-  batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32),) * 2
+  batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * 2
   step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush), None))
   return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush)
 

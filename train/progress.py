@@ -36,11 +36,14 @@ class MetricsLog:
 
   A fresh run truncates the file; a resumed run keeps the rows up to the
   resumed step and drops later ones (logged after the checkpoint it resumes
-  from), so the file always reads as one run.
+  from), so the file always reads as one run. ``enabled=False`` writes
+  nothing (the processes of a job other than process 0).
   """
 
-  def __init__(self, path: str, resume_step: int | None = None):
-    self.path = path
+  def __init__(self, path: str, resume_step: int | None = None, enabled: bool = True):
+    self.path, self.enabled, self.time_offset = path, enabled, 0.0
+    if not enabled:  # another process of the job writes the log
+      return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     keep = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step] if resume_step is not None else []
     times = [r["time"] for r in keep if "time" in r]
@@ -50,6 +53,8 @@ class MetricsLog:
         f.write(json.dumps(row) + "\n")
 
   def write(self, row: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")
 
