@@ -48,6 +48,15 @@ one until the decision. A speculation that writes weights only and the state
 in a second pass (``write_behind``'s way) needs no spare buffers but moves 44
 bytes a parameter through host DRAM instead of 28, and host DRAM bandwidth is
 what bounds the update on the machines measured (``docs/design.md``).
+
+Keeping the accelerator busy (``docs/overlap.md`` has the measured steps):
+the training thread stays at most ``RUN_AHEAD_STAGES`` stage programs ahead
+of the accelerator, so the workers' programs do not queue behind the whole
+backward pass; the workers wait on the host for their copies into the
+accelerator before dispatching the program that reads them, since a program
+whose input is still in flight holds the compute queue and every stage
+program behind it; and the host kernel leaves ``TRAINING_CORES`` cores to
+the threads that launch the stage programs.
 """
 
 from __future__ import annotations
@@ -507,7 +516,9 @@ class OverlappedStep:
     with trace.span("host.kernel"):
       host_kernels.adam_many_into(buffers, decay, **self._kernel_kw, scalars=scalars)
     with trace.span("host.send"):
-      sent = memory.put([self._lows[i] for i in leaves], "device", likes=[self._params[i] for i in leaves])
+      sent = jax.block_until_ready(
+        memory.put([self._lows[i] for i in leaves], "device", likes=[self._params[i] for i in leaves])
+      )
       new = device_steps.assign([self._params[i] for i in leaves], sent)
     for i, x in zip(leaves, new):
       self._params[i] = x
@@ -547,6 +558,7 @@ class OverlappedStep:
       earlier = record.streamed.get(s)
       old = earlier.old if earlier else [[lst[i] for i in leaves] for lst in (self._masters, self._mus, self._nus)]
       state = memory.put_groups(old, "device")
+      jax.block_until_ready(state)  # the update waits here, not on the accelerator's compute queue
       g = memory.like_states(grads, old[0])
       outs = device_steps.update_params(g, *state, [self._params[i] for i in leaves], scalars, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
