@@ -26,6 +26,7 @@ from jax_dos import trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
+from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation
 from jax_dos.overlap import OverlappedStep
@@ -39,6 +40,7 @@ from jax_dos.state import InterleavedAdamState
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.timeline import StageTimes
 from jax_dos.transform import (
+  DEFAULT_DELAY_WARMUP,
   DEFAULT_SUBGROUP_SIZE,
   GRADIENT_FLUSHES,
   get_plan,
@@ -53,7 +55,9 @@ __all__ = [
   "AdamHyper",
   "Calibration",
   "CheckpointManager",
+  "DAMAGED_DIR",
   "DamagedCheckpointWarning",
+  "DEFAULT_DELAY_WARMUP",
   "DEFAULT_SUBGROUP_SIZE",
   "DELAY_PREDICTIONS",
   "GRADIENT_FLUSHES",

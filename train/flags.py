@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                       " leaves free)")  # fmt: skip
   x.add_argument("--delay", type=int, choices=(0, 1), default=0,
                  help="1: host subgroups update one step late, overlapping the next forward/backward")  # fmt: skip
-  x.add_argument("--delay-warmup", type=int, default=10, help="normal steps before --delay 1 starts")
+  x.add_argument(
+    "--delay-warmup", type=int, default=jax_dos.DEFAULT_DELAY_WARMUP, help="normal steps before --delay 1 starts"
+  )
   x.add_argument("--write-behind", action="store_true",
                  help="optax's exact numbers; host subgroups' state is written during the next step")  # fmt: skip
   x.add_argument("--delay-predict", nargs="?", const="moments", default=None, choices=jax_dos.DELAY_PREDICTIONS,

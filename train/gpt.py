@@ -107,7 +107,7 @@ def _open_checkpoints(args: argparse.Namespace, ckpt_dir: str) -> tuple[jax_dos.
   _barrier("overwrite")  # the other processes look at the folder once process 0 has cleared it
   manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
   complete = manager.complete_steps()
-  leftovers = os.path.isdir(ckpt_dir) and any(name != DAMAGED for name in os.listdir(ckpt_dir))
+  leftovers = os.path.isdir(ckpt_dir) and any(name != jax_dos.DAMAGED_DIR for name in os.listdir(ckpt_dir))
   if complete and not args.resume:
     manager.close()
     raise SystemExit(
@@ -123,9 +123,6 @@ def _open_checkpoints(args: argparse.Namespace, ckpt_dir: str) -> tuple[jax_dos.
     manager.close()
     raise SystemExit(f"error: --resume: no checkpoint in {ckpt_dir}. Run without --resume to start a new run.")
   return manager, args.resume
-
-
-DAMAGED = "damaged"  # where jax_dos.CheckpointManager moves steps that fail verification
 
 
 def _warn(msg: str) -> None:
