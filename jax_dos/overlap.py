@@ -77,7 +77,15 @@ from jax_dos import device_steps, host_kernels, memory, partition, trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import InterleavedAdam, decay_flags, find_interleaved, leaves_with_paths
-from jax_dos.plan import MEMORY_KIND, PLACEMENTS, RESIDENT_CALL_ELEMENTS, Plan, partition_groups
+from jax_dos.plan import (
+  MEMORY_KIND,
+  PLACEMENTS,
+  RESIDENT_CALL_ELEMENTS,
+  STAGING_BYTES,
+  STATE_BYTES,
+  Plan,
+  partition_groups,
+)
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements, stage_ordered_placements
@@ -307,21 +315,23 @@ class OverlappedStep:
       return spec
     if isinstance(spec, str) and spec == "auto":
       whole = owner.plan_for(groups)
+      resident, slots = self._room_beside_step(whole, groups, sizes)
       if self.stage_times is None or whole.calibration is None:
-        placements = stage_ordered_placements(forward_order, sizes, whole.elements("device"), whole.elements("stream"))
-        return Plan(tuple(subgroups), tuple(placements), tuple(sizes), whole.stream_slots, source="model+stages",
-                    calibration=whole.calibration)  # fmt: skip
+        stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
+        placements = stage_ordered_placements(forward_order, sizes, resident, stream)
+        return Plan(tuple(subgroups), tuple(placements), tuple(sizes), slots, source="model+stages",
+                    calibration=whole.calibration, step_room_bytes=whole.step_room_bytes)  # fmt: skip
       if len(self.stage_times.forward) != len(self.model.stages):
         raise ValueError(f"stage_times has {len(self.stage_times.forward)} stages, the model {len(self.model.stages)}.")
       cal = whole.calibration
       rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
                     cal["stream_rate_concurrent"])  # fmt: skip
       timeline = [Subgroup(n, self.model.completion[self.subgroup_group[s]]) for s, n in enumerate(sizes)]
-      placements, predicted = choose_placements(self.stage_times, timeline, whole.elements("device"), rates)
+      placements, predicted = choose_placements(self.stage_times, timeline, resident, rates)
       predicted = {"exposed": predicted["exposed_s"], "step": self.stage_times.compute_s(self.micro_batches)
                    + predicted["exposed_s"]}  # fmt: skip
-      return Plan(tuple(subgroups), tuple(placements), tuple(sizes), whole.stream_slots, predicted, "model+timeline",
-                  whole.calibration)  # fmt: skip
+      return Plan(tuple(subgroups), tuple(placements), tuple(sizes), slots, predicted, "model+timeline",
+                  whole.calibration, step_room_bytes=whole.step_room_bytes)  # fmt: skip
     if isinstance(spec, str):
       if spec not in PLACEMENTS:
         raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
@@ -344,6 +354,26 @@ class OverlappedStep:
         n, width = self._params[i].size, self._params[i].dtype.itemsize
         total += {"host": 24 + 2 * width, "stream": 24, "device": 0}[placement] * n
     return total
+
+  @staticmethod
+  def _room_beside_step(whole: Plan, groups: list, sizes: list) -> tuple[int, int]:
+    """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
+
+    The plain plan holds its streaming slots only in the update phase, after
+    the activations are gone; here they are in flight during the backward
+    pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
+    the largest subgroup (per device) must fit the room beside that peak
+    (``whole.step_room_bytes``): the slots shrink first (to one), then the
+    resident share. Room unknown: the plain plan's as it is.
+    """
+    resident, total, slots = whole.elements("device"), sum(sizes), whole.stream_slots
+    if whole.step_room_bytes is None or resident >= total:
+      return resident, slots
+    per_device = sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1
+    slot = STAGING_BYTES * max(sizes) * per_device / total  # per device, for leaves sharded alike
+    room = whole.step_room_bytes
+    slots = max(1, min(slots, int((room - STATE_BYTES * resident * per_device / total) // slot)))
+    return int(min(resident, max(0.0, (room - slots * slot) / STATE_BYTES) * total / per_device)), slots
 
   @staticmethod
   def _group_ranges(groups: list) -> list[range]:

@@ -53,6 +53,10 @@ class Plan:
       not chosen by the performance model).
     source: how the plan was made (``"user"``, ``"default"``, ``"model"``).
     calibration: the calibration the model used, as a dict (or ``None``).
+    step_room_bytes: accelerator bytes per device beside the training
+      step's forward/backward peak (``F - P`` of ``planning.budgets``), for
+      what is held through it: resident state, and in the overlapped step the
+      streamed subgroups in flight. ``None``: the step's needs were not given.
     ahead_budget_bytes: with ``delay_predict="gradient"``, accelerator bytes
       (per device) for host subgroups' state copies sent ahead: subgroups
       whose copies fit, in plan order, are sent during the forward/backward
@@ -67,6 +71,7 @@ class Plan:
   source: str = "user"
   calibration: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
   ahead_budget_bytes: int | None = None
+  step_room_bytes: int | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     if len(self.placements) != len(self.subgroups):

@@ -287,3 +287,26 @@ def test_sharded_on_four_devices():
   out = subprocess.run([sys.executable, "-c", SHARDED], cwd=root, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "sharded ok" in out.stdout
+
+
+def test_streamed_subgroups_in_flight_are_budgeted_beside_the_step_peak():
+  """With the step's needs known, resident state plus the streaming slots fit the room beside the step's peak."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
+  elements = sum(x.size for x in jax.tree.leaves(groups))
+  largest = max(jax_dos.plan.partition_groups(groups, 40)[1])
+  free = 10 * jax_dos.plan.STATE_BYTES * elements  # the peak leaves room for half the state and one slot
+  cal = jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9, device_free_bytes=free)
+  peak = int(free * (1 - 0.08)) - jax_dos.plan.STATE_BYTES * elements // 2 - jax_dos.plan.STAGING_BYTES * largest
+  planner = jax_dos.auto_planner(cal, step_memory=jax_dos.StepMemory(peak, 0), params_in_place=True)
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, planner=planner)
+  whole = tx.interleaved.plan_for(groups)
+  assert whole.step_room_bytes is not None and 0 < whole.elements("device") < elements
+  step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=NEVER,
+                                micro_batches=2)  # fmt: skip
+  slots = step.plan.stream_slots * jax_dos.plan.STAGING_BYTES * max(step.plan.sizes)
+  assert jax_dos.plan.STATE_BYTES * step.plan.elements("device") + slots <= whole.step_room_bytes
+  assert step.plan.elements("device") < whole.elements("device") or step.plan.stream_slots < whole.stream_slots
+  for batch in batches:
+    step(batch)
+  check_against_reference(step, groups, batches, NEVER, 2)

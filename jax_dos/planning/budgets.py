@@ -86,6 +86,7 @@ class Budgets(NamedTuple):
   resident: int
   staging: int | None
   ahead: int | None = None
+  step_room: int | None = None  # F - P: room beside the forward/backward's peak (None: the step's needs unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +172,7 @@ def _step_budgets(b: BudgetInputs, free: int) -> Budgets:
   staging = b.staging_budget_bytes
   if staging is None:
     staging = max(0, update_room - update_need(resident))
-  return Budgets(max(0, int(resident)), staging, ahead)
+  return Budgets(max(0, int(resident)), staging, ahead, max(0, fb_room))
 
 
 def _guessed_budgets(b: BudgetInputs, free: int | None) -> Budgets:

@@ -82,6 +82,7 @@ def make_plan(
     source="model",
     calibration=cal.to_dict(),
     ahead_budget_bytes=budgets.ahead,
+    step_room_bytes=budgets.step_room,
   )
 
 
