@@ -122,9 +122,12 @@ def ready_marker(x: Any) -> jax.Array:
   """A one-element array that is ready once the accelerator work producing ``x`` is done.
 
   Dispatched right behind that work (accelerator work runs in dispatch order),
-  it stays valid when ``x`` itself is later donated.
+  it stays valid when ``x`` itself is later donated. It reads one device's
+  shard: a program over a sharded array could hold collectives, and
+  collectives launched from two threads at once may meet in different orders
+  on different devices and wait for each other forever.
   """
-  return _first_element(jax.tree.leaves(x)[0])
+  return _first_element(jax.tree.leaves(x)[0].addressable_shards[0].data)
 
 
 _WATCHER: _Watcher | None = None

@@ -267,12 +267,12 @@ SHARDED = textwrap.dedent(
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     rng = np.random.default_rng()
     spec = lambda x: P("data", "model") if x.ndim == 2 else P("model")
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in (jnp.float32, jnp.bfloat16):  # bfloat16 over 3 steps: trajectories part (test_bfloat16_parameters)
         groups = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), t.make_groups(rng, dtype))
         batches = [t.make_batch(rng) for _ in range(3)]
         for clip in (t.FIRES, t.NEVER):
             step, _ = t.overlapped_run(groups, batches, clip, 2, t.MIXED[: t._subgroup_count(groups)])
-            t.check_against_reference(step, groups, batches, clip, 2)
+            t.check_against_reference(step, groups, batches, clip, 2, tol=1e-5 if dtype == jnp.float32 else 1e-3)
             # tx.init partitioned the vectors' state (the default); the overlapped step keeps the parameters' layout.
             for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
                 assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
