@@ -363,8 +363,9 @@ class OverlappedStep:
     the activations are gone; here they are in flight during the backward
     pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
     the largest subgroup (per device) must fit the room beside that peak
-    (``whole.step_room_bytes``): the slots shrink first (to one), then the
-    resident share. Room unknown: the plain plan's as it is.
+    (``whole.step_room_bytes``): the resident share shrinks, and the slots
+    only where the room cannot hold them all (down to one). Room unknown: the
+    plain plan's as it is.
     """
     resident, total, slots = whole.elements("device"), sum(sizes), whole.stream_slots
     if whole.step_room_bytes is None or resident >= total:
@@ -372,7 +373,7 @@ class OverlappedStep:
     per_device = sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1
     slot = STAGING_BYTES * max(sizes) * per_device / total  # per device, for leaves sharded alike
     room = whole.step_room_bytes
-    slots = max(1, min(slots, int((room - STATE_BYTES * resident * per_device / total) // slot)))
+    slots = max(1, min(slots, int(room // slot)))
     return int(min(resident, max(0.0, (room - slots * slot) / STATE_BYTES) * total / per_device)), slots
 
   @staticmethod
