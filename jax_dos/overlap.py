@@ -97,8 +97,8 @@ _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 # How many stage programs the training thread may have dispatched beyond the one the accelerator is running. The
 # workers' programs (streamed updates, the host path's copies) queue behind whatever the training thread dispatched
-# before them, and a launch into a full CUDA queue blocks holding the GIL, stalling both workers: at 6.7B on an H100,
-# an unpaced backward pass ran ~10 stages (0.3 s) ahead and the stream path fell to a tenth of its rate.
+# before them, and a launch into a full CUDA queue blocks (holding the GIL, the workers' stalls suggest): at 6.7B on
+# an H100, an unpaced backward pass ran ~10 stages (0.3 s) ahead and the stream path fell to a tenth of its rate.
 RUN_AHEAD_STAGES = 2
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
