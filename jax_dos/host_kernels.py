@@ -376,11 +376,12 @@ def writable_view(array_shard, dtype=np.float32) -> np.ndarray:
 def set_num_threads(n: int | None = None, leave: int = 0) -> int:
   """Sets the host kernel's thread count for kernels launched from the calling thread. Returns it.
 
-  ``n`` threads; else ``JAX_DOS_HOST_THREADS``; else all cores but ``leave``
-  (at least one). numba's setting is per launching thread.
+  ``n`` threads; else ``JAX_DOS_HOST_THREADS``; else all cores, less
+  ``leave`` where there are at least four times as many. numba's setting is
+  per launching thread.
   """
   use_workqueue_layer()  # numba starts its threads here
   cores = numba.config.NUMBA_NUM_THREADS
-  n = n or int(os.environ.get("JAX_DOS_HOST_THREADS", 0)) or max(1, cores - leave)
+  n = n or int(os.environ.get("JAX_DOS_HOST_THREADS", 0)) or (cores - leave if cores >= 4 * leave else cores)
   numba.set_num_threads(min(n, cores))
   return min(n, cores)

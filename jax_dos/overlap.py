@@ -293,8 +293,7 @@ class OverlappedStep:
     self._wake = threading.Condition()
     self._host = _Worker("jax_dos-overlap-host", self._errors, self._wake)
     self._streamer = _Worker("jax_dos-overlap-stream", self._errors, self._wake)
-    cores = os.cpu_count() or 1
-    self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES if cores >= 8 else 0)
+    self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES)
     self._in_flight: deque = deque()  # streamed subgroups' copies back to the host, oldest first
     self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
     kw = self.hyper

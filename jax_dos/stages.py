@@ -79,6 +79,13 @@ def _backward(fn, complete: tuple[bool, ...], params, x, batch, dy, sums):
   return (y if dy is None else None), new, dx, squares
 
 
+# One jitted wrapper per program kind, the stage function a static argument: every StagedModel of the same stages
+# (the one that measures their times, the overlapped step's) shares the compiled programs.
+_jit_forward = jax.jit(_forward, static_argnums=0)
+# dy is dead after its stage's backward; the running sums are updated in place.
+_jit_backward = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(5, 6))
+
+
 class StagedModel:
   """The stages of a model over ``num_groups`` parameter groups, and their jitted programs.
 
@@ -102,13 +109,6 @@ class StagedModel:
     if unused:
       raise ValueError(f"parameter groups {unused} are used by no stage; every group must belong to a stage.")
     self.completion = tuple(min(u) for u in used)
-    self._forward = {}
-    self._backward = {}
-    for st in self.stages:
-      if st.fn not in self._forward:
-        self._forward[st.fn] = jax.jit(_forward, static_argnums=0)
-        # dy is dead after its stage's backward; the running sums are updated in place.
-        self._backward[st.fn] = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(5, 6))
 
   def groups_completing(self, stage: int) -> tuple[int, ...]:
     """The groups whose gradient is complete once ``stage``'s backward pass has run."""
@@ -117,7 +117,7 @@ class StagedModel:
   def forward(self, stage: int, params: tuple, x: Any, batch: Any) -> Any:
     """Stage ``stage``'s output (dispatched asynchronously)."""
     st = self.stages[stage]
-    return self._forward[st.fn](st.fn, params, x, batch)
+    return _jit_forward(st.fn, params, x, batch)
 
   def backward(
     self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool
@@ -133,7 +133,7 @@ class StagedModel:
     """
     st = self.stages[stage]
     complete = tuple(last and self.completion[g] == stage for g in st.groups)
-    return self._backward[st.fn](st.fn, complete, params, x, batch, dy, tuple(sums))
+    return _jit_backward(st.fn, complete, params, x, batch, dy, tuple(sums))
 
   def loss_and_grads(
     self, groups: Sequence[Any], batch: Any, sums: Sequence[Any] | None = None
