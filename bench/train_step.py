@@ -88,8 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument(
     "--overlap-stream-slots",
     type=int,
-    default=4,
-    help="overlap variants: most streamed subgroups in flight (the planner's max_stream_slots)",
+    default=None,
+    help="overlap variants: most streamed subgroups in flight (default: OverlappedStep's)",
+  )
+  p.add_argument(
+    "--overlap-run-ahead",
+    type=int,
+    default=None,
+    help="overlap variants: stage programs the training thread may run ahead (default: OverlappedStep's)",
   )
   p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
@@ -308,7 +314,7 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
     budgets["step_memory"] = need
     out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
   t0 = time.perf_counter()
-  planner = jax_dos.auto_planner(**budgets, params_in_place=True, max_stream_slots=args.overlap_stream_slots)
+  planner = jax_dos.auto_planner(**budgets, params_in_place=True)
   tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask, planner=planner)
   groups = gpt.stage_groups(params)
   del params
@@ -320,8 +326,12 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
     times = jax_dos.StagedModel(stages, len(groups)).measure_times(groups, micro)
     out["stage_times"] = {"forward_s": times.forward, "backward_s": times.backward,
                           "measure_s": time.perf_counter() - t1}  # fmt: skip
+  ahead = {} if args.overlap_run_ahead is None else {"run_ahead_stages": args.overlap_run_ahead}
+  if args.overlap_stream_slots is not None:
+    ahead["stream_slots"] = args.overlap_stream_slots
   step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum,
-                                stage_times=times)  # fmt: skip
+                                stage_times=times, **ahead)  # fmt: skip
+  out["run_ahead_stages"] = step.run_ahead_stages
   del groups
   out["plan"] = str(step.plan)
   out["plan_predicted"] = dict(step.plan.predicted)
@@ -349,18 +359,19 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
     del sums
   fb_times = fb_times[1:]
 
-  step_times = []
+  step_times, timed_losses, timed_norms = [], [], []
   with jax_dos.trace.recording() as spans:
     t_all = time.perf_counter()
     for i in range(args.steps):
       t = time.perf_counter()
-      loss = step(batches[i % 2])
+      timed_losses.append(step(batches[i % 2]))  # read after the run: a read per step waits behind the copies
       step_times.append(time.perf_counter() - t)
-      losses.append(float(loss))
-      norms.append(float(step.grad_norm))
+      timed_norms.append(step.grad_norm)
     step.settle()
     jax.block_until_ready(step.params)
     total = time.perf_counter() - t_all
+  losses += [float(x) for x in timed_losses]
+  norms += [float(x) for x in timed_norms]
   step_s = total / args.steps  # a call returns before its update is done: the steady rate is the whole run's
   fb_s = statistics.median(fb_times)
   out.update(

@@ -25,7 +25,8 @@ How a step runs (the last micro-batch's backward pass, stage ``n-1`` down to 0):
    updates it on the accelerator into new host buffers and keeps the old ones.
 3. **Decision.** After the last stage the accelerator computes
    ``scale = clip_scale(|g| / k, c) / k`` and the resident update runs with it.
-   If ``scale`` equals the speculated ``1/k`` bit for bit, every speculated
+   A decider thread reads the scale once it exists; the training thread goes
+   on to the next step meanwhile. If ``scale`` equals the speculated ``1/k`` bit for bit, every speculated
    weight is optax's; otherwise (the clip fired, or a non-finite gradient)
    each speculated subgroup is computed again from its untouched state with
    the true scale. Subgroups not yet reached use the true scale directly.
@@ -100,6 +101,10 @@ NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 # before them, and a launch into a full CUDA queue blocks (holding the GIL, the workers' stalls suggest): at 6.7B on
 # an H100, an unpaced backward pass ran ~10 stages (0.3 s) ahead and the stream path fell to a tenth of its rate.
 RUN_AHEAD_STAGES = 2
+# Streamed subgroups the overlapped step keeps in flight at most (copies in ahead of their gradients, updates whose
+# state is on its way back). The plain update phase streams with the planner's count (2 by default); here each copy
+# starts only once the compute queue has reached it, so more are needed to keep the link busy (6.7B, H100: 4).
+STREAM_SLOTS = 4
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
 TRAINING_CORES = 2
@@ -143,11 +148,19 @@ class _Streamed:
   final: bool
 
 
+def _start_copy_to_host(x: jax.Array) -> None:
+  """Queues ``x``'s copy to the host now, so that a later read does not queue behind copies issued meanwhile."""
+  copy = getattr(x, "copy_to_host_async", None)
+  if copy is not None:
+    copy()
+
+
 class _StepRecord:
   """What one step's workers share: the speculated scalars, the decision, and the speculated subgroups."""
 
   def __init__(self, spec_device: jax.Array):
     self.spec_device = spec_device
+    _start_copy_to_host(spec_device)
     self._spec_host: np.ndarray | None = None
     self.decision: _Decision | None = None
     self.host_grads: dict[int, dict[int, jax.Array]] = {}  # subgroup -> leaf -> gradient in host memory
@@ -223,10 +236,18 @@ class OverlappedStep:
       (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner
       would, and records the predicted step in ``plan.predicted``; without
       them it keeps ``tx``'s planner's shares, by stage order.
+    run_ahead_stages: how many stage programs the training thread may have
+      dispatched beyond the one the accelerator runs (``RUN_AHEAD_STAGES``).
+      Fewer: the workers' programs and copies wait less behind the stage
+      programs; more: the accelerator is less likely to wait for a dispatch.
+    stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``),
+      fewer where the room beside the step's peak cannot hold them (``"auto"``).
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
   (an accelerator scalar), with the parameters it was computed at being the
-  previous step's. :attr:`params` and :attr:`opt_state` wait for the pending
+  previous step's. It returns once the backward pass is dispatched; reading
+  the loss waits behind the state's copies to the host, so read a few steps'
+  losses at a time. :attr:`params` and :attr:`opt_state` wait for the pending
   update and return the current trees; the state equals
   ``optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(...))``'s on
   the same gradients, to float32 rounding, in every placement.
@@ -243,6 +264,8 @@ class OverlappedStep:
     micro_batches: int = 1,
     plan: Any = None,
     stage_times: StageTimes | None = None,
+    run_ahead_stages: int = RUN_AHEAD_STAGES,
+    stream_slots: int = STREAM_SLOTS,
   ):
     owner = _overlappable(tx, list(params) if isinstance(params, (list, tuple)) else params)
     _check_no_command_buffers()
@@ -253,6 +276,12 @@ class OverlappedStep:
       )
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
       raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}.")
+    if isinstance(run_ahead_stages, bool) or not isinstance(run_ahead_stages, int) or run_ahead_stages < 1:
+      raise ValueError(f"run_ahead_stages must be an integer >= 1, got {run_ahead_stages!r}.")
+    self.run_ahead_stages = run_ahead_stages
+    if isinstance(stream_slots, bool) or not isinstance(stream_slots, int) or stream_slots < 1:
+      raise ValueError(f"stream_slots must be an integer >= 1, got {stream_slots!r}.")
+    self._max_stream_slots = stream_slots
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
     if not isinstance(opt_state, InterleavedAdamState):
@@ -268,6 +297,11 @@ class OverlappedStep:
     self.stage_times = stage_times
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
+    self._stream_order = [  # streamed subgroups in the order the backward pass hands them over
+      s for i in reversed(range(len(self.model.stages))) for g in self.model.groups_completing(i)
+      for s in self.group_subgroups[g] if self.plan.placements[s] == "stream"
+    ]  # fmt: skip
+    self._stream_rank = {s: r for r, s in enumerate(self._stream_order)}
     self._leaf_placement = self.plan.leaf_placements()
     place = lambda xs: [  # noqa: E731
       a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
@@ -280,7 +314,10 @@ class OverlappedStep:
     self._count = opt_state.count
     host_leaves = [i for s in self.plan.indices("host") for i in self.plan.subgroups[s]]
     low = lambda i: jnp.bfloat16 if leaves[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
-    memory.check_host_capacity(self.host_bytes(), "the overlapped step's host memory")
+    try:
+      memory.check_host_capacity(self.host_bytes(), "the overlapped step's host memory")
+    except MemoryError as e:
+      raise MemoryError(f"{e}\nThe overlapped step's plan:\n{self.plan}") from None
     self._lows = dict(zip(host_leaves, memory.zeros_like_each([(self._masters[i], low(i)) for i in host_leaves])))
     spares = memory.zeros_like_each([(self._masters[i], jnp.float32) for i in host_leaves for _ in range(3)])
     self._spares = {i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(host_leaves)}
@@ -293,8 +330,12 @@ class OverlappedStep:
     self._wake = threading.Condition()
     self._host = _Worker("jax_dos-overlap-host", self._errors, self._wake)
     self._streamer = _Worker("jax_dos-overlap-stream", self._errors, self._wake)
+    self._decider = _Worker("jax_dos-overlap-decide", self._errors, self._wake)
     self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES)
     self._in_flight: deque = deque()  # streamed subgroups' copies back to the host, oldest first
+    self._prefetched: dict[int, list] = {}  # streamed subgroup -> its state on its way in, ahead of its gradients
+    self._prefetch_next = 0  # index into _stream_order of the next subgroup to prefetch
+    self._sending: deque = deque()  # host subgroups' new weights on their way in: (record, subgroup, arrays, final)
     self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
     kw = self.hyper
     self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
@@ -314,7 +355,7 @@ class OverlappedStep:
       return spec
     if isinstance(spec, str) and spec == "auto":
       whole = owner.plan_for(groups)
-      resident, slots = self._room_beside_step(whole, groups, sizes)
+      resident, slots = self._room_beside_step(whole, groups, sizes, forward_order, self._max_stream_slots)
       if self.stage_times is None or whole.calibration is None:
         stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
         placements = stage_ordered_placements(forward_order, sizes, resident, stream)
@@ -334,14 +375,14 @@ class OverlappedStep:
     if isinstance(spec, str):
       if spec not in PLACEMENTS:
         raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
-      return Plan(tuple(subgroups), (spec,) * len(subgroups), tuple(sizes), source="user")
+      return Plan(tuple(subgroups), (spec,) * len(subgroups), tuple(sizes), self._max_stream_slots, source="user")
     placements = tuple(spec)
     if len(placements) != len(subgroups):
       raise ValueError(
         f"plan lists {len(placements)} placements but the groups pack into {len(subgroups)} subgroups"
         " (jax_dos.plan.partition_groups); pass one placement per subgroup."
       )
-    return Plan(tuple(subgroups), placements, tuple(sizes), source="user")
+    return Plan(tuple(subgroups), placements, tuple(sizes), self._max_stream_slots, source="user")
 
   def host_bytes(self) -> int:
     """Pinned host bytes the step needs at most: the state, host subgroups' spare state, gradient and weight
@@ -355,25 +396,34 @@ class OverlappedStep:
     return total
 
   @staticmethod
-  def _room_beside_step(whole: Plan, groups: list, sizes: list) -> tuple[int, int]:
+  def _room_beside_step(whole: Plan, groups: list, sizes: list, forward_order: list, max_slots: int) -> tuple[int, int]:
     """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
 
     The plain plan holds its streaming slots only in the update phase, after
     the activations are gone; here they are in flight during the backward
     pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
-    the largest subgroup (per device) must fit the room beside that peak
-    (``whole.step_room_bytes``): the resident share shrinks, and the slots
-    only where the room cannot hold them all (down to one). Room unknown: the
-    plain plan's as it is.
+    the largest subgroup that is not resident (per device) must fit the room
+    beside that peak (``whole.step_room_bytes``): the resident share shrinks,
+    and the slots only where the room cannot hold them all (down to one).
+    Resident subgroups are the first ``resident`` elements in forward order,
+    so the largest one left out grows as the share shrinks: the share is
+    shrunk until it holds (a few rounds). Room unknown: the plain plan's share, ``max_slots``.
     """
-    resident, total, slots = whole.elements("device"), sum(sizes), whole.stream_slots
+    resident, total, slots = whole.elements("device"), sum(sizes), max_slots
     if whole.step_room_bytes is None or resident >= total:
       return resident, slots
-    per_device = sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1
-    slot = STAGING_BYTES * max(sizes) * per_device / total  # per device, for leaves sharded alike
-    room = whole.step_room_bytes
-    slots = max(1, min(slots, int(room // slot)))
-    return int(min(resident, max(0.0, (room - slots * slot) / STATE_BYTES) * total / per_device)), slots
+    per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / total
+    room, cap = whole.step_room_bytes, resident
+    for _ in range(len(sizes)):
+      kept = stage_ordered_placements(forward_order, sizes, cap, 0)
+      largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)
+      slot = STAGING_BYTES * largest * per_device
+      slots = max(1, min(max_slots, int(room // slot))) if slot else max_slots
+      smaller = int(min(resident, max(0.0, (room - slots * slot) / STATE_BYTES) / per_device))
+      if smaller >= cap:
+        break
+      cap = smaller
+    return cap, slots
 
   @staticmethod
   def _group_ranges(groups: list) -> list[range]:
@@ -400,11 +450,14 @@ class OverlappedStep:
     n = next(iter(rows)) // k
     sums: list[Any] = [None] * len(self._unfinished)
     losses = []
+    # The scalars if the clip does not fire, on their way to the host before any gradient is (one queue carries
+    # every copy to the host, and the host worker needs them with its first subgroup).
+    record = _StepRecord(device_steps.scalars(self.hyper, self._count, np.float32(1.0 / k)))
     try:
       for m in range(k):
         part = jax.tree.map(lambda x, m=m: x[m * n : (m + 1) * n], batch) if k > 1 else batch
         xs = self._forward(part, wait=m == 0)
-        losses.append(self._backward(xs, part, sums, last=m == k - 1))
+        losses.append(self._backward(xs, part, sums, record if m == k - 1 else None))
     except BaseException as e:
       if self._updating and not self._errors:  # cut short between hand-over and decision: refuse further steps
         self._errors.append(e)
@@ -432,9 +485,11 @@ class OverlappedStep:
         self._pace(x)
     return xs
 
-  def _backward(self, xs: list, batch: Any, sums: list, last: bool) -> jax.Array:
-    spec = np.float32(1.0 / self.micro_batches)  # the scale if the clip does not fire
-    record = _StepRecord(device_steps.scalars(self.hyper, self._count, spec)) if last else None
+  def _backward(self, xs: list, batch: Any, sums: list, record: _StepRecord | None) -> jax.Array:
+    """One micro-batch's backward pass; the last one (``record`` given) hands the complete gradients over."""
+    last = record is not None
+    if last and self._stream_order:
+      self._streamer.submit(self._stream_prefetch)
     squares, loss, dy = [], None, None
     for i in reversed(range(len(self.model.stages))):
       st = self.model.stages[i]
@@ -457,11 +512,11 @@ class OverlappedStep:
     return loss
 
   def _pace(self, x: Any) -> None:
-    """Waits until at most ``RUN_AHEAD_STAGES`` dispatched stage programs (the last one producing ``x``) are unrun."""
+    """Waits until at most ``run_ahead_stages`` dispatched stage programs (the last one producing ``x``) are unrun."""
     if not jax.tree.leaves(x):
       return
     self._run_ahead.append(trace.ready_marker(x))
-    while len(self._run_ahead) > RUN_AHEAD_STAGES + 1:
+    while len(self._run_ahead) > self.run_ahead_stages + 1:
       with trace.span("overlap.pace"):
         jax.block_until_ready(self._run_ahead.popleft())
 
@@ -487,17 +542,24 @@ class OverlappedStep:
         self._streamer.submit(self._stream_update, record, s, subgroup_grads)
 
   def _decide(self, record: _StepRecord, squares: list[jax.Array]) -> None:
-    """The true gradient scale: runs the resident update with it, then tells the workers whether they guessed it."""
+    """The true gradient scale: runs the resident update with it; the decider tells the workers whether they
+    guessed it. The training thread does not wait for the decision: the next forward pass starts on the stages
+    whose weights are final (resident ones at once) and waits for the others' workers."""
     scale, self.grad_norm = _jit_step_scale(squares, self.clip_norm, self.micro_batches)
     true = device_steps.scalars(self.hyper, self._count, scale)
+    _start_copy_to_host(true)
     self._resident_update(record, true)
-    with trace.span("overlap.decide"):
-      host = np.asarray(true)  # waits for the backward pass to end
+    self._decider.submit(self._announce, record, true)
+    self._count = device_steps.increment(self._count)
+    self._updating = False
+
+  def _announce(self, record: _StepRecord, true: jax.Array) -> None:
+    """(decider thread) Reads the true scalars once the backward pass has ended and hands the workers the verdict."""
+    with trace.span("decide.read"):
+      host = np.asarray(true)
     record.decision = _Decision(host, true, not host[3] == record.spec_host()[3])
     self._host.submit(self._host_finish, record)
     self._streamer.submit(self._stream_finish, record)
-    self._count = device_steps.increment(self._count)
-    self._updating = False
 
   def _resident_update(self, record: _StepRecord, scalars: jax.Array) -> None:
     calls, size = [[]], 0
@@ -528,14 +590,17 @@ class OverlappedStep:
       jax.block_until_ready(list(grads.values()))
     record.host_grads[s] = grads
     decision = record.decision
-    self._host_weights(record, s, decision.host if decision else record.spec_host())
+    self._host_weights(record, s, decision.host if decision else record.spec_host(), final=decision is not None)
     if decision is None:
       record.host_speculated.append(s)
-    else:
-      self._finished(s)
 
-  def _host_weights(self, record: _StepRecord, s: int, scalars: np.ndarray) -> None:
-    """The kernel's step into the spare buffers (the state stays as it was), the new weights sent to the parameters."""
+  def _host_weights(self, record: _StepRecord, s: int, scalars: np.ndarray, final: bool) -> None:
+    """The kernel's step into the spare buffers (the state stays as it was), the new weights sent to the parameters.
+
+    The copy to the accelerator is issued and left in flight (it starts only once the compute queue has reached
+    the point where it was issued, a few stage programs later); the program that writes the weights in place
+    is dispatched once the copy has landed (:meth:`_assign_sent`), while the kernel steps later subgroups.
+    """
     leaves = self.plan.subgroups[s]
     buffers, decay = [], []
     for i in leaves:
@@ -546,25 +611,38 @@ class OverlappedStep:
     with trace.span("host.kernel"):
       host_kernels.adam_many_into(buffers, decay, **self._kernel_kw, scalars=scalars)
     with trace.span("host.send"):
-      sent = jax.block_until_ready(
-        memory.put([self._lows[i] for i in leaves], "device", likes=[self._params[i] for i in leaves])
-      )
-      new = device_steps.assign([self._params[i] for i in leaves], sent)
-    for i, x in zip(leaves, new):
-      self._params[i] = x
-    record.host_sent += new
+      sent = memory.put([self._lows[i] for i in leaves], "device", likes=[self._params[i] for i in leaves])
+    self._sending.append((record, s, sent, final))
+    self._assign_sent(wait=False)
+
+  def _assign_sent(self, wait: bool) -> None:
+    """Writes the new weights of the subgroups whose copies have landed (all of them with ``wait``), in order."""
+    while self._sending and (wait or all(x.is_ready() for x in self._sending[0][2])):
+      record, s, sent, final = self._sending.popleft()
+      with trace.span("host.assign"):
+        leaves = self.plan.subgroups[s]
+        jax.block_until_ready(sent)  # never dispatch a program whose input is in flight: it would hold the queue
+        new = device_steps.assign([self._params[i] for i in leaves], sent)
+      for i, x in zip(leaves, new):
+        self._params[i] = x
+      record.host_sent += new
+      if final:
+        self._finished(s)
 
   def _host_finish(self, record: _StepRecord) -> None:
     decision = record.decision
+    self._assign_sent(wait=True)
     if decision.fired and record.host_speculated:
       with trace.span("host.wait_sent"):
         jax.block_until_ready(record.host_sent)  # the copies read the buffers the redo writes
       record.host_sent.clear()  # the redo writes into (donates) these
-    for s in record.host_speculated:
-      if decision.fired:
+      for s in record.host_speculated:
         with trace.span("host.redo"):
-          self._host_weights(record, s, decision.host)
-      self._finished(s)
+          self._host_weights(record, s, decision.host, final=True)
+      self._assign_sent(wait=True)
+    else:
+      for s in record.host_speculated:
+        self._finished(s)
     with trace.span("host.wait_sent"):
       jax.block_until_ready(record.host_sent)
     for s in record.host_grads:  # the new state becomes the state; the old one is the next step's spare
@@ -579,15 +657,61 @@ class OverlappedStep:
     decision = record.decision
     self._stream_dispatch(record, s, grads, decision.device if decision else record.spec_device, decision is not None)
 
+  def _stream_state(self, s: int) -> list[list[jax.Array]]:
+    leaves = self.plan.subgroups[s]
+    return [[lst[i] for i in leaves] for lst in (self._masters, self._mus, self._nus)]
+
+  def _slots_used(self) -> int:
+    return len(self._prefetched) + len(self._in_flight)
+
+  def _free_slot(self) -> None:
+    back = jax.tree.leaves(self._in_flight.popleft())
+    with trace.span("stream.wait_slot"):
+      jax.block_until_ready([a for a in back if not a.is_deleted()])  # a redo deletes the speculated copies
+
+  def _stream_prefetch(self, more: int | None = None) -> None:
+    """Starts the copies in of the next streamed subgroups' state, in hand-over order, before their gradients exist.
+
+    A copy into the accelerator starts only once the compute queue has reached
+    the point where it was issued (a few stage programs later), so each is
+    issued well ahead of its update. ``more=None`` begins a step: as many as
+    the slots hold, waiting for the last step's copies out where needed;
+    otherwise up to ``more`` further ones, only into slots already free: the
+    worker must not wait here while gradients of prefetched subgroups are
+    ready (at 6.7B such waits, 0.1 s each behind the backward pass, held the
+    stream path to 0.3 G parameters/s). A slot is held from the copy in to
+    the copy back out.
+    """
+    if more is None:  # a new step: whatever is left from the last one is stale
+      self._prefetched.clear()
+      self._prefetch_next = 0
+    issued = 0
+    while self._prefetch_next < len(self._stream_order) and (more is None or issued < more):
+      while self._slots_used() >= self.plan.stream_slots and self._in_flight:
+        if more is not None and not all(a.is_deleted() or a.is_ready() for a in jax.tree.leaves(self._in_flight[0])):
+          return
+        self._free_slot()
+      if self._slots_used() >= self.plan.stream_slots:
+        return
+      s = self._stream_order[self._prefetch_next]
+      with trace.span("stream.prefetch"):
+        self._prefetched[s] = memory.put_groups(self._stream_state(s), "device")
+      self._prefetch_next += 1
+      issued += 1
+
   def _stream_dispatch(self, record: _StepRecord, s: int, grads: list[jax.Array], scalars: jax.Array, final: bool):
     leaves = list(self.plan.subgroups[s])
-    if len(self._in_flight) >= self.plan.stream_slots:
-      with trace.span("stream.wait_slot"):
-        jax.block_until_ready(self._in_flight.popleft())
+    earlier = record.streamed.get(s)
+    state = None if earlier else self._prefetched.pop(s, None)
+    if not earlier:  # updates come in hand-over order: never prefetch this one or an earlier one again this step
+      self._prefetch_next = max(self._prefetch_next, self._stream_rank[s] + 1)
+    if state is None:
+      while self._slots_used() >= self.plan.stream_slots and self._in_flight:
+        self._free_slot()
     with trace.span("stream.dispatch"):
-      earlier = record.streamed.get(s)
-      old = earlier.old if earlier else [[lst[i] for i in leaves] for lst in (self._masters, self._mus, self._nus)]
-      state = memory.put_groups(old, "device")
+      old = earlier.old if earlier else self._stream_state(s)
+      if state is None:
+        state = memory.put_groups(old, "device")
       jax.block_until_ready(state)  # the update waits here, not on the accelerator's compute queue
       g = memory.like_states(grads, old[0])
       outs = device_steps.update_params(g, *state, [self._params[i] for i in leaves], scalars, self.hyper,
@@ -596,12 +720,15 @@ class OverlappedStep:
     for i, x in zip(leaves, outs[0]):
       self._params[i] = x
     if earlier:
+      jax.block_until_ready(earlier.new)  # their copies out must land before the host buffers are freed
       for a in (a for group in earlier.new for a in group):
         a.delete()
     record.streamed[s] = _Streamed(old, back, None if final else grads, final)
     self._in_flight.append(back)
     if final:
       self._finished(s)
+    if not earlier:
+      self._stream_prefetch(more=1)
 
   def _stream_finish(self, record: _StepRecord) -> None:
     decision = record.decision
@@ -641,6 +768,7 @@ class OverlappedStep:
 
   def settle(self) -> None:
     """Waits until every pending update has written the parameters and the whole state."""
+    self._decider.join()  # the verdict queues the workers' last jobs
     self._wait_groups(range(len(self._unfinished)))
     self._host.join()
     self._streamer.join()
@@ -651,8 +779,8 @@ class OverlappedStep:
     try:
       self.settle()
     finally:
-      self._host.stop()
-      self._streamer.stop()
+      for worker in (self._decider, self._host, self._streamer):
+        worker.stop()
       self._closed = True
 
   def __enter__(self) -> OverlappedStep:
@@ -662,7 +790,7 @@ class OverlappedStep:
     self.close()
 
   def __del__(self):
-    for worker in (getattr(self, "_host", None), getattr(self, "_streamer", None)):
+    for worker in (getattr(self, "_decider", None), getattr(self, "_host", None), getattr(self, "_streamer", None)):
       if worker is not None:
         worker.stop()
 
@@ -703,4 +831,9 @@ def _overlappable(tx: Any, params: Any) -> InterleavedAdam:
       "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"
       " without delay/write_behind, or keep those modes on the plain path (jax_dos.update_params after jax.grad)."
     )
-  return owner.unpartitioned() if owner.partitions else owner  # 'auto': the state in the parameters' layout
+  # 'auto' partitions nothing where no mesh axis replicates a parameter (one device, say): then the optimizer's own
+  # plan, made by tx.init before any state took accelerator memory, is the one to keep. Elsewhere the state goes
+  # back to the parameters' layout, planned afresh.
+  if owner.partitions and any(partition.state_sharding(x) is not None for x in jax.tree.leaves(params)):
+    return owner.unpartitioned()
+  return owner

@@ -124,6 +124,8 @@ class Plan:
       lines.append(f"  stream slots in flight: {self.stream_slots}")
     if self.ahead_budget_bytes is not None and self.indices("host"):
       lines.append(f"  state copies sent ahead: up to {self.ahead_budget_bytes / 2**30:.2f} GiB per device")
+    if self.step_room_bytes is not None:
+      lines.append(f"  room beside the training step's peak: {self.step_room_bytes / 2**30:.2f} GiB per device")
     if self.predicted:
       shown = {k: v for k, v in self.predicted.items() if k not in PLACEMENTS or self.indices(k)}
       lines.append("  predicted: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in shown.items()))

@@ -136,12 +136,16 @@ class StagedModel:
     return _jit_backward(st.fn, complete, params, x, batch, dy, tuple(sums))
 
   def loss_and_grads(
-    self, groups: Sequence[Any], batch: Any, sums: Sequence[Any] | None = None
+    self, groups: Sequence[Any], batch: Any, sums: Sequence[Any] | None = None, last: bool = False
   ) -> tuple[jax.Array, list]:
     """``(loss, grads)`` of one batch, stage by stage with no optimizer: the gradients the overlapped step uses.
 
     With ``sums`` (the gradients of earlier micro-batches; consumed) the
     gradients are added to them in the order the overlapped step adds them.
+    ``last=True`` runs the backward programs of a step's last micro-batch
+    (those that also square the complete gradients): the very programs the
+    overlapped step runs there. On a GPU, two programs computing the same
+    gradient may pick different matmul algorithms and round it differently.
     """
     xs, x = [], None
     for i in range(len(self.stages) - 1):
@@ -153,7 +157,7 @@ class StagedModel:
     for i in reversed(range(len(self.stages))):
       st = self.stages[i]
       out, new, dy, _ = self.backward(i, tuple(groups[g] for g in st.groups), xs[i], batch, dy,
-                                      tuple(sums[g] for g in st.groups), last=False)  # fmt: skip
+                                      tuple(sums[g] for g in st.groups), last=last)  # fmt: skip
       xs[i] = None
       loss = out if out is not None else loss
       for g, s in zip(st.groups, new):

@@ -92,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --delay 1, what the forward pass gets instead of the stale weights: a prediction"
                       " from the moments (moments, the default), or the step itself taken on the accelerator"
                       " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
-  x.add_argument("--overlap", choices=overlapped.OVERLAP_MODES, default="off",
-                 help="the overlapped step (AdamW under the backward and the next forward pass, same numbers): on,"
-                      " off, or auto: on a GPU when the timeline model predicts a shorter step"
+  x.add_argument("--overlap", choices=overlapped.OVERLAP_MODES, default="auto",
+                 help="the overlapped step (AdamW under the backward and the next forward pass, same numbers): auto"
+                      " (on a GPU, when the timeline model predicts a shorter step), on, or off"
                       " (docs/overlap.md)")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default=None,
                  help="gradients the backward pass writes to host memory: host subgroups' (host, the default"

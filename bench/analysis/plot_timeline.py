@@ -4,8 +4,8 @@
 
 Rows: the accelerator (when each stage's forward and backward program finished,
 from ``jax_dos.trace``'s watcher), the training thread (waits for parameters,
-the clip decision), the host worker (kernel, sends, redone subgroups) and the
-stream worker (dispatch, waits for a free slot). The window is one step: from
+pacing), the host worker (kernel, sends, redone subgroups), the stream worker
+(dispatch, waits for a free slot) and the decider (reading the clip decision). The window is one step: from
 the end of one clip decision to the end of the next.
 """
 
@@ -25,7 +25,7 @@ COLORS = {
   "stream.dispatch": "#937860",
   "stream.wait_slot": "#dddddd",
   "overlap.wait_params": "#c44e52",
-  "overlap.decide": "#000000",
+  "decide.read": "#000000",
   "overlap.resident": "#da8bc3",
 }
 ROWS = {
@@ -33,6 +33,7 @@ ROWS = {
   "MainThread": "training thread",
   "jax_dos-overlap-host": "host worker",
   "jax_dos-overlap-stream": "stream worker",
+  "jax_dos-overlap-decide": "decider",
 }
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     doc = json.load(f)
   result = next(r for r in doc["results"] if r.get("variant") == args.variant)
   spans = result["trace"]
-  decisions = sorted(s["end"] for s in spans if s["name"] == "overlap.decide")
+  decisions = sorted(s["end"] for s in spans if s["name"] in ("decide.read", "overlap.decide"))
   if len(decisions) < 2:
     raise SystemExit("the trace holds fewer than two steps' decisions: time more steps.")
   ends = list(zip(decisions[:-1], decisions[1:]))
