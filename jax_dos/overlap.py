@@ -242,6 +242,10 @@ class OverlappedStep:
       programs; more: the accelerator is less likely to wait for a dispatch.
     stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``),
       fewer where the room beside the step's peak cannot hold them (``"auto"``).
+    host_budget_bytes: pinned host bytes the step may use at most
+      (:meth:`host_bytes`); ``None``: the machine's RAM. Above it, a
+      ``MemoryError`` before any state moves or buffer is allocated, so that
+      ``params`` and ``opt_state`` stay usable on the plain path.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
   (an accelerator scalar), with the parameters it was computed at being the
@@ -266,6 +270,7 @@ class OverlappedStep:
     stage_times: StageTimes | None = None,
     run_ahead_stages: int = RUN_AHEAD_STAGES,
     stream_slots: int = STREAM_SLOTS,
+    host_budget_bytes: int | None = None,
   ):
     owner = _overlappable(tx, list(params) if isinstance(params, (list, tuple)) else params)
     _check_no_command_buffers()
@@ -303,21 +308,18 @@ class OverlappedStep:
     ]  # fmt: skip
     self._stream_rank = {s: r for r, s in enumerate(self._stream_order)}
     self._leaf_placement = self.plan.leaf_placements()
+    self._params = list(leaves)
+    self._check_host_memory(host_budget_bytes)  # before any state moves or spare buffer is allocated
     place = lambda xs: [  # noqa: E731
       a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
       for a, p in zip(xs, self._leaf_placement)
     ]
-    self._params = list(leaves)
     state = (opt_state.master, opt_state.mu, opt_state.nu)
     # A state tx.init partitioned over the mesh ('auto') is gathered back to the parameters' layout.
     self._masters, self._mus, self._nus = (place(partition.relaid(jax.tree.leaves(t), leaves)) for t in state)
     self._count = opt_state.count
     host_leaves = [i for s in self.plan.indices("host") for i in self.plan.subgroups[s]]
     low = lambda i: jnp.bfloat16 if leaves[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
-    try:
-      memory.check_host_capacity(self.host_bytes(), "the overlapped step's host memory")
-    except MemoryError as e:
-      raise MemoryError(f"{e}\nThe overlapped step's plan:\n{self.plan}") from None
     self._lows = dict(zip(host_leaves, memory.zeros_like_each([(self._masters[i], low(i)) for i in host_leaves])))
     spares = memory.zeros_like_each([(self._masters[i], jnp.float32) for i in host_leaves for _ in range(3)])
     self._spares = {i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(host_leaves)}
@@ -383,6 +385,19 @@ class OverlappedStep:
         " (jax_dos.plan.partition_groups); pass one placement per subgroup."
       )
     return Plan(tuple(subgroups), placements, tuple(sizes), self._max_stream_slots, source="user")
+
+  def _check_host_memory(self, budget: int | None) -> None:
+    need = self.host_bytes()
+    try:
+      if budget is not None and need > budget:
+        raise MemoryError(
+          f"the overlapped step's host memory needs {need / 2**30:.2f} GiB of pinned host memory, above the"
+          f" {budget / 2**30:.2f} GiB of host_budget_bytes. Raise the budget, keep more subgroups on the device,"
+          " or train on the plain path (tx.update after jax.grad), which needs no spare host state."
+        )
+      memory.check_host_capacity(need, "the overlapped step's host memory")
+    except MemoryError as e:
+      raise MemoryError(f"{e}\nThe overlapped step's plan:\n{self.plan}") from None
 
   def host_bytes(self) -> int:
     """Pinned host bytes the step needs at most: the state, host subgroups' spare state, gradient and weight

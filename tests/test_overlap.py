@@ -346,3 +346,17 @@ def test_pacing_depth_changes_no_number():
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan="host")
   with pytest.raises(ValueError, match="run_ahead_stages"):
     jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), run_ahead_stages=0)
+
+
+def test_a_host_budget_too_small_is_refused_before_anything_moves():
+  """Above host_budget_bytes: a MemoryError naming the plain path, and params and state still usable there."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan="host")
+  params, state = jax.tree.map(jnp.copy, groups), tx.init(groups)
+  with pytest.raises(MemoryError, match="plain path"):
+    jax_dos.OverlappedStep(tx, STAGES, params, state, micro_batches=2, host_budget_bytes=1)
+  step = jax_dos.OverlappedStep(tx, STAGES, params, state, micro_batches=2, host_budget_bytes=2**40)
+  for batch in batches:
+    step(batch)
+  check_against_reference(step, groups, batches, None, 2)

@@ -327,11 +327,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.offload == "auto":
       first = data_lib.get_batch(splits.train, step_shape[0], args.seq_len, args.seed, 0)
       times = overlapped_lib.stage_times(cfg, params, first, args.grad_accum)
-    candidate = overlapped_lib.OverlappedTraining(args, tx, cfg, params, opt_state, times)
-    if args.overlap == "on" or overlapped_lib.predicted_faster(candidate.plan, plan):
+    budget = None if args.overlap == "on" else overlapped_lib.auto_host_budget()
+    try:
+      candidate = overlapped_lib.OverlappedTraining(args, tx, cfg, params, opt_state, times, budget)
+    except MemoryError as e:
+      if args.overlap == "on":
+        raise SystemExit(f"--overlap on: {e}") from None
+      candidate = None
+      print(f"--overlap auto: the plain step, since {str(e).splitlines()[0]}")
+    if candidate is not None and (args.overlap == "on" or overlapped_lib.predicted_faster(candidate.plan, plan)):
       overlapped, plan = candidate, candidate.plan
       params = opt_state = None  # the overlapped step owns them: read them through it
-    else:
+    elif candidate is not None:
       params, opt_state = candidate.params, candidate.opt_state
       candidate.close()
     del candidate
