@@ -97,6 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     default=None,
     help="overlap variants: stage programs the training thread may run ahead (default: OverlappedStep's)",
   )
+  p.add_argument(
+    "--overlap-rebalance",
+    action="store_true",
+    help="overlap variants: move subgroups between host and stream by each step's measured ends (warm up longer)",
+  )
   p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
   p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
@@ -329,6 +334,8 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   ahead = {} if args.overlap_run_ahead is None else {"run_ahead_stages": args.overlap_run_ahead}
   if args.overlap_stream_slots is not None:
     ahead["stream_slots"] = args.overlap_stream_slots
+  if args.overlap_rebalance:
+    ahead["rebalance"] = True
   step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum,
                                 stage_times=times, **ahead)  # fmt: skip
   out["run_ahead_stages"] = step.run_ahead_stages
@@ -370,6 +377,7 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
     step.settle()
     jax.block_until_ready(step.params)
     total = time.perf_counter() - t_all
+  out["plan_after"] = str(step.plan)  # rebalancing may have moved subgroups
   losses += [float(x) for x in timed_losses]
   norms += [float(x) for x in timed_norms]
   step_s = total / args.steps  # a call returns before its update is done: the steady rate is the whole run's

@@ -66,6 +66,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -105,6 +106,10 @@ RUN_AHEAD_STAGES = 2
 # state is on its way back). The plain update phase streams with the planner's count (2 by default); here each copy
 # starts only once the compute queue has reached it, so more are needed to keep the link busy (6.7B, H100: 4).
 STREAM_SLOTS = 4
+# Rebalancing (OverlappedStep(rebalance=True)): a step moves one subgroup across the stream/host boundary when one
+# path finished its step this much later than the other; it stops at the first move back, or after this many steps.
+REBALANCE_GAP_S = 0.05
+REBALANCE_STEPS = 12
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
 TRAINING_CORES = 2
@@ -168,6 +173,7 @@ class _StepRecord:
     self.host_sent: list[jax.Array] = []
     self.streamed: dict[int, _Streamed] = {}
     self.resident_grads: dict[int, jax.Array] = {}  # leaf -> gradient
+    self.path_end: dict[str, float] = {}  # "host", "stream" -> when the worker last finished a subgroup of this step
 
   def spec_host(self) -> np.ndarray:
     if self._spec_host is None:
@@ -242,6 +248,11 @@ class OverlappedStep:
       programs; more: the accelerator is less likely to wait for a dispatch.
     stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``),
       fewer where the room beside the step's peak cannot hold them (``"auto"``).
+    rebalance: measure which of the host and stream paths finishes its step
+      later and move one subgroup at a time across their boundary toward the
+      other (``REBALANCE_GAP_S``), until the first move back (at most
+      ``REBALANCE_STEPS`` steps). A step that rebalances first waits for the
+      last one's update to end. The numbers do not change.
     host_budget_bytes: pinned host bytes the step may use at most
       (:meth:`host_bytes`); ``None``: the machine's RAM. Above it, a
       ``MemoryError`` before any state moves or buffer is allocated, so that
@@ -271,6 +282,7 @@ class OverlappedStep:
     run_ahead_stages: int = RUN_AHEAD_STAGES,
     stream_slots: int = STREAM_SLOTS,
     host_budget_bytes: int | None = None,
+    rebalance: bool = False,
   ):
     owner = _overlappable(tx, list(params) if isinstance(params, (list, tuple)) else params)
     _check_no_command_buffers()
@@ -287,6 +299,10 @@ class OverlappedStep:
     if isinstance(stream_slots, bool) or not isinstance(stream_slots, int) or stream_slots < 1:
       raise ValueError(f"stream_slots must be an integer >= 1, got {stream_slots!r}.")
     self._max_stream_slots = stream_slots
+    self._host_budget = host_budget_bytes
+    self._rebalance_left = REBALANCE_STEPS if rebalance else 0
+    self._last_move: str | None = None
+    self._last_record: _StepRecord | None = None
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
     if not isinstance(opt_state, InterleavedAdamState):
@@ -302,12 +318,7 @@ class OverlappedStep:
     self.stage_times = stage_times
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
-    self._stream_order = [  # streamed subgroups in the order the backward pass hands them over
-      s for i in reversed(range(len(self.model.stages))) for g in self.model.groups_completing(i)
-      for s in self.group_subgroups[g] if self.plan.placements[s] == "stream"
-    ]  # fmt: skip
-    self._stream_rank = {s: r for r, s in enumerate(self._stream_order)}
-    self._leaf_placement = self.plan.leaf_placements()
+    self._derive_orders()
     self._params = list(leaves)
     self._check_host_memory(host_budget_bytes)  # before any state moves or spare buffer is allocated
     place = lambda xs: [  # noqa: E731
@@ -318,11 +329,9 @@ class OverlappedStep:
     # A state tx.init partitioned over the mesh ('auto') is gathered back to the parameters' layout.
     self._masters, self._mus, self._nus = (place(partition.relaid(jax.tree.leaves(t), leaves)) for t in state)
     self._count = opt_state.count
-    host_leaves = [i for s in self.plan.indices("host") for i in self.plan.subgroups[s]]
-    low = lambda i: jnp.bfloat16 if leaves[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
-    self._lows = dict(zip(host_leaves, memory.zeros_like_each([(self._masters[i], low(i)) for i in host_leaves])))
-    spares = memory.zeros_like_each([(self._masters[i], jnp.float32) for i in host_leaves for _ in range(3)])
-    self._spares = {i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(host_leaves)}
+    self._lows: dict[int, jax.Array] = {}
+    self._spares: dict[int, tuple] = {}
+    self._host_buffers([i for s in self.plan.indices("host") for i in self.plan.subgroups[s]])
     self._group_start = np.cumsum([0] + [len(jax.tree.leaves(t)) for t in params]).tolist()
     self._unfinished = [0] * len(params)  # per group: subgroups whose new weights are not yet final
     self._closed = False
@@ -385,6 +394,21 @@ class OverlappedStep:
         " (jax_dos.plan.partition_groups); pass one placement per subgroup."
       )
     return Plan(tuple(subgroups), placements, tuple(sizes), self._max_stream_slots, source="user")
+
+  def _derive_orders(self) -> None:
+    self._stream_order = [  # streamed subgroups in the order the backward pass hands them over
+      s for i in reversed(range(len(self.model.stages))) for g in self.model.groups_completing(i)
+      for s in self.group_subgroups[g] if self.plan.placements[s] == "stream"
+    ]  # fmt: skip
+    self._stream_rank = {s: r for r, s in enumerate(self._stream_order)}
+    self._leaf_placement = self.plan.leaf_placements()
+
+  def _host_buffers(self, leaves: list[int]) -> None:
+    """The host path's buffers for these leaves: the new weights' staging copy and the spare state."""
+    low = lambda i: jnp.bfloat16 if self._params[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
+    self._lows.update(zip(leaves, memory.zeros_like_each([(self._masters[i], low(i)) for i in leaves])))
+    spares = memory.zeros_like_each([(self._masters[i], jnp.float32) for i in leaves for _ in range(3)])
+    self._spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
 
   def _check_host_memory(self, budget: int | None) -> None:
     need = self.host_bytes()
@@ -463,11 +487,14 @@ class OverlappedStep:
         f" {sorted(map(str, rows))}."
       )
     n = next(iter(rows)) // k
+    if self._rebalance_left and self._last_record is not None:
+      self._rebalance(self._last_record)
     sums: list[Any] = [None] * len(self._unfinished)
     losses = []
     # The scalars if the clip does not fire, on their way to the host before any gradient is (one queue carries
     # every copy to the host, and the host worker needs them with its first subgroup).
     record = _StepRecord(device_steps.scalars(self.hyper, self._count, np.float32(1.0 / k)))
+    self._last_record = record
     try:
       for m in range(k):
         part = jax.tree.map(lambda x, m=m: x[m * n : (m + 1) * n], batch) if k > 1 else batch
@@ -641,6 +668,7 @@ class OverlappedStep:
       for i, x in zip(leaves, new):
         self._params[i] = x
       record.host_sent += new
+      record.path_end["host"] = time.perf_counter()
       if final:
         self._finished(s)
 
@@ -739,6 +767,7 @@ class OverlappedStep:
       for a in (a for group in earlier.new for a in group):
         a.delete()
     record.streamed[s] = _Streamed(old, back, None if final else grads, final)
+    record.path_end["stream"] = time.perf_counter()
     self._in_flight.append(back)
     if final:
       self._finished(s)
@@ -760,6 +789,50 @@ class OverlappedStep:
       for a in (a for group in streamed.old for a in group):
         a.delete()  # freed once its copies are done (like a donated buffer)
     record.streamed.clear()
+
+  # ----------------------------------------------------------------------------- rebalancing
+
+  def _rebalance(self, last: _StepRecord) -> None:
+    """Moves one subgroup across the stream/host boundary toward the path that finished the last step first."""
+    self._rebalance_left -= 1
+    self.settle()  # the last step's ends are final, and no worker touches the buffers moved below
+    self._move_boundary(dict(last.path_end))
+
+  def _move_boundary(self, ends: dict[str, float]) -> None:
+    """One subgroup across the boundary, toward the path whose end (``ends``: seconds) came first."""
+    host, stream = ends.get("host"), ends.get("stream")
+    if host is None or stream is None or abs(host - stream) < REBALANCE_GAP_S:
+      return
+    to = "host" if stream > host else "stream"
+    if self._last_move not in (None, to):  # the boundary has crossed the balance: keep it
+      self._rebalance_left = 0
+      return
+    placements = list(self.plan.placements)
+    forward_order = sorted(range(len(placements)), key=lambda s: (self.model.completion[self.subgroup_group[s]], s))
+    frm = "stream" if to == "host" else "host"
+    side = [s for s in forward_order if placements[s] == frm]
+    if len(side) < 2:  # keep each path in use
+      self._rebalance_left = 0
+      return
+    s = side[-1] if to == "host" else side[0]  # the one next to the boundary (streamed: earlier stages)
+    placements[s] = to
+    previous = self.plan
+    self.plan = self.plan.with_placements(placements, predicted={}, source=previous.source.split("+rebalanced")[0]
+                                          + "+rebalanced")  # fmt: skip
+    leaves = list(self.plan.subgroups[s])
+    if to == "host":
+      try:
+        self._check_host_memory(self._host_budget)
+      except MemoryError:
+        self.plan, self._rebalance_left = previous, 0
+        return
+      self._host_buffers(leaves)
+    else:
+      for i in leaves:
+        for a in (self._lows.pop(i), *self._spares.pop(i)):
+          a.delete()
+    self._derive_orders()
+    self._last_move = to
 
   # ----------------------------------------------------------------------------- waiting
 

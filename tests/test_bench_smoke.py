@@ -96,3 +96,14 @@ def test_scale_out_smoke(tmp_path):
   assert one["state_params_per_gpu"] == one["params"]
   assert two["state_params_per_gpu"] <= 0.55 * two["params"]  # partitioned (a few small leaves stay whole)
   assert two["summary"]["tokens_per_s_per_gpu_vs_one"] > 0 and doc["meta"]["dram"]["bandwidth_Bps"] > 0
+
+
+def test_train_step_smoke_overlapped(tmp_path):
+  """The overlapped variants, planned by the stages' timeline and rebalancing, with their trace and plans."""
+  path = tmp_path / "train_step.json"
+  run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", "overlap,overlapfire", "--steps", "2",
+      "--warmup", "3", "--overlap-rebalance", "--overlap-stream-slots", "2", "--out", str(path))  # fmt: skip
+  doc = json.loads(path.read_text())
+  for r in doc["results"]:
+    assert "error" not in r and r["tokens_per_s"] > 0, r.get("stderr_tail")
+    assert r["trace"] and r["plan_after"] and r["stage_times"]["forward_s"]

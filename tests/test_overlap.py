@@ -360,3 +360,36 @@ def test_a_host_budget_too_small_is_refused_before_anything_moves():
   for batch in batches:
     step(batch)
   check_against_reference(step, groups, batches, None, 2)
+
+
+@pytest.mark.parametrize("late", ["host", "stream"])
+def test_rebalancing_moves_subgroups_between_host_and_stream_and_keeps_the_numbers(monkeypatch, late):
+  """The boundary moves away from the path made to look late, one subgroup a step, until the first move back;
+  every step equals optax."""
+  import jax_dos.overlap as overlap
+
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(5)]
+  plan = MIXED[: _subgroup_count(groups)]
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
+  step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=FIRES,
+                                micro_batches=2, rebalance=True)  # fmt: skip
+  hosts = step.plan.elements("host")
+  real = overlap.OverlappedStep._move_boundary
+
+  def seen_late(self, ends):  # the late path finishes a second after the other in the first two steps, then early
+    moves.append(self.plan.elements("host"))
+    first, then = {late: 1.0, other: 0.0}, {late: 0.0, other: 1.0}
+    real(self, first if len(moves) <= 2 else then)
+
+  other = "stream" if late == "host" else "host"
+  moves: list[int] = []
+  monkeypatch.setattr(overlap.OverlappedStep, "_move_boundary", seen_late)
+  for batch in batches:
+    step(batch)
+  check_against_reference(step, groups, batches, FIRES, 2)
+  fewer = (lambda a, b: a < b) if late == "host" else (lambda a, b: a > b)  # two subgroups left the late path
+  assert moves[0] == hosts and fewer(moves[1], hosts) and fewer(moves[2], moves[1])
+  assert step.plan.source.endswith("+rebalanced") and step._rebalance_left == 0  # the move back was refused
+  assert step.plan.elements("host") == moves[2]
+  step.close()
