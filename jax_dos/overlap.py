@@ -26,10 +26,11 @@ How a step runs (the last micro-batch's backward pass, stage ``n-1`` down to 0):
 3. **Decision.** After the last stage the accelerator computes
    ``scale = clip_scale(|g| / k, c) / k`` and the resident update runs with it.
    A decider thread reads the scale once it exists; the training thread goes
-   on to the next step meanwhile. If ``scale`` equals the speculated ``1/k`` bit for bit, every speculated
-   weight is optax's; otherwise (the clip fired, or a non-finite gradient)
-   each speculated subgroup is computed again from its untouched state with
-   the true scale. Subgroups not yet reached use the true scale directly.
+   on to the next step meanwhile. If ``scale`` equals the speculated ``1/k``
+   bit for bit, every speculated weight is optax's; otherwise (the clip
+   fired, or a non-finite gradient) each speculated subgroup is computed
+   again from its untouched state with the true scale. Subgroups not yet
+   reached use the true scale directly.
 4. **Commit.** The new host buffers become the state (the old ones are the
    next step's spares), and the stream worker's new state replaces the old.
 5. **Early forward.** The next step's forward pass dispatches each stage as
@@ -53,11 +54,15 @@ what bounds the update on the machines measured (``docs/design.md``).
 Keeping the accelerator busy (``docs/overlap.md`` has the measured steps):
 the training thread stays at most ``RUN_AHEAD_STAGES`` stage programs ahead
 of the accelerator, so the workers' programs do not queue behind the whole
-backward pass; the workers wait on the host for their copies into the
-accelerator before dispatching the program that reads them, since a program
-whose input is still in flight holds the compute queue and every stage
-program behind it; and the host kernel leaves ``TRAINING_CORES`` cores to
-the threads that launch the stage programs.
+backward pass; the workers dispatch a program only once the copies into the
+accelerator that it reads have landed, since a program whose input is still
+in flight holds the compute queue and every stage program behind it, and
+they keep several copies in flight meanwhile (a copy starts only once the
+compute queue has reached the point where it was issued): the host worker
+goes on to the next kernel, the stream worker copies state in ahead of its
+gradients; no read of a small result waits on the training thread (the
+decider reads the clip decision); and the host kernel leaves
+``TRAINING_CORES`` cores to the threads that launch the stage programs.
 """
 
 from __future__ import annotations
@@ -446,7 +451,8 @@ class OverlappedStep:
     and the slots only where the room cannot hold them all (down to one).
     Resident subgroups are the first ``resident`` elements in forward order,
     so the largest one left out grows as the share shrinks: the share is
-    shrunk until it holds (a few rounds). Room unknown: the plain plan's share, ``max_slots``.
+    shrunk until it holds (a few rounds). Room unknown: the plain plan's
+    share and ``max_slots``.
     """
     resident, total, slots = whole.elements("device"), sum(sizes), max_slots
     if whole.step_room_bytes is None or resident >= total:

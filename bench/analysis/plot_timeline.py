@@ -5,8 +5,9 @@
 Rows: the accelerator (when each stage's forward and backward program finished,
 from ``jax_dos.trace``'s watcher), the training thread (waits for parameters,
 pacing), the host worker (kernel, sends, redone subgroups), the stream worker
-(dispatch, waits for a free slot) and the decider (reading the clip decision). The window is one step: from
-the end of one clip decision to the end of the next.
+(dispatch, waits for a free slot) and the decider (reading the clip
+decision). The window is one step: from the end of one clip decision to the
+end of the next.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ COLORS = {
   "backward": "#dd8452",
   "host.kernel": "#55a868",
   "host.send": "#8172b3",
+  "host.assign": "#64b5cd",
   "host.redo": "#c44e52",
   "host.wait_grads": "#cccccc",
   "host.wait_sent": "#bbbbbb",
   "stream.dispatch": "#937860",
   "stream.wait_slot": "#dddddd",
+  "stream.prefetch": "#b8860b",
   "overlap.wait_params": "#c44e52",
   "decide.read": "#000000",
   "overlap.resident": "#da8bc3",
