@@ -145,14 +145,6 @@ class InterleavedAdam:
     """Whether replicated parameters get partitioned state (``"auto"`` or ``True``; a no-op on one device)."""
     return self.partition_replicated is not False
 
-  def unpartitioned(self) -> InterleavedAdam:
-    """This optimizer with ``partition_replicated=False`` (same options and planner; plans made afresh)."""
-    return InterleavedAdam(
-      self.hyper, mask=self.mask, subgroup_size=self.subgroup_size, plan=self.plan_spec, planner=self.planner,
-      delay=self.delay, delay_warmup=self.delay_warmup, delay_predict=self.delay_predict,
-      write_behind=self.write_behind, partition_replicated=False,
-    )  # fmt: skip
-
   def plan_for(self, params: Any) -> Plan:
     """The :class:`Plan` for ``params`` (made once per tree structure, shapes and dtypes)."""
     leaves, treedef = jax.tree.flatten(params)

@@ -925,9 +925,7 @@ def _overlappable(tx: Any, params: Any) -> InterleavedAdam:
       "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"
       " without delay/write_behind, or keep those modes on the plain path (jax_dos.update_params after jax.grad)."
     )
-  # 'auto' partitions nothing where no mesh axis replicates a parameter (one device, say): then the optimizer's own
-  # plan, made by tx.init before any state took accelerator memory, is the one to keep. Elsewhere the state goes
-  # back to the parameters' layout, planned afresh.
-  if owner.partitions and any(partition.state_sharding(x) is not None for x in jax.tree.leaves(params)):
-    return owner.unpartitioned()
+  # The optimizer's own plan, made by tx.init before any state took accelerator memory, is the one the step sizes
+  # its placements from (a plan made now would find the resident state's room taken). Where 'auto' partitioned a
+  # replicated parameter's state, the step gathers it back and counts it per device in the parameters' layout.
   return owner

@@ -264,6 +264,7 @@ SHARDED = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, sys
     from jax.sharding import NamedSharding, PartitionSpec as P
     sys.path.insert(0, "tests")
+    import jax_dos
     import test_overlap as t
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
@@ -278,6 +279,16 @@ SHARDED = textwrap.dedent(
             # tx.init partitioned the vectors' state (the default); the overlapped step keeps the parameters' layout.
             for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
                 assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
+    # plan="auto": the step sizes its placements from the plan tx.init made (partitioned), and plans nothing again.
+    calls = []
+    planner = jax_dos.auto_planner(jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9))
+    counting = lambda params, size: calls.append(size) or planner(params, size)
+    tx = jax_dos.interleaved_adamw(t.LR, b1=t.B1, b2=t.B2, weight_decay=t.WD, subgroup_size=40, planner=counting)
+    step = jax_dos.OverlappedStep(tx, t.STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), micro_batches=2)
+    for batch in batches:
+        step(batch)
+    t.check_against_reference(step, groups, batches, None, 2, tol=1e-3)
+    assert len(calls) == 1, calls
     print("sharded ok")
   """
 )
@@ -316,9 +327,9 @@ def test_streamed_subgroups_in_flight_are_budgeted_beside_the_step_peak(monkeypa
   check_against_reference(step, groups, batches, NEVER, 2)
 
 
-def test_the_optimizers_own_plan_is_kept_where_nothing_is_partitioned():
-  """On one device the step plans nothing afresh: a new plan, made after tx.init's state took accelerator memory,
-  would find the resident state's room already taken (at 6.7B on an H100 it left nothing resident)."""
+def test_the_optimizers_own_plan_is_kept():
+  """The step plans nothing afresh: a new plan, made after tx.init's state took accelerator memory, would find the
+  resident state's room already taken (at 6.7B on an H100 it left nothing resident). On a mesh: the sharded test."""
   rng = np.random.default_rng()
   groups = make_groups(rng)
   calls = []
