@@ -331,13 +331,13 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
     times = jax_dos.StagedModel(stages, len(groups)).measure_times(groups, micro)
     out["stage_times"] = {"forward_s": times.forward, "backward_s": times.backward,
                           "measure_s": time.perf_counter() - t1}  # fmt: skip
-  ahead = {} if args.overlap_run_ahead is None else {"run_ahead_stages": args.overlap_run_ahead}
+  step_kw = {} if args.overlap_run_ahead is None else {"run_ahead_stages": args.overlap_run_ahead}
   if args.overlap_stream_slots is not None:
-    ahead["stream_slots"] = args.overlap_stream_slots
+    step_kw["stream_slots"] = args.overlap_stream_slots
   if args.overlap_rebalance:
-    ahead["rebalance"] = True
+    step_kw["rebalance"] = True
   step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum,
-                                stage_times=times, **ahead)  # fmt: skip
+                                stage_times=times, **step_kw)  # fmt: skip
   out["run_ahead_stages"] = step.run_ahead_stages
   del groups
   out["plan"] = str(step.plan)

@@ -321,6 +321,9 @@ class OverlappedStep:
     self.decay = decay_flags(owner.mask, list(params), self.hyper.weight_decay)
     subgroups, sizes, self.subgroup_group = partition_groups(params, owner.subgroup_size)
     self.stage_times = stage_times
+    # subgroups in the order the forward pass needs them (by the stage completing their group)
+    stage = lambda s: self.model.completion[self.subgroup_group[s]]  # noqa: E731
+    self._forward_order = sorted(range(len(subgroups)), key=lambda s: (stage(s), s))
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     self._derive_orders()
@@ -359,7 +362,7 @@ class OverlappedStep:
   # ----------------------------------------------------------------------------- the plan
 
   def _make_plan(self, spec: Any, owner: Any, groups: list, subgroups: list, sizes: list) -> Plan:
-    forward_order = sorted(range(len(subgroups)), key=lambda s: (self.model.completion[self.subgroup_group[s]], s))
+    forward_order = self._forward_order
     if isinstance(spec, Plan):
       where = {i: g for g, tree_range in enumerate(self._group_ranges(groups)) for i in tree_range}
       for s, leaves in enumerate(spec.subgroups):
@@ -716,7 +719,12 @@ class OverlappedStep:
   def _free_slot(self) -> None:
     back = jax.tree.leaves(self._in_flight.popleft())
     with trace.span("stream.wait_slot"):
-      jax.block_until_ready([a for a in back if not a.is_deleted()])  # a redo deletes the speculated copies
+      jax.block_until_ready([a for a in back if not a.is_deleted()])  # see _slot_free
+
+  def _slot_free(self) -> bool:
+    """Whether the oldest copy back has landed. A copy back may be deleted while still listed: a redo deletes the
+    speculated copies, and a later step deletes its old state, which was an earlier step's copy back."""
+    return all(a.is_deleted() or a.is_ready() for a in jax.tree.leaves(self._in_flight[0]))
 
   def _stream_prefetch(self, more: int | None = None) -> None:
     """Starts the copies in of the next streamed subgroups' state, in hand-over order, before their gradients exist.
@@ -737,7 +745,7 @@ class OverlappedStep:
     issued = 0
     while self._prefetch_next < len(self._stream_order) and (more is None or issued < more):
       while self._slots_used() >= self.plan.stream_slots and self._in_flight:
-        if more is not None and not all(a.is_deleted() or a.is_ready() for a in jax.tree.leaves(self._in_flight[0])):
+        if more is not None and not self._slot_free():
           return
         self._free_slot()
       if self._slots_used() >= self.plan.stream_slots:
@@ -814,9 +822,8 @@ class OverlappedStep:
       self._rebalance_left = 0
       return
     placements = list(self.plan.placements)
-    forward_order = sorted(range(len(placements)), key=lambda s: (self.model.completion[self.subgroup_group[s]], s))
     frm = "stream" if to == "host" else "host"
-    side = [s for s in forward_order if placements[s] == frm]
+    side = [s for s in self._forward_order if placements[s] == frm]
     if len(side) < 2:  # keep each path in use
       self._rebalance_left = 0
       return
