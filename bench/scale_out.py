@@ -114,6 +114,7 @@ def worker(args: argparse.Namespace, mesh: str, result: str) -> None:
   opt_state = tx.init(params)
   plan = jax_dos.get_plan(tx, params)
   grad_step = gradients.make_grad_step(tx, params, targs.grad_flush, targs.grad_accum)
+  print(plan, f"\nstep memory {step_memory}\nmemory before the first step {jax.local_devices()[0].memory_stats()}")
 
   def batch(index: int):
     def read(rows: slice):

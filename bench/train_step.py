@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import platform
@@ -399,6 +400,7 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
     trace=[dataclasses.asdict(s) for s in spans],
     **_memory(jax),
   )
+  step.close()
   return out
 
 
@@ -412,8 +414,12 @@ def _child(args: argparse.Namespace, variant: str, result: str) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
   except subprocess.TimeoutExpired as e:
     return {"variant": variant, "error": f"timed out after {args.timeout} s", "stderr_tail": str(e.stderr)[-3000:]}
+  tail = (proc.stderr or "")[-4000:]
+  if proc.returncode != 0 and os.path.exists(result):  # it measured, then crashed (faulthandler's trace in the tail)
+    with open(result) as f:
+      res = json.load(f)
+    return res | {"exit_after_result": proc.returncode, "stderr_tail": tail, "wall_s": time.perf_counter() - t}
   if proc.returncode != 0 or not os.path.exists(result):
-    tail = (proc.stderr or "")[-4000:]
     oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
     return {"variant": variant, "error": "out of memory" if oom else f"exit {proc.returncode}", "stderr_tail": tail}
   with open(result) as f:
@@ -448,12 +454,15 @@ def summarize(results: list[dict]) -> list[str]:
       f" {'' if mfu is None else f'{100 * mfu:5.1f}%':>6} {(r['gpu_peak_bytes'] or 0) / GIB:8.1f} {ratio('idiom')}"
       f" {ratio('host')}"
     )
+    if r.get("exit_after_result"):
+      lines.append(f"{v:8} then exited with {r['exit_after_result']} (its stderr_tail is in the JSON)")
   return lines
 
 
 def main(argv=None) -> None:
   args = parse_args(argv)
   if args.variant:
+    faulthandler.enable()  # a crash leaves its threads' stacks in the stderr tail the driver keeps
     res = run_variant(args)
     with open(args.result, "w") as f:
       json.dump(res, f)

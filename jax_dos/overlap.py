@@ -67,11 +67,13 @@ decider reads the clip decision); and the host kernel leaves
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -186,6 +188,26 @@ class _StepRecord:
     return self._spec_host
 
 
+_OPEN_STEPS: weakref.WeakSet = weakref.WeakSet()  # steps not yet closed, settled when Python exits
+
+
+def _close_open_steps() -> None:
+  """Settles and closes every open step before the interpreter finalizes.
+
+  Its workers are daemon threads: left mid-update (a step returns before its
+  update is done), they were stopped inside XLA's C++ code as Python shut
+  down, and the process aborted. Each new step registers this exit handler
+  again, so that it runs before the handlers JAX registered when its
+  backends started (exit handlers run last registered first). A worker's
+  error is not raised here: the program is ending.
+  """
+  for step in list(_OPEN_STEPS):
+    try:
+      step.close()
+    except Exception:  # noqa: BLE001
+      pass
+
+
 class _Worker:
   """A daemon thread running queued jobs in order; the first error stops it and is kept for the caller."""
 
@@ -204,6 +226,11 @@ class _Worker:
   def stop(self) -> None:
     """Ends the thread once the jobs queued before have run."""
     self._queue.put(None)
+
+  def wait_stopped(self) -> None:
+    """Waits for the thread to end (after :meth:`stop`)."""
+    if self._thread is not threading.current_thread():
+      self._thread.join()
 
   def _run(self) -> None:
     while True:
@@ -351,6 +378,9 @@ class OverlappedStep:
     self._streamer = _Worker("jax_dos-overlap-stream", self._errors, self._wake)
     self._decider = _Worker("jax_dos-overlap-decide", self._errors, self._wake)
     self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES)
+    _OPEN_STEPS.add(self)
+    atexit.unregister(_close_open_steps)
+    atexit.register(_close_open_steps)
     self._in_flight: deque = deque()  # streamed subgroups' copies back to the host, oldest first
     self._prefetched: dict[int, list] = {}  # streamed subgroup -> its state on its way in, ahead of its gradients
     self._prefetch_next = 0  # index into _stream_order of the next subgroup to prefetch
@@ -882,7 +912,10 @@ class OverlappedStep:
     finally:
       for worker in (self._decider, self._host, self._streamer):
         worker.stop()
+      for worker in (self._decider, self._host, self._streamer):
+        worker.wait_stopped()  # no thread of a closed step is left to be stopped as Python exits
       self._closed = True
+      _OPEN_STEPS.discard(self)
 
   def __enter__(self) -> OverlappedStep:
     return self

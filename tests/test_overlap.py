@@ -302,6 +302,29 @@ def test_sharded_on_four_devices():
   assert "sharded ok" in out.stdout
 
 
+EXIT_PENDING = textwrap.dedent(
+  """
+    import sys
+    import numpy as np
+    sys.path.insert(0, "tests")
+    import test_overlap as t
+
+    rng = np.random.default_rng()
+    groups = t.make_groups(rng)
+    batches = [t.make_batch(rng) for _ in range(4)]
+    step, _ = t.overlapped_run(groups, batches * 8, t.FIRES, 2, t.MIXED[: t._subgroup_count(groups)])
+    print("stepped", flush=True)  # and leaves with the last steps' updates (and their redos) still running
+  """
+)
+
+
+def test_leaving_python_with_updates_pending_settles_them():
+  root = Path(__file__).resolve().parent.parent
+  for _ in range(3):  # the workers were mid-update at exit in 2 runs of 3 before the step settled at exit
+    out = subprocess.run([sys.executable, "-c", EXIT_PENDING], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "stepped" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
 def test_streamed_subgroups_in_flight_are_budgeted_beside_the_step_peak(monkeypatch):
   """With the step's needs known, resident state plus the streaming slots fit the room beside the step's peak."""
   monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)  # the calibration's figure, on a GPU too
