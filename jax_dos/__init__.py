@@ -22,7 +22,7 @@ Importing it changes one thing outside itself: XLA's pinned host pool cap
 """
 
 from jax_dos import memory as _memory
-from jax_dos import trace
+from jax_dos import timeline, trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
@@ -84,6 +84,7 @@ __all__ = [
   "partition_leaves",
   "resolve_plan",
   "to_optax_adamw_state",
+  "timeline",
   "trace",
   "update_params",
   "wait_for_host_updates",

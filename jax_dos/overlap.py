@@ -97,7 +97,14 @@ from jax_dos.plan import (
 )
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements, stage_ordered_placements
+from jax_dos.timeline import (
+  Rates,
+  StageTimes,
+  Subgroup,
+  choose_placements,
+  stage_ordered_placements,
+  stream_rate_during_backward,
+)
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 # Several threads launch accelerator work at once here. XLA's GPU command buffers (CUDA graphs) capture a program's
@@ -117,6 +124,10 @@ STREAM_SLOTS = 4
 # path finished its step this much later than the other; it stops at the first move back, or after this many steps.
 REBALANCE_GAP_S = 0.05
 REBALANCE_STEPS = 12
+# The first steps' ends are not used: they compile the update programs and the host kernel (at 6.7B the host path of
+# the first steps finished late, the rebalancing moved two subgroups to the stream path, and from then on the stream
+# path ended 0.57 s after the host path).
+REBALANCE_AFTER_STEPS = 2
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
 TRAINING_CORES = 2
@@ -283,7 +294,8 @@ class OverlappedStep:
     rebalance: measure which of the host and stream paths finishes its step
       later and move one subgroup at a time across their boundary toward the
       other (``REBALANCE_GAP_S``), until the first move back (at most
-      ``REBALANCE_STEPS`` steps). A step that rebalances first waits for the
+      ``REBALANCE_STEPS`` steps, after the first ``REBALANCE_AFTER_STEPS``,
+      which compile). A step that rebalances first waits for the
       last one's update to end. The numbers do not change.
     host_budget_bytes: pinned host bytes the step may use at most
       (:meth:`host_bytes`); ``None``: the machine's RAM. Above it, a
@@ -335,6 +347,7 @@ class OverlappedStep:
     self._rebalance_left = REBALANCE_STEPS if rebalance else 0
     self._last_move: str | None = None
     self._last_record: _StepRecord | None = None
+    self._steps_taken = 0
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
     if not isinstance(opt_state, InterleavedAdamState):
@@ -413,8 +426,9 @@ class OverlappedStep:
       if len(self.stage_times.forward) != len(self.model.stages):
         raise ValueError(f"stage_times has {len(self.stage_times.forward)} stages, the model {len(self.model.stages)}.")
       cal = whole.calibration
+      backward = stream_rate_during_backward(self.stage_times, sum(sizes) / len(sizes), self.run_ahead_stages)
       rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
-                    cal["stream_rate_concurrent"])  # fmt: skip
+                    cal["stream_rate_concurrent"], backward)  # fmt: skip
       timeline = [Subgroup(n, self.model.completion[self.subgroup_group[s]]) for s, n in enumerate(sizes)]
       placements, predicted = choose_placements(self.stage_times, timeline, resident, rates)
       predicted = {"exposed": predicted["exposed_s"], "step": self.stage_times.compute_s(self.micro_batches)
@@ -526,8 +540,9 @@ class OverlappedStep:
         f" {sorted(map(str, rows))}."
       )
     n = next(iter(rows)) // k
-    if self._rebalance_left and self._last_record is not None:
+    if self._rebalance_left and self._last_record is not None and self._steps_taken > REBALANCE_AFTER_STEPS:
       self._rebalance(self._last_record)
+    self._steps_taken += 1
     sums: list[Any] = [None] * len(self._unfinished)
     losses = []
     # The scalars if the clip does not fire, on their way to the host before any gradient is (one queue carries

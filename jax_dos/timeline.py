@@ -11,6 +11,10 @@ micro-batch's backward pass:
   hand-over order, one at a time, a subgroup starting when it has been handed
   over and the previous one is done; each path runs at its concurrent rate
   while the other path has work in the step, else at its own rate;
+* except that while the backward pass runs, the stream path moves at most
+  ``stream_backward`` parameters a second: its copies and its update programs
+  queue behind the stage programs already dispatched (6.7B on an H100: about
+  0.3 G/s then, against 1.9 G/s calibrated);
 * the backward pass ends at ``D = E_0``; resident subgroups are updated then,
   ``device_elements / device_rate`` long;
 * the next step's forward pass starts at ``D`` plus the resident update, and
@@ -22,10 +26,11 @@ micro-batch's backward pass:
 parameters each path takes. The exposed update is how much later the next forward pass ends than it would
 with no update at all: ``step = k (sum(forward) + sum(backward)) + exposed``.
 The first stages' gradients come last and their weights are needed first, so
-:func:`choose_placements` keeps them resident, puts the last stages on the
-host (most time between their gradients and their next use) and streams the
-ones between, trying every split of the non-resident subgroups between host
-and stream and keeping the one predicted fastest.
+:func:`choose_placements` keeps them resident. Of the rest it streams either
+the first ones (the host takes the last stages, with the most time between
+their gradients and their next use) or the last ones (the stream path then
+works while the backward pass runs, and the host takes the stages between),
+trying every such split and keeping the one predicted fastest.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Rates:
   device: float
   host_concurrent: float
   stream_concurrent: float
+  stream_backward: float | None = None  # the stream path's cap while the backward pass runs (None: no cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +90,12 @@ def simulate(times: StageTimes, subgroups: Sequence[Subgroup], placements: Seque
   order = sorted(range(len(subgroups)), key=lambda s: (-subgroups[s].stage, s))  # hand-over order
   done = [0.0] * len(subgroups)
   free = {"host": 0.0, "stream": 0.0}
+  during_backward = {"host": rate["host"], "stream": min(rate["stream"], rates.stream_backward or rate["stream"])}
   for s in order:
     path = placements[s]
     if path in free:
       start = max(ends[subgroups[s].stage], free[path])
-      free[path] = done[s] = start + subgroups[s].size / max(rate[path], 1e-30)
+      free[path] = done[s] = _finish(start, subgroups[s].size, backward_end, during_backward[path], rate[path])
   resident = sum(g.size for g, p in zip(subgroups, placements) if p == "device") / max(rates.device, 1e-30)
   for s, p in enumerate(placements):
     if p == "device":
@@ -108,27 +115,52 @@ def simulate(times: StageTimes, subgroups: Sequence[Subgroup], placements: Seque
   }
 
 
+def stream_rate_during_backward(times: StageTimes, subgroup_size: float, run_ahead_stages: int) -> float:
+  """The stream path's rate while the backward pass runs: one subgroup per ``run_ahead_stages + 1`` stage programs.
+
+  A copy into the accelerator and an update program each start only once the
+  compute queue has reached the point where they were issued, and the
+  training thread keeps ``run_ahead_stages`` stage programs queued ahead. So
+  while the backward pass runs, each streamed subgroup waits about that many
+  programs behind the last one. At 6.7B on an H100 (41 M-parameter
+  subgroups, 33 ms a backward stage, 2 stages ahead) this gives 0.42 G/s; the
+  trace measured about 0.3 (``docs/overlap.md``).
+  """
+  stage = sum(times.backward) / len(times.backward)
+  return subgroup_size / max((run_ahead_stages + 1) * stage, 1e-30)
+
+
+def _finish(start: float, size: int, backward_end: float, backward_rate: float, rate: float) -> float:
+  """When ``size`` parameters begun at ``start`` are done: ``backward_rate`` until ``backward_end``, then ``rate``."""
+  before = max(0.0, backward_end - start) * backward_rate
+  if size <= before:
+    return start + size / max(backward_rate, 1e-30)
+  return max(start, backward_end) + (size - before) / max(rate, 1e-30)
+
+
 def choose_placements(
   times: StageTimes, subgroups: Sequence[Subgroup], device_elements: int, rates: Rates, allow_stream: bool = True
 ) -> tuple[list[str], dict]:
   """Placements predicted to hide the most update: ``(placements, simulate's result of them)``.
 
   Resident first, in the order the forward pass needs the subgroups, up to
-  ``device_elements``; of the rest, the first ``j`` streamed and the others on
-  the host, for the ``j`` (0 to all, 0 only without ``allow_stream``) with the
-  smallest predicted exposed time (ties: fewer streamed).
+  ``device_elements``; of the rest, the first ``j`` or the last ``j`` streamed
+  and the others on the host, for the choice (``j`` from 0 to all, 0 only
+  without ``allow_stream``) with the smallest predicted exposed time (ties:
+  fewer streamed, then the first ones).
   """
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
   placements = stage_ordered_placements(forward_order, [g.size for g in subgroups], device_elements, 0)
   rest = [s for s in forward_order if placements[s] != "device"]
   best: tuple[float, list[str], dict] | None = None
   for j in range(len(rest) + 1 if allow_stream else 1):
-    trial = list(placements)
-    for s in rest[:j]:
-      trial[s] = "stream"
-    result = simulate(times, subgroups, trial, rates)
-    if best is None or result["exposed_s"] < best[0] - 1e-9:
-      best = (result["exposed_s"], trial, result)
+    for streamed in (rest[:j], rest[len(rest) - j :]) if j else ([],):
+      trial = list(placements)
+      for s in streamed:
+        trial[s] = "stream"
+      result = simulate(times, subgroups, trial, rates)
+      if best is None or result["exposed_s"] < best[0] - 1e-9:
+        best = (result["exposed_s"], trial, result)
   return best[1], best[2]
 
 

@@ -403,7 +403,7 @@ def test_rebalancing_moves_subgroups_between_host_and_stream_and_keeps_the_numbe
   import jax_dos.overlap as overlap
 
   rng = np.random.default_rng()
-  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(5)]
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(5 + overlap.REBALANCE_AFTER_STEPS)]
   plan = MIXED[: _subgroup_count(groups)]
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
   step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=FIRES,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements, simulate
+from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements, simulate, stream_rate_during_backward
 
 TIMES = StageTimes(forward=(1.0, 1.0, 1.0), backward=(2.0, 2.0, 2.0))  # the backward pass ends at 6 s
 RATES = Rates(host=2.0, stream=4.0, device=100.0, host_concurrent=1.0, stream_concurrent=2.0)
@@ -35,7 +35,7 @@ def test_choose_keeps_first_stages_resident_and_last_on_the_host():
   assert placements[2] == "host"
   assert result["exposed_s"] == min(
     simulate(TIMES, subgroups, ["device", *p], RATES)["exposed_s"]
-    for p in (("host", "host"), ("stream", "host"), ("stream", "stream"))
+    for p in (("host", "host"), ("stream", "host"), ("host", "stream"), ("stream", "stream"))
   )
 
 
@@ -45,6 +45,35 @@ def test_choose_streams_when_the_host_is_slow():
   assert placements == ["stream", "stream"]
   placements, _ = choose_placements(TIMES, [Subgroup(3, 1), Subgroup(3, 2)], 0, slow_host, allow_stream=False)
   assert placements == ["host", "host"]
+
+
+def test_the_stream_path_is_capped_while_the_backward_pass_runs():
+  # Stage 2's 6 parameters are handed over at 2 s. Uncapped, at 4/s: done at 3.5 s. Capped at 1/s until the backward
+  # pass ends at 6 s (4 parameters), then 2 more at 4/s: done at 6.5 s.
+  uncapped = simulate(TIMES, [Subgroup(6, 2)], ["stream"], RATES)
+  assert uncapped["stream_end_s"] == pytest.approx(3.5)
+  capped = Rates(**{**RATES.__dict__, "stream_backward": 1.0})
+  assert simulate(TIMES, [Subgroup(6, 2)], ["stream"], capped)["stream_end_s"] == pytest.approx(6.5)
+  # Begun after the backward pass, a subgroup is not capped.
+  assert simulate(TIMES, [Subgroup(100, 0), Subgroup(4, 0)], ["host", "stream"], capped)["stream_end_s"] == (
+    pytest.approx(6.0 + 4 / RATES.stream_concurrent)
+  )
+
+
+def test_choose_streams_the_last_stages_when_the_stream_path_works_during_the_backward_pass():
+  # Streamed, stage 2 (handed over at 2 s) gets 4 s of the backward pass at 1/s and is done at 8 s, in time for its
+  # use at 8 s; the host does stage 1 from 4 s to 6 s. The other way round the host needs stage 2 until 10 s.
+  rates = Rates(host=1.0, stream=2.0, device=100.0, host_concurrent=1.0, stream_concurrent=2.0, stream_backward=1.0)
+  subgroups = [Subgroup(2, 1), Subgroup(8, 2)]
+  placements, result = choose_placements(TIMES, subgroups, 0, rates)
+  assert placements == ["host", "stream"]
+  assert result["exposed_s"] == pytest.approx(0.0)
+  assert simulate(TIMES, subgroups, ["stream", "host"], rates)["exposed_s"] == pytest.approx(2.0)
+
+
+def test_the_stream_rate_during_the_backward_pass_is_one_subgroup_per_queued_stage_programs():
+  # 2 s a backward stage, 2 stage programs queued ahead: a 12-parameter subgroup every 6 s.
+  assert stream_rate_during_backward(TIMES, 12, run_ahead_stages=2) == pytest.approx(2.0)
 
 
 def test_stage_times_are_checked():

@@ -1,0 +1,98 @@
+"""Replays the timeline model on a measured overlapped step: predicted step times against the measured one.
+
+From a ``bench/train_step.py`` JSON (an ``overlap`` variant run with ``--timeline``) it rebuilds the GPT's subgroups
+and the stages that complete them, takes the measured stage times, and prints:
+
+* the model without the stream path's cap during the backward pass, on the placements it chooses (this should
+  equal the run's recorded ``plan_predicted``);
+* the model with the cap (``jax_dos.timeline.stream_rate_during_backward``) on those same placements;
+* the placements the capped model chooses, and their predicted step;
+* the measured step.
+
+The rates are the calibration's, from the JSON's ``calibration`` line or ``--rates`` (host, stream, device, host
+concurrent, stream concurrent, in G parameters/s)::
+
+    python bench/analysis/replay_timeline.py bench/results/train_step-h100/gpt6p7b_accum2_overlap_rebalanced.json \\
+        --rates 1.9,2.81,48.3,1.81,1.75
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax_dos  # noqa: E402
+from jax_dos import timeline  # noqa: E402
+from models import gpt  # noqa: E402
+
+
+def parse_rates(text: str) -> list[float]:
+  """Five rates in G params/s, from ``"h,s,d,hc,sc"`` or a calibration summary line."""
+  if re.fullmatch(r"[\d.,\s]+", text):
+    return [float(x) * 1e9 for x in text.split(",")]
+  found = re.search(r"host ([\d.]+) G/s, stream ([\d.]+) G/s, device ([\d.]+) G/s, concurrent host ([\d.]+) G/s"
+                    r" \+ stream ([\d.]+) G/s", text)  # fmt: skip
+  if not found:
+    raise SystemExit(f"error: no rates in {text!r}; pass --rates h,s,d,hc,sc (G params/s).")
+  return [float(x) * 1e9 for x in found.groups()]
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("result", help="a bench/train_step.py JSON with an overlap variant")
+  p.add_argument("--variant", default="overlap")
+  p.add_argument("--rates", default=None, help="h,s,d,hc,sc in G params/s (default: the JSON's calibration)")
+  args = p.parse_args(argv)
+  with open(args.result) as f:
+    doc = json.load(f)
+  run = next((r for r in doc["results"] if r.get("variant") == args.variant and "stage_times" in r), None)
+  if run is None:
+    raise SystemExit(f"error: no {args.variant!r} run with stage times in {args.result}.")
+  rates = parse_rates(args.rates or doc.get("calibration") or "")
+  config = doc["config"]
+  cfg = gpt.get_config(config["preset"], vocab_size=config["vocab_size"], param_dtype=config["param_dtype"])
+  groups = gpt.stage_groups(gpt.abstract_params(cfg))
+  staged = jax_dos.StagedModel(gpt.make_stages(cfg), len(groups))
+  subgroups = []
+  for g, tree in enumerate(groups):
+    _, sizes = jax_dos.partition_leaves(tree, jax_dos.DEFAULT_SUBGROUP_SIZE)
+    subgroups += [timeline.Subgroup(n, staged.completion[g]) for n in sizes]
+  times = timeline.StageTimes(tuple(run["stage_times"]["forward_s"]), tuple(run["stage_times"]["backward_s"]))
+  compute = times.compute_s(config["grad_accum"])
+  resident = run["plan_elements"]["device"]
+  uncapped = timeline.Rates(*rates)
+  mean_size = sum(g.size for g in subgroups) / len(subgroups)
+  cap = timeline.stream_rate_during_backward(times, mean_size, run.get("run_ahead_stages", 2))
+  capped = timeline.Rates(*rates, stream_backward=cap)
+  chosen, before = timeline.choose_placements(times, subgroups, resident, uncapped)
+  same = timeline.simulate(times, subgroups, chosen, capped)
+  rechosen, after = timeline.choose_placements(times, subgroups, resident, capped)
+
+  def shares(placements):
+    return {k: sum(g.size for g, q in zip(subgroups, placements) if q == k) for k in ("device", "stream", "host")}
+
+  out = {
+    "measured_step_s": run["step_s"],
+    "recorded_prediction_s": (run.get("plan_predicted") or {}).get("step"),
+    "uncapped_step_s": compute + before["exposed_s"],
+    "stream_backward_rate": cap,
+    "capped_same_placements_step_s": compute + same["exposed_s"],
+    "capped_choice_step_s": compute + after["exposed_s"],
+    "uncapped_choice": shares(chosen),
+    "capped_choice": shares(rechosen),
+  }
+  print(f"measured step {out['measured_step_s']:.3f} s; recorded prediction {out['recorded_prediction_s']}")
+  print(f"model without the cap: {out['uncapped_step_s']:.3f} s, placements {out['uncapped_choice']}")
+  print(f"stream path during the backward pass: {cap / 1e9:.2f} G params/s")
+  print(f"model with the cap, same placements: {out['capped_same_placements_step_s']:.3f} s")
+  print(f"model with the cap, its own choice: {out['capped_choice_step_s']:.3f} s, placements {out['capped_choice']}")
+  return out
+
+
+if __name__ == "__main__":
+  main()
