@@ -107,3 +107,16 @@ def test_train_step_smoke_overlapped(tmp_path):
   for r in doc["results"]:
     assert "error" not in r and r["tokens_per_s"] > 0, r.get("stderr_tail")
     assert r["trace"] and r["plan_after"] and r["stage_times"]["forward_s"]
+
+
+def test_replay_timeline_reproduces_a_runs_recorded_prediction(tmp_path):
+  """The replay rebuilds a committed 6.7B run's subgroups and stages: without the cap it predicts what the run's plan
+  recorded (same model, same inputs); with it, its own choice is predicted no slower than the recorded placements."""
+  result = os.path.join(ROOT, "bench", "results", "train_step-h100", "gpt6p7b_accum2_overlap_prefetch_free_slots.json")
+  sys.path.insert(0, os.path.join(ROOT, "bench", "analysis"))
+  import replay_timeline
+
+  out = replay_timeline.main([result, "--rates", "1.9,2.81,48.3,1.81,1.75"])  # that machine's calibration
+  assert abs(out["uncapped_step_s"] - out["recorded_prediction_s"]) < 5e-3 * out["recorded_prediction_s"]
+  assert out["capped_choice_step_s"] <= out["capped_same_placements_step_s"]
+  assert sum(out["capped_choice"].values()) == sum(out["uncapped_choice"].values())
