@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def launch(command: Callable[[str, int], tuple[list[str], dict]], processes: int
 
   A process that fails ends the others (they would wait for it in a collective); none outlives ``TIMEOUT_S``.
   """
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             PYTHONFAULTHANDLER="1")  # fmt: skip
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   port = str(_free_port())
   with tempfile.TemporaryDirectory() as tmp:
@@ -59,17 +61,23 @@ def launch(command: Callable[[str, int], tuple[list[str], dict]], processes: int
           break
         time.sleep(0.2)
     finally:
-      for p in procs:
-        if p.poll() is None:
+      hung = [p for p in procs if p.poll() is None]
+      for p in hung if time.monotonic() >= deadline else []:
+        p.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack to its log
+      for p in hung:
+        try:
+          p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
           p.kill()
-        p.wait()
+          p.wait()
     outputs = []
     for log in logs:
       log.seek(0)
       outputs.append(log.read())
       log.close()
-  for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f"process {i} failed (exit {p.returncode}; killed: timed out or another failed):\n{out}"
+  codes = [p.returncode for p in procs]
+  report = "\n".join(f"--- process {i} (exit {c}):\n{out[-6000:]}" for i, (c, out) in enumerate(zip(codes, outputs)))
+  assert codes == [0] * processes, f"exit codes {codes} (-9: killed, timed out or another failed)\n{report}"
   return outputs
 
 
