@@ -414,7 +414,7 @@ def _child(args: argparse.Namespace, variant: str, result: str) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
   except subprocess.TimeoutExpired as e:
     return {"variant": variant, "error": f"timed out after {args.timeout} s", "stderr_tail": str(e.stderr)[-3000:]}
-  tail = (proc.stderr or "")[-4000:]
+  tail = (proc.stderr or "")[-12000:]  # a crash: every thread's Python stack, then the native one
   if proc.returncode != 0 and os.path.exists(result):  # it measured, then crashed (faulthandler's trace in the tail)
     with open(result) as f:
       res = json.load(f)

@@ -60,7 +60,7 @@ in flight holds the compute queue and every stage program behind it, and
 they keep several copies in flight meanwhile (a copy starts only once the
 compute queue has reached the point where it was issued): the host worker
 goes on to the next kernel, the stream worker copies state in ahead of its
-gradients; no read of a small result waits on the training thread (the
+gradients, topping up each slot as soon as it is free; no read of a small result waits on the training thread (the
 decider reads the clip decision); and the host kernel leaves
 ``TRAINING_CORES`` cores to the threads that launch the stage programs.
 """
@@ -120,6 +120,10 @@ RUN_AHEAD_STAGES = 2
 # state is on its way back). The plain update phase streams with the planner's count (2 by default); here each copy
 # starts only once the compute queue has reached it, so more are needed to keep the link busy (6.7B, H100: 4).
 STREAM_SLOTS = 4
+# How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
+# whose copy back has landed takes the next subgroup's state at once. Issued one per update instead (each waiting the
+# compute queue out behind the stage programs), the copies held the path to one subgroup per few stage programs.
+IDLE_POLL_S = 0.002
 # Rebalancing (OverlappedStep(rebalance=True)): a step moves one subgroup across the stream/host boundary when one
 # path finished its step this much later than the other; it stops at the first move back, or after this many steps.
 REBALANCE_GAP_S = 0.05
@@ -220,11 +224,17 @@ def _close_open_steps() -> None:
 
 
 class _Worker:
-  """A daemon thread running queued jobs in order; the first error stops it and is kept for the caller."""
+  """A daemon thread running queued jobs in order; the first error stops it and is kept for the caller.
 
-  def __init__(self, name: str, errors: list[BaseException], wake: threading.Condition):
+  With ``idle`` (a weak reference to its owner's method), the thread calls it
+  every ``IDLE_POLL_S`` while no job is queued, and ends once the owner is gone.
+  """
+
+  def __init__(
+    self, name: str, errors: list[BaseException], wake: threading.Condition, idle: weakref.WeakMethod | None = None
+  ):
     self._queue: queue.Queue = queue.Queue()
-    self._errors, self._wake = errors, wake
+    self._errors, self._wake, self._idle = errors, wake, idle
     self._thread = threading.Thread(target=self._run, name=name, daemon=True)
     self._thread.start()
 
@@ -245,20 +255,32 @@ class _Worker:
 
   def _run(self) -> None:
     while True:
-      job = self._queue.get()
+      try:
+        job = self._queue.get(timeout=IDLE_POLL_S) if self._idle else self._queue.get()
+      except queue.Empty:  # idle: its owner's idle method, while the owner lives
+        idle = self._idle()
+        if idle is None:
+          return
+        self._call(idle)
+        del idle
+        continue
       if job is None:
         self._queue.task_done()
         return
-      fn, args = job
       try:
-        if not self._errors:
-          fn(*args)
-      except BaseException as e:  # re-raised on the calling thread
-        self._errors.append(e)
-        with self._wake:
-          self._wake.notify_all()
+        self._call(job[0], *job[1])
       finally:
+        del job  # a finished job must not keep its owner alive
         self._queue.task_done()
+
+  def _call(self, fn: Callable, *args) -> None:
+    try:
+      if not self._errors:
+        fn(*args)
+    except BaseException as e:  # re-raised on the calling thread
+      self._errors.append(e)
+      with self._wake:
+        self._wake.notify_all()
 
 
 class OverlappedStep:
@@ -387,20 +409,22 @@ class OverlappedStep:
     self.grad_norm: jax.Array | None = None  # the last step's global norm of the mean gradient (before the clip)
     self._errors: list[BaseException] = []
     self._wake = threading.Condition()
+    self._in_flight: deque = deque()  # streamed subgroups' copies back to the host, oldest first
+    self._prefetched: dict[int, list] = {}  # streamed subgroup -> its state on its way in, ahead of its gradients
+    self._prefetch_next = 0  # index into _stream_order of the next subgroup to prefetch
+    self._stream_step_open = False  # (stream worker) between a step's first prefetch and its commit
+    self._sending: deque = deque()  # host subgroups' new weights on their way in: (record, subgroup, arrays, final)
+    self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
+    kw = self.hyper
+    self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
     self._host = _Worker("jax_dos-overlap-host", self._errors, self._wake)
-    self._streamer = _Worker("jax_dos-overlap-stream", self._errors, self._wake)
+    top_up = weakref.WeakMethod(self._stream_top_up)
+    self._streamer = _Worker("jax_dos-overlap-stream", self._errors, self._wake, idle=top_up)
     self._decider = _Worker("jax_dos-overlap-decide", self._errors, self._wake)
     self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES)
     _OPEN_STEPS.add(self)
     atexit.unregister(_close_open_steps)
     atexit.register(_close_open_steps)
-    self._in_flight: deque = deque()  # streamed subgroups' copies back to the host, oldest first
-    self._prefetched: dict[int, list] = {}  # streamed subgroup -> its state on its way in, ahead of its gradients
-    self._prefetch_next = 0  # index into _stream_order of the next subgroup to prefetch
-    self._sending: deque = deque()  # host subgroups' new weights on their way in: (record, subgroup, arrays, final)
-    self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
-    kw = self.hyper
-    self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
 
   # ----------------------------------------------------------------------------- the plan
 
@@ -787,6 +811,7 @@ class OverlappedStep:
     if more is None:  # a new step: whatever is left from the last one is stale
       self._prefetched.clear()
       self._prefetch_next = 0
+      self._stream_step_open = True
     issued = 0
     while self._prefetch_next < len(self._stream_order) and (more is None or issued < more):
       while self._slots_used() >= self.plan.stream_slots and self._in_flight:
@@ -801,6 +826,19 @@ class OverlappedStep:
       self._prefetch_next += 1
       issued += 1
 
+  def _stream_top_up(self) -> None:
+    """(stream worker, idle or waiting) Copies in the next subgroups' state into every slot already free."""
+    if self._stream_step_open:
+      self._stream_prefetch(more=self.plan.stream_slots)
+
+  def _wait_landed(self, state: list[list[jax.Array]]) -> None:
+    """Waits until ``state`` is on the accelerator, topping up the copies in meanwhile."""
+    arrays = jax.tree.leaves(state)
+    with trace.span("stream.wait_state"):
+      while not all(a.is_ready() for a in arrays):
+        self._stream_top_up()
+        time.sleep(IDLE_POLL_S)
+
   def _stream_dispatch(self, record: _StepRecord, s: int, grads: list[jax.Array], scalars: jax.Array, final: bool):
     leaves = list(self.plan.subgroups[s])
     earlier = record.streamed.get(s)
@@ -814,7 +852,7 @@ class OverlappedStep:
       old = earlier.old if earlier else self._stream_state(s)
       if state is None:
         state = memory.put_groups(old, "device")
-      jax.block_until_ready(state)  # the update waits here, not on the accelerator's compute queue
+      self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
       g = memory.like_states(grads, old[0])
       outs = device_steps.update_params(g, *state, [self._params[i] for i in leaves], scalars, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
@@ -831,10 +869,11 @@ class OverlappedStep:
     if final:
       self._finished(s)
     if not earlier:
-      self._stream_prefetch(more=1)
+      self._stream_top_up()
 
   def _stream_finish(self, record: _StepRecord) -> None:
     decision = record.decision
+    self._stream_step_open = False
     for s, streamed in list(record.streamed.items()):
       if not streamed.final:
         if decision.fired:

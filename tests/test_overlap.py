@@ -11,10 +11,12 @@ the step's order, then takes their mean.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import jax
@@ -427,3 +429,24 @@ def test_rebalancing_moves_subgroups_between_host_and_stream_and_keeps_the_numbe
   assert step.plan.source.endswith("+rebalanced") and step._rebalance_left == 0  # the move back was refused
   assert step.plan.elements("host") == moves[2]
   step.close()
+
+
+def test_stream_slots_change_no_number_and_a_dropped_step_ends_its_threads():
+  """One slot or many (the stream worker tops each up as it frees): optax's numbers. A step dropped without close()
+  is collected and its threads end: the stream worker's idle top-up holds it only weakly."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  for slots in (1, 8):
+    step, _ = overlapped_run(groups, batches, FIRES, 2, "stream", stream_slots=slots)
+    check_against_reference(step, groups, batches, FIRES, 2)
+    step.close()
+  step, _ = overlapped_run(groups, batches[:1], NEVER, 1, "stream")
+  step.settle()
+  threads = [w._thread for w in (step._host, step._streamer, step._decider)]
+  collected = weakref.ref(step)
+  del step
+  gc.collect()
+  assert collected() is None
+  for thread in threads:
+    thread.join(timeout=10)
+    assert not thread.is_alive(), thread.name
