@@ -70,12 +70,11 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import queue
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -86,6 +85,7 @@ from jax_dos import device_steps, host_kernels, memory, partition, trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import InterleavedAdam, decay_flags, find_interleaved, leaves_with_paths
+from jax_dos.job_thread import JobThread
 from jax_dos.plan import (
   MEMORY_KIND,
   PLACEMENTS,
@@ -223,66 +223,6 @@ def _close_open_steps() -> None:
       pass
 
 
-class _Worker:
-  """A daemon thread running queued jobs in order; the first error stops it and is kept for the caller.
-
-  With ``idle`` (a weak reference to its owner's method), the thread calls it
-  every ``IDLE_POLL_S`` while no job is queued, and ends once the owner is gone.
-  """
-
-  def __init__(
-    self, name: str, errors: list[BaseException], wake: threading.Condition, idle: weakref.WeakMethod | None = None
-  ):
-    self._queue: queue.Queue = queue.Queue()
-    self._errors, self._wake, self._idle = errors, wake, idle
-    self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-    self._thread.start()
-
-  def submit(self, fn: Callable, *args) -> None:
-    self._queue.put((fn, args))
-
-  def join(self) -> None:
-    self._queue.join()
-
-  def stop(self) -> None:
-    """Ends the thread once the jobs queued before have run."""
-    self._queue.put(None)
-
-  def wait_stopped(self) -> None:
-    """Waits for the thread to end (after :meth:`stop`)."""
-    if self._thread is not threading.current_thread():
-      self._thread.join()
-
-  def _run(self) -> None:
-    while True:
-      try:
-        job = self._queue.get(timeout=IDLE_POLL_S) if self._idle else self._queue.get()
-      except queue.Empty:  # idle: its owner's idle method, while the owner lives
-        idle = self._idle()
-        if idle is None:
-          return
-        self._call(idle)
-        del idle
-        continue
-      if job is None:
-        self._queue.task_done()
-        return
-      try:
-        self._call(job[0], *job[1])
-      finally:
-        del job  # a finished job must not keep its owner alive
-        self._queue.task_done()
-
-  def _call(self, fn: Callable, *args) -> None:
-    try:
-      if not self._errors:
-        fn(*args)
-    except BaseException as e:  # re-raised on the calling thread
-      self._errors.append(e)
-      with self._wake:
-        self._wake.notify_all()
-
-
 class OverlappedStep:
   """Training steps of a staged model whose AdamW update overlaps the backward and the next forward pass.
 
@@ -417,10 +357,10 @@ class OverlappedStep:
     self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
     kw = self.hyper
     self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
-    self._host = _Worker("jax_dos-overlap-host", self._errors, self._wake)
+    self._host = JobThread("jax_dos-overlap-host", self._errors, self._wake)
     top_up = weakref.WeakMethod(self._stream_top_up)
-    self._streamer = _Worker("jax_dos-overlap-stream", self._errors, self._wake, idle=top_up)
-    self._decider = _Worker("jax_dos-overlap-decide", self._errors, self._wake)
+    self._streamer = JobThread("jax_dos-overlap-stream", self._errors, self._wake, top_up, IDLE_POLL_S)
+    self._decider = JobThread("jax_dos-overlap-decide", self._errors, self._wake)
     self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES)
     _OPEN_STEPS.add(self)
     atexit.unregister(_close_open_steps)
