@@ -16,7 +16,9 @@ pinned memory), on the same model, batch and data (the embedded corpus):
   ``none``   ``optax.adamw`` with everything on the GPU (only where it fits);
   ``overlap`` ``jax_dos.OverlappedStep``: the model as stages (embeddings, blocks, head), the update running under
              the backward pass and the next forward, the clip speculated not to fire (``--clip``);
-  ``overlapfire`` as ``overlap`` with a clip that fires every step (norm 1e-6): the speculation always redone.
+  ``overlapfire`` as ``overlap`` with a clip that fires every step (norm 1e-6): the speculation always redone;
+  ``overlapbatch`` as ``overlap`` with the micro-batches one after another (``micro_batch_order="batch"``; the
+             others take ``--overlap-order``, ``"stage"`` by default).
 
 With ``--grad-accum k`` a step is ``k`` micro-batches of ``--batch`` rows, their
 gradients summed on the GPU (``train.gpt``'s gradient step; no flush), for
@@ -57,8 +59,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402  (sets nothing until setup_env is called)
 
 VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", "ahead", "hostdelay", "none", "overlap",
-            "overlapfire")  # fmt: skip
-OVERLAPPED = ("overlap", "overlapfire")
+            "overlapfire", "overlapbatch")  # fmt: skip
+OVERLAPPED = ("overlap", "overlapfire", "overlapbatch")
 GIB = 2**30
 
 
@@ -97,6 +99,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     type=int,
     default=None,
     help="overlap variants: stage programs the training thread may run ahead (default: OverlappedStep's)",
+  )
+  p.add_argument(
+    "--overlap-order",
+    default="stage",
+    choices=("stage", "batch"),
+    help="overlap variants: micro_batch_order (stage: every micro-batch through a stage before the next; batch: one"
+    " micro-batch after another)",
   )
   p.add_argument(
     "--overlap-rebalance",
@@ -303,8 +312,8 @@ def run_variant(args: argparse.Namespace) -> dict:
 def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef, params, batches) -> dict:
   """The ``overlap`` variants: ``jax_dos.OverlappedStep`` on the GPT's stages, timed step by step.
 
-  Forward/backward alone is the same stage programs with no optimizer
-  (``StagedModel.loss_and_grads`` over the micro-batches, sums in place), so
+  Forward/backward alone is the same stage programs with no optimizer, in the
+  step's order (``StagedModel.loss_and_grads``, sums in place), so
   the exposed update is what the optimizer adds to the step's own computation.
   """
   clip = 1e-6 if args.variant == "overlapfire" else args.clip
@@ -331,8 +340,10 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
     micro = tuple(x[: args.batch] for x in batches[0])
     times = jax_dos.StagedModel(stages, len(groups)).measure_times(groups, micro)
     out["stage_times"] = {"forward_s": times.forward, "backward_s": times.backward,
-                          "measure_s": time.perf_counter() - t1}  # fmt: skip
-  step_kw = {} if args.overlap_run_ahead is None else {"run_ahead_stages": args.overlap_run_ahead}
+                          "boundary_bytes": times.boundary_bytes, "measure_s": time.perf_counter() - t1}  # fmt: skip
+  step_kw = {"micro_batch_order": "batch" if args.variant == "overlapbatch" else args.overlap_order}
+  if args.overlap_run_ahead is not None:
+    step_kw["run_ahead_stages"] = args.overlap_run_ahead
   if args.overlap_stream_slots is not None:
     step_kw["stream_slots"] = args.overlap_stream_slots
   if args.overlap_rebalance:
@@ -340,6 +351,10 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum,
                                 stage_times=times, **step_kw)  # fmt: skip
   out["run_ahead_stages"] = step.run_ahead_stages
+  out["micro_batch_order"] = step.micro_batch_order
+  out["stream_speculation"] = step.stream_speculation
+  out["host_budget_bytes"] = step.host_budget_bytes
+  out["host_bytes_planned"] = step.host_bytes()
   del groups
   out["plan"] = str(step.plan)
   out["plan_predicted"] = dict(step.plan.predicted)
@@ -354,14 +369,11 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   step.settle()
   out["warmup_s"] = time.perf_counter() - t0
 
-  n = args.batch
   fb_times = []
   for i in range(args.fb_reps + 1):  # the first call may compile (no running sums in the first micro-batch)
     t = time.perf_counter()
-    groups, sums = step.params, None
-    for m in range(args.grad_accum):
-      part = jax.tree.map(lambda x, m=m: x[m * n : (m + 1) * n], batches[i % 2])
-      _, sums = step.model.loss_and_grads(groups, part, sums)
+    groups = step.params
+    _, sums = step.model.loss_and_grads(groups, batches[i % 2], args.grad_accum, step.micro_batch_order)
     jax.block_until_ready(sums)
     fb_times.append(time.perf_counter() - t)
     del sums
@@ -431,15 +443,15 @@ def _child(args: argparse.Namespace, variant: str, result: str) -> dict:
 def summarize(results: list[dict]) -> list[str]:
   peak = next((r["peak_flops"] for r in results if r.get("variant") == "peak" and "peak_flops" in r), None)
   by = {r["variant"]: r for r in results}
-  head = f"{'variant':8} {'tok/s':>9} {'step s':>7} {'f/b s':>7} {'exposed':>8} {'MFU':>6} {'GPU GiB':>8}"
-  lines = [head + "  vs idiom  vs host"]
+  head = f"{'variant':12} {'tok/s':>9} {'step s':>7} {'f/b s':>7} {'exposed':>8} {'MFU':>6} {'f/b MFU':>7}"
+  lines = [head + f" {'GPU GiB':>8}  vs idiom   vs host   vs auto"]
   for r in results:
     v = r["variant"]
     if v == "peak":
-      lines.append(f"peak     {r.get('peak_flops', 0) / 1e12:.0f} TFLOP/s bf16 (measured)")
+      lines.append(f"{'peak':12} {r.get('peak_flops', 0) / 1e12:.0f} TFLOP/s bf16 (measured)")
       continue
     if "error" in r:
-      lines.append(f"{v:8} {r['error']}")
+      lines.append(f"{v:12} {r['error']}")
       continue
     mfu = r["flops_per_token"] * r["tokens_per_s"] / peak if peak else None
     r["mfu_measured_peak"] = mfu
@@ -449,13 +461,15 @@ def summarize(results: list[dict]) -> list[str]:
         return f"{'-':>9}"
       return f"{r['tokens_per_s'] / by[base]['tokens_per_s']:8.2f}x"
 
+    fb_mfu = r["flops_per_token"] * r["tokens_per_step"] / r["fb_s"] / peak if peak and r.get("fb_s") else None
+    r["fb_mfu_measured_peak"] = fb_mfu
     lines.append(
-      f"{v:8} {r['tokens_per_s']:9.0f} {r['step_s']:7.3f} {r['fb_s']:7.3f} {100 * r['exposed_fraction']:7.1f}%"
-      f" {'' if mfu is None else f'{100 * mfu:5.1f}%':>6} {(r['gpu_peak_bytes'] or 0) / GIB:8.1f} {ratio('idiom')}"
-      f" {ratio('host')}"
+      f"{v:12} {r['tokens_per_s']:9.0f} {r['step_s']:7.3f} {r['fb_s']:7.3f} {100 * r['exposed_fraction']:7.1f}%"
+      f" {'' if mfu is None else f'{100 * mfu:5.1f}%':>6} {'' if fb_mfu is None else f'{100 * fb_mfu:5.1f}%':>7}"
+      f" {(r['gpu_peak_bytes'] or 0) / GIB:8.1f} {ratio('idiom')} {ratio('host')} {ratio('auto')}"
     )
     if r.get("exit_after_result"):
-      lines.append(f"{v:8} then exited with {r['exit_after_result']} (its stderr_tail is in the JSON)")
+      lines.append(f"{v:12} then exited with {r['exit_after_result']} (its stderr_tail is in the JSON)")
   return lines
 
 

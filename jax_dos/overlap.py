@@ -9,7 +9,13 @@ adamw)``'s exact numbers. One call is one step::
         loss = step(batch)
     groups, opt_state = step.params, step.opt_state   # settled: for evaluation and checkpoints
 
-How a step runs (the last micro-batch's backward pass, stage ``n-1`` down to 0):
+The step's ``k`` micro-batches run stage-major by default
+(``micro_batch_order="stage"``, ``jax_dos.stages.schedule``): every
+micro-batch through a stage before the next stage, forward, then back. Each
+group's gradient is therefore complete as soon as the one backward pass has
+passed its stage, and the update's window is the whole backward pass and the
+next forward pass, not the last micro-batch's alone. How a step runs (the
+backward pass, stage ``n-1`` down to 0):
 
 1. **Hand-over.** Once a stage's backward pass is dispatched, the groups it
    completes are handed to the optimizer: gradients of ``host`` subgroups
@@ -22,7 +28,9 @@ How a step runs (the last micro-batch's backward pass, stage ``n-1`` down to 0):
    kernel from the state into a spare set of host buffers (master, mu, nu:
    the same 28 bytes of DRAM traffic a parameter as in place) and sends the
    new weights to the parameters; the stream worker copies the state in,
-   updates it on the accelerator into new host buffers and keeps the old ones.
+   updates it on the accelerator into new host buffers and keeps the old ones,
+   for as many parameters as the host budget holds (``stream_speculation``);
+   past that it waits for the decision.
 3. **Decision.** After the last stage the accelerator computes
    ``scale = clip_scale(|g| / k, c) / k`` and the resident update runs with it.
    A decider thread reads the scale once it exists; the training thread goes
@@ -32,7 +40,8 @@ How a step runs (the last micro-batch's backward pass, stage ``n-1`` down to 0):
    again from its untouched state with the true scale. Subgroups not yet
    reached use the true scale directly.
 4. **Commit.** The new host buffers become the state (the old ones are the
-   next step's spares), and the stream worker's new state replaces the old.
+   next step's spares), and the stream worker's new state replaces the old
+   (at once for a subgroup updated with the true scale).
 5. **Early forward.** The next step's forward pass dispatches each stage as
    soon as the parameters of its own groups are final, so the first stages
    run while later ones are still being updated.
@@ -44,9 +53,10 @@ not used here.
 
 Memory: gradients of streamed and resident subgroups stay on the accelerator
 until the step ends (a redo needs them), as in the plain step; host subgroups'
-leave it during the backward pass. Host subgroups keep a second set of state
-buffers (12 B of pinned memory a parameter), and speculated stream state takes
-one until the decision. A speculation that writes weights only and the state
+leave it during the backward pass. The ``"stage"`` order keeps every
+micro-batch's stage inputs at the step's peak. Host subgroups keep a second
+set of state buffers (12 B of pinned memory a parameter), and speculated
+stream state takes one until the decision. A speculation that writes weights only and the state
 in a second pass (``write_behind``'s way) needs no spare buffers but moves 44
 bytes a parameter through host DRAM instead of 28, and host DRAM bandwidth is
 what bounds the update on the machines measured (``docs/design.md``).
@@ -95,9 +105,11 @@ from jax_dos.plan import (
   Plan,
   partition_groups,
 )
-from jax_dos.stages import Stage, StagedModel
+from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
+  MICRO_BATCH_ORDERS,
+  HostBytes,
   Rates,
   StageTimes,
   Subgroup,
@@ -135,6 +147,10 @@ REBALANCE_AFTER_STEPS = 2
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
 TRAINING_CORES = 2
+# The share of RAM the step plans its pinned host memory into where no host_budget_bytes is given (the state, spare
+# host state, streamed speculation): at 6.7B on a 125.9 GiB H100 host the process's resident set reached 97% of RAM
+# with 79% planned, XLA's pinned pool growing by doubling regions (docs/overlap.md).
+HOST_SHARE = 0.85
 
 
 def _check_no_command_buffers() -> None:
@@ -145,6 +161,13 @@ def _check_no_command_buffers() -> None:
       " other flags) before jax starts. Its optimizer threads launch work while the training thread does, which"
       " fails a CUDA-graph capture. Or train on the plain path (jax_dos.update_params after jax.grad)."
     )
+
+
+def _default_host_budget() -> int:
+  """``HOST_SHARE`` of RAM, and no more than XLA's pinned pool (on a GPU)."""
+  budget = int(HOST_SHARE * memory.host_memory_total())
+  pool = memory.pinned_pool_limit()
+  return budget if pool is None else min(budget, pool)
 
 
 def _step_scale(squares: list[jax.Array], clip_norm: float | None, micro_batches: int) -> tuple[jax.Array, jax.Array]:
@@ -169,10 +192,11 @@ class _Decision:
 
 @dataclasses.dataclass
 class _Streamed:
+  """A streamed subgroup updated on a speculated scale, its old state kept until the decision."""
+
   old: list[list[jax.Array]]  # the state before the step (host buffers), kept until the decision
   new: list[list[jax.Array]]  # the state after it (host buffers)
-  grads: list[jax.Array] | None  # kept for a redo while speculative
-  final: bool
+  grads: list[jax.Array]  # kept for a redo
 
 
 def _start_copy_to_host(x: jax.Array) -> None:
@@ -193,7 +217,8 @@ class _StepRecord:
     self.host_grads: dict[int, dict[int, jax.Array]] = {}  # subgroup -> leaf -> gradient in host memory
     self.host_speculated: list[int] = []
     self.host_sent: list[jax.Array] = []
-    self.streamed: dict[int, _Streamed] = {}
+    self.streamed: dict[int, _Streamed] = {}  # streamed subgroups speculated on, until the decision
+    self.speculated_elements = 0  # parameters of the streamed subgroups speculated on
     self.resident_grads: dict[int, jax.Array] = {}  # leaf -> gradient
     self.path_end: dict[str, float] = {}  # "host", "stream" -> when the worker last finished a subgroup of this step
 
@@ -241,6 +266,12 @@ class OverlappedStep:
     micro_batches: a step's batch is split into this many equal consecutive
       parts along its leading axis; their gradients are summed in place and
       the update takes their mean (the whole batch's mean gradient).
+    micro_batch_order: ``"stage"`` (every micro-batch through a stage before
+      the next stage: the update's window is the whole backward pass, and
+      the forward pass keeps every micro-batch's stage inputs) or
+      ``"batch"`` (micro-batch after micro-batch: the window is the last
+      micro-batch's backward pass, one micro-batch's inputs kept)
+      (``jax_dos.stages.schedule``).
     plan: overrides ``tx``'s plan (same forms).
     stage_times: the stages' measured times (``StagedModel.measure_times``).
       With them, ``"auto"`` places subgroups by the step's timeline
@@ -260,9 +291,14 @@ class OverlappedStep:
       which compile). A step that rebalances first waits for the
       last one's update to end. The numbers do not change.
     host_budget_bytes: pinned host bytes the step may use at most
-      (:meth:`host_bytes`); ``None``: the machine's RAM. Above it, a
-      ``MemoryError`` before any state moves or buffer is allocated, so that
-      ``params`` and ``opt_state`` stay usable on the plain path.
+      (:meth:`host_bytes`); ``None``: ``HOST_SHARE`` of the machine's RAM,
+      and no more than XLA's pinned pool. The stream path speculates on as
+      many parameters as the rest of the budget holds
+      (:attr:`stream_speculation`), the others waiting for the clip
+      decision. Where the state, the host path's buffers and the streamed
+      state do not fit, a ``MemoryError`` before any state moves or buffer
+      is allocated, so that ``params`` and ``opt_state`` stay usable on the
+      plain path.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
   (an accelerator scalar), with the parameters it was computed at being the
@@ -283,6 +319,7 @@ class OverlappedStep:
     *,
     clip_norm: float | None = None,
     micro_batches: int = 1,
+    micro_batch_order: str = "stage",
     plan: Any = None,
     stage_times: StageTimes | None = None,
     run_ahead_stages: int = RUN_AHEAD_STAGES,
@@ -299,13 +336,16 @@ class OverlappedStep:
       )
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
       raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}.")
+    if micro_batch_order not in MICRO_BATCH_ORDERS:
+      raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {micro_batch_order!r}.")
+    self.micro_batch_order = micro_batch_order
     if isinstance(run_ahead_stages, bool) or not isinstance(run_ahead_stages, int) or run_ahead_stages < 1:
       raise ValueError(f"run_ahead_stages must be an integer >= 1, got {run_ahead_stages!r}.")
     self.run_ahead_stages = run_ahead_stages
     if isinstance(stream_slots, bool) or not isinstance(stream_slots, int) or stream_slots < 1:
       raise ValueError(f"stream_slots must be an integer >= 1, got {stream_slots!r}.")
     self._max_stream_slots = stream_slots
-    self._host_budget = host_budget_bytes
+    self.host_budget_bytes = host_budget_bytes if host_budget_bytes is not None else _default_host_budget()
     self._rebalance_left = REBALANCE_STEPS if rebalance else 0
     self._last_move: str | None = None
     self._last_record: _StepRecord | None = None
@@ -326,11 +366,13 @@ class OverlappedStep:
     # subgroups in the order the forward pass needs them (by the stage completing their group)
     stage = lambda s: self.model.completion[self.subgroup_group[s]]  # noqa: E731
     self._forward_order = sorted(range(len(subgroups)), key=lambda s: (stage(s), s))
+    self._widths = [x.dtype.itemsize for x in leaves]
+    self.stream_speculation: int | None = None  # streamed parameters a step may speculate on (None: all)
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
-    self._derive_orders()
     self._params = list(leaves)
-    self._check_host_memory(host_budget_bytes)  # before any state moves or spare buffer is allocated
+    self._derive_orders()
+    self._check_host_memory(self.host_budget_bytes)  # before any state moves or spare buffer is allocated
     place = lambda xs: [  # noqa: E731
       a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
       for a, p in zip(xs, self._leaf_placement)
@@ -381,7 +423,10 @@ class OverlappedStep:
       return spec
     if isinstance(spec, str) and spec == "auto":
       whole = owner.plan_for(groups)
-      resident, slots = self._room_beside_step(whole, groups, sizes, forward_order, self._max_stream_slots)
+      boundaries = 0  # the "stage" order keeps every micro-batch's stage inputs at the step's peak, not one's
+      if self.micro_batch_order == "stage" and self.stage_times is not None:
+        boundaries = (self.micro_batches - 1) * self.stage_times.boundary_bytes
+      resident, slots = self._room_beside_step(whole, groups, sizes, forward_order, self._max_stream_slots, boundaries)
       if self.stage_times is None or whole.calibration is None:
         stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
         placements = stage_ordered_placements(forward_order, sizes, resident, stream)
@@ -393,8 +438,12 @@ class OverlappedStep:
       backward = stream_rate_during_backward(self.stage_times, sum(sizes) / len(sizes), self.run_ahead_stages)
       rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
                     cal["stream_rate_concurrent"], backward)  # fmt: skip
-      timeline = [Subgroup(n, self.model.completion[self.subgroup_group[s]]) for s, n in enumerate(sizes)]
-      placements, predicted = choose_placements(self.stage_times, timeline, resident, rates)
+      timeline = [Subgroup(n, self.model.completion[self.subgroup_group[s]], self._widths[subgroups[s][0]])
+                  for s, n in enumerate(sizes)]  # fmt: skip
+      window = self.stage_times.per_window(self.micro_batches, self.micro_batch_order)
+      placements, predicted = choose_placements(
+        window, timeline, resident, rates, host_budget_bytes=self.host_budget_bytes
+      )
       predicted = {"exposed": predicted["exposed_s"], "step": self.stage_times.compute_s(self.micro_batches)
                    + predicted["exposed_s"]}  # fmt: skip
       return Plan(tuple(subgroups), tuple(placements), tuple(sizes), slots, predicted, "model+timeline",
@@ -412,6 +461,7 @@ class OverlappedStep:
     return Plan(tuple(subgroups), placements, tuple(sizes), self._max_stream_slots, source="user")
 
   def _derive_orders(self) -> None:
+    self.stream_speculation = self._speculation_cap()
     self._stream_order = [  # streamed subgroups in the order the backward pass hands them over
       s for i in reversed(range(len(self.model.stages))) for g in self.model.groups_completing(i)
       for s in self.group_subgroups[g] if self.plan.placements[s] == "stream"
@@ -426,39 +476,55 @@ class OverlappedStep:
     spares = memory.zeros_like_each([(self._masters[i], jnp.float32) for i in leaves for _ in range(3)])
     self._spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
 
-  def _check_host_memory(self, budget: int | None) -> None:
+  def _check_host_memory(self, budget: int) -> None:
     need = self.host_bytes()
     try:
-      if budget is not None and need > budget:
+      if need > budget:
         raise MemoryError(
           f"the overlapped step's host memory needs {need / 2**30:.2f} GiB of pinned host memory, above the"
-          f" {budget / 2**30:.2f} GiB of host_budget_bytes. Raise the budget, keep more subgroups on the device,"
-          " or train on the plain path (tx.update after jax.grad), which needs no spare host state."
+          f" {budget / 2**30:.2f} GiB of its budget (host_budget_bytes, or {HOST_SHARE:.0%} of RAM). Raise the"
+          " budget, keep more subgroups on the device, or train on the plain path (tx.update after jax.grad),"
+          " which needs no spare host state."
         )
       memory.check_host_capacity(need, "the overlapped step's host memory")
     except MemoryError as e:
       raise MemoryError(f"{e}\nThe overlapped step's plan:\n{self.plan}") from None
 
-  def host_bytes(self) -> int:
-    """Pinned host bytes the step needs at most: the state, host subgroups' spare state, gradient and weight
-    copies (2 B each for bfloat16 parameters, 4 for float32), and streamed subgroups' new state before the decision.
-    """
+  def _host_bytes_fixed(self) -> int:
+    """:meth:`host_bytes` before the streamed speculation."""
+    per = HostBytes()
     total = 0
     for s, placement in enumerate(self.plan.placements):
       for i in self.plan.subgroups[s]:
-        n, width = self._params[i].size, self._params[i].dtype.itemsize
-        total += {"host": 24 + 2 * width, "stream": 24, "device": 0}[placement] * n
+        n, width = self._params[i].size, self._widths[i]
+        total += {"host": per.state + per.spare + 2 * width, "stream": per.state, "device": 0}[placement] * n
     return total
 
+  def _speculation_cap(self) -> int:
+    """Streamed parameters a step may speculate on: as many as the host budget holds beside the fixed bytes."""
+    return max(0, (self.host_budget_bytes - self._host_bytes_fixed()) // HostBytes().speculation)
+
+  def host_bytes(self) -> int:
+    """Pinned host bytes the step needs at most: the offloaded state (12 B a parameter); host subgroups' spare state
+    (12 B), gradient and weight copies (2 B each for bfloat16 parameters, 4 for float32); and the new state of the
+    streamed parameters speculated on, until the decision (12 B; :attr:`stream_speculation` of them at most).
+    """
+    streamed = self.plan.elements("stream")
+    cap = streamed if self.stream_speculation is None else min(streamed, self.stream_speculation)
+    return self._host_bytes_fixed() + HostBytes().speculation * cap
+
   @staticmethod
-  def _room_beside_step(whole: Plan, groups: list, sizes: list, forward_order: list, max_slots: int) -> tuple[int, int]:
+  def _room_beside_step(
+    whole: Plan, groups: list, sizes: list, forward_order: list, max_slots: int, boundary_bytes: int = 0
+  ) -> tuple[int, int]:
     """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
 
     The plain plan holds its streaming slots only in the update phase, after
     the activations are gone; here they are in flight during the backward
     pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
     the largest subgroup that is not resident (per device) must fit the room
-    beside that peak (``whole.step_room_bytes``): the resident share shrinks,
+    beside that peak (``whole.step_room_bytes``, less ``boundary_bytes``: the
+    stage inputs the plain step's peak does not hold): the resident share shrinks,
     and the slots only where the room cannot hold them all (down to one).
     Resident subgroups are the first ``resident`` elements in forward order,
     so the largest one left out grows as the share shrinks: the share is
@@ -469,7 +535,7 @@ class OverlappedStep:
     if whole.step_room_bytes is None or resident >= total:
       return resident, slots
     per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / total
-    room, cap = whole.step_room_bytes, resident
+    room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
     for _ in range(len(sizes)):
       kept = stage_ordered_placements(forward_order, sizes, cap, 0)
       largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)
@@ -503,21 +569,15 @@ class OverlappedStep:
         f"every leaf of the batch needs one leading (batch) axis divisible by micro_batches={k}; got leading sizes"
         f" {sorted(map(str, rows))}."
       )
-    n = next(iter(rows)) // k
     if self._rebalance_left and self._last_record is not None and self._steps_taken > REBALANCE_AFTER_STEPS:
       self._rebalance(self._last_record)
     self._steps_taken += 1
-    sums: list[Any] = [None] * len(self._unfinished)
-    losses = []
     # The scalars if the clip does not fire, on their way to the host before any gradient is (one queue carries
     # every copy to the host, and the host worker needs them with its first subgroup).
     record = _StepRecord(device_steps.scalars(self.hyper, self._count, np.float32(1.0 / k)))
     self._last_record = record
     try:
-      for m in range(k):
-        part = jax.tree.map(lambda x, m=m: x[m * n : (m + 1) * n], batch) if k > 1 else batch
-        xs = self._forward(part, wait=m == 0)
-        losses.append(self._backward(xs, part, sums, record if m == k - 1 else None))
+      losses = self._run_programs([micro_batch(batch, m, k) for m in range(k)], record)
     except BaseException as e:
       if self._updating and not self._errors:  # cut short between hand-over and decision: refuse further steps
         self._errors.append(e)
@@ -531,45 +591,49 @@ class OverlappedStep:
     lo, hi = self._group_start[g], self._group_start[g + 1]
     return jax.tree.unflatten(self._treedef.children()[g], self._params[lo:hi])
 
-  def _forward(self, batch: Any, wait: bool) -> list[Any]:
-    xs, x = [], None
-    n = len(self.model.stages)
-    for i in range(n):
-      if wait:
-        self._wait_groups(self.model.stages[i].groups)
-      xs.append(x)
-      if i < n - 1:
+  def _run_programs(self, parts: list, record: _StepRecord) -> list[jax.Array]:
+    """Dispatches the step's stage programs in ``micro_batch_order``; returns each micro-batch's loss.
+
+    A stage's programs wait for its groups' final weights (the previous
+    step's update); the last micro-batch's backward program of a stage hands
+    the groups it completes over to the optimizer; the last backward program
+    decides the clip.
+    """
+    n, k = len(self.model.stages), len(parts)
+    programs = schedule(n, k, self.micro_batch_order)
+    window = max(j for j, (kind, _, _) in enumerate(programs) if kind == "forward") + 1  # the final backward pass
+    inputs = [[None] * n for _ in range(k)]  # each micro-batch's stage inputs, kept from forward to backward
+    sums: list[Any] = [None] * len(self._unfinished)
+    dys, losses, squares = [None] * k, [None] * k, []
+    for j, (kind, i, m) in enumerate(programs):
+      st = self.model.stages[i]
+      self._wait_groups(st.groups)  # at once where they are final
+      if j == window and self._stream_order:
+        self._streamer.submit(self._stream_prefetch)
+      if kind == "forward":
         with trace.span("overlap.forward"):
-          x = self.model.forward(i, self._stage_params(i), x, batch)
+          x = self.model.forward(i, self._stage_params(i), inputs[m][i], parts[m])
+        inputs[m][i + 1] = x
         trace.watch(f"forward {i}", x)
         self._pace(x)
-    return xs
-
-  def _backward(self, xs: list, batch: Any, sums: list, record: _StepRecord | None) -> jax.Array:
-    """One micro-batch's backward pass; the last one (``record`` given) hands the complete gradients over."""
-    last = record is not None
-    if last and self._stream_order:
-      self._streamer.submit(self._stream_prefetch)
-    squares, loss, dy = [], None, None
-    for i in reversed(range(len(self.model.stages))):
-      st = self.model.stages[i]
+        continue
+      last = m == k - 1
       with trace.span("overlap.backward"):
-        out, new, dy, sq = self.model.backward(i, self._stage_params(i), xs[i], batch, dy,
-                                               tuple(sums[g] for g in st.groups), last)  # fmt: skip
-      xs[i] = None
-      loss = out if out is not None else loss
+        out, new, dys[m], sq = self.model.backward(i, self._stage_params(i), inputs[m][i], parts[m], dys[m],
+                                                   tuple(sums[g] for g in st.groups), last)  # fmt: skip
+      inputs[m][i] = None
+      losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):
         sums[g] = s
-      trace.watch(f"backward {i}", dy if dy is not None else new)
-      self._pace(dy if dy is not None else new)
+      trace.watch(f"backward {i}", dys[m] if dys[m] is not None else new)
+      self._pace(dys[m] if dys[m] is not None else new)
       if last:
         squares += sq
         for g in self.model.groups_completing(i):
           self._hand_over(record, g, sums[g])
           sums[g] = None
-    if last:
-      self._decide(record, squares)
-    return loss
+    self._decide(record, squares)
+    return losses
 
   def _pace(self, x: Any) -> None:
     """Waits until at most ``run_ahead_stages`` dispatched stage programs (the last one producing ``x``) are unrun."""
@@ -618,6 +682,8 @@ class OverlappedStep:
     with trace.span("decide.read"):
       host = np.asarray(true)
     record.decision = _Decision(host, true, not host[3] == record.spec_host()[3])
+    with self._wake:
+      self._wake.notify_all()  # a stream worker past its speculation waits for this
     self._host.submit(self._host_finish, record)
     self._streamer.submit(self._stream_finish, record)
 
@@ -716,7 +782,29 @@ class OverlappedStep:
 
   def _stream_update(self, record: _StepRecord, s: int, grads: list[jax.Array]) -> None:
     decision = record.decision
+    if decision is None and not self._may_speculate(record, s):
+      self._wait_decision(record)
+      decision = record.decision
     self._stream_dispatch(record, s, grads, decision.device if decision else record.spec_device, decision is not None)
+
+  def _may_speculate(self, record: _StepRecord, s: int) -> bool:
+    """Whether subgroup ``s`` fits the step's streamed speculation (:attr:`stream_speculation`); counts it if so."""
+    size = self.plan.sizes[s]
+    if self.stream_speculation is not None and record.speculated_elements + size > self.stream_speculation:
+      return False
+    record.speculated_elements += size
+    return True
+
+  def _wait_decision(self, record: _StepRecord) -> None:
+    """(stream worker) Waits for the clip decision, topping up the copies in meanwhile."""
+    with trace.span("stream.wait_decision"):
+      while record.decision is None:
+        if self._errors:
+          raise RuntimeError("the step failed before its clip decision") from self._errors[0]
+        self._stream_top_up()
+        with self._wake:
+          if record.decision is None:
+            self._wake.wait(IDLE_POLL_S)
 
   def _stream_state(self, s: int) -> list[list[jax.Array]]:
     leaves = self.plan.subgroups[s]
@@ -803,29 +891,35 @@ class OverlappedStep:
       jax.block_until_ready(earlier.new)  # their copies out must land before the host buffers are freed
       for a in (a for group in earlier.new for a in group):
         a.delete()
-    record.streamed[s] = _Streamed(old, back, None if final else grads, final)
     record.path_end["stream"] = time.perf_counter()
     self._in_flight.append(back)
     if final:
+      record.streamed.pop(s, None)
+      self._stream_commit(s, old, back)
       self._finished(s)
+    else:
+      record.streamed[s] = _Streamed(old, back, grads)
     if not earlier:
       self._stream_top_up()
+
+  def _stream_commit(self, s: int, old: list[list[jax.Array]], new: list[list[jax.Array]]) -> None:
+    """The new state becomes subgroup ``s``'s; the old host buffers are freed once their copies are done (like a
+    donated buffer: the update that read them has waited for them to land)."""
+    for i, m, mu, nu in zip(self.plan.subgroups[s], *new):
+      self._masters[i], self._mus[i], self._nus[i] = m, mu, nu
+    for a in (a for group in old for a in group):
+      a.delete()
 
   def _stream_finish(self, record: _StepRecord) -> None:
     decision = record.decision
     self._stream_step_open = False
-    for s, streamed in list(record.streamed.items()):
-      if not streamed.final:
-        if decision.fired:
-          self._stream_dispatch(record, s, streamed.grads, decision.device, True)
-        else:
-          streamed.grads, streamed.final = None, True
-          self._finished(s)
-    for s, streamed in record.streamed.items():
-      for i, m, mu, nu in zip(self.plan.subgroups[s], *streamed.new):
-        self._masters[i], self._mus[i], self._nus[i] = m, mu, nu
-      for a in (a for group in streamed.old for a in group):
-        a.delete()  # freed once its copies are done (like a donated buffer)
+    for s, streamed in list(record.streamed.items()):  # the speculated ones
+      if decision.fired:
+        self._stream_dispatch(record, s, streamed.grads, decision.device, True)  # commits
+      else:
+        del record.streamed[s]
+        self._stream_commit(s, streamed.old, streamed.new)
+        self._finished(s)
     record.streamed.clear()
 
   # ----------------------------------------------------------------------------- rebalancing
@@ -859,9 +953,11 @@ class OverlappedStep:
     leaves = list(self.plan.subgroups[s])
     if to == "host":
       try:
-        self._check_host_memory(self._host_budget)
+        self.stream_speculation = self._speculation_cap()
+        self._check_host_memory(self.host_budget_bytes)
       except MemoryError:
         self.plan, self._rebalance_left = previous, 0
+        self.stream_speculation = self._speculation_cap()
         return
       self._host_buffers(leaves)
     else:

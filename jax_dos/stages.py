@@ -21,6 +21,23 @@ stage that uses it (:attr:`StagedModel.completion`). That is what lets the
 optimizer start on them while the backward pass continues
 (``jax_dos.overlap``).
 
+A step of ``k`` micro-batches runs its programs in one of two orders
+(:func:`schedule`):
+
+* ``"stage"``: every micro-batch through stage ``i`` before stage ``i + 1``
+  (forward), and through stage ``i`` before stage ``i - 1`` (backward). A
+  group's gradient is then complete once the one backward pass has passed
+  its stage, so the optimizer's window is the whole backward pass. The
+  forward pass keeps ``k`` micro-batches' stage inputs at once.
+* ``"batch"``: micro-batch after micro-batch, each a whole forward and
+  backward pass (the plain accumulated step's order). Gradients are complete
+  only in the last micro-batch's backward pass; one micro-batch's stage
+  inputs are kept at a time.
+
+Each group's gradients are summed over the micro-batches in micro-batch
+order in both; a group used by two stages (a tied head) adds its two stages'
+terms in the order the schedule runs them.
+
 The backward program of the stage completing a group also returns the sum of
 squares of that group's gradient, in float32, for the global norm.
 """
@@ -35,7 +52,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dos.timeline import StageTimes
+from jax_dos import memory
+from jax_dos.timeline import MICRO_BATCH_ORDERS, StageTimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +95,32 @@ def _backward(fn, complete: tuple[bool, ...], params, x, batch, dy, sums):
   new = tuple(g if s is None else jax.tree.map(jnp.add, s, g) for s, g in zip(sums, grads))
   squares = tuple(_sum_of_squares(t) for t, c in zip(new, complete) if c)
   return (y if dy is None else None), new, dx, squares
+
+
+def schedule(stages: int, micro_batches: int, order: str) -> list[tuple[str, int, int]]:
+  """A step's programs in dispatch order: ``(kind, stage, micro_batch)``, ``kind`` ``"forward"`` or ``"backward"``.
+
+  The last stage has no forward program (its backward pass computes the
+  loss). In both orders stage ``i``'s backward program of the last
+  micro-batch (``micro_batches - 1``) is the one that completes the groups
+  ``i`` completes.
+  """
+  if order not in MICRO_BATCH_ORDERS:
+    raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {order!r}.")
+  forward = lambda m: [("forward", i, m) for i in range(stages - 1)]  # noqa: E731
+  backward = lambda m: [("backward", i, m) for i in reversed(range(stages))]  # noqa: E731
+  if order == "batch":
+    return [p for m in range(micro_batches) for p in (*forward(m), *backward(m))]
+  stage_major = lambda programs: [(kind, i, m) for kind, i, _ in programs for m in range(micro_batches)]  # noqa: E731
+  return stage_major(forward(0)) + stage_major(backward(0))
+
+
+def micro_batch(batch: Any, m: int, micro_batches: int) -> Any:
+  """Micro-batch ``m`` of ``micro_batches`` equal consecutive parts of ``batch`` along its leading axis."""
+  if micro_batches == 1:
+    return batch
+  n = jax.tree.leaves(batch)[0].shape[0] // micro_batches
+  return jax.tree.map(lambda x: x[m * n : (m + 1) * n], batch)
 
 
 # One jitted wrapper per program kind, the stage function a static argument: every StagedModel of the same stages
@@ -136,36 +180,39 @@ class StagedModel:
     return _jit_backward(st.fn, complete, params, x, batch, dy, tuple(sums))
 
   def loss_and_grads(
-    self, groups: Sequence[Any], batch: Any, sums: Sequence[Any] | None = None, last: bool = False
+    self, groups: Sequence[Any], batch: Any, micro_batches: int = 1, order: str = "stage"
   ) -> tuple[jax.Array, list]:
-    """``(loss, grads)`` of one batch, stage by stage with no optimizer: the gradients the overlapped step uses.
+    """``(mean loss, summed grads)`` of one step, with no optimizer: the gradients the overlapped step uses.
 
-    With ``sums`` (the gradients of earlier micro-batches; consumed) the
-    gradients are added to them in the order the overlapped step adds them.
-    ``last=True`` runs the backward programs of a step's last micro-batch
-    (those that also square the complete gradients): the very programs the
-    overlapped step runs there. On a GPU, two programs computing the same
-    gradient may pick different matmul algorithms and round it differently.
+    ``batch`` is split into ``micro_batches`` equal parts; each group's
+    gradient is the sum over them, added in the order of :func:`schedule`'s
+    ``order`` by the very programs the overlapped step runs (the last
+    micro-batch's also square the complete gradients). On a GPU, two programs
+    computing the same gradient may pick different matmul algorithms and
+    round it differently.
     """
-    xs, x = [], None
-    for i in range(len(self.stages) - 1):
-      xs.append(x)
-      x = self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch)
-    xs.append(x)
-    sums = [None] * len(groups) if sums is None else list(sums)
-    dy, loss = None, None
-    for i in reversed(range(len(self.stages))):
+    n, k = len(self.stages), micro_batches
+    parts = [micro_batch(batch, m, k) for m in range(k)]
+    inputs = [[None] * n for _ in range(k)]
+    sums: list[Any] = [None] * len(groups)
+    dys, losses = [None] * k, [None] * k
+    for kind, i, m in schedule(n, k, order):
       st = self.stages[i]
-      out, new, dy, _ = self.backward(i, tuple(groups[g] for g in st.groups), xs[i], batch, dy,
-                                      tuple(sums[g] for g in st.groups), last=last)  # fmt: skip
-      xs[i] = None
-      loss = out if out is not None else loss
+      params = tuple(groups[g] for g in st.groups)
+      if kind == "forward":
+        inputs[m][i + 1] = self.forward(i, params, inputs[m][i], parts[m])
+        continue
+      out, new, dys[m], _ = self.backward(i, params, inputs[m][i], parts[m], dys[m],
+                                          tuple(sums[g] for g in st.groups), last=m == k - 1)  # fmt: skip
+      inputs[m][i] = None
+      losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):
         sums[g] = s
-    return loss, sums
+    return (losses[0] if k == 1 else sum(losses) / k), sums
 
   def measure_times(self, groups: Sequence[Any], batch: Any) -> StageTimes:
-    """Each stage's forward and backward time on ``batch`` (one micro-batch), run one stage at a time.
+    """Each stage's forward and backward time on ``batch`` (one micro-batch), run one stage at a time, and the
+    bytes (per device) of the stage inputs its forward pass keeps.
 
     A first pass compiles; the second is timed, waiting for each program.
     """
@@ -178,6 +225,7 @@ class StagedModel:
         if i < n - 1:
           x = jax.block_until_ready(self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch))
         fwd.append(time.perf_counter() - t)
+      kept = sum(memory.device_elements(a) * a.dtype.itemsize for a in jax.tree.leaves(xs))
       sums: list[Any] = [None] * len(groups)
       dy = None
       for i in reversed(range(n)):
@@ -190,4 +238,4 @@ class StagedModel:
         for g, s in zip(st.groups, new):
           sums[g] = s
       del sums
-    return StageTimes(tuple(fwd), tuple(reversed(bwd)))
+    return StageTimes(tuple(fwd), tuple(reversed(bwd)), kept)

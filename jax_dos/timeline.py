@@ -2,8 +2,11 @@
 
 A model of one step of ``jax_dos.OverlappedStep`` on a staged model with
 ``k`` micro-batches. Times are seconds, sizes parameters, rates parameters per
-second (``jax_dos.Calibration``'s). Time 0 is the start of the last
-micro-batch's backward pass:
+second (``jax_dos.Calibration``'s). Time 0 is the start of the backward pass
+that completes the gradients: the last micro-batch's in the ``"batch"`` order,
+the one backward pass of every micro-batch in the ``"stage"`` order
+(``jax_dos.stages.schedule``), where each stage's programs run ``k`` times
+in a row, so every stage time below counts ``k`` times:
 
 * stage ``i``'s backward pass ends at ``E_i = sum(backward[i:])``, and the
   subgroups of the groups it completes are handed over then;
@@ -15,6 +18,10 @@ micro-batch's backward pass:
   ``stream_backward`` parameters a second: its copies and its update programs
   queue behind the stage programs already dispatched (6.7B on an H100: about
   0.3 G/s then, against 1.9 G/s calibrated);
+* and that the stream path speculates on at most ``stream_speculation``
+  parameters a step (their old state is kept in host memory until the clip
+  decision): a streamed subgroup beyond that starts no earlier than the
+  decision, the end of the backward pass;
 * the backward pass ends at ``D = E_0``; resident subgroups are updated then,
   ``device_elements / device_rate`` long;
 * the next step's forward pass starts at ``D`` plus the resident update, and
@@ -30,21 +37,35 @@ The first stages' gradients come last and their weights are needed first, so
 the first ones (the host takes the last stages, with the most time between
 their gradients and their next use) or the last ones (the stream path then
 works while the backward pass runs, and the host takes the stages between),
-trying every such split and keeping the one predicted fastest.
+trying every such split that fits the host memory budget and keeping the one
+predicted fastest.
+
+Host memory (:class:`HostBytes`): every offloaded parameter's state (12 B);
+host subgroups also a spare state and the gradient and new-weight copies; a
+streamed parameter speculated on, its new state until the decision (12 B).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
+
+MICRO_BATCH_ORDERS = ("stage", "batch")  # jax_dos.stages.schedule
 
 
 @dataclasses.dataclass(frozen=True)
 class StageTimes:
-  """Seconds each stage's forward and backward programs take on one micro-batch (forward order)."""
+  """Seconds each stage's forward and backward programs take on one micro-batch (forward order).
+
+  ``boundary_bytes``: accelerator bytes (per device) of the stage inputs one
+  micro-batch's forward pass keeps; the ``"stage"`` order keeps ``k``
+  micro-batches' at once (0: not measured).
+  """
 
   forward: tuple[float, ...]
   backward: tuple[float, ...]
+  boundary_bytes: int = 0
 
   def __post_init__(self):
     if len(self.forward) != len(self.backward) or not self.forward:
@@ -55,6 +76,14 @@ class StageTimes:
   def compute_s(self, micro_batches: int) -> float:
     """The step's forward and backward passes alone."""
     return micro_batches * (sum(self.forward) + sum(self.backward))
+
+  def per_window(self, micro_batches: int, order: str) -> StageTimes:
+    """The stage times the update's window sees: each stage's ``k`` programs back to back in the ``"stage"``
+    order, one micro-batch's in the ``"batch"`` order (whose last backward pass is the window)."""
+    if order not in MICRO_BATCH_ORDERS:
+      raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {order!r}.")
+    k = micro_batches if order == "stage" else 1
+    return StageTimes(tuple(k * t for t in self.forward), tuple(k * t for t in self.backward), self.boundary_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +104,50 @@ class Subgroup:
 
   size: int
   stage: int
+  param_bytes: int = 2  # bytes of one parameter (the new weights' copy; the gradient's on the host path)
 
 
-def simulate(times: StageTimes, subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> dict:
-  """The timeline of one step: ``{"exposed_s", "backward_end_s", "forward_end_s", "host_end_s", "stream_end_s"}``."""
+@dataclasses.dataclass(frozen=True)
+class HostBytes:
+  """Pinned host bytes a placement needs, per parameter: ``OverlappedStep.host_bytes``'s terms.
+
+  Every offloaded parameter's state (float32 master, mu, nu); a host
+  parameter's spare state (the kernel's speculated step writes there) and
+  its gradient and new weights (``param_bytes`` each); a streamed parameter
+  speculated on, its new state until the clip decision.
+  """
+
+  state: int = 12
+  spare: int = 12
+  speculation: int = 12
+
+  def host(self, g: Subgroup) -> int:
+    return g.size * (self.state + self.spare + 2 * g.param_bytes)
+
+  def fixed(self, subgroups: Sequence[Subgroup], placements: Sequence[str]) -> int:
+    """Bytes before any streamed speculation."""
+    return sum(self.host(g) if p == "host" else g.size * self.state if p == "stream" else 0
+               for g, p in zip(subgroups, placements))  # fmt: skip
+
+  def speculation_cap(self, subgroups: Sequence[Subgroup], placements: Sequence[str], budget: int | None) -> int | None:
+    """Streamed parameters the budget lets the step speculate on (``None``: no limit); -1 when even the fixed bytes
+    do not fit."""
+    if budget is None:
+      return None
+    room = budget - self.fixed(subgroups, placements)
+    return -1 if room < 0 else room // self.speculation
+
+
+def simulate(
+  times: StageTimes, subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates,
+  stream_speculation: int | None = None,
+) -> dict:  # fmt: skip
+  """The timeline of one step: ``{"exposed_s", "backward_end_s", "forward_end_s", "host_end_s", "stream_end_s"}``.
+
+  ``times`` as the window sees them (:meth:`StageTimes.per_window`);
+  ``stream_speculation``: streamed parameters speculated on at most (``None``:
+  no limit).
+  """
   n = len(times.forward)
   ends = [sum(times.backward[i:]) for i in range(n)]
   backward_end = ends[0]
@@ -91,10 +160,16 @@ def simulate(times: StageTimes, subgroups: Sequence[Subgroup], placements: Seque
   done = [0.0] * len(subgroups)
   free = {"host": 0.0, "stream": 0.0}
   during_backward = {"host": rate["host"], "stream": min(rate["stream"], rates.stream_backward or rate["stream"])}
+  speculation = math.inf if stream_speculation is None else stream_speculation
   for s in order:
     path = placements[s]
     if path in free:
       start = max(ends[subgroups[s].stage], free[path])
+      if path == "stream" and start < backward_end:
+        if subgroups[s].size > speculation:
+          start = backward_end
+        else:
+          speculation -= subgroups[s].size
       free[path] = done[s] = _finish(start, subgroups[s].size, backward_end, during_backward[path], rate[path])
   resident = sum(g.size for g, p in zip(subgroups, placements) if p == "device") / max(rates.device, 1e-30)
   for s, p in enumerate(placements):
@@ -139,28 +214,41 @@ def _finish(start: float, size: int, backward_end: float, backward_rate: float, 
 
 
 def choose_placements(
-  times: StageTimes, subgroups: Sequence[Subgroup], device_elements: int, rates: Rates, allow_stream: bool = True
-) -> tuple[list[str], dict]:
+  times: StageTimes, subgroups: Sequence[Subgroup], device_elements: int, rates: Rates, allow_stream: bool = True,
+  host_budget_bytes: int | None = None, host_bytes: HostBytes = HostBytes(),
+) -> tuple[list[str], dict]:  # fmt: skip
   """Placements predicted to hide the most update: ``(placements, simulate's result of them)``.
 
   Resident first, in the order the forward pass needs the subgroups, up to
   ``device_elements``; of the rest, the first ``j`` or the last ``j`` streamed
   and the others on the host, for the choice (``j`` from 0 to all, 0 only
   without ``allow_stream``) with the smallest predicted exposed time (ties:
-  fewer streamed, then the first ones).
+  fewer streamed, then the first ones). With ``host_budget_bytes`` only
+  choices whose pinned host bytes fit are kept, each streaming with the
+  speculation the rest of the budget holds (the result's
+  ``"stream_speculation"``); where none fits, the one needing the fewest
+  bytes, for the caller to refuse. ``times`` as in :func:`simulate`.
   """
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
   placements = stage_ordered_placements(forward_order, [g.size for g in subgroups], device_elements, 0)
   rest = [s for s in forward_order if placements[s] != "device"]
   best: tuple[float, list[str], dict] | None = None
+  smallest: tuple[int, list[str]] | None = None
   for j in range(len(rest) + 1 if allow_stream else 1):
     for streamed in (rest[:j], rest[len(rest) - j :]) if j else ([],):
       trial = list(placements)
       for s in streamed:
         trial[s] = "stream"
-      result = simulate(times, subgroups, trial, rates)
+      cap = host_bytes.speculation_cap(subgroups, trial, host_budget_bytes)
+      if cap is not None and cap < 0:
+        need = host_bytes.fixed(subgroups, trial)
+        smallest = (need, trial) if smallest is None or need < smallest[0] else smallest
+        continue
+      result = dict(simulate(times, subgroups, trial, rates, cap), stream_speculation=cap)
       if best is None or result["exposed_s"] < best[0] - 1e-9:
         best = (result["exposed_s"], trial, result)
+  if best is None:
+    return smallest[1], dict(simulate(times, subgroups, smallest[1], rates, 0), stream_speculation=0)
   return best[1], best[2]
 
 

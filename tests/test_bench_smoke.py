@@ -101,12 +101,14 @@ def test_scale_out_smoke(tmp_path):
 def test_train_step_smoke_overlapped(tmp_path):
   """The overlapped variants, planned by the stages' timeline and rebalancing, with their trace and plans."""
   path = tmp_path / "train_step.json"
-  run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", "overlap,overlapfire", "--steps", "2",
-      "--warmup", "3", "--overlap-rebalance", "--overlap-stream-slots", "2", "--out", str(path))  # fmt: skip
+  run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", "overlap,overlapfire,overlapbatch",
+      "--steps", "2", "--warmup", "3", "--overlap-rebalance", "--overlap-stream-slots", "2", "--out", str(path))  # fmt: skip
   doc = json.loads(path.read_text())
   for r in doc["results"]:
     assert "error" not in r and r["tokens_per_s"] > 0, r.get("stderr_tail")
-    assert r["trace"] and r["plan_after"] and r["stage_times"]["forward_s"]
+    assert r["trace"] and r["plan_after"] and r["stage_times"]["forward_s"] and r["stage_times"]["boundary_bytes"] > 0
+    assert r["micro_batch_order"] == ("batch" if r["variant"] == "overlapbatch" else "stage")
+    assert r["host_bytes_planned"] <= r["host_budget_bytes"]
 
 
 def test_replay_timeline_reproduces_a_runs_recorded_prediction(tmp_path):

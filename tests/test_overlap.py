@@ -11,6 +11,7 @@ the step's order, then takes their mean.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -66,7 +67,7 @@ def make_batch(rng: np.random.Generator) -> tuple[jax.Array, jax.Array]:
   return tuple(jnp.asarray(rng.standard_normal((ROWS, D_IN)), jnp.float32) for _ in range(2))
 
 
-def reference_run(groups, batches, clip_norm, micro_batches):
+def reference_run(groups, batches, clip_norm, micro_batches, order="stage"):
   """``optax.chain(clip_by_global_norm, adamw)`` on float32 masters; returns ``(masters, optax state)``."""
   model = jax_dos.StagedModel(STAGES, len(groups))
   ref = optax.chain(
@@ -77,11 +78,7 @@ def reference_run(groups, batches, clip_norm, micro_batches):
   state = ref.init(masters)
   for batch in batches:
     params = jax.tree.map(lambda m, p: m.astype(p.dtype), masters, groups)
-    n = ROWS // micro_batches
-    total = None
-    for m in range(micro_batches):
-      part = jax.tree.map(lambda x, m=m, n=n: x[m * n : (m + 1) * n], batch)
-      _, total = model.loss_and_grads(params, part, total, last=m == micro_batches - 1)  # the step's programs
+    _, total = model.loss_and_grads(params, batch, micro_batches, order)  # the step's programs, in its order
     mean = jax.tree.map(lambda g: g.astype(jnp.float32) * jnp.float32(1 / micro_batches), total)
     updates, state = ref.update(mean, state, masters)
     masters = optax.apply_updates(masters, updates)
@@ -104,7 +101,7 @@ def adam_state(ref_state):
 
 
 def check_against_reference(step, groups, batches, clip_norm, micro_batches, tol=1e-5):
-  masters, ref_state = reference_run(groups, batches, clip_norm, micro_batches)
+  masters, ref_state = reference_run(groups, batches, clip_norm, micro_batches, step.micro_batch_order)
   state = step.opt_state
   assert int(state.count) == len(batches)
   adam = adam_state(ref_state)
@@ -146,6 +143,56 @@ def test_auto_plan_from_the_measured_timeline():
   assert step.plan.source == "model+timeline"
   assert step.plan.predicted["step"] >= times.compute_s(2)
   check_against_reference(step, groups, batches, FIRES, 2)
+
+
+def test_schedules_run_every_program_once_in_their_order():
+  n, k = 4, 3
+  for order in ("stage", "batch"):
+    programs = jax_dos.stages.schedule(n, k, order)
+    assert sorted(programs) == sorted([("forward", i, m) for i in range(n - 1) for m in range(k)]
+                                      + [("backward", i, m) for i in range(n) for m in range(k)])  # fmt: skip
+    for m in range(k):  # each micro-batch: its forward pass, then its backward pass from the last stage
+      mine = [(kind, i) for kind, i, mm in programs if mm == m]
+      assert mine == [("forward", i) for i in range(n - 1)] + [("backward", i) for i in reversed(range(n))]
+  stage = jax_dos.stages.schedule(n, k, "stage")
+  assert stage[:k] == [("forward", 0, m) for m in range(k)]
+  assert all(kind == "backward" for kind, _, _ in stage[(n - 1) * k :])  # one backward pass of every micro-batch
+  with pytest.raises(ValueError, match="micro_batch_order"):
+    jax_dos.stages.schedule(n, k, "interleaved")
+
+
+@pytest.mark.parametrize("order", ["stage", "batch"])
+@pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
+def test_both_micro_batch_orders_equal_optax_chain(order, clip_norm):
+  rng = np.random.default_rng()
+  groups = make_groups(rng)
+  batches = [tuple(jnp.asarray(rng.standard_normal((12, D_IN)), jnp.float32) for _ in range(2)) for _ in range(3)]
+  step, _ = overlapped_run(groups, batches, clip_norm, 3, MIXED[: _subgroup_count(groups)], micro_batch_order=order)
+  assert step.micro_batch_order == order
+  check_against_reference(step, groups, batches, clip_norm, 3)
+
+
+@pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
+def test_streamed_speculation_is_held_to_the_host_budget(clip_norm):
+  """A budget that holds the state but speculation on one subgroup (or none): the stream worker waits for the
+  decision past it, the host bytes stay within the budget, and the numbers are optax's."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan="stream")
+  sizes = jax_dos.plan.partition_groups(groups, 40)[1]
+  state_bytes = 12 * sum(sizes)
+  for speculated in (0, max(sizes)):
+    budget = state_bytes + 12 * speculated
+    step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=clip_norm,
+                                  micro_batches=2, host_budget_bytes=budget)  # fmt: skip
+    assert step.stream_speculation == speculated and step.host_bytes() <= budget
+    for batch in batches:
+      step(batch)
+      assert step._last_record.speculated_elements <= speculated
+    check_against_reference(step, groups, batches, clip_norm, 2)
+    step.close()
+  with pytest.raises(MemoryError, match="plain path"):
+    jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), host_budget_bytes=state_bytes - 1)
 
 
 def test_one_micro_batch_and_no_clip():
@@ -350,6 +397,19 @@ def test_streamed_subgroups_in_flight_are_budgeted_beside_the_step_peak(monkeypa
   for batch in batches:
     step(batch)
   check_against_reference(step, groups, batches, NEVER, 2)
+  # With measured stages, the "stage" order's extra micro-batches' stage inputs come out of that room too.
+  times = jax_dos.StagedModel(STAGES, len(groups)).measure_times(groups, jax.tree.map(lambda x: x[: ROWS // 3],
+                                                                                      batches[0]))  # fmt: skip
+  assert times.boundary_bytes == BLOCKS * (ROWS // 3) * D_H * 4 + (ROWS // 3) * D_H * 4  # the inputs of stages 1..4
+  times = dataclasses.replace(times, boundary_bytes=jax_dos.plan.STATE_BYTES * elements // 8)
+  for order in ("batch", "stage"):
+    ordered = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=NEVER,
+                                     micro_batches=3, micro_batch_order=order, stage_times=times)  # fmt: skip
+    extra = 2 * times.boundary_bytes if order == "stage" else 0
+    largest_not_resident = max(n for n, p in zip(ordered.plan.sizes, ordered.plan.placements) if p != "device")
+    slots = ordered.plan.stream_slots * jax_dos.plan.STAGING_BYTES * largest_not_resident
+    assert jax_dos.plan.STATE_BYTES * ordered.plan.elements("device") + slots + extra <= whole.step_room_bytes
+    ordered.close()
 
 
 def test_the_optimizers_own_plan_is_kept():

@@ -2,7 +2,15 @@
 
 import pytest
 
-from jax_dos.timeline import Rates, StageTimes, Subgroup, choose_placements, simulate, stream_rate_during_backward
+from jax_dos.timeline import (
+  HostBytes,
+  Rates,
+  StageTimes,
+  Subgroup,
+  choose_placements,
+  simulate,
+  stream_rate_during_backward,
+)
 
 TIMES = StageTimes(forward=(1.0, 1.0, 1.0), backward=(2.0, 2.0, 2.0))  # the backward pass ends at 6 s
 RATES = Rates(host=2.0, stream=4.0, device=100.0, host_concurrent=1.0, stream_concurrent=2.0)
@@ -81,3 +89,49 @@ def test_stage_times_are_checked():
     StageTimes((1.0,), (1.0, 2.0))
   with pytest.raises(ValueError, match=">= 0"):
     StageTimes((1.0,), (-1.0,))
+
+
+def test_the_stage_order_window_is_every_micro_batchs_programs_back_to_back():
+  # Two micro-batches in the "stage" order: each stage's two programs run in a row, so stage 2's gradient is complete
+  # at 4 s of a 12 s backward pass, and its use in the next forward pass comes after stage 0's two forward programs
+  # and stage 1's; in the "batch" order the window is the last micro-batch's backward pass alone.
+  stage = TIMES.per_window(2, "stage")
+  assert stage.backward == (4.0, 4.0, 4.0) and stage.forward == (2.0, 2.0, 2.0)
+  assert TIMES.per_window(2, "batch") == TIMES
+  # 20 parameters of stage 2 on the host at 2/s: 10 s. From 4 s they end at 14 s; stage 2 runs at 12 + 2 + 2 = 16 s.
+  assert simulate(stage, [Subgroup(20, 2)], ["host"], RATES)["exposed_s"] == pytest.approx(0.0)
+  # One micro-batch's window: handed over at 2 s, done at 12 s, needed at 6 + 1 + 1 = 8 s.
+  assert simulate(TIMES, [Subgroup(20, 2)], ["host"], RATES)["exposed_s"] == pytest.approx(4.0)
+  with pytest.raises(ValueError, match="micro_batch_order"):
+    TIMES.per_window(2, "interleaved")
+
+
+def test_streamed_speculation_beyond_its_cap_waits_for_the_decision():
+  # Two streamed subgroups of 4 handed over at 2 s (stage 2) and 4 s (stage 1), uncapped at 4/s: the first runs 2-3 s,
+  # the second 4-5 s. With speculation for 4 parameters only, the second waits for the decision at 6 s.
+  subgroups = [Subgroup(4, 1), Subgroup(4, 2)]
+  free = simulate(TIMES, subgroups, ["stream", "stream"], RATES)
+  assert free["stream_end_s"] == pytest.approx(5.0)
+  capped = simulate(TIMES, subgroups, ["stream", "stream"], RATES, stream_speculation=4)
+  assert capped["stream_end_s"] == pytest.approx(7.0)
+  assert simulate(TIMES, subgroups, ["stream", "stream"], RATES, stream_speculation=0)["stream_end_s"] == (
+    pytest.approx(8.0)
+  )
+
+
+def test_choose_keeps_within_the_host_budget():
+  # Host placement costs 28 B a bfloat16 parameter, streaming 12 B plus 12 B for each one speculated on.
+  fast_host = Rates(host=4.0, stream=1.0, device=100.0, host_concurrent=4.0, stream_concurrent=1.0)
+  subgroups = [Subgroup(10, 1), Subgroup(10, 2)]
+  per = HostBytes()
+  assert per.fixed(subgroups, ["host", "stream"]) == 10 * 28 + 10 * 12
+  unlimited, result = choose_placements(TIMES, subgroups, 0, fast_host)
+  assert unlimited == ["host", "host"] and result["stream_speculation"] is None
+  budget = 10 * 28 + 10 * 12 + 5 * 12  # one subgroup on the host at most
+  placements, result = choose_placements(TIMES, subgroups, 0, fast_host, host_budget_bytes=budget)
+  assert placements.count("host") == 1
+  assert result["stream_speculation"] == (budget - per.fixed(subgroups, placements)) // 12
+  assert per.fixed(subgroups, placements) + 12 * min(result["stream_speculation"], 10) <= budget
+  # Nothing fits: the placement needing the fewest bytes (all streamed, no speculation), for the caller to refuse.
+  placements, result = choose_placements(TIMES, subgroups, 0, fast_host, host_budget_bytes=1)
+  assert placements == ["stream", "stream"] and result["stream_speculation"] == 0

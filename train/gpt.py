@@ -327,9 +327,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.offload == "auto":
       first = data_lib.get_batch(splits.train, step_shape[0], args.seq_len, args.seed, 0)
       times = overlapped_lib.stage_times(cfg, params, first, args.grad_accum)
-    budget = None if args.overlap == "on" else overlapped_lib.auto_host_budget()
     try:
-      candidate = overlapped_lib.OverlappedTraining(args, tx, cfg, params, opt_state, times, budget)
+      candidate = overlapped_lib.OverlappedTraining(args, tx, cfg, params, opt_state, times)
     except MemoryError as e:
       if args.overlap == "on":
         raise SystemExit(f"--overlap on: {e}") from None

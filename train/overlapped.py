@@ -28,10 +28,6 @@ import jax_dos
 from models import gpt as gpt_model
 
 OVERLAP_MODES = ("auto", "on", "off")
-# --overlap auto takes the overlapped step only where its pinned host memory (the state, spare host state and
-# speculated streamed state) leaves this share of RAM to the rest of the process: at 6.7B on a 125.9 GiB host it
-# needs 79% and the process peaked at 97% (bench/results/train_step-h100).
-AUTO_HOST_SHARE = 0.85
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="  # what jax_dos.OverlappedStep needs on a GPU
 
 
@@ -64,17 +60,19 @@ class OverlappedTraining:
   """``jax_dos.OverlappedStep`` over the GPT's stages, with parameters and state in the model's layout.
 
   ``stage_times`` (``jax_dos.StagedModel.measure_times``) lets ``--offload
-  auto`` place subgroups by the step's timeline.
+  auto`` place subgroups by the step's timeline. The step's pinned host
+  memory stays within its default budget, a share of RAM: where the state and
+  the host path's buffers do not fit there, a ``MemoryError`` before anything
+  moves.
   """
 
   def __init__(
     self, args: argparse.Namespace, tx, cfg: gpt_model.GPTConfig, params: dict, opt_state, stage_times=None,
-    host_budget_bytes: int | None = None,
   ):  # fmt: skip
     self.stages = gpt_model.make_stages(cfg)
     self.step = jax_dos.OverlappedStep(
       tx, self.stages, gpt_model.stage_groups(params), _groups_state(opt_state), clip_norm=args.clip or None,
-      micro_batches=args.grad_accum, stage_times=stage_times, host_budget_bytes=host_budget_bytes,
+      micro_batches=args.grad_accum, stage_times=stage_times,
     )  # fmt: skip
 
   def __call__(self, batch: Any) -> jax.Array:
@@ -104,11 +102,6 @@ def stage_times(cfg: gpt_model.GPTConfig, params: dict, batch: tuple, micro_batc
   rows = batch[0].shape[0] // micro_batches
   model = jax_dos.StagedModel(gpt_model.make_stages(cfg), cfg.n_layer + 2)
   return model.measure_times(gpt_model.stage_groups(params), tuple(x[:rows] for x in batch))
-
-
-def auto_host_budget() -> int:
-  """Pinned host bytes ``--overlap auto`` lets the overlapped step use: ``AUTO_HOST_SHARE`` of RAM."""
-  return int(AUTO_HOST_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def predicted_faster(overlapped: jax_dos.Plan, plain: jax_dos.Plan | None) -> bool:

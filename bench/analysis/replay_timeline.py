@@ -58,20 +58,24 @@ def main(argv=None) -> dict:
   cfg = gpt.get_config(config["preset"], vocab_size=config["vocab_size"], param_dtype=config["param_dtype"])
   groups = gpt.stage_groups(gpt.abstract_params(cfg))
   staged = jax_dos.StagedModel(gpt.make_stages(cfg), len(groups))
+  width = 2 if config["param_dtype"] == "bfloat16" else 4
   subgroups = []
   for g, tree in enumerate(groups):
     _, sizes = jax_dos.partition_leaves(tree, jax_dos.DEFAULT_SUBGROUP_SIZE)
-    subgroups += [timeline.Subgroup(n, staged.completion[g]) for n in sizes]
+    subgroups += [timeline.Subgroup(n, staged.completion[g], width) for n in sizes]
   times = timeline.StageTimes(tuple(run["stage_times"]["forward_s"]), tuple(run["stage_times"]["backward_s"]))
   compute = times.compute_s(config["grad_accum"])
+  # Runs made before the micro-batch orders ran the "batch" order and planned with no host budget.
+  window = times.per_window(config["grad_accum"], run.get("micro_batch_order", "batch"))
+  budget = run.get("host_budget_bytes")
   resident = run["plan_elements"]["device"]
   uncapped = timeline.Rates(*rates)
   mean_size = sum(g.size for g in subgroups) / len(subgroups)
   cap = timeline.stream_rate_during_backward(times, mean_size, run.get("run_ahead_stages", 2))
   capped = timeline.Rates(*rates, stream_backward=cap)
-  chosen, before = timeline.choose_placements(times, subgroups, resident, uncapped)
-  same = timeline.simulate(times, subgroups, chosen, capped)
-  rechosen, after = timeline.choose_placements(times, subgroups, resident, capped)
+  chosen, before = timeline.choose_placements(window, subgroups, resident, uncapped, host_budget_bytes=budget)
+  same = timeline.simulate(window, subgroups, chosen, capped, before["stream_speculation"])
+  rechosen, after = timeline.choose_placements(window, subgroups, resident, capped, host_budget_bytes=budget)
 
   def shares(placements):
     return {k: sum(g.size for g, q in zip(subgroups, placements) if q == k) for k in ("device", "stream", "host")}
