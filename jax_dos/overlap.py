@@ -397,6 +397,10 @@ class OverlappedStep:
     self._stream_step_open = False  # (stream worker) between a step's first prefetch and its commit
     self._sending: deque = deque()  # host subgroups' new weights on their way in: (record, subgroup, arrays, final)
     self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
+    # The first step's jobs, held until its last program is dispatched: a program's first run initialises it, and a
+    # cuDNN graph loaded then is captured from the launching stream; a launch from another thread meanwhile failed
+    # that capture (6.7B on an H100, clip firing: "capturing stream has unjoined work", cuda_dnn.cc).
+    self._held: list | None = []
     kw = self.hyper
     self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
     self._host = JobThread("jax_dos-overlap-host", self._errors, self._wake)
@@ -609,7 +613,7 @@ class OverlappedStep:
       st = self.model.stages[i]
       self._wait_groups(st.groups)  # at once where they are final
       if j == window and self._stream_order:
-        self._streamer.submit(self._stream_prefetch)
+        self._submit(self._streamer, self._stream_prefetch)
       if kind == "forward":
         with trace.span("overlap.forward"):
           x = self.model.forward(i, self._stage_params(i), inputs[m][i], parts[m])
@@ -644,6 +648,13 @@ class OverlappedStep:
       with trace.span("overlap.pace"):
         jax.block_until_ready(self._run_ahead.popleft())
 
+  def _submit(self, worker: JobThread, *job) -> None:
+    """Queues ``job`` for ``worker``, or holds it while the first step's programs are dispatched."""
+    if self._held is not None:
+      self._held.append((worker, job))
+    else:
+      worker.submit(*job)
+
   def _hand_over(self, record: _StepRecord, g: int, grads: Any) -> None:
     """Queues group ``g``'s complete gradients for its subgroups' paths (host ones leave the accelerator now)."""
     self._updating = True
@@ -661,9 +672,9 @@ class OverlappedStep:
         with trace.span("overlap.grads_d2h"):
           full = dict(zip(leaves, subgroup_grads))
           on_host = host_gradients([full.get(i) for i in range(max(leaves) + 1)], self._masters, list(leaves))
-        self._host.submit(self._host_update, record, s, on_host)
+        self._submit(self._host, self._host_update, record, s, on_host)
       else:
-        self._streamer.submit(self._stream_update, record, s, subgroup_grads)
+        self._submit(self._streamer, self._stream_update, record, s, subgroup_grads)
 
   def _decide(self, record: _StepRecord, squares: list[jax.Array]) -> None:
     """The true gradient scale: runs the resident update with it; the decider tells the workers whether they
@@ -673,6 +684,9 @@ class OverlappedStep:
     true = device_steps.scalars(self.hyper, self._count, scale)
     _start_copy_to_host(true)
     self._resident_update(record, true)
+    for worker, job in self._held or ():  # the first step's: every program of the step is dispatched now
+      worker.submit(*job)
+    self._held = None
     self._decider.submit(self._announce, record, true)
     self._count = device_steps.increment(self._count)
     self._updating = False

@@ -214,17 +214,35 @@ def test_bfloat16_parameters(clip_norm, steps):
 
 
 def test_clip_decision_is_speculated_and_redone():
-  """A firing clip redoes the speculated host weights; a silent one keeps them (the trace says which)."""
+  """A firing clip redoes the speculated host weights; a silent one keeps them (the trace of the second step says
+  which: the first step's workers start only once its last program is dispatched, maybe after the decision)."""
   rng = np.random.default_rng()
-  groups, batches = make_groups(rng), [make_batch(rng)]
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
   for clip_norm, redone in ((FIRES, True), (NEVER, False)):
+    step, _ = overlapped_run(groups, batches[:1], clip_norm, 1, "host")
+    step.settle()
     with jax_dos.trace.recording() as spans:
-      step, _ = overlapped_run(groups, batches, clip_norm, 1, "host")
+      step(batches[1])
       step.settle()
     names = {s.name for s in spans}
     assert ("host.redo" in names) == redone
     assert {"host.kernel", "decide.read"} <= names
     assert any(s.thread == "accelerator" and s.name.startswith("backward") for s in spans)
+
+
+def test_the_first_steps_workers_start_once_its_programs_are_dispatched():
+  """A program's first run initialises it (on a GPU, loading cuDNN graphs through a stream capture that a launch from
+  another thread breaks), so the first step's workers wait until the training thread has dispatched its last one."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
+  with jax_dos.trace.recording() as spans:
+    step, _ = overlapped_run(groups, batches[:1], NEVER, 2, MIXED[: _subgroup_count(groups)])
+    step.settle()
+  dispatched = max(s.end for s in spans if s.name in ("overlap.backward", "overlap.resident"))
+  workers = [s for s in spans if s.name.startswith(("host.", "stream."))]
+  assert workers and min(s.start for s in workers) >= dispatched
+  step(batches[1])
+  check_against_reference(step, groups, batches, NEVER, 2)
 
 
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
