@@ -397,9 +397,9 @@ class OverlappedStep:
     self._stream_step_open = False  # (stream worker) between a step's first prefetch and its commit
     self._sending: deque = deque()  # host subgroups' new weights on their way in: (record, subgroup, arrays, final)
     self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
-    # The first step's jobs, held until its last program is dispatched: a program's first run initialises it, and a
-    # cuDNN graph loaded then is captured from the launching stream; a launch from another thread meanwhile failed
-    # that capture (6.7B on an H100, clip firing: "capturing stream has unjoined work", cuda_dnn.cc).
+    # The first step's jobs, held until its programs have run: a program's first run initialises it, and a cuDNN
+    # graph loaded then is captured from the launching stream; a launch from another thread meanwhile failed that
+    # capture (6.7B on an H100, clip firing: "capturing stream has unjoined work", cuda_dnn.cc).
     self._held: list | None = []
     kw = self.hyper
     self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
@@ -649,7 +649,7 @@ class OverlappedStep:
         jax.block_until_ready(self._run_ahead.popleft())
 
   def _submit(self, worker: JobThread, *job) -> None:
-    """Queues ``job`` for ``worker``, or holds it while the first step's programs are dispatched."""
+    """Queues ``job`` for ``worker``, or holds it until the first step's programs have run."""
     if self._held is not None:
       self._held.append((worker, job))
     else:
@@ -684,9 +684,11 @@ class OverlappedStep:
     true = device_steps.scalars(self.hyper, self._count, scale)
     _start_copy_to_host(true)
     self._resident_update(record, true)
-    for worker, job in self._held or ():  # the first step's: every program of the step is dispatched now
-      worker.submit(*job)
-    self._held = None
+    if self._held is not None:  # the first step: every program of the step has run once when this returns
+      jax.block_until_ready((true, self._params))
+      for worker, job in self._held:
+        worker.submit(*job)
+      self._held = None
     self._decider.submit(self._announce, record, true)
     self._count = device_steps.increment(self._count)
     self._updating = False

@@ -230,9 +230,9 @@ def test_clip_decision_is_speculated_and_redone():
     assert any(s.thread == "accelerator" and s.name.startswith("backward") for s in spans)
 
 
-def test_the_first_steps_workers_start_once_its_programs_are_dispatched():
+def test_the_first_steps_workers_start_once_its_programs_have_run():
   """A program's first run initialises it (on a GPU, loading cuDNN graphs through a stream capture that a launch from
-  another thread breaks), so the first step's workers wait until the training thread has dispatched its last one."""
+  another thread breaks), so the first step's workers wait until every program of the step has run."""
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
   with jax_dos.trace.recording() as spans:
