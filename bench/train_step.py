@@ -477,6 +477,7 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   if args.variant:
     faulthandler.enable()  # a crash leaves its threads' stacks in the stderr tail the driver keeps
+    faulthandler.dump_traceback_later(max(1, args.timeout - 10), exit=True)  # and so does a hang, before the kill
     res = run_variant(args)
     with open(args.result, "w") as f:
       json.dump(res, f)

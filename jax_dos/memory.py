@@ -235,6 +235,18 @@ def copy_in(x: Any, kind: str, dtype=jnp.float32) -> jax.Array:
 # ----------------------------------------------------------------------------- eager, batched moves
 
 
+def committed(tree: Any) -> Any:
+  """``tree`` with every array committed to its devices (no copy).
+
+  A jitted program is compiled and loaded again for committed arguments
+  where it first ran with uncommitted ones (arrays made without a device:
+  ``jnp.ones``, a model's initialisation), and an optimizer's outputs are
+  committed: committing first keeps the programs of the first step those of
+  every later one.
+  """
+  return jax.tree.map(lambda x: x if getattr(x, "committed", True) else jax.device_put(x, x.sharding), tree)
+
+
 def shards(x: jax.Array) -> list[jax.Array]:
   """The single-device arrays of ``x``'s addressable shards, in device-id order."""
   return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]

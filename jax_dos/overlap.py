@@ -370,7 +370,7 @@ class OverlappedStep:
     self.stream_speculation: int | None = None  # streamed parameters a step may speculate on (None: all)
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
-    self._params = list(leaves)
+    self._params = memory.committed(list(leaves))  # the programs of the first step are then those of every later one
     self._derive_orders()
     self._check_host_memory(self.host_budget_bytes)  # before any state moves or spare buffer is allocated
     place = lambda xs: [  # noqa: E731

@@ -215,7 +215,10 @@ class StagedModel:
     bytes (per device) of the stage inputs its forward pass keeps.
 
     A first pass compiles; the second is timed, waiting for each program.
+    The parameters are committed first, as the overlapped step commits them:
+    the programs compiled here are then the step's.
     """
+    groups = memory.committed(list(groups))
     n = len(self.stages)
     for _ in range(2):  # the first pass compiles
       fwd, bwd, xs, x = [], [], [], None

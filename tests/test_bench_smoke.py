@@ -102,7 +102,8 @@ def test_train_step_smoke_overlapped(tmp_path):
   """The overlapped variants, planned by the stages' timeline and rebalancing, with their trace and plans."""
   path = tmp_path / "train_step.json"
   run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", "overlap,overlapfire,overlapbatch",
-      "--steps", "2", "--warmup", "3", "--overlap-rebalance", "--overlap-stream-slots", "2", "--out", str(path))  # fmt: skip
+      "--steps", "2", "--warmup", "3", "--overlap-rebalance", "--overlap-stream-slots", "2",
+      "--out", str(path))  # fmt: skip
   doc = json.loads(path.read_text())
   for r in doc["results"]:
     assert "error" not in r and r["tokens_per_s"] > 0, r.get("stderr_tail")

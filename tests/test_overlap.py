@@ -245,6 +245,22 @@ def test_the_first_steps_workers_start_once_its_programs_have_run():
   check_against_reference(step, groups, batches, NEVER, 2)
 
 
+def test_the_first_steps_programs_are_every_steps():
+  """Parameters made without a device (uncommitted) are committed by the step: its first step's stage programs are
+  then those of every later step, none compiled and loaded while the optimizer's threads launch work."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  assert not any(x.committed for x in jax.tree.leaves(groups))
+  step, _ = overlapped_run(groups, batches[:1], FIRES, 2, MIXED[: _subgroup_count(groups)])
+  step.settle()
+  programs = (jax_dos.stages._jit_forward._cache_size(), jax_dos.stages._jit_backward._cache_size())
+  for batch in batches[1:]:
+    step(batch)
+  step.settle()
+  assert (jax_dos.stages._jit_forward._cache_size(), jax_dos.stages._jit_backward._cache_size()) == programs
+  check_against_reference(step, groups, batches, FIRES, 2)
+
+
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("low_dtype", ["float32", "bfloat16"])
 def test_kernel_into_spare_buffers_is_the_in_place_kernel(grad_dtype, low_dtype):
