@@ -220,6 +220,8 @@ class _StepRecord:
     self.streamed: dict[int, _Streamed] = {}  # streamed subgroups speculated on, until the decision
     self.speculated_elements = 0  # parameters of the streamed subgroups speculated on
     self.resident_grads: dict[int, jax.Array] = {}  # leaf -> gradient
+    self.host_done = threading.Event()  # the host worker has run every hand-over of the step (fired clip: its redo)
+    self.stream_redone = threading.Event()  # the stream worker has committed the host subgroups it redoes
     self.path_end: dict[str, float] = {}  # "host", "stream" -> when the worker last finished a subgroup of this step
 
   def spec_host(self) -> np.ndarray:
@@ -366,6 +368,7 @@ class OverlappedStep:
     # subgroups in the order the forward pass needs them (by the stage completing their group)
     stage = lambda s: self.model.completion[self.subgroup_group[s]]  # noqa: E731
     self._forward_order = sorted(range(len(subgroups)), key=lambda s: (stage(s), s))
+    self._forward_rank = {s: r for r, s in enumerate(self._forward_order)}
     self._widths = [x.dtype.itemsize for x in leaves]
     self.stream_speculation: int | None = None  # streamed parameters a step may speculate on (None: all)
     self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
@@ -466,12 +469,37 @@ class OverlappedStep:
 
   def _derive_orders(self) -> None:
     self.stream_speculation = self._speculation_cap()
+    self._redo_on_stream = self._stream_share_of_host()
     self._stream_order = [  # streamed subgroups in the order the backward pass hands them over
       s for i in reversed(range(len(self.model.stages))) for g in self.model.groups_completing(i)
       for s in self.group_subgroups[g] if self.plan.placements[s] == "stream"
     ]  # fmt: skip
     self._stream_rank = {s: r for r, s in enumerate(self._stream_order)}
     self._leaf_placement = self.plan.leaf_placements()
+
+  def _stream_share_of_host(self) -> set[int]:
+    """The host subgroups the stream path steps when the clip fires: the last ones in forward order (needed last).
+
+    With the clip fired, every streamed parameter (``S``) and every host one
+    (``H``) is stepped after the decision; the paths end together when the
+    stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones,
+    at the calibrated concurrent rates (equal rates without a calibration).
+    None where nothing streams: only then are the stream slots budgeted.
+    """
+    if not self.plan.indices("stream"):
+      return set()
+    cal = self.plan.calibration or {}
+    host, stream = cal.get("host_rate_concurrent") or 1.0, cal.get("stream_rate_concurrent") or 1.0
+    host_order = [s for s in self._forward_order if self.plan.placements[s] == "host"]
+    share = (self.plan.elements("host") + self.plan.elements("stream")) * stream / (host + stream)
+    share -= self.plan.elements("stream")
+    taken, out = 0, set()
+    for s in reversed(host_order):
+      if taken + self.plan.sizes[s] > share:
+        break
+      taken += self.plan.sizes[s]
+      out.add(s)
+    return out
 
   def _host_buffers(self, leaves: list[int]) -> None:
     """The host path's buffers for these leaves: the new weights' staging copy and the spare state."""
@@ -732,6 +760,8 @@ class OverlappedStep:
       jax.block_until_ready(list(grads.values()))
     record.host_grads[s] = grads
     decision = record.decision
+    if decision is not None and decision.fired and s in self._redo_on_stream:
+      return  # the stream worker steps it
     self._host_weights(record, s, decision.host if decision else record.spec_host(), final=decision is not None)
     if decision is None:
       record.host_speculated.append(s)
@@ -773,22 +803,33 @@ class OverlappedStep:
         self._finished(s)
 
   def _host_finish(self, record: _StepRecord) -> None:
+    """The decision's consequences for the host subgroups; a fired clip's redo in the order the next forward pass
+    needs them, shared with the stream worker (which takes the last ones), then the spare buffers become the state."""
     decision = record.decision
     self._assign_sent(wait=True)
-    if decision.fired and record.host_speculated:
+    on_stream = self._redo_on_stream if decision.fired else set()
+    if decision.fired:
       with trace.span("host.wait_sent"):
         jax.block_until_ready(record.host_sent)  # the copies read the buffers the redo writes
       record.host_sent.clear()  # the redo writes into (donates) these
-      for s in record.host_speculated:
+      record.host_done.set()  # the stream worker may step its share now
+      for s in sorted(set(record.host_speculated) - on_stream, key=self._forward_rank.__getitem__):
         with trace.span("host.redo"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)
+      if on_stream:  # committed by the stream worker before the swap below
+        with trace.span("host.wait_stream_redo"):
+          while not record.stream_redone.wait(_WAIT_POLL_S):
+            if self._errors:
+              raise RuntimeError("the stream worker failed during a redo") from self._errors[0]
     else:
       for s in record.host_speculated:
         self._finished(s)
     with trace.span("host.wait_sent"):
       jax.block_until_ready(record.host_sent)
     for s in record.host_grads:  # the new state becomes the state; the old one is the next step's spare
+      if s in on_stream:
+        continue
       for i in self.plan.subgroups[s]:
         current = (self._masters[i], self._mus[i], self._nus[i])
         (self._masters[i], self._mus[i], self._nus[i]), self._spares[i] = self._spares[i], current
@@ -929,7 +970,8 @@ class OverlappedStep:
   def _stream_finish(self, record: _StepRecord) -> None:
     decision = record.decision
     self._stream_step_open = False
-    for s, streamed in list(record.streamed.items()):  # the speculated ones
+    for s in sorted(record.streamed, key=self._forward_rank.__getitem__):  # the speculated ones
+      streamed = record.streamed[s]
       if decision.fired:
         self._stream_dispatch(record, s, streamed.grads, decision.device, True)  # commits
       else:
@@ -937,6 +979,47 @@ class OverlappedStep:
         self._stream_commit(s, streamed.old, streamed.new)
         self._finished(s)
     record.streamed.clear()
+    if decision.fired and self._redo_on_stream:
+      self._stream_host_share(record)
+
+  def _stream_host_share(self, record: _StepRecord) -> None:
+    """(stream worker, clip fired) Steps its share of the host subgroups (``_redo_on_stream``) on the accelerator,
+    while the host worker redoes the others: the work after the backward pass takes both paths. A fixed share, so
+    that a subgroup's numbers never depend on which thread came first."""
+    try:
+      with trace.span("stream.wait_host"):
+        while not record.host_done.wait(_WAIT_POLL_S):  # the host worker is done with these subgroups' buffers
+          if self._errors:
+            raise RuntimeError("the host worker failed before its redo") from self._errors[0]
+      for s in sorted(self._redo_on_stream, key=self._forward_rank.__getitem__):
+        self._stream_redo_host(record, s)
+    finally:
+      record.stream_redone.set()
+
+  def _stream_redo_host(self, record: _StepRecord, s: int) -> None:
+    """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; the new state
+    comes back into new host buffers and becomes the state, the old one the spare (the speculated spare is freed)."""
+    leaves = list(self.plan.subgroups[s])
+    while self._slots_used() >= self.plan.stream_slots and self._in_flight:
+      self._free_slot()
+    with trace.span("stream.redo_host"):
+      old = self._stream_state(s)
+      state = memory.put_groups(old, "device")
+      grads = memory.put([record.host_grads[s][i] for i in leaves], "device")
+      self._wait_landed([state, grads])
+      g = memory.like_states(grads, old[0])
+      outs = device_steps.update_params(g, *state, [self._params[i] for i in leaves], record.decision.device,
+                                        self.hyper, tuple(self.decay[i] for i in leaves))  # fmt: skip
+      back = memory.put_groups(list(outs[1:]), "pinned_host")
+    self._in_flight.append(back)
+    for j, i in enumerate(leaves):
+      self._params[i] = outs[0][j]
+      speculated = self._spares[i]
+      self._spares[i] = (old[0][j], old[1][j], old[2][j])
+      self._masters[i], self._mus[i], self._nus[i] = back[0][j], back[1][j], back[2][j]
+      for a in speculated:
+        a.delete()
+    self._finished(s)
 
   # ----------------------------------------------------------------------------- rebalancing
 

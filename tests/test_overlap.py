@@ -261,6 +261,28 @@ def test_the_first_steps_programs_are_every_steps():
   check_against_reference(step, groups, batches, FIRES, 2)
 
 
+def test_a_fired_clips_redo_is_shared_by_both_paths_and_deterministic():
+  """With the clip firing, the stream path steps a fixed share of the host subgroups (the last ones) on the
+  accelerator while the host kernel redoes the others: optax's numbers, and the same bits in two runs."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
+  runs = []
+  for _ in range(2):
+    with jax_dos.trace.recording() as spans:
+      step, _ = overlapped_run(groups, batches, FIRES, 2, plan)
+      step.settle()
+    shared = step._redo_on_stream
+    hosts = [s for s in step._forward_order if step.plan.placements[s] == "host"]
+    assert shared and shared == set(hosts[len(hosts) - len(shared) :]) and len(shared) < len(hosts)
+    assert "stream.redo_host" in {s.name for s in spans}
+    check_against_reference(step, groups, batches, FIRES, 2)
+    runs.append(jax.tree.leaves((step.params, step.opt_state)))
+    step.close()
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("low_dtype", ["float32", "bfloat16"])
 def test_kernel_into_spare_buffers_is_the_in_place_kernel(grad_dtype, low_dtype):

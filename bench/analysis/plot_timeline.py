@@ -27,6 +27,8 @@ COLORS = {
   "stream.dispatch": "#937860",
   "stream.wait_slot": "#dddddd",
   "stream.prefetch": "#b8860b",
+  "stream.redo_host": "#8c2d04",
+  "stream.wait_decision": "#eeeeee",
   "overlap.wait_params": "#c44e52",
   "decide.read": "#000000",
   "overlap.resident": "#da8bc3",
