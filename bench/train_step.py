@@ -485,7 +485,7 @@ def main(argv=None) -> None:
   out_path = args.out or os.path.join(HERE, "results", "train_step.json")
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   calibration = None
-  if {"auto", "writebehind", "delay", "predict", "ahead"} & set(args.variants.split(",")):
+  if {"auto", "writebehind", "delay", "predict", "ahead", *OVERLAPPED} & set(args.variants.split(",")):
     # The planner's calibration in a process of its own (then cached for the variants): measured inside a variant,
     # beside a 6.7B model, its 20-30 s of allocations could fragment the accelerator memory the step needs.
     code = "import jax_dos; print(jax_dos.calibrate().summary())"

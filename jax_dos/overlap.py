@@ -309,7 +309,15 @@ class OverlappedStep:
   losses at a time. :attr:`params` and :attr:`opt_state` wait for the pending
   update and return the current trees; the state equals
   ``optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(...))``'s on
-  the same gradients, to float32 rounding, in every placement.
+  the same gradients, to float32 rounding, in every placement, and the same
+  bits in two runs of the same steps.
+
+  Run other accelerator programs (an evaluation) after :meth:`settle`: a
+  program's first run loads it, and on a GPU a cuDNN graph loaded while
+  another thread launches work fails its stream capture. The step commits
+  the parameters and holds its first step's worker jobs until that step's
+  programs have run, so that its own programs are loaded with no other
+  thread launching.
   """
 
   def __init__(

@@ -358,6 +358,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   val_batches = [get_batch(splits.val, args.batch, i, data_lib.VAL_STREAM) for i in range(args.eval_batches)]
 
   def evaluate() -> float:
+    if overlapped is not None:
+      overlapped.settle()  # no optimizer thread launches while the evaluation's programs first run
     current = params if overlapped is None else overlapped.params
     return validation_loss(graphdef, current, val_batches)
 

@@ -81,6 +81,10 @@ class OverlappedTraining:
   def close(self) -> None:
     self.step.close()
 
+  def settle(self) -> None:
+    """Waits until the pending update has written the parameters and the whole state."""
+    self.step.settle()
+
   @property
   def plan(self) -> jax_dos.Plan:
     return self.step.plan
