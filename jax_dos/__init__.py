@@ -15,7 +15,8 @@ The package, from the ground up: ``state``, ``adam_math``, ``memory``,
 ``plan``, ``trace`` and ``host_kernels``; the two ways to run a step,
 ``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
 ``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
-face) with ``accumulate``, ``state_convert`` and ``checkpoint`` (docs/design.md).
+face) with ``accumulate``, ``state_convert`` and ``checkpoint``; the overlapped step, ``stages``,
+``timeline``, ``overlap_plan`` and ``overlap`` (docs/design.md).
 
 Importing it changes one thing outside itself: XLA's pinned host pool cap
 (``memory.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").

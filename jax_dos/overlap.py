@@ -91,32 +91,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import device_steps, host_kernels, memory, partition, trace
+from jax_dos import device_steps, host_kernels, memory, overlap_plan, partition, trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import InterleavedAdam, decay_flags, find_interleaved, leaves_with_paths
 from jax_dos.job_thread import JobThread
-from jax_dos.plan import (
-  MEMORY_KIND,
-  PLACEMENTS,
-  RESIDENT_CALL_ELEMENTS,
-  STAGING_BYTES,
-  STATE_BYTES,
-  Plan,
-  partition_groups,
-)
+from jax_dos.overlap_plan import StepLayout
+from jax_dos.plan import MEMORY_KIND, RESIDENT_CALL_ELEMENTS, partition_groups
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import (
-  MICRO_BATCH_ORDERS,
-  HostBytes,
-  Rates,
-  StageTimes,
-  Subgroup,
-  choose_placements,
-  stage_ordered_placements,
-  stream_rate_during_backward,
-)
+from jax_dos.timeline import MICRO_BATCH_ORDERS, StageTimes
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 # Several threads launch accelerator work at once here. XLA's GPU command buffers (CUDA graphs) capture a program's
@@ -147,10 +131,6 @@ REBALANCE_AFTER_STEPS = 2
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
 TRAINING_CORES = 2
-# The share of RAM the step plans its pinned host memory into where no host_budget_bytes is given (the state, spare
-# host state, streamed speculation): at 6.7B on a 125.9 GiB H100 host the process's resident set reached 97% of RAM
-# with 79% planned, XLA's pinned pool growing by doubling regions (docs/overlap.md).
-HOST_SHARE = 0.85
 
 
 def _check_no_command_buffers() -> None:
@@ -161,13 +141,6 @@ def _check_no_command_buffers() -> None:
       " other flags) before jax starts. Its optimizer threads launch work while the training thread does, which"
       " fails a CUDA-graph capture. Or train on the plain path (jax_dos.update_params after jax.grad)."
     )
-
-
-def _default_host_budget() -> int:
-  """``HOST_SHARE`` of RAM, and no more than XLA's pinned pool (on a GPU)."""
-  budget = int(HOST_SHARE * memory.host_memory_total())
-  pool = memory.pinned_pool_limit()
-  return budget if pool is None else min(budget, pool)
 
 
 def _step_scale(squares: list[jax.Array], clip_norm: float | None, micro_batches: int) -> tuple[jax.Array, jax.Array]:
@@ -293,7 +266,7 @@ class OverlappedStep:
       which compile). A step that rebalances first waits for the
       last one's update to end. The numbers do not change.
     host_budget_bytes: pinned host bytes the step may use at most
-      (:meth:`host_bytes`); ``None``: ``HOST_SHARE`` of the machine's RAM,
+      (:meth:`host_bytes`); ``None``: ``overlap_plan.HOST_SHARE`` of the machine's RAM,
       and no more than XLA's pinned pool. The stream path speculates on as
       many parameters as the rest of the budget holds
       (:attr:`stream_speculation`), the others waiting for the clip
@@ -355,7 +328,7 @@ class OverlappedStep:
     if isinstance(stream_slots, bool) or not isinstance(stream_slots, int) or stream_slots < 1:
       raise ValueError(f"stream_slots must be an integer >= 1, got {stream_slots!r}.")
     self._max_stream_slots = stream_slots
-    self.host_budget_bytes = host_budget_bytes if host_budget_bytes is not None else _default_host_budget()
+    self.host_budget_bytes = host_budget_bytes if host_budget_bytes is not None else overlap_plan.default_host_budget()
     self._rebalance_left = REBALANCE_STEPS if rebalance else 0
     self._last_move: str | None = None
     self._last_record: _StepRecord | None = None
@@ -372,18 +345,25 @@ class OverlappedStep:
         raise ValueError(f"opt_state.{name} does not match params: pass tx.init(params), or a state restored for them.")
     self.decay = decay_flags(owner.mask, list(params), self.hyper.weight_decay)
     subgroups, sizes, self.subgroup_group = partition_groups(params, owner.subgroup_size)
+    if stage_times is not None and len(stage_times.forward) != len(self.model.stages):
+      raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(self.model.stages)}.")
     self.stage_times = stage_times
-    # subgroups in the order the forward pass needs them (by the stage completing their group)
-    stage = lambda s: self.model.completion[self.subgroup_group[s]]  # noqa: E731
-    self._forward_order = sorted(range(len(subgroups)), key=lambda s: (stage(s), s))
+    self._layout = StepLayout(
+      tuple(subgroups), tuple(sizes), tuple(self.model.completion[g] for g in self.subgroup_group),
+      tuple(x.size for x in leaves), tuple(x.dtype.itemsize for x in leaves),
+    )  # fmt: skip
+    self._forward_order = self._layout.forward_order  # subgroups in the order the forward pass needs them
     self._forward_rank = {s: r for r, s in enumerate(self._forward_order)}
-    self._widths = [x.dtype.itemsize for x in leaves]
     self.stream_speculation: int | None = None  # streamed parameters a step may speculate on (None: all)
-    self.plan = self._make_plan(plan if plan is not None else owner.plan_spec, owner, list(params), subgroups, sizes)
+    self.plan = overlap_plan.make_plan(
+      plan if plan is not None else owner.plan_spec, owner, list(params), self._layout, stage_times=stage_times,
+      micro_batches=micro_batches, micro_batch_order=micro_batch_order, run_ahead_stages=run_ahead_stages,
+      max_stream_slots=stream_slots, host_budget_bytes=self.host_budget_bytes,
+    )  # fmt: skip
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     self._params = memory.committed(list(leaves))  # the programs of the first step are then those of every later one
     self._derive_orders()
-    self._check_host_memory(self.host_budget_bytes)  # before any state moves or spare buffer is allocated
+    self._check_host_memory()  # before any state moves or spare buffer is allocated
     place = lambda xs: [  # noqa: E731
       a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
       for a, p in zip(xs, self._leaf_placement)
@@ -425,89 +405,15 @@ class OverlappedStep:
 
   # ----------------------------------------------------------------------------- the plan
 
-  def _make_plan(self, spec: Any, owner: Any, groups: list, subgroups: list, sizes: list) -> Plan:
-    forward_order = self._forward_order
-    if isinstance(spec, Plan):
-      where = {i: g for g, tree_range in enumerate(self._group_ranges(groups)) for i in tree_range}
-      for s, leaves in enumerate(spec.subgroups):
-        if len({where[i] for i in leaves}) > 1:
-          raise ValueError(
-            f"plan subgroup {s} spans two parameter groups; the overlapped step needs subgroups within groups"
-            " (jax_dos.plan.partition_groups), or use the plain path (tx.update after jax.grad)."
-          )
-      return spec
-    if isinstance(spec, str) and spec == "auto":
-      whole = owner.plan_for(groups)
-      boundaries = 0  # the "stage" order keeps every micro-batch's stage inputs at the step's peak, not one's
-      if self.micro_batch_order == "stage" and self.stage_times is not None:
-        boundaries = (self.micro_batches - 1) * self.stage_times.boundary_bytes
-      resident, slots = self._room_beside_step(whole, groups, sizes, forward_order, self._max_stream_slots, boundaries)
-      if self.stage_times is None or whole.calibration is None:
-        stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
-        placements = stage_ordered_placements(forward_order, sizes, resident, stream)
-        return Plan(tuple(subgroups), tuple(placements), tuple(sizes), slots, source="model+stages",
-                    calibration=whole.calibration, step_room_bytes=whole.step_room_bytes)  # fmt: skip
-      if len(self.stage_times.forward) != len(self.model.stages):
-        raise ValueError(f"stage_times has {len(self.stage_times.forward)} stages, the model {len(self.model.stages)}.")
-      cal = whole.calibration
-      backward = stream_rate_during_backward(self.stage_times, sum(sizes) / len(sizes), self.run_ahead_stages)
-      rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
-                    cal["stream_rate_concurrent"], backward)  # fmt: skip
-      timeline = [Subgroup(n, self.model.completion[self.subgroup_group[s]], self._widths[subgroups[s][0]])
-                  for s, n in enumerate(sizes)]  # fmt: skip
-      window = self.stage_times.per_window(self.micro_batches, self.micro_batch_order)
-      placements, predicted = choose_placements(
-        window, timeline, resident, rates, host_budget_bytes=self.host_budget_bytes
-      )
-      predicted = {"exposed": predicted["exposed_s"], "step": self.stage_times.compute_s(self.micro_batches)
-                   + predicted["exposed_s"]}  # fmt: skip
-      return Plan(tuple(subgroups), tuple(placements), tuple(sizes), slots, predicted, "model+timeline",
-                  whole.calibration, step_room_bytes=whole.step_room_bytes)  # fmt: skip
-    if isinstance(spec, str):
-      if spec not in PLACEMENTS:
-        raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
-      return Plan(tuple(subgroups), (spec,) * len(subgroups), tuple(sizes), self._max_stream_slots, source="user")
-    placements = tuple(spec)
-    if len(placements) != len(subgroups):
-      raise ValueError(
-        f"plan lists {len(placements)} placements but the groups pack into {len(subgroups)} subgroups"
-        " (jax_dos.plan.partition_groups); pass one placement per subgroup."
-      )
-    return Plan(tuple(subgroups), placements, tuple(sizes), self._max_stream_slots, source="user")
-
   def _derive_orders(self) -> None:
-    self.stream_speculation = self._speculation_cap()
-    self._redo_on_stream = self._stream_share_of_host()
+    self.stream_speculation = overlap_plan.speculation_cap(self.plan, self._layout, self.host_budget_bytes)
+    self._redo_on_stream = overlap_plan.stream_share_of_host(self.plan, self._forward_order)
     self._stream_order = [  # streamed subgroups in the order the backward pass hands them over
       s for i in reversed(range(len(self.model.stages))) for g in self.model.groups_completing(i)
       for s in self.group_subgroups[g] if self.plan.placements[s] == "stream"
     ]  # fmt: skip
     self._stream_rank = {s: r for r, s in enumerate(self._stream_order)}
     self._leaf_placement = self.plan.leaf_placements()
-
-  def _stream_share_of_host(self) -> set[int]:
-    """The host subgroups the stream path steps when the clip fires: the last ones in forward order (needed last).
-
-    With the clip fired, every streamed parameter (``S``) and every host one
-    (``H``) is stepped after the decision; the paths end together when the
-    stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones,
-    at the calibrated concurrent rates (equal rates without a calibration).
-    None where nothing streams: only then are the stream slots budgeted.
-    """
-    if not self.plan.indices("stream"):
-      return set()
-    cal = self.plan.calibration or {}
-    host, stream = cal.get("host_rate_concurrent") or 1.0, cal.get("stream_rate_concurrent") or 1.0
-    host_order = [s for s in self._forward_order if self.plan.placements[s] == "host"]
-    share = (self.plan.elements("host") + self.plan.elements("stream")) * stream / (host + stream)
-    share -= self.plan.elements("stream")
-    taken, out = 0, set()
-    for s in reversed(host_order):
-      if taken + self.plan.sizes[s] > share:
-        break
-      taken += self.plan.sizes[s]
-      out.add(s)
-    return out
 
   def _host_buffers(self, leaves: list[int]) -> None:
     """The host path's buffers for these leaves: the new weights' staging copy and the spare state."""
@@ -516,85 +422,13 @@ class OverlappedStep:
     spares = memory.zeros_like_each([(self._masters[i], jnp.float32) for i in leaves for _ in range(3)])
     self._spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
 
-  def _check_host_memory(self, budget: int) -> None:
-    need = self.host_bytes()
-    try:
-      if need > budget:
-        raise MemoryError(
-          f"the overlapped step's host memory needs {need / 2**30:.2f} GiB of pinned host memory, above the"
-          f" {budget / 2**30:.2f} GiB of its budget (host_budget_bytes, or {HOST_SHARE:.0%} of RAM). Raise the"
-          " budget, keep more subgroups on the device, or train on the plain path (tx.update after jax.grad),"
-          " which needs no spare host state."
-        )
-      memory.check_host_capacity(need, "the overlapped step's host memory")
-    except MemoryError as e:
-      raise MemoryError(f"{e}\nThe overlapped step's plan:\n{self.plan}") from None
-
-  def _host_bytes_fixed(self) -> int:
-    """:meth:`host_bytes` before the streamed speculation."""
-    per = HostBytes()
-    total = 0
-    for s, placement in enumerate(self.plan.placements):
-      for i in self.plan.subgroups[s]:
-        n, width = self._params[i].size, self._widths[i]
-        total += {"host": per.state + per.spare + 2 * width, "stream": per.state, "device": 0}[placement] * n
-    return total
-
-  def _speculation_cap(self) -> int:
-    """Streamed parameters a step may speculate on: as many as the host budget holds beside the fixed bytes."""
-    return max(0, (self.host_budget_bytes - self._host_bytes_fixed()) // HostBytes().speculation)
+  def _check_host_memory(self) -> None:
+    overlap_plan.check_host_memory(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes)
 
   def host_bytes(self) -> int:
-    """Pinned host bytes the step needs at most: the offloaded state (12 B a parameter); host subgroups' spare state
-    (12 B), gradient and weight copies (2 B each for bfloat16 parameters, 4 for float32); and the new state of the
-    streamed parameters speculated on, until the decision (12 B; :attr:`stream_speculation` of them at most).
-    """
-    streamed = self.plan.elements("stream")
-    cap = streamed if self.stream_speculation is None else min(streamed, self.stream_speculation)
-    return self._host_bytes_fixed() + HostBytes().speculation * cap
-
-  @staticmethod
-  def _room_beside_step(
-    whole: Plan, groups: list, sizes: list, forward_order: list, max_slots: int, boundary_bytes: int = 0
-  ) -> tuple[int, int]:
-    """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
-
-    The plain plan holds its streaming slots only in the update phase, after
-    the activations are gone; here they are in flight during the backward
-    pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
-    the largest subgroup that is not resident (per device) must fit the room
-    beside that peak (``whole.step_room_bytes``, less ``boundary_bytes``: the
-    stage inputs the plain step's peak does not hold): the resident share shrinks,
-    and the slots only where the room cannot hold them all (down to one).
-    Resident subgroups are the first ``resident`` elements in forward order,
-    so the largest one left out grows as the share shrinks: the share is
-    shrunk until it holds (a few rounds). Room unknown: the plain plan's
-    share and ``max_slots``.
-    """
-    resident, total, slots = whole.elements("device"), sum(sizes), max_slots
-    if whole.step_room_bytes is None or resident >= total:
-      return resident, slots
-    per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / total
-    room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
-    for _ in range(len(sizes)):
-      kept = stage_ordered_placements(forward_order, sizes, cap, 0)
-      largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)
-      slot = STAGING_BYTES * largest * per_device
-      slots = max(1, min(max_slots, int(room // slot))) if slot else max_slots
-      smaller = int(min(resident, max(0.0, (room - slots * slot) / STATE_BYTES) / per_device))
-      if smaller >= cap:
-        break
-      cap = smaller
-    return cap, slots
-
-  @staticmethod
-  def _group_ranges(groups: list) -> list[range]:
-    out, start = [], 0
-    for tree in groups:
-      n = len(jax.tree.leaves(tree))
-      out.append(range(start, start + n))
-      start += n
-    return out
+    """Pinned host bytes the step needs at most (``overlap_plan.host_bytes``): the offloaded state, the host path's
+    spare state and copies, and the streamed parameters speculated on (:attr:`stream_speculation` at most)."""
+    return overlap_plan.host_bytes(self.plan, self._layout, self.stream_speculation)
 
   # ----------------------------------------------------------------------------- one step
 
@@ -1060,11 +894,11 @@ class OverlappedStep:
     leaves = list(self.plan.subgroups[s])
     if to == "host":
       try:
-        self.stream_speculation = self._speculation_cap()
-        self._check_host_memory(self.host_budget_bytes)
+        self.stream_speculation = overlap_plan.speculation_cap(self.plan, self._layout, self.host_budget_bytes)
+        self._check_host_memory()
       except MemoryError:
         self.plan, self._rebalance_left = previous, 0
-        self.stream_speculation = self._speculation_cap()
+        self.stream_speculation = overlap_plan.speculation_cap(self.plan, self._layout, self.host_budget_bytes)
         return
       self._host_buffers(leaves)
     else:

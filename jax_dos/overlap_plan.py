@@ -1,0 +1,242 @@
+"""The overlapped step's plan: where each subgroup goes, what fits beside the step's peak, the host memory it takes.
+
+Functions of the staged model's parameters (:class:`StepLayout`), the
+optimizer's own plan and the measured stage times, for ``jax_dos.overlap``:
+
+* :func:`make_plan`: the placements, from a user's plan or ``"auto"``: the
+  resident share that fits beside the step's peak with the streamed subgroups
+  in flight (:func:`room_beside_step`), and with stage times the split of the
+  rest between the host and stream paths that the timeline model predicts
+  fastest within the host budget (``jax_dos.timeline``);
+* :func:`host_bytes`: the pinned host bytes a plan needs, ``12 B`` a parameter
+  of offloaded state, ``12 B`` of spare state plus a gradient and a weight copy
+  a host parameter, and ``12 B`` a streamed parameter speculated on;
+  :func:`speculation_cap`: how many streamed parameters the budget lets a step
+  speculate on; :func:`check_host_memory`;
+* :func:`stream_share_of_host`: the host subgroups the stream path steps when
+  the clip fires, so that both paths end their redo together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jax_dos import memory
+from jax_dos.plan import PLACEMENTS, STAGING_BYTES, STATE_BYTES, Plan
+from jax_dos.timeline import (
+  HostBytes,
+  Rates,
+  StageTimes,
+  Subgroup,
+  choose_placements,
+  stage_ordered_placements,
+  stream_rate_during_backward,
+)
+
+# The share of RAM the step plans its pinned host memory into where no host_budget_bytes is given (the state, spare
+# host state, streamed speculation): at 6.7B on a 125.9 GiB H100 host the process's resident set reached 97% of RAM
+# with 79% planned, XLA's pinned pool growing by doubling regions (docs/overlap.md).
+HOST_SHARE = 0.85
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+  """A staged model's parameters as the plan sees them.
+
+  ``subgroups`` (leaf indices) and ``sizes`` (elements) are
+  ``jax_dos.plan.partition_groups``'; ``stages`` gives each subgroup's stage,
+  the one whose backward pass completes its gradient; ``leaf_sizes`` and
+  ``leaf_bytes`` each leaf's elements and bytes per element.
+  """
+
+  subgroups: tuple[tuple[int, ...], ...]
+  sizes: tuple[int, ...]
+  stages: tuple[int, ...]
+  leaf_sizes: tuple[int, ...]
+  leaf_bytes: tuple[int, ...]
+
+  @property
+  def forward_order(self) -> list[int]:
+    """Subgroup indices in the order the forward pass needs them."""
+    return sorted(range(len(self.sizes)), key=lambda s: (self.stages[s], s))
+
+  def timeline(self) -> list[Subgroup]:
+    return [Subgroup(n, self.stages[s], self.leaf_bytes[self.subgroups[s][0]]) for s, n in enumerate(self.sizes)]
+
+
+def default_host_budget() -> int:
+  """``HOST_SHARE`` of RAM, and no more than XLA's pinned pool (on a GPU)."""
+  budget = int(HOST_SHARE * memory.host_memory_total())
+  pool = memory.pinned_pool_limit()
+  return budget if pool is None else min(budget, pool)
+
+
+def make_plan(
+  spec: Any, owner: Any, groups: list, layout: StepLayout, *, stage_times: StageTimes | None, micro_batches: int,
+  micro_batch_order: str, run_ahead_stages: int, max_stream_slots: int, host_budget_bytes: int,
+) -> Plan:  # fmt: skip
+  """The step's plan from ``spec`` (``"auto"``, a placement, a list of them, or a ``Plan`` within groups).
+
+  ``"auto"`` sizes its shares from ``owner``'s own plan (made by ``tx.init``
+  before any state took accelerator memory): the resident share and the
+  streaming slots that fit beside the step's peak, then by the timeline model
+  with ``stage_times`` (``source="model+timeline"``, ``predicted`` holding the
+  step), else the plain plan's shares by stage order (``"model+stages"``).
+  """
+  subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
+  if isinstance(spec, Plan):
+    where = {i: g for g, tree_range in enumerate(_group_ranges(groups)) for i in tree_range}
+    for s, leaves in enumerate(spec.subgroups):
+      if len({where[i] for i in leaves}) > 1:
+        raise ValueError(
+          f"plan subgroup {s} spans two parameter groups; the overlapped step needs subgroups within groups"
+          " (jax_dos.plan.partition_groups), or use the plain path (tx.update after jax.grad)."
+        )
+    return spec
+  if isinstance(spec, str) and spec == "auto":
+    whole = owner.plan_for(groups)
+    boundaries = 0  # the "stage" order keeps every micro-batch's stage inputs at the step's peak, not one's
+    if micro_batch_order == "stage" and stage_times is not None:
+      boundaries = (micro_batches - 1) * stage_times.boundary_bytes
+    resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries)
+    if stage_times is None or whole.calibration is None:
+      stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
+      placements = stage_ordered_placements(forward_order, sizes, resident, stream)
+      return Plan(subgroups, tuple(placements), sizes, slots, source="model+stages", calibration=whole.calibration,
+                  step_room_bytes=whole.step_room_bytes)  # fmt: skip
+    cal = whole.calibration
+    backward = stream_rate_during_backward(stage_times, sum(sizes) / len(sizes), run_ahead_stages)
+    rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
+                  cal["stream_rate_concurrent"], backward)  # fmt: skip
+    window = stage_times.per_window(micro_batches, micro_batch_order)
+    placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
+                                              host_budget_bytes=host_budget_bytes)  # fmt: skip
+    predicted = {"exposed": predicted["exposed_s"], "step": stage_times.compute_s(micro_batches)
+                 + predicted["exposed_s"]}  # fmt: skip
+    return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
+                step_room_bytes=whole.step_room_bytes)  # fmt: skip
+  if isinstance(spec, str):
+    if spec not in PLACEMENTS:
+      raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
+    return Plan(subgroups, (spec,) * len(subgroups), sizes, max_stream_slots, source="user")
+  placements = tuple(spec)
+  if len(placements) != len(subgroups):
+    raise ValueError(
+      f"plan lists {len(placements)} placements but the groups pack into {len(subgroups)} subgroups"
+      " (jax_dos.plan.partition_groups); pass one placement per subgroup."
+    )
+  return Plan(subgroups, placements, sizes, max_stream_slots, source="user")
+
+
+def room_beside_step(
+  whole: Plan, groups: list, sizes: tuple[int, ...], forward_order: list[int], max_slots: int, boundary_bytes: int = 0
+) -> tuple[int, int]:
+  """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
+
+  The plain plan holds its streaming slots only in the update phase, after
+  the activations are gone; here they are in flight during the backward
+  pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
+  the largest subgroup that is not resident (per device) must fit the room
+  beside that peak (``whole.step_room_bytes``, less ``boundary_bytes``: the
+  stage inputs the plain step's peak does not hold): the resident share
+  shrinks, and the slots only where the room cannot hold them all (down to
+  one). Resident subgroups are the first ``resident`` elements in forward
+  order, so the largest one left out grows as the share shrinks: the share is
+  shrunk until it holds (a few rounds). Room unknown: the plain plan's share
+  and ``max_slots``.
+  """
+  resident, total, slots = whole.elements("device"), sum(sizes), max_slots
+  if whole.step_room_bytes is None or resident >= total:
+    return resident, slots
+  per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / total
+  room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
+  for _ in range(len(sizes)):
+    kept = stage_ordered_placements(forward_order, sizes, cap, 0)
+    largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)
+    slot = STAGING_BYTES * largest * per_device
+    slots = max(1, min(max_slots, int(room // slot))) if slot else max_slots
+    smaller = int(min(resident, max(0.0, (room - slots * slot) / STATE_BYTES) / per_device))
+    if smaller >= cap:
+      break
+    cap = smaller
+  return cap, slots
+
+
+def fixed_host_bytes(plan: Plan, layout: StepLayout) -> int:
+  """:func:`host_bytes` before the streamed speculation."""
+  per = HostBytes()
+  total = 0
+  for s, placement in enumerate(plan.placements):
+    for i in plan.subgroups[s]:
+      n, width = layout.leaf_sizes[i], layout.leaf_bytes[i]
+      total += {"host": per.state + per.spare + 2 * width, "stream": per.state, "device": 0}[placement] * n
+  return total
+
+
+def speculation_cap(plan: Plan, layout: StepLayout, budget: int) -> int:
+  """Streamed parameters a step may speculate on: as many as ``budget`` holds beside the fixed bytes."""
+  return max(0, (budget - fixed_host_bytes(plan, layout)) // HostBytes().speculation)
+
+
+def host_bytes(plan: Plan, layout: StepLayout, speculation: int | None) -> int:
+  """Pinned host bytes the step needs at most: the offloaded state (12 B a parameter); host subgroups' spare state
+  (12 B), gradient and weight copies (2 B each for bfloat16 parameters, 4 for float32); and the new state of the
+  streamed parameters speculated on, until the decision (12 B; ``speculation`` of them at most, ``None``: all).
+  """
+  streamed = plan.elements("stream")
+  cap = streamed if speculation is None else min(streamed, speculation)
+  return fixed_host_bytes(plan, layout) + HostBytes().speculation * cap
+
+
+def check_host_memory(plan: Plan, layout: StepLayout, speculation: int | None, budget: int) -> None:
+  """A ``MemoryError`` naming what to change where the plan's host bytes exceed ``budget`` or the machine."""
+  need = host_bytes(plan, layout, speculation)
+  try:
+    if need > budget:
+      raise MemoryError(
+        f"the overlapped step's host memory needs {need / 2**30:.2f} GiB of pinned host memory, above the"
+        f" {budget / 2**30:.2f} GiB of its budget (host_budget_bytes, or {HOST_SHARE:.0%} of RAM). Raise the"
+        " budget, keep more subgroups on the device, or train on the plain path (tx.update after jax.grad),"
+        " which needs no spare host state."
+      )
+    memory.check_host_capacity(need, "the overlapped step's host memory")
+  except MemoryError as e:
+    raise MemoryError(f"{e}\nThe overlapped step's plan:\n{plan}") from None
+
+
+def stream_share_of_host(plan: Plan, forward_order: list[int]) -> set[int]:
+  """The host subgroups the stream path steps when the clip fires: the last ones in forward order (needed last).
+
+  With the clip fired, every streamed parameter (``S``) and every host one
+  (``H``) is stepped after the decision; the paths end together when the
+  stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones,
+  at the calibrated concurrent rates (equal rates without a calibration).
+  A fixed share, so that a subgroup's numbers never depend on which thread
+  came first. None where nothing streams: only then are the stream slots
+  budgeted.
+  """
+  if not plan.indices("stream"):
+    return set()
+  cal = plan.calibration or {}
+  host, stream = cal.get("host_rate_concurrent") or 1.0, cal.get("stream_rate_concurrent") or 1.0
+  host_order = [s for s in forward_order if plan.placements[s] == "host"]
+  share = (plan.elements("host") + plan.elements("stream")) * stream / (host + stream) - plan.elements("stream")
+  taken, out = 0, set()
+  for s in reversed(host_order):
+    if taken + plan.sizes[s] > share:
+      break
+    taken += plan.sizes[s]
+    out.add(s)
+  return out
+
+
+def _group_ranges(groups: list) -> list[range]:
+  out, start = [], 0
+  for tree in groups:
+    n = len(jax.tree.leaves(tree))
+    out.append(range(start, start + n))
+    start += n
+  return out
