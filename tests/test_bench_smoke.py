@@ -123,3 +123,8 @@ def test_replay_timeline_reproduces_a_runs_recorded_prediction(tmp_path):
   assert abs(out["uncapped_step_s"] - out["recorded_prediction_s"]) < 5e-3 * out["recorded_prediction_s"]
   assert out["capped_choice_step_s"] <= out["capped_same_placements_step_s"]
   assert sum(out["capped_choice"].values()) == sum(out["uncapped_choice"].values())
+  # A stage-major run planned by the capped model within its host budget: the replay finds the plan it recorded.
+  for name in ("gpt6p7b_accum2_overlap_stage_major.json", "gpt6p7b_accum1_overlap_auto_stage_major.json"):
+    result = os.path.join(ROOT, "bench", "results", "train_step-h100", name)
+    out = replay_timeline.main([result, "--rates", "2.02,2.93,47.9,1.68,1.89"])  # that machine's calibration
+    assert abs(out["capped_choice_step_s"] - out["recorded_prediction_s"]) < 5e-3 * out["recorded_prediction_s"]

@@ -3,13 +3,15 @@
 From a ``bench/train_step.py`` JSON (an ``overlap`` variant run with ``--timeline``) it rebuilds the GPT's subgroups
 and the stages that complete them, takes the measured stage times, and prints:
 
-* the model without the stream path's cap during the backward pass, on the placements it chooses (this should
-  equal the run's recorded ``plan_predicted``);
+* the model without the stream path's cap during the backward pass, on the placements it chooses (for runs planned
+  before the cap, this should equal the run's recorded ``plan_predicted``; later runs record the capped model's own
+  choice, the fourth line);
 * the model with the cap (``jax_dos.timeline.stream_rate_during_backward``) on those same placements;
 * the placements the capped model chooses, and their predicted step;
 * the measured step.
 
-The rates are the calibration's, from the JSON's ``calibration`` line or ``--rates`` (host, stream, device, host
+In the run's micro-batch order (``micro_batch_order``, ``"batch"`` for runs made before the orders) and within its
+host budget (``host_budget_bytes``, none before). The rates are the calibration's, from the JSON's ``calibration`` line or ``--rates`` (host, stream, device, host
 concurrent, stream concurrent, in G parameters/s)::
 
     python bench/analysis/replay_timeline.py bench/results/train_step-h100/gpt6p7b_accum2_overlap_rebalanced.json \\
