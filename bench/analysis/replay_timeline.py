@@ -11,8 +11,8 @@ and the stages that complete them, takes the measured stage times, and prints:
 * the measured step.
 
 In the run's micro-batch order (``micro_batch_order``, ``"batch"`` for runs made before the orders) and within its
-host budget (``host_budget_bytes``, none before). The rates are the calibration's, from the JSON's ``calibration`` line or ``--rates`` (host, stream, device, host
-concurrent, stream concurrent, in G parameters/s)::
+host budget (``host_budget_bytes``, none before). The rates are the calibration's, from the JSON's ``calibration``
+line or ``--rates`` (host, stream, device, host concurrent, stream concurrent, in G parameters/s)::
 
     python bench/analysis/replay_timeline.py bench/results/train_step-h100/gpt6p7b_accum2_overlap_rebalanced.json \\
         --rates 1.9,2.81,48.3,1.81,1.75
