@@ -356,6 +356,11 @@ def test_refuses_what_it_cannot_do():
   whole = jax_dos.Plan(((0, 1, 2, 3),) + tuple((i,) for i in range(4, 9)), ("host",) * 6, (1,) * 6)
   with pytest.raises(ValueError, match="spans two parameter groups"):
     jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), plan=whole)
+  with pytest.raises(ValueError, match="micro_batch_order"):
+    jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), micro_batches=2, micro_batch_order="interleaved")
+  times = jax_dos.StageTimes((0.1,) * 3, (0.2,) * 3)
+  with pytest.raises(ValueError, match="stage_times has 3 stages, the model 5"):
+    jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), stage_times=times)
   step = jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), micro_batches=3)
   with pytest.raises(ValueError, match="divisible by micro_batches=3"):
     step(make_batch(rng))
