@@ -80,6 +80,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 import time
 import weakref
@@ -131,6 +132,8 @@ REBALANCE_AFTER_STEPS = 2
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
 TRAINING_CORES = 2
+# How long the exit handler waits for an open step to settle (a 6.7B update settles in seconds) before it leaves it.
+EXIT_SETTLE_S = 120.0
 
 
 def _check_no_command_buffers() -> None:
@@ -214,13 +217,30 @@ def _close_open_steps() -> None:
   down, and the process aborted. Each new step registers this exit handler
   again, so that it runs before the handlers JAX registered when its
   backends started (exit handlers run last registered first). A worker's
-  error is not raised here: the program is ending.
+  error is not raised here: the program is ending. A step that has not
+  settled within ``EXIT_SETTLE_S`` (a worker stuck after an accelerator
+  fault) is left, said on stderr, so that the program ends instead of
+  hanging.
   """
   for step in list(_OPEN_STEPS):
-    try:
-      step.close()
-    except Exception:  # noqa: BLE001
-      pass
+    closer = threading.Thread(target=_close_quietly, args=(step,), daemon=True)
+    closer.start()
+    closer.join(EXIT_SETTLE_S)
+    if closer.is_alive():
+      print(
+        f"jax_dos: an OverlappedStep did not settle within {EXIT_SETTLE_S:g} s at exit (a worker is stuck, most"
+        " likely after an accelerator fault); its last update is incomplete. Resume from the last checkpoint.",
+        file=sys.stderr,
+        flush=True,
+      )
+      return
+
+
+def _close_quietly(step: OverlappedStep) -> None:
+  try:
+    step.close()
+  except Exception:  # noqa: BLE001
+    pass
 
 
 class OverlappedStep:

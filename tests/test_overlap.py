@@ -435,6 +435,31 @@ def test_leaving_python_with_updates_pending_settles_them():
     assert out.returncode == 0 and "stepped" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
+EXIT_STUCK = textwrap.dedent(
+  """
+    import sys, threading
+    import numpy as np
+    sys.path.insert(0, "tests")
+    import jax_dos.overlap
+    import test_overlap as t
+
+    jax_dos.overlap.EXIT_SETTLE_S = 1.0
+    rng = np.random.default_rng()
+    groups = t.make_groups(rng)
+    step, _ = t.overlapped_run(groups, [t.make_batch(rng)], t.NEVER, 2, "host")
+    step._host.submit(threading.Event().wait)  # a worker that never comes back (a fault would leave it so)
+    print("stepped", flush=True)
+  """
+)
+
+
+def test_leaving_python_with_a_stuck_worker_ends_with_a_message():
+  root = Path(__file__).resolve().parent.parent
+  out = subprocess.run([sys.executable, "-c", EXIT_STUCK], cwd=root, capture_output=True, text=True, timeout=120)
+  assert "stepped" in out.stdout, out.stderr[-3000:]
+  assert "did not settle within 1 s" in out.stderr and "Resume from the last checkpoint" in out.stderr
+
+
 def test_streamed_subgroups_in_flight_are_budgeted_beside_the_step_peak(monkeypatch):
   """With the step's needs known, resident state plus the streaming slots fit the room beside the step's peak."""
   monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)  # the calibration's figure, on a GPU too
