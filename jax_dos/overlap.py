@@ -499,9 +499,12 @@ class OverlappedStep:
     inputs = [[None] * n for _ in range(k)]  # each micro-batch's stage inputs, kept from forward to backward
     sums: list[Any] = [None] * len(self._unfinished)
     dys, losses, squares = [None] * k, [None] * k, []
+    reached: set[int] = set()  # stages whose groups' final weights were waited for
     for j, (kind, i, m) in enumerate(programs):
       st = self.model.stages[i]
-      self._wait_groups(st.groups)  # at once where they are final
+      if i not in reached:
+        self._wait_groups(st.groups)  # at once where they are final
+        reached.add(i)
       if j == window and self._stream_order:
         self._submit(self._streamer, self._stream_prefetch)
       if kind == "forward":
@@ -737,6 +740,11 @@ class OverlappedStep:
     with trace.span("stream.wait_slot"):
       jax.block_until_ready([a for a in back if not a.is_deleted()])  # see _slot_free
 
+  def _wait_for_slot(self) -> None:
+    """Frees the oldest slots, waiting for their copies back, until one is free."""
+    while self._slots_used() >= self.plan.stream_slots and self._in_flight:
+      self._free_slot()
+
   def _slot_free(self) -> bool:
     """Whether the oldest copy back has landed. A copy back may be deleted while still listed: a redo deletes the
     speculated copies, and a later step deletes its old state, which was an earlier step's copy back."""
@@ -793,8 +801,7 @@ class OverlappedStep:
     if not earlier:  # updates come in hand-over order: never prefetch this one or an earlier one again this step
       self._prefetch_next = max(self._prefetch_next, self._stream_rank[s] + 1)
     if state is None:
-      while self._slots_used() >= self.plan.stream_slots and self._in_flight:
-        self._free_slot()
+      self._wait_for_slot()
     with trace.span("stream.dispatch"):
       old = earlier.old if earlier else self._stream_state(s)
       if state is None:
@@ -862,8 +869,7 @@ class OverlappedStep:
     """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; the new state
     comes back into new host buffers and becomes the state, the old one the spare (the speculated spare is freed)."""
     leaves = list(self.plan.subgroups[s])
-    while self._slots_used() >= self.plan.stream_slots and self._in_flight:
-      self._free_slot()
+    self._wait_for_slot()
     with trace.span("stream.redo_host"):
       old = self._stream_state(s)
       state = memory.put_groups(old, "device")
@@ -914,11 +920,11 @@ class OverlappedStep:
     leaves = list(self.plan.subgroups[s])
     if to == "host":
       try:
-        self.stream_speculation = overlap_plan.speculation_cap(self.plan, self._layout, self.host_budget_bytes)
+        self._derive_orders()
         self._check_host_memory()
       except MemoryError:
         self.plan, self._rebalance_left = previous, 0
-        self.stream_speculation = overlap_plan.speculation_cap(self.plan, self._layout, self.host_budget_bytes)
+        self._derive_orders()
         return
       self._host_buffers(leaves)
     else:

@@ -168,12 +168,8 @@ def room_beside_step(
 def fixed_host_bytes(plan: Plan, layout: StepLayout) -> int:
   """:func:`host_bytes` before the streamed speculation."""
   per = HostBytes()
-  total = 0
-  for s, placement in enumerate(plan.placements):
-    for i in plan.subgroups[s]:
-      n, width = layout.leaf_sizes[i], layout.leaf_bytes[i]
-      total += {"host": per.state + per.spare + 2 * width, "stream": per.state, "device": 0}[placement] * n
-  return total
+  return sum(layout.leaf_sizes[i] * per.per_parameter(placement, layout.leaf_bytes[i])
+             for placement, leaves in zip(plan.placements, plan.subgroups) for i in leaves)  # fmt: skip
 
 
 def speculation_cap(plan: Plan, layout: StepLayout, budget: int) -> int:

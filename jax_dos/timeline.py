@@ -121,13 +121,13 @@ class HostBytes:
   spare: int = 12
   speculation: int = 12
 
-  def host(self, g: Subgroup) -> int:
-    return g.size * (self.state + self.spare + 2 * g.param_bytes)
+  def per_parameter(self, placement: str, param_bytes: int) -> int:
+    """Bytes a parameter of that placement needs before any streamed speculation."""
+    return {"host": self.state + self.spare + 2 * param_bytes, "stream": self.state}.get(placement, 0)
 
   def fixed(self, subgroups: Sequence[Subgroup], placements: Sequence[str]) -> int:
     """Bytes before any streamed speculation."""
-    return sum(self.host(g) if p == "host" else g.size * self.state if p == "stream" else 0
-               for g, p in zip(subgroups, placements))  # fmt: skip
+    return sum(g.size * self.per_parameter(p, g.param_bytes) for g, p in zip(subgroups, placements))
 
   def speculation_cap(self, subgroups: Sequence[Subgroup], placements: Sequence[str], budget: int | None) -> int | None:
     """Streamed parameters the budget lets the step speculate on (``None``: no limit); -1 when even the fixed bytes
