@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace, mesh: str, result: str) -> None:
   for i in range(args.warmup + args.steps):
     data = batch(i)
     t0 = time.perf_counter()
-    loss, grads, scale = grad_step(graphdef, params, data, targs.clip)
+    loss, grads, scale, _ = grad_step(graphdef, params, data, targs.clip)
     jax.block_until_ready((loss, grads, scale))
     t1 = time.perf_counter()
     params, opt_state = optimizer.optimizer_step(targs, tx, grads, opt_state, params, scale)

@@ -198,7 +198,7 @@ def run_variant(args: argparse.Namespace) -> dict:
 
   def gradient_function(tx, flush: str):  # train.gpt's gradient step: flushed by `flush`, or accumulated
     grad_step = gradients.make_grad_step(tx, params, flush, args.grad_accum)
-    return lambda params, batch: grad_step(graphdef, params, batch, args.clip)
+    return lambda params, batch: grad_step(graphdef, params, batch, args.clip)[:3]  # (loss, grads, scale)
 
   apply = jax.jit(optax.apply_updates, donate_argnums=0)
   t0 = time.perf_counter()

@@ -31,6 +31,8 @@ from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation
 from jax_dos.overlap import OverlappedStep
+from jax_dos.overlap_plan import abstract_state
+from jax_dos.overlap_plan import plan_step as overlapped_plan
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planning.budgets import StepMemory
 from jax_dos.planning.calibration import calibrate
@@ -54,6 +56,7 @@ from jax_dos.transform import (
 
 __all__ = [
   "AdamHyper",
+  "abstract_state",
   "Calibration",
   "CheckpointManager",
   "DAMAGED_DIR",
@@ -72,6 +75,7 @@ __all__ = [
   "clip_scale",
   "from_optax_adamw_state",
   "OverlappedStep",
+  "overlapped_plan",
   "Stage",
   "StagedModel",
   "StageTimes",

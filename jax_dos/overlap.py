@@ -95,28 +95,20 @@ import numpy as np
 from jax_dos import device_steps, host_kernels, memory, overlap_plan, partition, trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
-from jax_dos.interleaved import InterleavedAdam, decay_flags, find_interleaved, leaves_with_paths
+from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import JobThread
-from jax_dos.overlap_plan import StepLayout
+from jax_dos.overlap_plan import RUN_AHEAD_STAGES, STREAM_SLOTS, StepOptions, overlappable, step_layout
 from jax_dos.plan import MEMORY_KIND, RESIDENT_CALL_ELEMENTS, partition_groups
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import MICRO_BATCH_ORDERS, StageTimes
+from jax_dos.timeline import StageTimes
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
+SPECULATION_MODES = ("silent", "always", "never")
 # Several threads launch accelerator work at once here. XLA's GPU command buffers (CUDA graphs) capture a program's
 # launches on the compute stream, and a launch from another thread during a capture fails it
 # (cudaErrorStreamCaptureUnjoined, seen on an H100 at 6.7B). This flag, set before jax starts, turns them off.
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
-# How many stage programs the training thread may have dispatched beyond the one the accelerator is running. The
-# workers' programs (streamed updates, the host path's copies) queue behind whatever the training thread dispatched
-# before them, and a launch into a full CUDA queue blocks (holding the GIL, the workers' stalls suggest): at 6.7B on
-# an H100, an unpaced backward pass ran ~10 stages (0.3 s) ahead and the stream path fell to a tenth of its rate.
-RUN_AHEAD_STAGES = 2
-# Streamed subgroups the overlapped step keeps in flight at most (copies in ahead of their gradients, updates whose
-# state is on its way back). The plain update phase streams with the planner's count (2 by default); here each copy
-# starts only once the compute queue has reached it, so more are needed to keep the link busy (6.7B, H100: 4).
-STREAM_SLOTS = 4
 # How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
 # whose copy back has landed takes the next subgroup's state at once. Issued one per update instead (each waiting the
 # compute queue out behind the stage programs), the copies held the path to one subgroup per few stage programs.
@@ -191,7 +183,9 @@ class _StepRecord:
     self._spec_host: np.ndarray | None = None
     self.decision: _Decision | None = None
     self.host_grads: dict[int, dict[int, jax.Array]] = {}  # subgroup -> leaf -> gradient in host memory
+    self.speculate: bool | None = None  # set by the training thread before the step's first job is queued
     self.host_speculated: list[int] = []
+    self.host_deferred: list[int] = []  # host subgroups waiting for the decision (no speculation this step)
     self.host_sent: list[jax.Array] = []
     self.streamed: dict[int, _Streamed] = {}  # streamed subgroups speculated on, until the decision
     self.speculated_elements = 0  # parameters of the streamed subgroups speculated on
@@ -255,7 +249,10 @@ class OverlappedStep:
     stages: the model's :class:`jax_dos.Stage` s in forward order.
     params: the parameter groups, a list of trees (``stages`` refer to them by
       index). Consumed: the step owns and updates them.
-    opt_state: ``tx.init(params)`` or a restored state for ``params``. Consumed.
+    opt_state: ``tx.init(params)`` or a restored state for ``params``
+      (consumed), or ``None``: a fresh state (float32 copies of ``params``,
+      zero moments), allocated once, straight in the step's own placements.
+      A state in other placements is moved into them.
     clip_norm: ``optax.clip_by_global_norm``'s ``max_norm`` before AdamW, or
       ``None`` for no clip.
     micro_batches: a step's batch is split into this many equal consecutive
@@ -267,7 +264,10 @@ class OverlappedStep:
       ``"batch"`` (micro-batch after micro-batch: the window is the last
       micro-batch's backward pass, one micro-batch's inputs kept)
       (``jax_dos.stages.schedule``).
-    plan: overrides ``tx``'s plan (same forms).
+    plan: overrides ``tx``'s plan (same forms). ``jax_dos.overlapped_plan``
+      makes the step's plan from shapes before any state exists (to compare
+      it with the plain step's, and to restore a checkpoint straight into its
+      placements with ``jax_dos.abstract_state``); pass it here.
     stage_times: the stages' measured times (``StagedModel.measure_times``).
       With them, ``"auto"`` places subgroups by the step's timeline
       (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner
@@ -294,6 +294,13 @@ class OverlappedStep:
       state do not fit, a ``MemoryError`` before any state moves or buffer
       is allocated, so that ``params`` and ``opt_state`` stay usable on the
       plain path.
+    speculation: ``"silent"`` (the default): the workers speculate that the
+      clip stays silent only where the last step's clip was silent; after a
+      fired step they wait for the decision and step every subgroup once,
+      with the true scale, in the order the next forward pass needs them (a
+      fired clip makes a speculation wasted work that competes for host DRAM
+      and the link). ``"always"``: speculate every step. ``"never"``: wait for
+      every decision. The numbers are the same in all three.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
   (an accelerator scalar), with the parameters it was computed at being the
@@ -318,7 +325,7 @@ class OverlappedStep:
     tx: Any,
     stages: Sequence[Stage],
     params: Sequence[Any],
-    opt_state: InterleavedAdamState,
+    opt_state: InterleavedAdamState | None = None,
     *,
     clip_norm: float | None = None,
     micro_batches: int = 1,
@@ -329,57 +336,51 @@ class OverlappedStep:
     stream_slots: int = STREAM_SLOTS,
     host_budget_bytes: int | None = None,
     rebalance: bool = False,
+    speculation: str = "silent",
   ):
-    owner = _overlappable(tx, list(params) if isinstance(params, (list, tuple)) else params)
-    _check_no_command_buffers()
     if not isinstance(params, (list, tuple)):
       raise TypeError(
         f"params must be a list of parameter groups (one tree per group, the stages name them by index), got"
         f" {type(params).__name__}."
       )
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-      raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}.")
-    if micro_batch_order not in MICRO_BATCH_ORDERS:
-      raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {micro_batch_order!r}.")
-    self.micro_batch_order = micro_batch_order
-    if isinstance(run_ahead_stages, bool) or not isinstance(run_ahead_stages, int) or run_ahead_stages < 1:
-      raise ValueError(f"run_ahead_stages must be an integer >= 1, got {run_ahead_stages!r}.")
-    self.run_ahead_stages = run_ahead_stages
-    if isinstance(stream_slots, bool) or not isinstance(stream_slots, int) or stream_slots < 1:
-      raise ValueError(f"stream_slots must be an integer >= 1, got {stream_slots!r}.")
-    self._max_stream_slots = stream_slots
-    self.host_budget_bytes = host_budget_bytes if host_budget_bytes is not None else overlap_plan.default_host_budget()
+    owner = overlappable(tx, list(params))
+    _check_no_command_buffers()
+    options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
+    if speculation not in SPECULATION_MODES:
+      raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}.")
+    self.speculation = speculation
+    self.micro_batch_order, self.run_ahead_stages = options.micro_batch_order, options.run_ahead_stages
+    self.host_budget_bytes = options.host_budget_bytes
     self._rebalance_left = REBALANCE_STEPS if rebalance else 0
     self._last_move: str | None = None
     self._last_record: _StepRecord | None = None
     self._steps_taken = 0
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
-    if not isinstance(opt_state, InterleavedAdamState):
-      raise TypeError(f"opt_state must be the InterleavedAdamState of tx.init(params), got {type(opt_state).__name__}.")
+    if opt_state is not None and not isinstance(opt_state, InterleavedAdamState):
+      raise TypeError(
+        f"opt_state must be the InterleavedAdamState of tx.init(params), or None for a fresh one, got"
+        f" {type(opt_state).__name__}."
+      )
     self.model = StagedModel(stages, len(params))
-    self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, micro_batches
+    self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, options.micro_batches
     leaves, self._treedef = leaves_with_paths(list(params), "params")
-    for name, tree in (("master", opt_state.master), ("mu", opt_state.mu), ("nu", opt_state.nu)):
-      if jax.tree.structure(tree) != self._treedef:
-        raise ValueError(f"opt_state.{name} does not match params: pass tx.init(params), or a state restored for them.")
+    if opt_state is not None:
+      for name, tree in (("master", opt_state.master), ("mu", opt_state.mu), ("nu", opt_state.nu)):
+        if jax.tree.structure(tree) != self._treedef:
+          raise ValueError(
+            f"opt_state.{name} does not match params: pass tx.init(params), a state restored for them, or None."
+          )
     self.decay = decay_flags(owner.mask, list(params), self.hyper.weight_decay)
-    subgroups, sizes, self.subgroup_group = partition_groups(params, owner.subgroup_size)
-    if stage_times is not None and len(stage_times.forward) != len(self.model.stages):
-      raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(self.model.stages)}.")
     self.stage_times = stage_times
-    self._layout = StepLayout(
-      tuple(subgroups), tuple(sizes), tuple(self.model.completion[g] for g in self.subgroup_group),
-      tuple(x.size for x in leaves), tuple(x.dtype.itemsize for x in leaves),
-    )  # fmt: skip
+    self._layout = step_layout(self.model, list(params), owner.subgroup_size)
+    self.subgroup_group = partition_groups(params, owner.subgroup_size)[2]
     self._forward_order = self._layout.forward_order  # subgroups in the order the forward pass needs them
     self._forward_rank = {s: r for r, s in enumerate(self._forward_order)}
     self.stream_speculation: int | None = None  # streamed parameters a step may speculate on (None: all)
-    self.plan = overlap_plan.make_plan(
-      plan if plan is not None else owner.plan_spec, owner, list(params), self._layout, stage_times=stage_times,
-      micro_batches=micro_batches, micro_batch_order=micro_batch_order, run_ahead_stages=run_ahead_stages,
-      max_stream_slots=stream_slots, host_budget_bytes=self.host_budget_bytes,
-    )  # fmt: skip
+    self.plan = overlap_plan.plan_step(
+      tx, stages, list(params), plan=plan, stage_times=stage_times, **dataclasses.asdict(options)
+    )
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     self._params = memory.committed(list(leaves))  # the programs of the first step are then those of every later one
     self._derive_orders()
@@ -388,10 +389,16 @@ class OverlappedStep:
       a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
       for a, p in zip(xs, self._leaf_placement)
     ]
-    state = (opt_state.master, opt_state.mu, opt_state.nu)
-    # A state tx.init partitioned over the mesh ('auto') is gathered back to the parameters' layout.
-    self._masters, self._mus, self._nus = (place(partition.relaid(jax.tree.leaves(t), leaves)) for t in state)
-    self._count = opt_state.count
+    if opt_state is None:  # a fresh state (tx.init's), allocated once in the step's placements
+      kinds = [MEMORY_KIND[p] for p in self._leaf_placement]
+      self._masters = [memory.copy_in(a, k) for a, k in zip(leaves, kinds)]
+      self._mus, self._nus = ([memory.zeros_like_in(a, k) for a, k in zip(leaves, kinds)] for _ in range(2))
+      self._count = jnp.zeros([], jnp.int32)
+    else:
+      state = (opt_state.master, opt_state.mu, opt_state.nu)
+      # A state tx.init partitioned over the mesh ('auto') is gathered back to the parameters' layout.
+      self._masters, self._mus, self._nus = (place(partition.relaid(jax.tree.leaves(t), leaves)) for t in state)
+      self._count = opt_state.count
     self._lows: dict[int, jax.Array] = {}
     self._spares: dict[int, tuple] = {}
     self._host_buffers([i for s in self.plan.indices("host") for i in self.plan.subgroups[s]])
@@ -469,9 +476,9 @@ class OverlappedStep:
     # The scalars if the clip does not fire, on their way to the host before any gradient is (one queue carries
     # every copy to the host, and the host worker needs them with its first subgroup).
     record = _StepRecord(device_steps.scalars(self.hyper, self._count, np.float32(1.0 / k)))
-    self._last_record = record
+    previous, self._last_record = self._last_record, record
     try:
-      losses = self._run_programs([micro_batch(batch, m, k) for m in range(k)], record)
+      losses = self._run_programs([micro_batch(batch, m, k) for m in range(k)], record, previous)
     except BaseException as e:
       if self._updating and not self._errors:  # cut short between hand-over and decision: refuse further steps
         self._errors.append(e)
@@ -485,13 +492,14 @@ class OverlappedStep:
     lo, hi = self._group_start[g], self._group_start[g + 1]
     return jax.tree.unflatten(self._treedef.children()[g], self._params[lo:hi])
 
-  def _run_programs(self, parts: list, record: _StepRecord) -> list[jax.Array]:
+  def _run_programs(self, parts: list, record: _StepRecord, previous: _StepRecord | None) -> list[jax.Array]:
     """Dispatches the step's stage programs in ``micro_batch_order``; returns each micro-batch's loss.
 
     A stage's programs wait for its groups' final weights (the previous
     step's update); the last micro-batch's backward program of a stage hands
     the groups it completes over to the optimizer; the last backward program
-    decides the clip.
+    decides the clip. Whether the workers speculate is decided at the first
+    hand-over, from ``previous`` step's decision (:meth:`_speculates`).
     """
     n, k = len(self.model.stages), len(parts)
     programs = schedule(n, k, self.micro_batch_order)
@@ -526,11 +534,24 @@ class OverlappedStep:
       self._pace(dys[m] if dys[m] is not None else new)
       if last:
         squares += sq
+        if record.speculate is None:  # set before the step's first job is queued: the workers only read it
+          record.speculate = self._speculates(previous)
         for g in self.model.groups_completing(i):
           self._hand_over(record, g, sums[g])
           sums[g] = None
     self._decide(record, squares)
     return losses
+
+  def _speculates(self, previous: _StepRecord | None) -> bool:
+    """Whether this step's workers speculate that the clip stays silent (:attr:`speculation`).
+
+    ``"silent"``: unless the previous step's clip fired. Its decision is
+    known by the time this step's backward pass hands over (the decider reads
+    it as that step's backward pass ends); where it is not yet, speculate.
+    """
+    if self.speculation != "silent":
+      return self.speculation == "always"
+    return previous is None or previous.decision is None or not previous.decision.fired
 
   def _pace(self, x: Any) -> None:
     """Waits until at most ``run_ahead_stages`` dispatched stage programs (the last one producing ``x``) are unrun."""
@@ -627,6 +648,9 @@ class OverlappedStep:
     decision = record.decision
     if decision is not None and decision.fired and s in self._redo_on_stream:
       return  # the stream worker steps it
+    if decision is None and not record.speculate:
+      record.host_deferred.append(s)  # stepped once the decision is known, in forward order (_host_finish)
+      return
     self._host_weights(record, s, decision.host if decision else record.spec_host(), final=decision is not None)
     if decision is None:
       record.host_speculated.append(s)
@@ -673,13 +697,14 @@ class OverlappedStep:
     decision = record.decision
     self._assign_sent(wait=True)
     on_stream = self._redo_on_stream if decision.fired else set()
+    by_forward_rank = lambda subgroups: sorted(subgroups, key=self._forward_rank.__getitem__)  # noqa: E731
     if decision.fired:
       with trace.span("host.wait_sent"):
         jax.block_until_ready(record.host_sent)  # the copies read the buffers the redo writes
       record.host_sent.clear()  # the redo writes into (donates) these
       record.host_done.set()  # the stream worker may step its share now
-      for s in sorted(set(record.host_speculated) - on_stream, key=self._forward_rank.__getitem__):
-        with trace.span("host.redo"):
+      for s in by_forward_rank(set(record.host_speculated + record.host_deferred) - on_stream):
+        with trace.span("host.redo" if s in record.host_speculated else "host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)
       if on_stream:  # committed by the stream worker before the swap below
@@ -690,6 +715,10 @@ class OverlappedStep:
     else:
       for s in record.host_speculated:
         self._finished(s)
+      for s in by_forward_rank(record.host_deferred):
+        with trace.span("host.kernel_after_decision"):
+          self._host_weights(record, s, decision.host, final=True)
+      self._assign_sent(wait=True)
     with trace.span("host.wait_sent"):
       jax.block_until_ready(record.host_sent)
     for s in record.host_grads:  # the new state becomes the state; the old one is the next step's spare
@@ -711,6 +740,8 @@ class OverlappedStep:
 
   def _may_speculate(self, record: _StepRecord, s: int) -> bool:
     """Whether subgroup ``s`` fits the step's streamed speculation (:attr:`stream_speculation`); counts it if so."""
+    if not record.speculate:
+      return False
     size = self.plan.sizes[s]
     if self.stream_speculation is not None and record.speculated_elements + size > self.stream_speculation:
       return False
@@ -997,32 +1028,3 @@ class OverlappedStep:
     self.settle()
     unflat = lambda xs: jax.tree.unflatten(self._treedef, list(xs))  # noqa: E731
     return InterleavedAdamState(self._count, unflat(self._masters), unflat(self._mus), unflat(self._nus))
-
-
-def _overlappable(tx: Any, params: Any) -> InterleavedAdam:
-  try:
-    owner, alone = find_interleaved(tx, params, "OverlappedStep")
-  except TypeError:
-    alone = False
-  if not alone:
-    raise TypeError(
-      "OverlappedStep takes the transformation returned by jax_dos.interleaved_adam (or interleaved_adamw), alone:"
-      " it clips (clip_norm=) and steps AdamW itself. For another optimizer or a chain use the plain path:"
-      " loss, grads = jax.value_and_grad(loss_fn)(params, batch), then"
-      " tx.update(grads, opt_state, params)."
-    )
-  if owner.partition_replicated is True:
-    raise ValueError(
-      "OverlappedStep keeps each parameter's state in the parameter's own layout; build the optimizer without"
-      " partition_replicated=True (the default, 'auto', keeps that layout here), or train on the plain path"
-      " (jax_dos.update_params after jax.grad)."
-    )
-  if owner.delay or owner.write_behind:
-    raise ValueError(
-      "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"
-      " without delay/write_behind, or keep those modes on the plain path (jax_dos.update_params after jax.grad)."
-    )
-  # The optimizer's own plan, made by tx.init before any state took accelerator memory, is the one the step sizes
-  # its placements from (a plan made now would find the resident state's room taken). Where 'auto' partitioned a
-  # replicated parameter's state, the step gathers it back and counts it per device in the parameters' layout.
-  return owner

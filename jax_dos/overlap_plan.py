@@ -3,6 +3,11 @@
 Functions of the staged model's parameters (:class:`StepLayout`), the
 optimizer's own plan and the measured stage times, for ``jax_dos.overlap``:
 
+* :func:`plan_step`: the step's plan from shapes alone, before any optimizer
+  state exists (``jax_dos.overlapped_plan``): what ``OverlappedStep`` uses,
+  and what a training script compares with the plain step's plan before it
+  allocates either's state; :func:`abstract_state`: the state's shapes in the
+  plan's memory kinds (a template to restore a checkpoint into);
 * :func:`make_plan`: the placements, from a user's plan or ``"auto"``: the
   resident share that fits beside the step's peak with the streamed subgroups
   in flight (:func:`room_beside_step`), and with stage times the split of the
@@ -23,10 +28,15 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jax_dos import memory
-from jax_dos.plan import PLACEMENTS, STAGING_BYTES, STATE_BYTES, Plan
+from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
+from jax_dos.plan import PLACEMENTS, STAGING_BYTES, STATE_BYTES, Plan, partition_groups
+from jax_dos.stages import Stage, StagedModel
+from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
+  MICRO_BATCH_ORDERS,
   HostBytes,
   Rates,
   StageTimes,
@@ -40,6 +50,14 @@ from jax_dos.timeline import (
 # host state, streamed speculation): at 6.7B on a 125.9 GiB H100 host the process's resident set reached 97% of RAM
 # with 79% planned, XLA's pinned pool growing by doubling regions (docs/overlap.md).
 HOST_SHARE = 0.85
+# How many stage programs the training thread may have dispatched beyond the one the accelerator is running. The
+# workers' programs (streamed updates, the host path's copies) queue behind whatever the training thread dispatched
+# before them, and a launch into a full CUDA queue blocks the launching thread (docs/overlap.md, "Pacing").
+RUN_AHEAD_STAGES = 2
+# Streamed subgroups the overlapped step keeps in flight at most (copies in ahead of their gradients, updates whose
+# state is on its way back). Each copy starts only once the compute queue has reached it, so more are needed than the
+# plain update phase's 2 to keep the link busy (docs/measurements.md).
+STREAM_SLOTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +83,126 @@ class StepLayout:
 
   def timeline(self) -> list[Subgroup]:
     return [Subgroup(n, self.stages[s], self.leaf_bytes[self.subgroups[s][0]]) for s, n in enumerate(self.sizes)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """The overlapped step's options that shape its plan (``OverlappedStep``'s arguments of the same names)."""
+
+  micro_batches: int = 1
+  micro_batch_order: str = "stage"
+  run_ahead_stages: int = RUN_AHEAD_STAGES
+  stream_slots: int = STREAM_SLOTS
+  host_budget_bytes: int | None = None
+
+  def __post_init__(self):
+    for name in ("micro_batches", "run_ahead_stages", "stream_slots"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    if self.micro_batch_order not in MICRO_BATCH_ORDERS:
+      raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {self.micro_batch_order!r}.")
+    if self.host_budget_bytes is None:
+      object.__setattr__(self, "host_budget_bytes", default_host_budget())
+
+
+def overlappable(tx: Any, params: Any) -> InterleavedAdam:
+  """The ``InterleavedAdam`` behind ``tx``, refused with what to do where the overlapped step cannot run it."""
+  try:
+    owner, alone = find_interleaved(tx, params, "OverlappedStep")
+  except TypeError:
+    alone = False
+  if not alone:
+    raise TypeError(
+      "OverlappedStep takes the transformation returned by jax_dos.interleaved_adam (or interleaved_adamw), alone:"
+      " it clips (clip_norm=) and steps AdamW itself. For another optimizer or a chain use the plain path:"
+      " loss, grads = jax.value_and_grad(loss_fn)(params, batch), then"
+      " tx.update(grads, opt_state, params)."
+    )
+  if owner.partition_replicated is True:
+    raise ValueError(
+      "OverlappedStep keeps each parameter's state in the parameter's own layout; build the optimizer without"
+      " partition_replicated=True (the default, 'auto', keeps that layout here), or train on the plain path"
+      " (jax_dos.update_params after jax.grad)."
+    )
+  if owner.delay or owner.write_behind:
+    raise ValueError(
+      "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"
+      " without delay/write_behind, or keep those modes on the plain path (jax_dos.update_params after jax.grad)."
+    )
+  return owner
+
+
+def step_layout(model: StagedModel, groups: list, subgroup_size: int) -> StepLayout:
+  """The parameter groups as the plan sees them: subgroups within groups, each one's stage, each leaf's size."""
+  leaves, _ = leaves_with_paths(list(groups), "params")
+  subgroups, sizes, group_of = partition_groups(groups, subgroup_size)
+  return StepLayout(
+    tuple(subgroups), tuple(sizes), tuple(model.completion[g] for g in group_of),
+    tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves),
+  )  # fmt: skip
+
+
+def plan_step(
+  tx: Any,
+  stages: list[Stage],
+  groups: list,
+  *,
+  plan: Any = None,
+  stage_times: StageTimes | None = None,
+  micro_batches: int = 1,
+  micro_batch_order: str = "stage",
+  run_ahead_stages: int = RUN_AHEAD_STAGES,
+  stream_slots: int = STREAM_SLOTS,
+  host_budget_bytes: int | None = None,
+) -> Plan:
+  """The overlapped step's plan, from the groups' shapes: no optimizer state exists or is allocated.
+
+  The arguments are ``OverlappedStep``'s, and so is the plan: pass it as
+  ``OverlappedStep(tx, stages, groups, plan=<it>, ...)``. With
+  ``stage_times`` it holds the timeline model's predicted step
+  (``plan.predicted["step"]`` and ``["exposed"]``), to compare with the plain
+  step's plan (``jax_dos.get_plan``) before either's state is allocated.
+  """
+  options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
+  groups = list(groups)
+  owner = overlappable(tx, groups)
+  model = StagedModel(stages, len(groups))
+  if stage_times is not None and len(stage_times.forward) != len(model.stages):
+    raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(model.stages)}.")
+  layout = step_layout(model, groups, owner.subgroup_size)
+  return make_plan(
+    plan if plan is not None else owner.plan_spec, owner, groups, layout, stage_times=stage_times,
+    micro_batches=options.micro_batches, micro_batch_order=options.micro_batch_order,
+    run_ahead_stages=options.run_ahead_stages, max_stream_slots=options.stream_slots,
+    host_budget_bytes=options.host_budget_bytes,
+  )  # fmt: skip
+
+
+def abstract_state(plan: Plan, params: Any) -> InterleavedAdamState:
+  """``tx.init(params)``'s shapes, dtypes, shardings and memory kinds under ``plan``, with nothing allocated.
+
+  A template to restore a checkpoint straight into the plan's placements
+  (``jax_dos.CheckpointManager.restore(params=..., opt_state=<this>)``), for
+  parameters laid out on one device or replicated (not partitioned state).
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  kinds = plan.leaf_memory_kinds()
+  if len(kinds) != len(leaves):
+    raise ValueError(f"the plan covers {len(kinds)} leaves, params have {len(leaves)}.")
+
+  def like(x, kind):
+    sharding = getattr(x, "sharding", None)
+    sharding = None if sharding is None else sharding.with_memory_kind(kind)
+    return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=sharding)
+
+  tree = lambda: jax.tree.unflatten(treedef, [like(x, k) for x, k in zip(leaves, kinds)])  # noqa: E731
+  first = getattr(leaves[0], "sharding", None) if leaves else None
+  if isinstance(first, jax.sharding.NamedSharding):
+    scalar = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+  else:
+    scalar = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)) if first else jax.devices()[0])
+  return InterleavedAdamState(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar), tree(), tree(), tree())
 
 
 def default_host_budget() -> int:

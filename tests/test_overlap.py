@@ -219,7 +219,7 @@ def test_clip_decision_is_speculated_and_redone():
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
   for clip_norm, redone in ((FIRES, True), (NEVER, False)):
-    step, _ = overlapped_run(groups, batches[:1], clip_norm, 1, "host")
+    step, _ = overlapped_run(groups, batches[:1], clip_norm, 1, "host", speculation="always")
     step.settle()
     with jax_dos.trace.recording() as spans:
       step(batches[1])
@@ -228,6 +228,54 @@ def test_clip_decision_is_speculated_and_redone():
     assert ("host.redo" in names) == redone
     assert {"host.kernel", "decide.read"} <= names
     assert any(s.thread == "accelerator" and s.name.startswith("backward") for s in spans)
+
+
+@pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
+def test_speculation_follows_the_last_steps_clip(clip_norm):
+  """By default a step speculates only where the last step's clip was silent; after a fired one the host kernel runs
+  once, after the decision. Every mode gives optax's numbers, and the same bits."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  plan = MIXED[: _subgroup_count(groups)]
+  runs = []
+  for mode in ("silent", "always", "never"):
+    step, _ = overlapped_run(groups, batches[:2], clip_norm, 2, plan, speculation=mode)
+    step.settle()
+    with jax_dos.trace.recording() as spans:
+      step(batches[2])
+      step.settle()
+    names = {s.name for s in spans}
+    waited = mode == "never" or (mode == "silent" and clip_norm == FIRES)
+    assert ("host.kernel_after_decision" in names) == waited
+    assert ("host.redo" in names) == (not waited and clip_norm == FIRES)
+    check_against_reference(step, groups, batches, clip_norm, 2)
+    runs.append(jax.tree.leaves((step.params, step.opt_state)))
+    step.close()
+  for other in runs[1:]:
+    for a, b in zip(runs[0], other):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_plan_made_from_shapes_and_a_fresh_state_allocated_once():
+  """``jax_dos.overlapped_plan`` makes the step's plan before any state exists, and the step it is given makes the
+  fresh state in that plan's placements (``opt_state=None``): optax's numbers; ``abstract_state`` is its layout."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
+  plan = MIXED[: _subgroup_count(groups)]
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
+  planned = jax_dos.overlapped_plan(tx, STAGES, groups, micro_batches=2)
+  assert planned.placements == tuple(plan)
+  abstract = jax_dos.abstract_state(planned, groups)
+  step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), clip_norm=FIRES, micro_batches=2,
+                                plan=planned)  # fmt: skip
+  assert step.plan is planned
+  state = step.opt_state
+  for tree, want in zip(state, abstract):
+    for x, a in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
+      assert (x.shape, x.dtype, x.sharding.memory_kind) == (a.shape, a.dtype, a.sharding.memory_kind)
+  for batch in batches:
+    step(batch)
+  check_against_reference(step, groups, batches, FIRES, 2)
 
 
 def test_the_first_steps_workers_start_once_its_programs_have_run():

@@ -16,6 +16,7 @@ import weakref
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from train import data as D
@@ -253,9 +254,9 @@ def test_the_loop_holds_no_gradients_while_the_next_step_computes(tmp_path, monk
     def step(*a):
       gc.collect()
       alive.append(sum(r() is not None for r in refs) if (refs := getattr(step, "refs", None)) else 0)
-      loss, grads, scale = grad_step(*a)
+      loss, grads, scale, norm = grad_step(*a)
       step.refs = [weakref.ref(g) for g in jax.tree.leaves(grads)]
-      return loss, grads, scale
+      return loss, grads, scale, norm
 
     return step
 
@@ -272,9 +273,11 @@ def test_accumulated_gradient_is_the_batch_gradient(clip):
   rng = np.random.default_rng()
   batch = tuple(rng.integers(0, 256, (6, 32)).astype(np.int32) for _ in range(2))
   with jax.default_matmul_precision("highest"):
-    loss, grads, scale = G.make_grad_step(None, params)(graphdef, params, batch, clip)
-    loss3, sums, scale3 = G.make_grad_step(None, params, micro_batches=3)(graphdef, params, batch, clip)
+    loss, grads, scale, norm = G.make_grad_step(None, params)(graphdef, params, batch, clip)
+    loss3, sums, scale3, norm3 = G.make_grad_step(None, params, micro_batches=3)(graphdef, params, batch, clip)
   np.testing.assert_allclose(float(loss3), float(loss), rtol=1e-6)
+  np.testing.assert_allclose(float(norm3), float(optax.global_norm(grads)), rtol=1e-5)  # the mean gradient's norm
+  np.testing.assert_allclose(float(norm), float(optax.global_norm(grads)), rtol=1e-6)
   for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(sums)):
     want = np.asarray(g) * float(scale)  # float32 sums in another order: rounding relative to the leaf's scale
     np.testing.assert_allclose(np.asarray(s) * float(scale3), want, rtol=2e-5, atol=2e-6 * np.abs(want).max())

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -63,16 +64,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 import jax_dos
 from models import gpt as gpt_model
 from train import data as data_lib
 from train import overlapped as overlapped_lib
-from train import parallel, progress
+from train import parallel, progress, step_log, steps
 from train.evaluate import validation_loss
 from train.flags import build_parser, model_overrides, parse_args
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
-from train.optimizer import make_optimizer, optimizer_step
+from train.optimizer import make_optimizer
 
 # Optimizer state offloaded to the host frees GPU memory for activations: take 94% of it, not jax's default 75% (a
 # 6.7B model on an 80 GB H100 ran out of memory at 75%). Set by main(), before jax first uses the GPU (which reads it
@@ -252,10 +254,19 @@ def cli() -> None:
   main(None)
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-  """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
-  ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
-  # --- data (its errors first: a wrong --data path is reported whatever the output folder holds)
+@dataclasses.dataclass
+class _Built:
+  """The training step :func:`_build_step` chose, its learning-rate schedule, the step it starts at, and what to
+  tell the user about it."""
+
+  step: Any
+  schedule: Any
+  start_step: int
+  notes: list[str]
+
+
+def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
+  """``(splits, vocab_size, description)`` of ``--data``, each problem an error that says what to change."""
   try:
     tokens, data_vocab, data_desc = data_lib.load_tokens(args.data)
   except (FileNotFoundError, ValueError) as e:
@@ -271,80 +282,163 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     data_lib.check_length(splits.val, args.seq_len, "validation")
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
-  manager, resume = _open_checkpoints(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
+  return splits, vocab, data_desc
 
-  # --- model and optimizer
-  cfg = gpt_model.get_config(
-    args.preset,
-    **model_overrides(args),
-    vocab_size=vocab,
-    dtype=args.compute_dtype,
-    param_dtype=args.param_dtype,
-    remat=args.remat,
-  )
+
+def _calibrate(args: argparse.Namespace) -> None:
+  """``--offload auto`` on an accelerator: the planner's calibration (20-30 s once per machine, then cached), before
+  the model exists: it runs on an empty accelerator and leaves no fragments behind for a large model's step."""
   if args.offload == "auto" and jax.default_backend() != "cpu":
-    # The planner's calibration (20-30 s once per machine, then cached), before the model exists: it runs on an empty
-    # accelerator and leaves no fragments behind for a large model's step.
     t = time.perf_counter()
     cal = jax_dos.calibrate()
     if _primary():
       print(f"calibration ({time.perf_counter() - t:.0f} s; cached per machine): {cal.summary()}", flush=True)
-  # On a mesh, parameters replicated over "data" and sharded over "fsdp", batch rows over both (train/parallel.py).
-  mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
-  shardings = None if mesh is None else parallel.param_shardings(mesh, gpt_model.abstract_params(cfg))
-  batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
-  graphdef, params = gpt_model.init_params(cfg, seed=args.seed, shardings=shardings)
-  num_params = gpt_model.tree_size(params)
+
+
+def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_from) -> _Built:
+  """The plain or the overlapped training step, chosen from both plans before any optimizer state exists.
+
+  The plain plan (``jax_dos.get_plan``) and the overlapped one
+  (``jax_dos.overlapped_plan``, by the measured stages' timeline with
+  ``--offload auto`` on an accelerator) are both made from the parameters'
+  shapes; ``train.steps.choose`` takes one, and only that step's state is
+  allocated, once, or restored from ``restore_from`` (a checkpoint manager)
+  straight into its placements. ``params`` are consumed.
+  """
+  step_shape = (args.batch * args.grad_accum, args.seq_len)  # one step's batch: --grad-accum micro-batches
   step_memory = None
-  step_shape = (args.batch * args.grad_accum, args.seq_len)  # one step's batch: --grad-accum micro-batches of --batch
   sized = jax.local_devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
   if args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized:
     step_memory = gradient_step_memory(
       graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum, batch_sharding=batch_layout
     )
+  notes = []
+  if step_memory is not None:
+    notes.append(f"memory  the gradient step needs {step_memory.peak_bytes / 2**30:.1f} GiB at its peak,"
+                 f" {step_memory.live_bytes / 2**30:.1f} GiB through the update (left free)")  # fmt: skip
   tx, schedule = make_optimizer(args, step_memory)
-  opt_state = tx.init(params)
-  plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)
+  plain_plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)  # from shapes: no state exists yet
+  refusal = overlapped_lib.refusal(args)
+  if refusal is None and args.overlap == "auto" and jax.default_backend() != "gpu":
+    refusal = "--overlap auto takes the overlapped step on a GPU only (--overlap on takes it here)"
+  overlap_plan = times = None
+  if refusal is None and args.overlap != "off":
+    if args.offload == "auto" and sized:
+      times = overlapped_lib.stage_times(cfg, params, first_batch, args.grad_accum)
+    overlap_plan = overlapped_lib.plan(args, tx, cfg, params, times)
+  overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
+  notes.append(line)
+  if overlapped:
+    start_step, opt_state = 0, None
+    if restore_from is not None:
+      template = overlapped_lib.abstract_state(overlap_plan, params)  # restored straight into the step's placements
+      params, opt_state, start_step = _restore(restore_from, cfg, params, template, args)
+    try:
+      step = overlapped_lib.OverlappedTraining(args, tx, cfg, params, overlap_plan, opt_state, times)
+      return _Built(step, schedule, start_step, [*notes, str(step.plan)])
+    except MemoryError as e:
+      if args.overlap == "on":
+        raise SystemExit(f"--overlap on: {e}") from None
+      notes.append(f"step    plain after all: {str(e).splitlines()[0]}")
   grad_step = make_grad_step(None if args.offload == "none" else tx, params, args.grad_flush, args.grad_accum)
   if step_memory is not None and args.grad_flush == "host":  # the split's own program, now that the plan exists
     batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32, sharding=batch_layout),) * 2
     check_split_flush(grad_step.lower(graphdef, params, batch, args.clip).compile(), step_memory)
+  opt_state, start_step = tx.init(params), 0
+  if restore_from is not None:
+    params, opt_state, start_step = _restore(restore_from, cfg, params, opt_state, args)
+  if plain_plan is not None:
+    notes.append(str(plain_plan))
+  return _Built(steps.PlainStep(args, tx, graphdef, grad_step, params, opt_state, plain_plan), schedule, start_step,
+                notes)  # fmt: skip
 
-  # --- output, checkpoints, resume
-  os.makedirs(args.out, exist_ok=True)
+
+def _postfix(row: dict[str, Any], eta: str, val_losses: dict[int, float]) -> dict[str, str]:
+  """The progress bar's fields for a logged row."""
+  out = {"eta": eta, "loss": f"{row['loss']:.3f}"}
+  if val_losses:
+    out["val"] = f"{val_losses[max(val_losses)]:.3f}"
+  if "grad_norm" in row:
+    out["|g|"] = f"{row['grad_norm']:.3g}" + ("*" if row.get("clipped") else "")
+  if row.get("tokens_per_s"):
+    out["tok/s"] = progress.fmt_rate(row["tokens_per_s"])
+  out["mfu"] = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
+  return out
+
+
+def _save(args: argparse.Namespace, manager, step, step_no: int, meta: dict[str, Any], bar) -> None:
+  """Saves the settled parameters and state; nothing non-finite is saved (the run stops, every checkpoint kept)."""
+  step.settle()
+  params, opt_state = step.params, step.opt_state  # the next step consumes them: save returns once they are copied
+  # With --delay 1 the parameters lag the host's last update: check its masters too.
+  finite = bool(_all_finite(params)) and (not args.delay or _everywhere(_host_finite(opt_state.master)))
+  if not finite:
+    bar.close()
+    _stop_non_finite(args, manager, f"the parameters after step {step_no}'s update are not finite (inf or nan)")
+  manager.save(step_no, params=params, opt_state=opt_state, meta=meta, force=True)
+
+
+def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params, plan, params) -> dict[str, Any]:
+  """The run's last lines (plot, clip summary, final losses) and :func:`main`'s results."""
+  if args.plot and _primary():
+    png = os.path.join(args.out, "loss.png")
+    progress.plot_losses(progress.read_metrics(log.path), png, title=f"{args.preset}, offload {args.offload}")
+    _say(args, f"wrote {png}")
+  clip_line = record.summary()
+  if clip_line:
+    _say(args, clip_line)
+  losses = record.losses
+  final = losses[max(losses)] if losses else None
+  if final is not None:
+    _say(args, f"done: step {step_no}, train loss {final:.4f}, val loss {val_losses.get(step_no, math.nan):.4f}")
+  return {
+    "step": step_no,
+    "start_step": start_step,
+    "losses": losses,
+    "val_losses": val_losses,
+    "grad_norms": record.grad_norms,
+    "clip_fired": record.fired,
+    "tokens_per_s": rate.tokens_per_s,
+    "mfu": rate.mfu,
+    "num_params": num_params,
+    "plan": None if plan is None else str(plan),
+    "out": args.out,
+    "params": params,
+  }
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+  """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
+  ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
+  splits, vocab, data_desc = _load_data(args)  # its errors first: a wrong --data path is reported whatever --out holds
+  manager, resume = _open_checkpoints(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
+
+  # --- model, then the step: both steps' plans from shapes, one chosen, its optimizer state allocated once
+  cfg = gpt_model.get_config(
+    args.preset, **model_overrides(args), vocab_size=vocab, dtype=args.compute_dtype, param_dtype=args.param_dtype,
+    remat=args.remat,
+  )  # fmt: skip
+  _calibrate(args)
+  mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
+  shardings = None if mesh is None else parallel.param_shardings(mesh, gpt_model.abstract_params(cfg))
+  batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
+  graphdef, params = gpt_model.init_params(cfg, seed=args.seed, shardings=shardings)
+  num_params = gpt_model.tree_size(params)
+  first = data_lib.get_batch(splits.train, args.batch * args.grad_accum, args.seq_len, args.seed, 0)
+  built = _build_step(args, cfg, graphdef, params, first, batch_layout, manager if resume else None)
+  step, schedule, start_step = built.step, built.schedule, built.start_step
+  del params, first
   if manager is not None:
     try:
-      manager.check_space(params, opt_state)  # fail now, not after the training run
+      manager.check_space(step.params, step.opt_state)  # fail now, not after the training run
     except OSError as e:
       raise SystemExit(f"{e} Or pass --no-ckpt to train without checkpoints.") from None
-  start_step = 0
-  if resume:
-    params, opt_state, start_step = _restore(manager, cfg, params, opt_state, args)
-  overlapped = None
-  on_gpu = jax.default_backend() == "gpu"
-  if overlapped_lib.refusal(args) is None and (args.overlap == "on" or (args.overlap == "auto" and on_gpu)):
-    times = None
-    if args.offload == "auto":
-      first = data_lib.get_batch(splits.train, step_shape[0], args.seq_len, args.seed, 0)
-      times = overlapped_lib.stage_times(cfg, params, first, args.grad_accum)
-    try:
-      candidate = overlapped_lib.OverlappedTraining(args, tx, cfg, params, opt_state, times)
-    except MemoryError as e:
-      if args.overlap == "on":
-        raise SystemExit(f"--overlap on: {e}") from None
-      candidate = None
-      print(f"--overlap auto: the plain step, since {str(e).splitlines()[0]}")
-    if candidate is not None and (args.overlap == "on" or overlapped_lib.predicted_faster(candidate.plan, plan)):
-      overlapped, plan = candidate, candidate.plan
-      params = opt_state = None  # the overlapped step owns them: read them through it
-    elif candidate is not None:
-      params, opt_state = candidate.params, candidate.opt_state
-      candidate.close()
-    del candidate
+
+  # --- output and logging
+  os.makedirs(args.out, exist_ok=True)
   log = progress.MetricsLog(
     os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None, enabled=_primary()
   )
-
   tokens_per_step = args.batch * args.grad_accum * args.seq_len
   flops_tok = gpt_model.flops_per_token(cfg, args.seq_len)
   peak = args.peak_flops or progress.detect_peak_flops(args.compute_dtype, jax.local_devices()[0])
@@ -358,139 +452,81 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   val_batches = [get_batch(splits.val, args.batch, i, data_lib.VAL_STREAM) for i in range(args.eval_batches)]
 
   def evaluate() -> float:
-    if overlapped is not None:
-      overlapped.settle()  # no optimizer thread launches while the evaluation's programs first run
-    current = params if overlapped is None else overlapped.params
-    return validation_loss(graphdef, current, val_batches)
+    step.settle()  # no optimizer thread launches while the evaluation's programs first run
+    return validation_loss(graphdef, step.params, val_batches)
 
-  def meta(step: int) -> dict[str, Any]:
-    data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": step, "seed": args.seed, "source": data_desc}
-    return {"step": step, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": vars(args)}
+  def meta(at: int) -> dict[str, Any]:
+    data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": at, "seed": args.seed, "source": data_desc}
+    return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": vars(args)}
 
   _say(args, f"model   {args.preset}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
   _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
-       + (", overlapped step" if overlapped is not None else "")
        + (f", {args.grad_accum} micro-batches of {args.batch} per step" if args.grad_accum > 1 else "")
        + (f", delay 1 after {args.delay_warmup} steps" if args.delay else "")
        + (f" (weights predicted from the {args.delay_predict})" if args.delay_predict else ""))  # fmt: skip
-  if step_memory is not None:
-    _say(args, f"memory  the gradient step needs {step_memory.peak_bytes / 2**30:.1f} GiB at its peak,"
-         f" {step_memory.live_bytes / 2**30:.1f} GiB through the update (left free)")  # fmt: skip
-  if plan is not None:
-    _say(args, str(plan))
+  for line in built.notes:
+    _say(args, line)
   if start_step:
     _say(args, f"resumed from step {start_step} ({ckpt_dir})")
   if start_step >= args.steps:
     _say(args, f"already at step {start_step} >= --steps {args.steps}: nothing to do.")
 
-  losses: dict[int, float] = {}
+  # --- the loop
   val_losses: dict[int, float] = {}
   if start_step == 0 and args.eval_every > 0 and start_step < args.steps:
     val_losses[0] = evaluate()
     log.write({"step": 0, "val_loss": val_losses[0], "time": 0.0})
-
-  from tqdm import tqdm
-
   bar = tqdm(total=args.steps, initial=start_step, unit="step", disable=args.quiet or not _primary(),
              dynamic_ncols=True, file=sys.stderr, bar_format=progress.BAR_FORMAT)  # fmt: skip
   eta = progress.Eta(args.steps)
+  rate = step_log.Rate(tokens_per_step, flops_tok, peak)
+  record = step_log.StepRecord(args.clip)
   t_start = time.perf_counter()
-  t_mark, step_mark = None, start_step
-  tok_s = mfu = None
-  pending: list[tuple[int, jax.Array]] = []
-  step = start_step
+  step_no = start_step
   for it in range(start_step, args.steps):
-    batch = get_batch(splits.train, step_shape[0], it)
-    if overlapped is not None:
-      loss = overlapped(batch)
-    else:
-      loss, grads, scale = grad_step(graphdef, params, batch, args.clip)
-      params, opt_state = optimizer_step(args, tx, grads, opt_state, params, scale)
-      del grads  # gradients left on the accelerator are freed now: the planner counts them through the update only
-    step = it + 1
-    pending.append((step, loss))
-    if t_mark is None:  # the first step compiles: start the clocks after it
-      jax.block_until_ready(params if overlapped is None else overlapped.params)
-      t_mark, step_mark = time.perf_counter(), step
-      eta.start(step, t_mark)
-    do_eval = step == args.steps or (args.eval_every > 0 and step % args.eval_every == 0)
-    do_ckpt = manager is not None and (step == args.steps or (args.ckpt_every > 0 and step % args.ckpt_every == 0))
-    if not (do_eval or do_ckpt or step % args.log_every == 0):
+    loss = step(get_batch(splits.train, args.batch * args.grad_accum, it))
+    step_no = it + 1
+    record.add(step_no, loss, step.grad_norm)
+    if it == start_step:  # the first step compiles: start the clocks after it
+      step.settle()
+      rate.start(step_no)
+      eta.start(step_no, rate.t_mark)
+    last = step_no == args.steps
+    do_eval = last or (args.eval_every > 0 and step_no % args.eval_every == 0)
+    do_ckpt = manager is not None and (last or (args.ckpt_every > 0 and step_no % args.ckpt_every == 0))
+    if not (do_eval or do_ckpt or step_no % args.log_every == 0):
       continue
-    # --- log: the losses since the last row (one sync per interval)
-    rows = [(s, float(x)) for s, x in pending]
-    pending.clear()
-    bad = next(((s, v) for s, v in rows if not math.isfinite(v)), None)
+    rows = record.flush()  # one sync per interval
+    bad = next(((r["step"], r["loss"]) for r in rows if not math.isfinite(r["loss"])), None)
     if bad is not None:
       bar.close()
       _stop_non_finite(args, manager, f"the training loss of step {bad[0]} is {bad[1]}")
     now = time.perf_counter()
-    if step > step_mark:
-      tok_s = (step - step_mark) * tokens_per_step / (now - t_mark)
-      mfu = flops_tok * tok_s / peak if peak else None
-      t_mark, step_mark = now, step
-    for s, value in rows:
-      losses[s] = value
-    row = {"step": step, "loss": rows[-1][1], "lr": float(schedule(step - 1)), "tokens_per_s": tok_s, "mfu": mfu}
+    rate.mark(step_no, now)
+    row = {**rows[-1], "lr": float(schedule(step_no - 1)), "tokens_per_s": rate.tokens_per_s, "mfu": rate.mfu}
     if do_eval:
-      val_losses[step] = row["val_loss"] = evaluate()
+      val_losses[step_no] = row["val_loss"] = evaluate()
     row["time"] = log.time_offset + now - t_start
-    for s, value in rows[:-1]:
-      log.write({"step": s, "loss": value})
+    for r in rows[:-1]:
+      log.write(r)
     log.write(row)
-    postfix = {"eta": eta.text(step, now), "loss": f"{rows[-1][1]:.3f}"}
-    if val_losses:
-      postfix["val"] = f"{val_losses[max(val_losses)]:.3f}"
-    if tok_s:
-      postfix["tok/s"] = progress.fmt_rate(tok_s)
-    postfix["mfu"] = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-    bar.set_postfix(postfix, refresh=False)
-    bar.update(step - bar.n)
+    bar.set_postfix(_postfix(row, eta.text(step_no, now), val_losses), refresh=False)
+    bar.update(step_no - bar.n)
     if do_eval and not args.quiet and _primary():
-      bar.write(f"step {step}: train loss {rows[-1][1]:.4f}, val loss {val_losses[step]:.4f}", file=sys.stderr)
+      bar.write(f"step {step_no}: train loss {row['loss']:.4f}, val loss {val_losses[step_no]:.4f}", file=sys.stderr)
     if do_ckpt:
-      if overlapped is not None:
-        params, opt_state = overlapped.params, overlapped.opt_state  # settled; the next step consumes them
-      # Nothing non-finite is saved. With --delay 1 the parameters lag the host's last update: check its masters.
-      if args.delay:
-        jax_dos.wait_for_host_updates()
-      finite = bool(_all_finite(params)) and (not args.delay or _everywhere(_host_finite(opt_state.master)))
-      if not finite:
-        bar.close()
-        _stop_non_finite(args, manager, f"the parameters after step {step}'s update are not finite (inf or nan)")
-      # Returns once the arrays are copied (host state included), so the next in-place update is safe.
-      manager.save(step, params=params, opt_state=opt_state, meta=meta(step), force=True)
+      _save(args, manager, step, step_no, meta(step_no), bar)
     if do_eval or do_ckpt:
-      t_mark = time.perf_counter()  # tokens/s measures training only
+      rate.restart()  # tokens/s measures training only
   bar.close()
-  if overlapped is not None:
-    params = overlapped.params
-    overlapped.close()
+  params = step.params
+  step.close()
   if manager is not None:
     manager.wait_until_finished()
     manager.close()
-
-  if args.plot and _primary():
-    png = os.path.join(args.out, "loss.png")
-    progress.plot_losses(progress.read_metrics(log.path), png, title=f"{args.preset}, offload {args.offload}")
-    _say(args, f"wrote {png}")
-  final = losses[max(losses)] if losses else None
-  if final is not None:
-    _say(args, f"done: step {step}, train loss {final:.4f}, val loss {val_losses.get(step, math.nan):.4f}")
-  return {
-    "step": step,
-    "start_step": start_step,
-    "losses": losses,
-    "val_losses": val_losses,
-    "tokens_per_s": tok_s,
-    "mfu": mfu,
-    "num_params": num_params,
-    "plan": None if plan is None else str(plan),
-    "out": args.out,
-    "params": params,
-  }
+  return _finish(args, log, record, val_losses, step_no, start_step, rate, num_params, step.plan, params)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The training script's gradient steps: one batch or several micro-batches, flushed or not, and their memory.
 
 ``make_grad_step`` returns ``grad_step(graphdef, params, batch, clip) ->
-(loss, grads, scale)``: the raw gradients and the factor ``scale`` the
+(loss, grads, scale, norm)``: the raw gradients, the factor ``scale`` the
 optimizer multiplies them by (``grad_scale``), the global-norm clip's and,
-for micro-batches, ``1/k``. Scaling is left to the optimizer because
+for micro-batches, ``1/k``, and the global norm of the (mean) gradient
+before the clip, which fires where ``norm >= clip``. Scaling is left to the optimizer because
 rescaling gradients that XLA also flushes to the host made it keep every
 activation of a 6.7B model at once (``docs/design.md``).
 
@@ -33,28 +34,32 @@ from models import gpt as gpt_model
 
 
 def _grad_step(graphdef, params, batch, clip: float):
-  """``(loss, grads, scale)``: the raw gradients and the factor of the global-norm clip (1 when ``clip`` is 0)."""
+  """``(loss, grads, scale, norm)``: the raw gradients, the global-norm clip's factor (1 when ``clip`` is 0), and
+  the gradients' global norm."""
   loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
-  scale = jax_dos.clip_scale(optax.global_norm(grads), clip) if clip > 0 else jnp.float32(1)
-  return loss, grads, scale
+  norm = optax.global_norm(grads)
+  scale = jax_dos.clip_scale(norm, clip) if clip > 0 else jnp.float32(1)
+  return loss, grads, scale, norm
 
 
 _grad_step_on_device = jax.jit(_grad_step, static_argnums=(0, 3))
 
 
 def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batches: int):
-  """One micro-batch of an accumulated step: ``(loss, grad_sum + grads, scale)``.
+  """One micro-batch of an accumulated step: ``(loss, grad_sum + grads, scale, norm)``.
 
   After the last of ``micro_batches`` micro-batches, ``scale * grad_sum`` is
   the mean gradient times the clip's factor for that mean:
   ``scale = clip_scale(|grad_sum| / k, clip) / k``. The optimizer multiplies
   by it (``grad_scale``), so the sum is never divided on the accelerator.
+  ``norm = |grad_sum| / k`` is the mean gradient's global norm.
   """
   loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
   grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
   mean = 1.0 / micro_batches
-  clip_factor = jax_dos.clip_scale(optax.global_norm(grad_sum) * mean, clip) if clip > 0 else jnp.float32(1)
-  return loss, grad_sum, clip_factor * jnp.float32(mean)
+  norm = optax.global_norm(grad_sum) * mean
+  clip_factor = jax_dos.clip_scale(norm, clip) if clip > 0 else jnp.float32(1)
+  return loss, grad_sum, clip_factor * jnp.float32(mean), norm
 
 
 # The running sum is donated and updated in place: a micro-batch's program needs about what a one-batch step whose
@@ -65,15 +70,15 @@ _accumulate_step_jit = jax.jit(_accumulate_step, static_argnums=(0, 4, 5), donat
 _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
 
-def accumulated_grad_step(micro_batches: int) -> Callable[..., tuple[jax.Array, Any, jax.Array]]:
-  """``grad_step(graphdef, params, batch, clip) -> (loss, grad_sum, scale)`` over ``micro_batches`` parts of ``batch``.
+def accumulated_grad_step(micro_batches: int) -> Callable[..., tuple[jax.Array, Any, jax.Array, jax.Array]]:
+  """``grad_step(graphdef, params, batch, clip) -> (loss, grad_sum, scale, norm)`` over ``micro_batches`` parts.
 
   The batch's rows are split into ``micro_batches`` equal consecutive parts,
   run one after another (one jitted call each, so only one part's activations
   are alive at a time). ``loss`` is the mean of their losses, which is the
   whole batch's mean loss; ``grad_sum`` the sum of their gradients, in the
   gradients' dtype, on the accelerator; ``scale * grad_sum`` is the clipped
-  mean gradient (:func:`_accumulate_step`), what ``optimizer_step`` takes.
+  mean gradient (:func:`_accumulate_step`), what ``optimizer_step`` takes; ``norm`` the mean gradient's norm.
   """
 
   def grad_step(graphdef, params, batch, clip: float):
@@ -86,17 +91,17 @@ def accumulated_grad_step(micro_batches: int) -> Callable[..., tuple[jax.Array, 
       part = (x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows])
       if isinstance(getattr(x, "sharding", None), NamedSharding):  # on a mesh: each part's rows over every device
         part = jax.device_put(part, (x.sharding, y.sharding))
-      loss, grad_sum, scale = _accumulate_step_jit(graphdef, params, grad_sum, part, clip, micro_batches)
+      loss, grad_sum, scale, norm = _accumulate_step_jit(graphdef, params, grad_sum, part, clip, micro_batches)
       losses.append(loss)
-    return sum(losses) / micro_batches, grad_sum, scale
+    return sum(losses) / micro_batches, grad_sum, scale, norm
 
   return grad_step
 
 
 def make_grad_step(
   tx: optax.GradientTransformation | None, params: Any, flush: str = "host", micro_batches: int = 1
-) -> Callable[..., tuple[jax.Array, Any, jax.Array]]:
-  """``grad_step(graphdef, params, batch, clip) -> (loss, grads, clip_scale)``, jitted.
+) -> Callable[..., tuple[jax.Array, Any, jax.Array, jax.Array]]:
+  """``grad_step(graphdef, params, batch, clip) -> (loss, grads, clip_scale, norm)``, jitted.
 
   With ``tx`` (a ``jax_dos`` optimizer), gradients come out in host memory as
   ``jax_dos.gradient_shardings(tx, params, flush)`` says. With
@@ -108,7 +113,7 @@ def make_grad_step(
     return accumulated_grad_step(micro_batches)
   if tx is None or flush == "none":
     return _grad_step_on_device
-  shardings = (None, jax_dos.gradient_shardings(tx, params, flush), None)
+  shardings = (None, jax_dos.gradient_shardings(tx, params, flush), None, None)
   return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=shardings)
 
 
@@ -168,7 +173,7 @@ def gradient_step_memory(
     sums = sum(x.nbytes for x in jax.tree.leaves(params))
     return jax_dos.StepMemory(need.peak_bytes + sums, need.live_bytes + sums)
   batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * 2
-  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush), None))
+  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush), None, None))
   return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush)
 
 

@@ -5,11 +5,11 @@ runs the forward and backward passes stage by stage and the AdamW update of
 each stage's parameters as soon as the backward pass has produced their
 gradients, under the rest of the backward pass and the next forward pass
 (``jax_dos/overlap.py``). The numbers are the plain path's (optax's AdamW
-after ``clip_by_global_norm``). ``--overlap auto``, the default, uses it on a
-GPU when the timeline model predicts a shorter step than the plain path's
-(:func:`predicted_faster`): measured at 6.7B on an H100, the overlapped step
-beat the plain one with the clip silent and with it firing every step
-(``docs/overlap.md``). ``--overlap off`` never uses it.
+after ``clip_by_global_norm``). Its :func:`plan` is made from the
+parameters' shapes before any optimizer state exists; ``--overlap auto``, the
+default, takes it where the timeline model predicts a shorter step than the
+plain step's plan (``train.steps.choose``), and only then is its state
+allocated, once, in its own placements. ``--overlap off`` never uses it.
 
 Parameters and optimizer state stay in the model's own layout for evaluation
 and checkpoints (:attr:`OverlappedTraining.params`, ``opt_state``): a
@@ -52,31 +52,53 @@ def allow_overlap_on_gpu(args: argparse.Namespace) -> None:
       os.environ["XLA_FLAGS"] = " ".join([*flags, NO_COMMAND_BUFFERS])
 
 
-def _groups_state(state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamState:
+def _in_model_layout(state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamState:
+  return jax_dos.InterleavedAdamState(state.count, *(gpt_model.from_stage_groups(t) for t in state[1:]))
+
+
+def _in_groups(state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamState:
   return jax_dos.InterleavedAdamState(state.count, *(gpt_model.stage_groups(t) for t in state[1:]))
+
+
+def plan(args: argparse.Namespace, tx, cfg: gpt_model.GPTConfig, params: dict, times=None) -> jax_dos.Plan:
+  """The overlapped step's plan for the GPT's stages, from the parameters' shapes (no optimizer state exists)."""
+  return jax_dos.overlapped_plan(
+    tx, gpt_model.make_stages(cfg), gpt_model.stage_groups(params), stage_times=times, micro_batches=args.grad_accum
+  )
+
+
+def abstract_state(step_plan: jax_dos.Plan, params: dict) -> jax_dos.InterleavedAdamState:
+  """The optimizer state's shapes in the plan's placements, in the model's layout: a template to restore into."""
+  return _in_model_layout(jax_dos.abstract_state(step_plan, gpt_model.stage_groups(params)))
 
 
 class OverlappedTraining:
   """``jax_dos.OverlappedStep`` over the GPT's stages, with parameters and state in the model's layout.
 
-  ``stage_times`` (``jax_dos.StagedModel.measure_times``) lets ``--offload
-  auto`` place subgroups by the step's timeline. The step's pinned host
-  memory stays within its default budget, a share of RAM: where the state and
-  the host path's buffers do not fit there, a ``MemoryError`` before anything
-  moves.
+  ``plan`` is :func:`plan`'s. ``opt_state``: a restored state (in the model's
+  layout, best in the plan's placements: ``abstract_state``), or ``None``
+  for a fresh one, allocated once in the plan's placements. The step's
+  pinned host memory stays within its default budget, a share of RAM: where
+  it does not fit, a ``MemoryError`` before anything is allocated.
   """
 
   def __init__(
-    self, args: argparse.Namespace, tx, cfg: gpt_model.GPTConfig, params: dict, opt_state, stage_times=None,
+    self, args: argparse.Namespace, tx, cfg: gpt_model.GPTConfig, params: dict, step_plan: jax_dos.Plan,
+    opt_state: jax_dos.InterleavedAdamState | None = None, stage_times=None,
   ):  # fmt: skip
-    self.stages = gpt_model.make_stages(cfg)
     self.step = jax_dos.OverlappedStep(
-      tx, self.stages, gpt_model.stage_groups(params), _groups_state(opt_state), clip_norm=args.clip or None,
-      micro_batches=args.grad_accum, stage_times=stage_times,
+      tx, gpt_model.make_stages(cfg), gpt_model.stage_groups(params), None if opt_state is None else
+      _in_groups(opt_state), clip_norm=args.clip or None, micro_batches=args.grad_accum, plan=step_plan,
+      stage_times=stage_times,
     )  # fmt: skip
 
   def __call__(self, batch: Any) -> jax.Array:
     return self.step(batch)
+
+  @property
+  def grad_norm(self) -> jax.Array | None:
+    """The last step's global norm of the mean gradient, before the clip."""
+    return self.step.grad_norm
 
   def close(self) -> None:
     self.step.close()
@@ -97,8 +119,7 @@ class OverlappedTraining:
   @property
   def opt_state(self) -> jax_dos.InterleavedAdamState:
     """The current optimizer state (waits for every pending write; the next step consumes it)."""
-    state = self.step.opt_state
-    return jax_dos.InterleavedAdamState(state.count, *(gpt_model.from_stage_groups(t) for t in state[1:]))
+    return _in_model_layout(self.step.opt_state)
 
 
 def stage_times(cfg: gpt_model.GPTConfig, params: dict, batch: tuple, micro_batches: int) -> jax_dos.StageTimes:
@@ -106,11 +127,3 @@ def stage_times(cfg: gpt_model.GPTConfig, params: dict, batch: tuple, micro_batc
   rows = batch[0].shape[0] // micro_batches
   model = jax_dos.StagedModel(gpt_model.make_stages(cfg), cfg.n_layer + 2)
   return model.measure_times(gpt_model.stage_groups(params), tuple(x[:rows] for x in batch))
-
-
-def predicted_faster(overlapped: jax_dos.Plan, plain: jax_dos.Plan | None) -> bool:
-  """Whether the overlapped plan's predicted step beats the plain one's (forward/backward plus its update phase)."""
-  if plain is None or "total" not in plain.predicted or "step" not in overlapped.predicted:
-    return False
-  compute = overlapped.predicted["step"] - overlapped.predicted["exposed"]
-  return overlapped.predicted["step"] < compute + plain.predicted["total"]

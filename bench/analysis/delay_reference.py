@@ -66,7 +66,7 @@ def delayed_run(
 
   def grads_at(t: int, params: Any) -> Any:
     batch = data_lib.get_batch(s.splits.train, args.batch, args.seq_len, args.seed, t)
-    loss, grads, scale = grad_step(s.graphdef, params, batch, args.clip)
+    loss, grads, scale, _ = grad_step(s.graphdef, params, batch, args.clip)
     if losses is not None:
       losses.append(float(loss))
     return Scaled(grads, scale)

@@ -1,0 +1,94 @@
+"""Runs a command as a user would and records what its end and its host memory look like from outside.
+
+    python bench/tools/run_timed.py --json OUT.json --log OUT.log --mark 'done: step' -- python -m train.gpt ...
+
+Each line the command prints (stdout and stderr together; a progress bar's
+carriage returns end a line too) goes to ``--log`` behind the seconds since
+the start. ``--json`` gets: the exit status, the wall time, when the last
+line matching ``--mark`` came, how long the process took to end after it
+(``exit_after_mark_s``), and the peak resident set of the command's process
+tree and the peak of the machine's used memory, sampled every 0.5 s
+(``psutil``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+
+import psutil
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+  try:
+    procs = [proc, *proc.children(recursive=True)]
+  except psutil.Error:
+    return 0
+  total = 0
+  for p in procs:
+    try:
+      total += p.memory_info().rss
+    except psutil.Error:
+      pass
+  return total
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("--json", required=True)
+  p.add_argument("--log", required=True)
+  p.add_argument("--mark", default="done: step", help="regex of the line after which the process should end")
+  p.add_argument("command", nargs=argparse.REMAINDER)
+  args = p.parse_args()
+  command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  mark = re.compile(args.mark)
+  t0 = time.perf_counter()
+  env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+  proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+  marked: list[float] = []
+
+  def read() -> None:  # this thread alone writes the log and ``marked``
+    with open(args.log, "w") as log:
+      for raw in iter(lambda: proc.stdout.readline(), b""):
+        for piece in re.split(rb"\r", raw.rstrip(b"\n")):
+          if not piece.strip():
+            continue
+          line = piece.decode(errors="replace")
+          now = time.perf_counter() - t0
+          log.write(f"{now:9.2f} {line}\n")
+          log.flush()
+          if mark.search(line):
+            marked.append(now)
+
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  peak_rss = peak_used = 0
+  ps = psutil.Process(proc.pid)
+  while proc.poll() is None:
+    peak_rss = max(peak_rss, _tree_rss(ps))
+    peak_used = max(peak_used, psutil.virtual_memory().used)
+    time.sleep(0.5)
+  wall = time.perf_counter() - t0
+  reader.join(timeout=10)
+  row = {
+    "command": command,
+    "returncode": proc.returncode,
+    "wall_s": wall,
+    "mark_s": marked[-1] if marked else None,
+    "exit_after_mark_s": wall - marked[-1] if marked else None,
+    "peak_rss_gib": peak_rss / 2**30,
+    "peak_machine_used_gib": peak_used / 2**30,
+    "machine_total_gib": psutil.virtual_memory().total / 2**30,
+  }
+  with open(args.json, "w") as f:
+    json.dump(row, f, indent=1)
+  print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,96 @@
+"""The training script's steps: the plain and the overlapped step behind one interface, and the choice between them.
+
+Either step is used the same way by the training loop::
+
+    loss = step(batch)            # one optimizer step; an accelerator scalar
+    step.grad_norm                # the step's global gradient norm before the clip (an accelerator scalar)
+    step.settle()                 # wait for the pending update (before an evaluation or a save)
+    step.params, step.opt_state   # the current trees, in the model's layout; the next step consumes them
+    step.close()
+
+:class:`PlainStep` runs the jitted gradient step, then ``jax_dos.update_params``
+(the interleaved engine) or optax's AdamW (``--offload none``).
+``train.overlapped.OverlappedTraining`` runs ``jax_dos.OverlappedStep`` on the
+model's stages. :func:`choose` picks one from the two plans, both made from
+shapes before any optimizer state exists, and says why in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import jax
+
+import jax_dos
+from train.optimizer import optimizer_step
+
+
+class PlainStep:
+  """The gradient step then the optimizer's update, each step; the parameters and state are held here."""
+
+  def __init__(self, args: argparse.Namespace, tx, graphdef, grad_step, params: Any, opt_state: Any, plan=None):
+    self._args, self._tx, self._graphdef, self._grad_step = args, tx, graphdef, grad_step
+    self._params, self._opt_state, self.plan = params, opt_state, plan
+    self.grad_norm: jax.Array | None = None
+
+  def __call__(self, batch: Any) -> jax.Array:
+    loss, grads, scale, self.grad_norm = self._grad_step(self._graphdef, self._params, batch, self._args.clip)
+    self._params, self._opt_state = optimizer_step(self._args, self._tx, grads, self._opt_state, self._params, scale)
+    return loss  # the gradients are dropped here: the planner counts them through the update only
+
+  def settle(self) -> None:
+    """Waits for the update (with ``--delay 1``, the host's update that runs a step late)."""
+    if self._args.delay:
+      jax_dos.wait_for_host_updates()
+    jax.block_until_ready(self._params)
+
+  @property
+  def params(self) -> Any:
+    return self._params
+
+  @property
+  def opt_state(self) -> Any:
+    return self._opt_state
+
+  def close(self) -> None:
+    self.settle()
+
+
+def predicted_step_s(plan: jax_dos.Plan | None, compute_s: float | None) -> float | None:
+  """A plan's predicted step: the overlapped plan's own, or ``compute_s`` (the forward/backward) plus the plain
+  plan's update phase; ``None`` where the plan holds no prediction."""
+  if plan is None:
+    return None
+  if "step" in plan.predicted:
+    return plan.predicted["step"]
+  if "total" in plan.predicted and compute_s is not None:
+    return compute_s + plan.predicted["total"]
+  return None
+
+
+def choose(mode: str, plain: jax_dos.Plan | None, overlapped: jax_dos.Plan | None, refusal: str | None) -> tuple[
+  bool, str
+]:  # fmt: skip
+  """``(overlapped?, one line saying which step and why)`` for ``--overlap mode``.
+
+  ``auto`` takes the overlapped step where both plans predict a step and the
+  overlapped one is shorter; ``on`` takes it unless it is refused; ``off``
+  never does. The line gives each step's predicted time where known.
+  """
+  compute = None
+  if overlapped is not None and "step" in overlapped.predicted:  # the forward/backward alone, as the timeline has it
+    compute = overlapped.predicted["step"] - overlapped.predicted["exposed"]
+  times = {"overlapped": predicted_step_s(overlapped, None), "plain": predicted_step_s(plain, compute)}
+  shown = ", ".join(f"{name} {t:.2f} s" for name, t in times.items() if t is not None)
+  predicted = f" (predicted step: {shown})" if shown else ""
+  if refusal is not None:
+    return False, f"step    plain: {refusal}"
+  if mode == "off":
+    return False, f"step    plain (--overlap off){predicted}"
+  if mode == "on":
+    return True, f"step    overlapped (--overlap on){predicted}"
+  if None in times.values():
+    return False, "step    plain: no timeline prediction to compare the overlapped step with (--overlap on forces it)"
+  faster = times["overlapped"] < times["plain"]
+  return faster, f"step    {'overlapped' if faster else 'plain'} (--overlap auto){predicted}"
