@@ -184,6 +184,30 @@ def test_help_shows_only_real_defaults():
   assert "(default: 500)" in text  # --steps
 
 
+@pytest.mark.parametrize("columns", ["60", "80", "160"])
+def test_help_breaks_lines_between_words_only(columns, monkeypatch):
+  monkeypatch.setenv("COLUMNS", columns)  # argparse's width
+  parser = F.build_parser()
+  text = " ".join(parser.format_help().split())
+  for action in parser._actions:
+    assert action.help, f"{action.option_strings} has no help"
+    assert " ".join(action.help.split()) in text, f"the help of {action.option_strings} is broken inside a word"
+
+
+def test_help_names_the_optimizer_defaults():
+  parser = F.build_parser()
+  helps = {a.dest: a.help for a in parser._actions}
+  text = " ".join(parser.format_help().split())
+  for dest in ("beta1", "beta2", "seed"):
+    assert f"{helps[dest]} (default: {parser.get_default(dest)})" in text
+  assert "0.999" in helps["beta2"]  # says how it differs from optax's default
+  stated = {}
+  for item in helps["lr"].split("default by preset: ")[1].split(", "):
+    names, value = item.split(" ")
+    stated |= dict.fromkeys(names.split("/"), float(value))
+  assert stated == {name: F.parse_args(["--preset", name]).lr for name in F.gpt_model.PRESETS}
+
+
 def test_eta_waits_for_a_step_after_compilation():
   eta = P.Eta(total=100)
   assert eta.text(1, 50.0) == "--"  # the first step compiled: no estimate from it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 
 import jax
 
@@ -30,6 +31,18 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     if action.default is None or action.default is False:
       return action.help or ""
     return super()._get_help_string(action)
+
+  def _split_lines(self, text: str, width: int) -> list[str]:
+    # Lines break between words only: a flag (--grad-flush) or a variable (JAX_NUM_PROCESSES) stays whole.
+    return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
+
+
+def _lr_default_text() -> str:
+  """Every preset's default --lr, presets sharing a value grouped: ``tiny 0.003, ..., gpt-1.3b/gpt-13b 0.0002``."""
+  groups: dict[float, list[str]] = {}
+  for name in gpt_model.PRESETS:
+    groups.setdefault(DEFAULT_LR.get(name, FALLBACK_LR), []).append(name)
+  return ", ".join(f"{'/'.join(names)} {lr:g}" for lr, names in groups.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,15 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help="micro-batches of --batch sequences per optimizer step, their gradients summed on the"
                       " accelerator (then crossing to the host in the update, as --grad-flush none)")  # fmt: skip
   o.add_argument("--steps", type=int, default=500, help="optimizer steps to train to (total, counting resumed ones)")
-  o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default per preset {DEFAULT_LR}")
+  o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default by preset: {_lr_default_text()}")
   o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay; default lr/10")
   o.add_argument("--warmup", type=int, default=None, help="linear warm-up steps; default min(100, steps/10)")
   o.add_argument("--decay-steps", type=int, default=None, help="length of warm-up + cosine decay; default --steps")
-  o.add_argument("--beta1", type=float, default=0.9)
-  o.add_argument("--beta2", type=float, default=0.95)
+  o.add_argument("--beta1", type=float, default=0.9, help="AdamW's first-moment decay")
+  o.add_argument("--beta2", type=float, default=0.95,
+                 help="AdamW's second-moment decay: 0.95, the GPT-training convention, not optax's 0.999")  # fmt: skip
   o.add_argument("--weight-decay", type=float, default=0.1, help="decoupled, on matrices/embeddings only")
   o.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
-  o.add_argument("--seed", type=int, default=0)
+  o.add_argument("--seed", type=int, default=0,
+                 help="initial parameters and the batches' order (a resumed run must keep it)")  # fmt: skip
 
   x = p.add_argument_group("optimizer offload")
   x.add_argument("--offload", choices=OFFLOAD_MODES, default="auto",
@@ -89,24 +104,28 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--write-behind", action="store_true",
                  help="optax's exact numbers; host subgroups' state is written during the next step")  # fmt: skip
   x.add_argument("--delay-predict", nargs="?", const="moments", default=None, choices=jax_dos.DELAY_PREDICTIONS,
-                 help="with --delay 1, what the forward pass gets instead of the stale weights: a prediction"
-                      " from the moments (moments, the default), or the step itself taken on the accelerator"
-                      " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
+                 help="with --delay 1, gives the forward pass predicted weights instead of one-step-stale ones:"
+                      " gradient (AdamW's own step, taken on the accelerator from state copies; 4 bytes a parameter"
+                      " more host memory) or moments (the flag alone: an estimate from the moments, no memory)."
+                      " Use gradient whenever you use --delay 1, since stale weights hurt convergence; moments"
+                      " when host memory is short (docs/api.md)")  # fmt: skip
   x.add_argument("--overlap", choices=overlapped.OVERLAP_MODES, default="auto",
                  help="the overlapped step (AdamW under the backward and the next forward pass, same numbers): auto"
                       " (on a GPU, when the timeline model predicts a shorter step), on, or off"
                       " (docs/overlap.md)")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default=None,
-                 help="gradients the backward pass writes to host memory: host subgroups' (host, the default"
-                      " without --grad-accum; refused when that program needs more memory than the plan left, as"
-                      " at 6.7B), every one (all) or none (the default with --grad-accum)")  # fmt: skip
+                 help="where the backward pass leaves the gradients: host sends host-updated subgroups' ones to"
+                      " host memory as it computes them (the default without --grad-accum), all sends every one,"
+                      " none keeps them on the accelerator (the default with --grad-accum). Keep the default, and"
+                      " switch to all (or none) when host is refused for lack of accelerator memory, as for large"
+                      " models (6.7B)")  # fmt: skip
 
   j = p.add_argument_group("devices and processes")
   j.add_argument("--mesh", default=None,
                  help="lay every device of the job on a mesh, e.g. data=2 or data=2,fsdp=4: parameters replicated"
                       " over data (their optimizer state partitioned over it) and sharded over fsdp, batch rows over"
                       " both (--batch rows per step in all). Default: one device; in a job of several processes"
-                      " (jax.distributed: JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or SLURM)"
+                      " (jax.distributed: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or SLURM)"
                       " data=<all devices>")  # fmt: skip
 
   r = p.add_argument_group("evaluation, logging, checkpoints")
