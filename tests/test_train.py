@@ -16,6 +16,7 @@ import weakref
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from train import data as D
@@ -357,6 +358,36 @@ def test_resume_is_bit_exact(tmp_path, offload):
     (r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, open(tmp_path / name / "metrics.jsonl"))
   ]  # noqa: E731
   assert rows("split") == rows("full")
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+def test_resume_with_more_steps_keeps_the_learning_rate_schedule(tmp_path):
+  common = ["--offload", "host", "--eval-every", "0", "--log-every", "1"]
+  _run(tmp_path, "split", *common, "--lr", "1e-2", "--warmup", "1", "--steps", "4")
+  resumed = _run(tmp_path, "split", *common, "--steps", "8", "--resume")  # no schedule flags: the first run's
+  rows = P.read_metrics(str(tmp_path / "split" / "metrics.jsonl"))
+  first = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 1, 4, 1e-3)  # --decay-steps defaulted to the first --steps
+  assert [r["step"] for r in rows] == list(range(1, 9))
+  np.testing.assert_allclose([r["lr"] for r in rows], [float(first(r["step"] - 1)) for r in rows], rtol=1e-6)
+  # The optimizer steps on that schedule too: the same parameters as one run told it explicitly.
+  whole = _run(tmp_path, "whole", *common, "--lr", "1e-2", "--warmup", "1", "--decay-steps", "4", "--steps", "8")
+  assert resumed["losses"] == {s: v for s, v in whole["losses"].items() if s > 4}
+  assert _same_tree(resumed["params"], whole["params"])
+
+
+def test_resumed_schedule_takes_the_flags_not_given():
+  saved = vars(F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2"]))
+  args = F.parse_args(["--steps", "20"])
+  notes = F.resumed_schedule(args, saved)
+  assert len(notes) == 1 and "--decay-steps" in notes[0] and "--warmup" in notes[0]
+  assert [getattr(args, k) for k in F.SCHEDULE_FLAGS] == [saved[k] for k in F.SCHEDULE_FLAGS]
+  args = F.parse_args(["--steps", "20", "--decay-steps", "20", "--lr", "1e-3"])  # given: honoured
+  F.resumed_schedule(args, saved)
+  assert (args.decay_steps, args.lr, args.min_lr, args.warmup) == (20, 1e-3, 1e-3 / 10, saved["warmup"])
+  same = F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2", "--resume"])
+  assert F.resumed_schedule(same, saved) == []
+  with pytest.raises(SystemExit, match="--warmup"):  # the saved warm-up does not fit the given decay
+    F.resumed_schedule(F.parse_args(["--decay-steps", "3"]), saved)
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import textwrap
+from typing import Any
 
 import jax
 
@@ -22,6 +23,8 @@ OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 # Learning rate per preset when --lr is not given (smaller models tolerate larger steps).
 DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4}
 FALLBACK_LR = 2e-4
+# The flags of the learning-rate schedule: a resumed run takes the checkpoint's values of those not given.
+SCHEDULE_FLAGS = ("lr", "min_lr", "warmup", "decay_steps")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -77,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
   o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default by preset: {_lr_default_text()}")
   o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay; default lr/10")
   o.add_argument("--warmup", type=int, default=None, help="linear warm-up steps; default min(100, steps/10)")
-  o.add_argument("--decay-steps", type=int, default=None, help="length of warm-up + cosine decay; default --steps")
+  o.add_argument("--decay-steps", type=int, default=None,
+                 help="length of warm-up + cosine decay; default --steps (with --resume: the resumed run's, as for"
+                      " --lr, --min-lr and --warmup)")  # fmt: skip
   o.add_argument("--beta1", type=float, default=0.9, help="AdamW's first-moment decay")
   o.add_argument("--beta2", type=float, default=0.95,
                  help="AdamW's second-moment decay: 0.95, the GPT-training convention, not optax's 0.999")  # fmt: skip
@@ -156,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = build_parser()
   args = parser.parse_args(argv)
   err = parser.error
+  args.schedule_given = [name for name in SCHEDULE_FLAGS if getattr(args, name) is not None]  # before the defaults
   positive = ("batch", "grad_accum", "steps", "eval_batches", "log_every", "keep", "subgroup_size")
   for name in positive:
     if getattr(args, name) < 1:
@@ -228,6 +234,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       err("--overlap on: the overlapped step runs on one device; drop --mesh (or --overlap on).")
   args.out = os.path.join("runs", args.preset) if args.out is None else args.out
   return args
+
+
+def resumed_schedule(args: argparse.Namespace, saved_args: dict[str, Any]) -> list[str]:
+  """Keeps the learning-rate schedule of the run being resumed; returns the lines to print (none if nothing changed).
+
+  Each of ``--lr``, ``--min-lr``, ``--warmup`` and ``--decay-steps`` that this
+  command line did not give (``args.schedule_given``, recorded by
+  :func:`parse_args`) takes its value in ``saved_args`` (the ``args`` a
+  checkpoint's meta holds), in place in ``args``: a larger ``--steps`` then
+  trains on at the end of the same schedule instead of stretching it. A
+  ``--min-lr`` not given follows a given ``--lr`` (its default, lr/10). Flags
+  given are kept, and so is every flag when ``args`` has no
+  ``schedule_given`` or ``saved_args`` lacks the value. Raises
+  ``SystemExit`` naming the flags when the merged schedule is inconsistent.
+  """
+  given = set(getattr(args, "schedule_given", SCHEDULE_FLAGS))
+  taken = {}
+  for name in SCHEDULE_FLAGS:
+    if name in given or (name == "min_lr" and "lr" in given) or saved_args.get(name) is None:
+      continue
+    if saved_args[name] != getattr(args, name):
+      taken[name] = saved_args[name]
+  if not taken:
+    return []
+  vars(args).update(taken)
+  flags = ", ".join(f"--{name.replace('_', '-')}" for name in taken)
+  if not 0 <= args.warmup < args.decay_steps or not 0 <= args.min_lr <= args.lr:
+    raise SystemExit(
+      f"error: --resume: the resumed run's {flags} and this command line's give a schedule of lr {args.lr:g} ->"
+      f" {args.min_lr:g}, warm-up {args.warmup} of {args.decay_steps} steps; pass {flags} too."
+    )
+  return [
+    f"resume: keeping the resumed run's learning-rate schedule ({flags} from its checkpoint): lr {args.lr:g} ->"
+    f" {args.min_lr:g}, warm-up {args.warmup}, cosine to step {args.decay_steps}; pass {flags} to change it."
+  ]
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, int]:

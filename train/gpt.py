@@ -38,9 +38,8 @@ logs. README.md, "Several GPUs", has the launch commands.
 
 Batches depend only on ``(seed, step)`` (``train/data.py``), so a checkpoint
 (parameters, optimizer state, step) resumes bit-exactly: ``N + N`` steps with
-``--resume`` end with the same parameters as ``2N`` steps in one go (give both
-the same ``--steps`` horizon, or the same ``--decay-steps``, so the learning-rate
-schedule is the same).
+``--resume`` end with the same parameters as ``2N`` steps in one go (a resumed run
+keeps its checkpoint's learning-rate schedule: give the first ``--decay-steps 2N``).
 
 Outputs in ``--out`` (default ``runs/<preset>``): ``metrics.jsonl`` (one JSON
 object per logged step: step, loss, val_loss, lr, tokens_per_s, mfu, time),
@@ -70,7 +69,7 @@ from train import data as data_lib
 from train import overlapped as overlapped_lib
 from train import parallel, progress
 from train.evaluate import validation_loss
-from train.flags import build_parser, model_overrides, parse_args
+from train.flags import build_parser, model_overrides, parse_args, resumed_schedule
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
 from train.optimizer import make_optimizer, optimizer_step
 
@@ -189,6 +188,8 @@ def _restore(manager, cfg: gpt_model.GPTConfig, params, opt_state, args) -> tupl
     raise SystemExit(f"error: --resume: the checkpoint's model differs from this run's (saved, now): {diff}.")
   if meta.get("seed") != args.seed:
     raise SystemExit(f"error: --resume: the checkpoint was trained with --seed {meta.get('seed')}, not {args.seed}.")
+  for note in resumed_schedule(args, meta.get("args", {})):
+    _say(args, note)
   return params, opt_state, int(meta["step"])
 
 
