@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import io
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import tqdm
 
 from train import data as D
 from train import flags as F
@@ -207,6 +211,49 @@ def test_help_names_the_optimizer_defaults():
     names, value = item.split(" ")
     stated |= dict.fromkeys(names.split("/"), float(value))
   assert stated == {name: F.parse_args(["--preset", name]).lr for name in F.gpt_model.PRESETS}
+
+
+def test_progress_off_a_terminal_is_plain_lines(tmp_path, monkeypatch, capsys):
+  """stderr to a file or pipe (captured here): a line per log interval, no carriage returns; jax_dos's notes plain."""
+  from jax_dos.planning import calibration
+
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no cached calibration: the notice is due
+  monkeypatch.delenv(calibration.ENV_OVERRIDE, raising=False)
+  monkeypatch.setattr(calibration, "measure", lambda **kw: calibration.Calibration(1e9, 1e9, 1e9, 5e8, 5e8))
+  flags = [f for f in TINY if f != "--quiet"]
+  T.main([*flags, "--out", str(tmp_path / "run"), "--steps", "4", "--log-every", "2", "--eval-every", "0", "--no-ckpt"])
+  err = capsys.readouterr().err
+  assert "\r" not in err and "WARNING" not in err
+  assert "jax_dos: measuring this machine for the performance model (plan='auto'); a few seconds, then cached." in (
+    err.splitlines()
+  )
+  steps = [line.split()[1] for line in err.splitlines() if re.match(r"step \d+/4 \[[\d:]+\] eta .*, loss", line)]
+  assert steps == ["2/4", "4/4"], err
+
+
+def test_library_notes_are_lines_warnings_even_when_quiet(capsys):
+  logger = logging.getLogger("jax_dos.planning.calibration")
+  try:
+    P.show_library_notes(info=True)
+    logger.info("a note")
+    P.show_library_notes(info=True)  # again: one handler, not two
+    logger.info("another note")
+    assert capsys.readouterr().err == "a note\nanother note\n"
+    P.show_library_notes(info=False)
+    logger.info("hidden")
+    logger.warning("a problem")
+    assert capsys.readouterr().err == "warning: a problem\n"
+  finally:
+    P.show_library_notes(info=True)
+
+
+def test_a_terminal_gets_the_bar():
+  class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+      return True
+
+  assert isinstance(P.make_bar(10, file=Terminal()), tqdm.tqdm)
+  assert isinstance(P.make_bar(10, file=io.StringIO()), P.PlainProgress)
 
 
 def test_eta_waits_for_a_step_after_compilation():

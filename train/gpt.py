@@ -256,6 +256,7 @@ def cli() -> None:
 def train(args: argparse.Namespace) -> dict[str, Any]:
   """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
+  progress.show_library_notes(info=not args.quiet and _primary())  # jax_dos's notes (calibration) as plain lines
   # --- data (its errors first: a wrong --data path is reported whatever the output folder holds)
   try:
     tokens, data_vocab, data_desc = data_lib.load_tokens(args.data)
@@ -392,10 +393,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     val_losses[0] = evaluate()
     log.write({"step": 0, "val_loss": val_losses[0], "time": 0.0})
 
-  from tqdm import tqdm
-
-  bar = tqdm(total=args.steps, initial=start_step, unit="step", disable=args.quiet or not _primary(),
-             dynamic_ncols=True, file=sys.stderr, bar_format=progress.BAR_FORMAT)  # fmt: skip
+  bar = progress.make_bar(args.steps, start_step, disable=args.quiet or not _primary())  # plain lines off a terminal
   eta = progress.Eta(args.steps)
   t_start = time.perf_counter()
   t_mark, step_mark = None, start_step
