@@ -138,6 +138,30 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
     _run(tmp_path, "run", "--data", str(path), "--steps", "1")
 
 
+@pytest.mark.parametrize("size", [12, 200, 300])
+def test_a_short_validation_split_is_one_message_with_every_way_out(size):
+  seq_len = 32  # TINY's
+  splits = D.split(np.zeros(size, np.uint8))
+  with pytest.raises(ValueError) as e:
+    D.check_splits(splits, seq_len)
+  msg = str(e.value)
+  assert f"{size:,} tokens" in msg and f"--seq-len {seq_len}" in msg
+  assert f"has {len(splits.train):,}" in msg and f"(the last 10%) {len(splits.val):,}" in msg  # both splits
+  smallest = int(re.search(r"a file of at least ([\d,]+) tokens", msg).group(1).replace(",", ""))
+  D.check_splits(D.split(np.zeros(smallest, np.uint8)), seq_len)  # that size is enough...
+  with pytest.raises(ValueError):
+    D.check_splits(D.split(np.zeros(smallest - 1, np.uint8)), seq_len)  # ...and the smallest that is
+  longest = int(re.search(r"--seq-len (\d+) or less", msg).group(1))
+  D.check_splits(splits, longest)  # this file trains at that --seq-len, and not one more
+  with pytest.raises(ValueError):
+    D.check_splits(splits, longest + 1)
+
+
+def test_data_too_short_for_any_sequence_says_so():
+  with pytest.raises(ValueError, match=rf"at least {D.min_tokens(1)} tokens \(no --seq-len fits this file\)"):
+    D.check_splits(D.split(np.zeros(5, np.uint8)), 1)
+
+
 # ----------------------------------------------------------------------------- flags
 
 

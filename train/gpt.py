@@ -269,8 +269,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     raise SystemExit(f"error: byte-level data needs --vocab-size >= 256, got {vocab}.")
   splits = data_lib.split(tokens)
   try:
-    data_lib.check_length(splits.train, args.seq_len, "training")
-    data_lib.check_length(splits.val, args.seq_len, "validation")
+    data_lib.check_splits(splits, args.seq_len)
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
   manager, resume = _open_checkpoints(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
