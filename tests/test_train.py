@@ -29,6 +29,7 @@ from train import gpt as T
 from train import gradients as G
 from train import optimizer as O
 from train import parallel as M
+from train import plot
 from train import progress as P
 
 # A model small enough that each run takes seconds on a CPU.
@@ -309,7 +310,25 @@ def test_training_loss_falls_and_logs(tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert [r["step"] for r in rows if "loss" in r] == list(range(1, 31))
   assert {"step", "loss", "val_loss", "lr", "tokens_per_s", "mfu", "time"} <= set(rows[-1])
-  assert os.path.getsize(tmp_path / "run" / "loss.png") > 0
+  png = tmp_path / "run" / "loss.png"
+  drawn = png.read_bytes()
+  png.unlink()  # python -m train.plot draws the same from the log alone
+  assert plot.main([str(tmp_path / "run"), "--title", "tiny, offload auto"]) == str(png)
+  assert png.read_bytes() == drawn
+
+
+def test_plot_errors_say_what_to_do(tmp_path, monkeypatch, capsys):
+  with pytest.raises(SystemExit, match="no losses to plot"):
+    plot.main([str(tmp_path)])
+  log = P.MetricsLog(str(tmp_path / "metrics.jsonl"))
+  log.write({"step": 1, "loss": 5.0})
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+  with pytest.raises(SystemExit, match=re.escape("pip install -e '.[plot]'")):
+    plot.main([str(tmp_path)])
+  with pytest.raises(SystemExit):
+    F.parse_args(["--plot"])  # refused before training, naming the same command
+  assert "pip install -e '.[plot]'" in capsys.readouterr().err
+  assert not (tmp_path / "loss.png").exists()
 
 
 def test_offload_none_and_host_give_the_same_loss_curve(tmp_path):

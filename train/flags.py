@@ -8,6 +8,7 @@ argparse error saying what to change.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import textwrap
 from typing import Any
@@ -16,7 +17,7 @@ import jax
 
 import jax_dos
 from models import gpt as gpt_model
-from train import overlapped, parallel
+from train import overlapped, parallel, progress
 
 OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 
@@ -147,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="continue from the newest checkpoint in <out>/ckpt that verifies (damaged ones are moved to"
                       " <out>/ckpt/damaged/)")  # fmt: skip
   r.add_argument("--overwrite", action="store_true", help="delete <out>/ckpt and the metrics of an earlier run")
-  r.add_argument("--plot", action="store_true", help="write <out>/loss.png")
+  r.add_argument("--plot", action="store_true",
+                 help="write <out>/loss.png at the end of the run (needs matplotlib: pip install -e '.[plot]');"
+                      " python -m train.plot <out> plots a run's metrics.jsonl any time, without training")  # fmt: skip
   r.add_argument("--quiet", action="store_true", help="no progress bar or messages")
   return p
 
@@ -216,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
   if args.overlap == "on" and overlapped.refusal(args):
     err(f"--overlap on: {overlapped.refusal(args)}; drop --overlap on.")
+  if args.plot and importlib.util.find_spec("matplotlib") is None:
+    err(f"--plot: {progress.MATPLOTLIB_MISSING} (or drop --plot, and plot later with python -m train.plot <out>).")
   if args.resume and args.overwrite:
     err("--resume and --overwrite contradict each other; pick one.")
   try:

@@ -98,9 +98,18 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+MATPLOTLIB_MISSING = "plotting needs matplotlib, an optional dependency: pip install -e '.[plot]'"
+
+
 def plot_losses(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
-  """Training and validation loss against step, written to ``path`` (PNG, matplotlib's Agg backend)."""
-  import matplotlib
+  """Training and validation loss against step, written to ``path`` (PNG, matplotlib's Agg backend).
+
+  Raises ``ModuleNotFoundError`` naming the install command when matplotlib (the ``plot`` extra) is missing.
+  """
+  try:
+    import matplotlib
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(MATPLOTLIB_MISSING) from e
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
