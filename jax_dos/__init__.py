@@ -30,7 +30,7 @@ from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation
-from jax_dos.overlap import OverlappedStep
+from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state
 from jax_dos.overlap_plan import plan_step as overlapped_plan
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
@@ -67,6 +67,7 @@ __all__ = [
   "GRADIENT_FLUSHES",
   "InterleavedAdamState",
   "InterleavedAdamTransformation",
+  "NO_COMMAND_BUFFERS",
   "PLACEMENTS",
   "Plan",
   "StepMemory",

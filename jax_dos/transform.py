@@ -213,7 +213,9 @@ def update_params(
   update tree: that tree is float32 whatever the parameters' dtype, 4 bytes a
   parameter (27 GB at 6.7B) the accelerator can give to resident state
   instead (tell the planner: ``auto_planner(params_in_place=True)``).
-  Eagerly it consumes ``params`` and ``state`` like donated arguments; inside
+  Eagerly it consumes ``params`` and ``state`` like donated arguments: the
+  arrays passed in are deleted, so reassign both as above (reading an old
+  parameter afterwards raises JAX's ``Array has been deleted``); inside
   ``jit`` it is pure. ``tx`` must be the transformation itself, not a chain of
   it: the chain's other members would transform an update tree that is never
   made. Clip with ``grad_scale=jax_dos.clip_scale(optax.global_norm(grads), c)``.

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import math
 import socket
 
@@ -95,3 +96,23 @@ def test_calibrate_measures(cache_home):
   assert (c.device_free_bytes is None) == (jax.default_backend() == "cpu")  # the CPU backend has no memory stats
   assert c.key == calibration.current_key()
   assert calibration.load_cached() == c
+
+
+def test_the_measuring_notice_is_information(cache_home, monkeypatch):
+  """Logged at INFO, so a library user sees nothing unless the application shows jax_dos's notes (train.gpt does)."""
+  monkeypatch.setattr(calibration, "measure", lambda **kw: this_machine())
+  records: list[logging.LogRecord] = []
+  handler = logging.Handler(logging.DEBUG)
+  handler.emit = records.append
+  logger = logging.getLogger("jax_dos")
+  level = logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
+  try:
+    calibration.calibrate()
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+  notices = [r for r in records if "measuring this machine" in r.getMessage()]
+  assert len(notices) == 1 and notices[0].levelno == logging.INFO
+  assert all(r.levelno < logging.WARNING for r in records)

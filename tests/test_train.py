@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import io
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+import tqdm
 
 from train import data as D
 from train import flags as F
@@ -25,6 +29,7 @@ from train import gpt as T
 from train import gradients as G
 from train import optimizer as O
 from train import parallel as M
+from train import plot
 from train import progress as P
 
 # A model small enough that each run takes seconds on a CPU.
@@ -134,6 +139,30 @@ def test_data_shorter_than_a_sequence_is_an_error(tmp_path):
     _run(tmp_path, "run", "--data", str(path), "--steps", "1")
 
 
+@pytest.mark.parametrize("size", [12, 200, 300])
+def test_a_short_validation_split_is_one_message_with_every_way_out(size):
+  seq_len = 32  # TINY's
+  splits = D.split(np.zeros(size, np.uint8))
+  with pytest.raises(ValueError) as e:
+    D.check_splits(splits, seq_len)
+  msg = str(e.value)
+  assert f"{size:,} tokens" in msg and f"--seq-len {seq_len}" in msg
+  assert f"has {len(splits.train):,}" in msg and f"(the last 10%) {len(splits.val):,}" in msg  # both splits
+  smallest = int(re.search(r"a file of at least ([\d,]+) tokens", msg).group(1).replace(",", ""))
+  D.check_splits(D.split(np.zeros(smallest, np.uint8)), seq_len)  # that size is enough...
+  with pytest.raises(ValueError):
+    D.check_splits(D.split(np.zeros(smallest - 1, np.uint8)), seq_len)  # ...and the smallest that is
+  longest = int(re.search(r"--seq-len (\d+) or less", msg).group(1))
+  D.check_splits(splits, longest)  # this file trains at that --seq-len, and not one more
+  with pytest.raises(ValueError):
+    D.check_splits(splits, longest + 1)
+
+
+def test_data_too_short_for_any_sequence_says_so():
+  with pytest.raises(ValueError, match=rf"at least {D.min_tokens(1)} tokens \(no --seq-len fits this file\)"):
+    D.check_splits(D.split(np.zeros(5, np.uint8)), 1)
+
+
 # ----------------------------------------------------------------------------- flags
 
 
@@ -185,6 +214,73 @@ def test_help_shows_only_real_defaults():
   assert "(default: 500)" in text  # --steps
 
 
+@pytest.mark.parametrize("columns", ["60", "80", "160"])
+def test_help_breaks_lines_between_words_only(columns, monkeypatch):
+  monkeypatch.setenv("COLUMNS", columns)  # argparse's width
+  parser = F.build_parser()
+  text = " ".join(parser.format_help().split())
+  for action in parser._actions:
+    assert action.help, f"{action.option_strings} has no help"
+    assert " ".join(action.help.split()) in text, f"the help of {action.option_strings} is broken inside a word"
+
+
+def test_help_names_the_optimizer_defaults():
+  parser = F.build_parser()
+  helps = {a.dest: a.help for a in parser._actions}
+  text = " ".join(parser.format_help().split())
+  for dest in ("beta1", "beta2", "seed"):
+    assert f"{helps[dest]} (default: {parser.get_default(dest)})" in text
+  assert "0.999" in helps["beta2"]  # says how it differs from optax's default
+  stated = {}
+  for item in helps["lr"].split("default by preset: ")[1].split(", "):
+    names, value = item.split(" ")
+    stated |= dict.fromkeys(names.split("/"), float(value))
+  assert stated == {name: F.parse_args(["--preset", name]).lr for name in F.gpt_model.PRESETS}
+
+
+def test_progress_off_a_terminal_is_plain_lines(tmp_path, monkeypatch, capsys):
+  """stderr to a file or pipe (captured here): a line per log interval, no carriage returns; jax_dos's notes plain."""
+  from jax_dos.planning import calibration
+
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no cached calibration: the notice is due
+  monkeypatch.delenv(calibration.ENV_OVERRIDE, raising=False)
+  monkeypatch.setattr(calibration, "measure", lambda **kw: calibration.Calibration(1e9, 1e9, 1e9, 5e8, 5e8))
+  flags = [f for f in TINY if f != "--quiet"]
+  T.main([*flags, "--out", str(tmp_path / "run"), "--steps", "4", "--log-every", "2", "--eval-every", "0", "--no-ckpt"])
+  err = capsys.readouterr().err
+  assert "\r" not in err and "WARNING" not in err
+  assert "jax_dos: measuring this machine for the performance model (plan='auto'); a few seconds, then cached." in (
+    err.splitlines()
+  )
+  steps = [line.split()[1] for line in err.splitlines() if re.match(r"step \d+/4 \[[\d:]+\] eta .*, loss", line)]
+  assert steps == ["2/4", "4/4"], err
+
+
+def test_library_notes_are_lines_warnings_even_when_quiet(capsys):
+  logger = logging.getLogger("jax_dos.planning.calibration")
+  try:
+    P.show_library_notes(info=True)
+    logger.info("a note")
+    P.show_library_notes(info=True)  # again: one handler, not two
+    logger.info("another note")
+    assert capsys.readouterr().err == "a note\nanother note\n"
+    P.show_library_notes(info=False)
+    logger.info("hidden")
+    logger.warning("a problem")
+    assert capsys.readouterr().err == "warning: a problem\n"
+  finally:
+    P.show_library_notes(info=True)
+
+
+def test_a_terminal_gets_the_bar():
+  class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+      return True
+
+  assert isinstance(P.make_bar(10, file=Terminal()), tqdm.tqdm)
+  assert isinstance(P.make_bar(10, file=io.StringIO()), P.PlainProgress)
+
+
 def test_eta_waits_for_a_step_after_compilation():
   eta = P.Eta(total=100)
   assert eta.text(1, 50.0) == "--"  # the first step compiled: no estimate from it
@@ -214,7 +310,25 @@ def test_training_loss_falls_and_logs(tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   assert [r["step"] for r in rows if "loss" in r] == list(range(1, 31))
   assert {"step", "loss", "val_loss", "lr", "tokens_per_s", "mfu", "time"} <= set(rows[-1])
-  assert os.path.getsize(tmp_path / "run" / "loss.png") > 0
+  png = tmp_path / "run" / "loss.png"
+  drawn = png.read_bytes()
+  png.unlink()  # python -m train.plot draws the same from the log alone
+  assert plot.main([str(tmp_path / "run"), "--title", "tiny, offload auto"]) == str(png)
+  assert png.read_bytes() == drawn
+
+
+def test_plot_errors_say_what_to_do(tmp_path, monkeypatch, capsys):
+  with pytest.raises(SystemExit, match="no losses to plot"):
+    plot.main([str(tmp_path)])
+  log = P.MetricsLog(str(tmp_path / "metrics.jsonl"))
+  log.write({"step": 1, "loss": 5.0})
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+  with pytest.raises(SystemExit, match=re.escape("pip install -e '.[plot]'")):
+    plot.main([str(tmp_path)])
+  with pytest.raises(SystemExit):
+    F.parse_args(["--plot"])  # refused before training, naming the same command
+  assert "pip install -e '.[plot]'" in capsys.readouterr().err
+  assert not (tmp_path / "loss.png").exists()
 
 
 def test_offload_none_and_host_give_the_same_loss_curve(tmp_path):
@@ -336,6 +450,36 @@ def test_resume_is_bit_exact(tmp_path, offload):
     (r["step"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, open(tmp_path / name / "metrics.jsonl"))
   ]  # noqa: E731
   assert rows("split") == rows("full")
+
+
+@pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+def test_resume_with_more_steps_keeps_the_learning_rate_schedule(tmp_path):
+  common = ["--offload", "host", "--eval-every", "0", "--log-every", "1"]
+  _run(tmp_path, "split", *common, "--lr", "1e-2", "--warmup", "1", "--steps", "4")
+  resumed = _run(tmp_path, "split", *common, "--steps", "8", "--resume")  # no schedule flags: the first run's
+  rows = P.read_metrics(str(tmp_path / "split" / "metrics.jsonl"))
+  first = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 1, 4, 1e-3)  # --decay-steps defaulted to the first --steps
+  assert [r["step"] for r in rows] == list(range(1, 9))
+  np.testing.assert_allclose([r["lr"] for r in rows], [float(first(r["step"] - 1)) for r in rows], rtol=1e-6)
+  # The optimizer steps on that schedule too: the same parameters as one run told it explicitly.
+  whole = _run(tmp_path, "whole", *common, "--lr", "1e-2", "--warmup", "1", "--decay-steps", "4", "--steps", "8")
+  assert resumed["losses"] == {s: v for s, v in whole["losses"].items() if s > 4}
+  assert _same_tree(resumed["params"], whole["params"])
+
+
+def test_resumed_schedule_takes_the_flags_not_given():
+  saved = vars(F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2"]))
+  args = F.parse_args(["--steps", "20"])
+  notes = F.resumed_schedule(args, saved)
+  assert len(notes) == 1 and "--decay-steps" in notes[0] and "--warmup" in notes[0]
+  assert [getattr(args, k) for k in F.SCHEDULE_FLAGS] == [saved[k] for k in F.SCHEDULE_FLAGS]
+  args = F.parse_args(["--steps", "20", "--decay-steps", "20", "--lr", "1e-3"])  # given: honoured
+  F.resumed_schedule(args, saved)
+  assert (args.decay_steps, args.lr, args.min_lr, args.warmup) == (20, 1e-3, 1e-3 / 10, saved["warmup"])
+  same = F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2", "--resume"])
+  assert F.resumed_schedule(same, saved) == []
+  with pytest.raises(SystemExit, match="--warmup"):  # the saved warm-up does not fit the given decay
+    F.resumed_schedule(F.parse_args(["--decay-steps", "3"]), saved)
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")

@@ -28,6 +28,7 @@ import os
 import numpy as np
 
 DEFAULT_MAX_BYTES = 4 * 2**20
+VAL_FRACTION = 0.1  # the last tenth of the tokens is the validation split
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -96,7 +97,7 @@ class Splits:
   val: np.ndarray
 
 
-def split(tokens: np.ndarray, val_fraction: float = 0.1) -> Splits:
+def split(tokens: np.ndarray, val_fraction: float = VAL_FRACTION) -> Splits:
   """First ``1 - val_fraction`` of the tokens for training, the rest for validation (views, no copy)."""
   if not 0.0 < val_fraction < 1.0:
     raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
@@ -104,12 +105,39 @@ def split(tokens: np.ndarray, val_fraction: float = 0.1) -> Splits:
   return Splits(tokens[:n], tokens[n:])
 
 
-def check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
-  if len(tokens) < seq_len + 1:
-    raise ValueError(
-      f"the {what} split has {len(tokens):,} tokens, fewer than seq_len + 1 = {seq_len + 1}; use more data or a"
-      " smaller --seq-len."
-    )
+def _split_lengths(n: int, val_fraction: float) -> tuple[int, int]:
+  train = int(n * (1.0 - val_fraction))  # split()'s rule
+  return train, n - train
+
+
+def min_tokens(seq_len: int, val_fraction: float = VAL_FRACTION) -> int:
+  """The fewest tokens whose training and validation splits each hold one sequence (``seq_len + 1`` tokens)."""
+  need = seq_len + 1
+  n = max(2 * need, int(seq_len / val_fraction), int(seq_len / (1.0 - val_fraction)))  # no smaller n can do
+  while min(_split_lengths(n, val_fraction)) < need:
+    n += 1
+  return n
+
+
+def check_splits(splits: Splits, seq_len: int, val_fraction: float = VAL_FRACTION) -> None:
+  """Raises ``ValueError`` unless both splits hold a sequence of ``seq_len`` and its next token.
+
+  One message says it all: the data's tokens, both splits' lengths against
+  what they need, and the ways out (the smallest file for this ``seq_len``,
+  the largest ``--seq-len`` for this file).
+  """
+  need = seq_len + 1
+  train, val = len(splits.train), len(splits.val)
+  if min(train, val) >= need:
+    return
+  most = min(train, val) - 1  # the longest sequence both splits hold
+  shorter = f", or --seq-len {most} or less" if most >= 1 else " (no --seq-len fits this file)"
+  raise ValueError(
+    f"the data has {train + val:,} tokens, too few for --seq-len {seq_len}: each split needs at least {need:,} (a"
+    f" sequence and its next token); the training split (the first {1 - val_fraction:.0%}) has {train:,}, the"
+    f" validation split (the last {val_fraction:.0%}) {val:,}. Give a file of at least"
+    f" {min_tokens(seq_len, val_fraction):,} tokens{shorter}."
+  )
 
 
 TRAIN_STREAM, VAL_STREAM = 0, 1

@@ -8,19 +8,24 @@ argparse error saying what to change.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import textwrap
+from typing import Any
 
 import jax
 
 import jax_dos
 from models import gpt as gpt_model
-from train import overlapped, parallel
+from train import overlapped, parallel, progress
 
 OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 
 # Learning rate per preset when --lr is not given (smaller models tolerate larger steps).
 DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4}
 FALLBACK_LR = 2e-4
+# The flags of the learning-rate schedule: a resumed run takes the checkpoint's values of those not given.
+SCHEDULE_FLAGS = ("lr", "min_lr", "warmup", "decay_steps")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -30,6 +35,18 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     if action.default is None or action.default is False:
       return action.help or ""
     return super()._get_help_string(action)
+
+  def _split_lines(self, text: str, width: int) -> list[str]:
+    # Lines break between words only: a flag (--grad-flush) or a variable (JAX_NUM_PROCESSES) stays whole.
+    return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
+
+
+def _lr_default_text() -> str:
+  """Every preset's default --lr, presets sharing a value grouped: ``tiny 0.003, ..., gpt-1.3b/gpt-13b 0.0002``."""
+  groups: dict[float, list[str]] = {}
+  for name in gpt_model.PRESETS:
+    groups.setdefault(DEFAULT_LR.get(name, FALLBACK_LR), []).append(name)
+  return ", ".join(f"{'/'.join(names)} {lr:g}" for lr, names in groups.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,15 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
                  help="micro-batches of --batch sequences per optimizer step, their gradients summed on the"
                       " accelerator (then crossing to the host in the update, as --grad-flush none)")  # fmt: skip
   o.add_argument("--steps", type=int, default=500, help="optimizer steps to train to (total, counting resumed ones)")
-  o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default per preset {DEFAULT_LR}")
+  o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default by preset: {_lr_default_text()}")
   o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay; default lr/10")
   o.add_argument("--warmup", type=int, default=None, help="linear warm-up steps; default min(100, steps/10)")
-  o.add_argument("--decay-steps", type=int, default=None, help="length of warm-up + cosine decay; default --steps")
-  o.add_argument("--beta1", type=float, default=0.9)
-  o.add_argument("--beta2", type=float, default=0.95)
+  o.add_argument("--decay-steps", type=int, default=None,
+                 help="length of warm-up + cosine decay; default --steps (with --resume: the resumed run's, as for"
+                      " --lr, --min-lr and --warmup)")  # fmt: skip
+  o.add_argument("--beta1", type=float, default=0.9, help="AdamW's first-moment decay")
+  o.add_argument("--beta2", type=float, default=0.95,
+                 help="AdamW's second-moment decay: 0.95, the GPT-training convention, not optax's 0.999")  # fmt: skip
   o.add_argument("--weight-decay", type=float, default=0.1, help="decoupled, on matrices/embeddings only")
   o.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
-  o.add_argument("--seed", type=int, default=0)
+  o.add_argument("--seed", type=int, default=0,
+                 help="initial parameters and the batches' order (a resumed run must keep it)")  # fmt: skip
 
   x = p.add_argument_group("optimizer offload")
   x.add_argument("--offload", choices=OFFLOAD_MODES, default="auto",
@@ -89,24 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--write-behind", action="store_true",
                  help="optax's exact numbers; host subgroups' state is written during the next step")  # fmt: skip
   x.add_argument("--delay-predict", nargs="?", const="moments", default=None, choices=jax_dos.DELAY_PREDICTIONS,
-                 help="with --delay 1, what the forward pass gets instead of the stale weights: a prediction"
-                      " from the moments (moments, the default), or the step itself taken on the accelerator"
-                      " from state copies sent ahead (gradient: undelayed AdamW's weights)")  # fmt: skip
+                 help="with --delay 1, gives the forward pass predicted weights instead of one-step-stale ones:"
+                      " gradient (AdamW's own step, taken on the accelerator from state copies; 4 bytes a parameter"
+                      " more host memory) or moments (the flag alone: an estimate from the moments, no memory)."
+                      " Use gradient whenever you use --delay 1, since stale weights hurt convergence; moments"
+                      " when host memory is short (docs/api.md)")  # fmt: skip
   x.add_argument("--overlap", choices=overlapped.OVERLAP_MODES, default="auto",
                  help="the overlapped step (AdamW under the backward and the next forward pass, same numbers): auto"
                       " (on a GPU, when the timeline model predicts a shorter step), on, or off"
                       " (docs/overlap.md)")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default=None,
-                 help="gradients the backward pass writes to host memory: host subgroups' (host, the default"
-                      " without --grad-accum; refused when that program needs more memory than the plan left, as"
-                      " at 6.7B), every one (all) or none (the default with --grad-accum)")  # fmt: skip
+                 help="where the backward pass leaves the gradients: host sends host-updated subgroups' ones to"
+                      " host memory as it computes them (the default without --grad-accum), all sends every one,"
+                      " none keeps them on the accelerator (the default with --grad-accum). Keep the default, and"
+                      " switch to all (or none) when host is refused for lack of accelerator memory, as for large"
+                      " models (6.7B)")  # fmt: skip
 
   j = p.add_argument_group("devices and processes")
   j.add_argument("--mesh", default=None,
                  help="lay every device of the job on a mesh, e.g. data=2 or data=2,fsdp=4: parameters replicated"
                       " over data (their optimizer state partitioned over it) and sharded over fsdp, batch rows over"
                       " both (--batch rows per step in all). Default: one device; in a job of several processes"
-                      " (jax.distributed: JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or SLURM)"
+                      " (jax.distributed: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or SLURM)"
                       " data=<all devices>")  # fmt: skip
 
   r = p.add_argument_group("evaluation, logging, checkpoints")
@@ -123,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="continue from the newest checkpoint in <out>/ckpt that verifies (damaged ones are moved to"
                       " <out>/ckpt/damaged/)")  # fmt: skip
   r.add_argument("--overwrite", action="store_true", help="delete <out>/ckpt and the metrics of an earlier run")
-  r.add_argument("--plot", action="store_true", help="write <out>/loss.png")
+  r.add_argument("--plot", action="store_true",
+                 help="write <out>/loss.png at the end of the run (needs matplotlib: pip install -e '.[plot]');"
+                      " python -m train.plot <out> plots a run's metrics.jsonl any time, without training")  # fmt: skip
   r.add_argument("--quiet", action="store_true", help="no progress bar or messages")
   return p
 
@@ -137,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = build_parser()
   args = parser.parse_args(argv)
   err = parser.error
+  args.schedule_given = [name for name in SCHEDULE_FLAGS if getattr(args, name) is not None]  # before the defaults
   positive = ("batch", "grad_accum", "steps", "eval_batches", "log_every", "keep", "subgroup_size")
   for name in positive:
     if getattr(args, name) < 1:
@@ -191,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
   if args.overlap == "on" and overlapped.refusal(args):
     err(f"--overlap on: {overlapped.refusal(args)}; drop --overlap on.")
+  if args.plot and importlib.util.find_spec("matplotlib") is None:
+    err(f"--plot: {progress.MATPLOTLIB_MISSING} (or drop --plot, and plot later with python -m train.plot <out>).")
   if args.resume and args.overwrite:
     err("--resume and --overwrite contradict each other; pick one.")
   try:
@@ -209,6 +239,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       err("--overlap on: the overlapped step runs on one device; drop --mesh (or --overlap on).")
   args.out = os.path.join("runs", args.preset) if args.out is None else args.out
   return args
+
+
+def resumed_schedule(args: argparse.Namespace, saved_args: dict[str, Any]) -> list[str]:
+  """Keeps the learning-rate schedule of the run being resumed; returns the lines to print (none if nothing changed).
+
+  Each of ``--lr``, ``--min-lr``, ``--warmup`` and ``--decay-steps`` that this
+  command line did not give (``args.schedule_given``, recorded by
+  :func:`parse_args`) takes its value in ``saved_args`` (the ``args`` a
+  checkpoint's meta holds), in place in ``args``: a larger ``--steps`` then
+  trains on at the end of the same schedule instead of stretching it. A
+  ``--min-lr`` not given follows a given ``--lr`` (its default, lr/10). Flags
+  given are kept, and so is every flag when ``args`` has no
+  ``schedule_given`` or ``saved_args`` lacks the value. Raises
+  ``SystemExit`` naming the flags when the merged schedule is inconsistent.
+  """
+  given = set(getattr(args, "schedule_given", SCHEDULE_FLAGS))
+  taken = {}
+  for name in SCHEDULE_FLAGS:
+    if name in given or (name == "min_lr" and "lr" in given) or saved_args.get(name) is None:
+      continue
+    if saved_args[name] != getattr(args, name):
+      taken[name] = saved_args[name]
+  if not taken:
+    return []
+  vars(args).update(taken)
+  flags = ", ".join(f"--{name.replace('_', '-')}" for name in taken)
+  if not 0 <= args.warmup < args.decay_steps or not 0 <= args.min_lr <= args.lr:
+    raise SystemExit(
+      f"error: --resume: the resumed run's {flags} and this command line's give a schedule of lr {args.lr:g} ->"
+      f" {args.min_lr:g}, warm-up {args.warmup} of {args.decay_steps} steps; pass {flags} too."
+    )
+  return [
+    f"resume: keeping the resumed run's learning-rate schedule ({flags} from its checkpoint): lr {args.lr:g} ->"
+    f" {args.min_lr:g}, warm-up {args.warmup}, cosine to step {args.decay_steps}; pass {flags} to change it."
+  ]
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, int]:

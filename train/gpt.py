@@ -38,9 +38,8 @@ logs. README.md, "Several GPUs", has the launch commands.
 
 Batches depend only on ``(seed, step)`` (``train/data.py``), so a checkpoint
 (parameters, optimizer state, step) resumes bit-exactly: ``N + N`` steps with
-``--resume`` end with the same parameters as ``2N`` steps in one go (give both
-the same ``--steps`` horizon, or the same ``--decay-steps``, so the learning-rate
-schedule is the same).
+``--resume`` end with the same parameters as ``2N`` steps in one go (a resumed run
+keeps its checkpoint's learning-rate schedule: give the first ``--decay-steps 2N``).
 
 Outputs in ``--out`` (default ``runs/<preset>``): ``metrics.jsonl`` (one JSON
 object per logged step: step, loss, val_loss, lr, tokens_per_s, mfu, time),
@@ -64,7 +63,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 import jax_dos
 from models import gpt as gpt_model
@@ -72,7 +70,7 @@ from train import data as data_lib
 from train import overlapped as overlapped_lib
 from train import parallel, progress, step_log, steps
 from train.evaluate import validation_loss
-from train.flags import build_parser, model_overrides, parse_args
+from train.flags import build_parser, model_overrides, parse_args, resumed_schedule
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
 from train.optimizer import make_optimizer
 
@@ -191,6 +189,8 @@ def _restore(manager, cfg: gpt_model.GPTConfig, params, opt_state, args) -> tupl
     raise SystemExit(f"error: --resume: the checkpoint's model differs from this run's (saved, now): {diff}.")
   if meta.get("seed") != args.seed:
     raise SystemExit(f"error: --resume: the checkpoint was trained with --seed {meta.get('seed')}, not {args.seed}.")
+  for note in resumed_schedule(args, meta.get("args", {})):
+    _say(args, note)
   return params, opt_state, int(meta["step"])
 
 
@@ -278,8 +278,7 @@ def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
     raise SystemExit(f"error: byte-level data needs --vocab-size >= 256, got {vocab}.")
   splits = data_lib.split(tokens)
   try:
-    data_lib.check_length(splits.train, args.seq_len, "training")
-    data_lib.check_length(splits.val, args.seq_len, "validation")
+    data_lib.check_splits(splits, args.seq_len)
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
   return splits, vocab, data_desc
@@ -410,6 +409,7 @@ def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params
 def train(args: argparse.Namespace) -> dict[str, Any]:
   """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
+  progress.show_library_notes(info=not args.quiet and _primary())  # jax_dos's notes (calibration) as plain lines
   splits, vocab, data_desc = _load_data(args)  # its errors first: a wrong --data path is reported whatever --out holds
   manager, resume = _open_checkpoints(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
 
@@ -478,8 +478,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   if start_step == 0 and args.eval_every > 0 and start_step < args.steps:
     val_losses[0] = evaluate()
     log.write({"step": 0, "val_loss": val_losses[0], "time": 0.0})
-  bar = tqdm(total=args.steps, initial=start_step, unit="step", disable=args.quiet or not _primary(),
-             dynamic_ncols=True, file=sys.stderr, bar_format=progress.BAR_FORMAT)  # fmt: skip
+
+  bar = progress.make_bar(args.steps, start_step, disable=args.quiet or not _primary())  # plain lines off a terminal
   eta = progress.Eta(args.steps)
   rate = step_log.Rate(tokens_per_step, flops_tok, peak)
   record = step_log.StepRecord(args.clip)

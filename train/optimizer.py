@@ -24,6 +24,20 @@ def decay_mask(params: Any) -> Any:
 apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)  # --offload none: the old parameters donated
 
 
+def make_schedule(args: argparse.Namespace) -> optax.Schedule:
+  """Linear warm-up from 0 to ``--lr``, then cosine decay to ``--min-lr`` at ``--decay-steps``.
+
+  Reads ``args`` when called, not when made: a resumed run's schedule
+  (``train.flags.resumed_schedule``, applied once the checkpoint's meta is
+  read, after the optimizer exists) is the one the optimizer and the log use.
+  """
+
+  def schedule(count: jax.Array | int) -> jax.Array:
+    return optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)(count)
+
+  return schedule
+
+
 def make_optimizer(
   args: argparse.Namespace, step_memory: jax_dos.StepMemory | None = None
 ) -> tuple[optax.GradientTransformation, Any]:
@@ -34,7 +48,7 @@ def make_optimizer(
   ``step_memory`` (the gradient step's needs) lets ``--offload auto`` size its
   budgets exactly where ``--resident-gb``/``--staging-gb`` are not given.
   """
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)
+  schedule = make_schedule(args)
   kw = dict(b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay, mask=decay_mask)
   if args.offload == "none":  # pure: jit the whole update, donating the state.
     tx = optax.adamw(schedule, **kw)

@@ -28,7 +28,6 @@ import jax_dos
 from models import gpt as gpt_model
 
 OVERLAP_MODES = ("auto", "on", "off")
-NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="  # what jax_dos.OverlappedStep needs on a GPU
 
 
 def refusal(args: argparse.Namespace) -> str | None:
@@ -48,8 +47,8 @@ def allow_overlap_on_gpu(args: argparse.Namespace) -> None:
   """Turns off XLA's GPU command buffers (before jax starts) where the overlapped step may run."""
   if args.overlap != "off" and refusal(args) is None:
     flags = os.environ.get("XLA_FLAGS", "").split()
-    if NO_COMMAND_BUFFERS not in flags:
-      os.environ["XLA_FLAGS"] = " ".join([*flags, NO_COMMAND_BUFFERS])
+    if jax_dos.NO_COMMAND_BUFFERS not in flags:
+      os.environ["XLA_FLAGS"] = " ".join([*flags, jax_dos.NO_COMMAND_BUFFERS])
 
 
 def _in_model_layout(state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamState:

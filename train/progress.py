@@ -1,4 +1,4 @@
-"""What a person watching a run sees: peak FLOP/s for MFU, the time left, the JSONL metrics log, the loss plot.
+"""What a person watching a run sees: progress, library notes, MFU, the time left, the metrics log, the loss plot.
 
 MFU (model FLOPs utilisation, PaLM appendix B) is ``flops_per_token * tokens_per_s / peak``
 with the peak dense matmul rate of one chip for the compute dtype (float32
@@ -8,10 +8,14 @@ matmuls on NVIDIA GPUs run as TF32 under JAX's default precision).
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Any
+import sys
+import time
+from typing import Any, TextIO
 
 import jax
+from tqdm import tqdm
 
 # Dense peak FLOP/s per chip (no sparsity), by substring of ``device.device_kind``.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -19,6 +23,33 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
   "H100": {"bfloat16": 989e12, "float32": 494.5e12},
   "A100": {"bfloat16": 312e12, "float32": 156e12},
 }
+
+
+class _PlainLines(logging.Handler):
+  """Each record as one plain line on the current ``sys.stderr`` (through tqdm, so a live bar stays whole)."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      msg = self.format(record)
+      tqdm.write(f"warning: {msg}" if record.levelno >= logging.WARNING else msg, file=sys.stderr)
+    except Exception:
+      self.handleError(record)
+
+
+def show_library_notes(info: bool = True) -> None:
+  """Shows ``jax_dos``'s log records as plain lines on stderr: INFO and above, or with ``info=False`` warnings only.
+
+  ``jax_dos`` logs and never prints (its notes, such as the calibration's,
+  are INFO). The training script shows them here; they then no longer reach
+  the root logger's handlers, which would print them a second time in their
+  own format. Calling it again replaces the earlier setting.
+  """
+  logger = logging.getLogger("jax_dos")
+  for handler in [h for h in logger.handlers if isinstance(h, _PlainLines)]:
+    logger.removeHandler(handler)
+  logger.addHandler(_PlainLines())
+  logger.setLevel(logging.INFO if info else logging.WARNING)
+  logger.propagate = False
 
 
 def detect_peak_flops(compute_dtype: str, device: jax.Device | None = None) -> float | None:
@@ -67,9 +98,18 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+MATPLOTLIB_MISSING = "plotting needs matplotlib, an optional dependency: pip install -e '.[plot]'"
+
+
 def plot_losses(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
-  """Training and validation loss against step, written to ``path`` (PNG, matplotlib's Agg backend)."""
-  import matplotlib
+  """Training and validation loss against step, written to ``path`` (PNG, matplotlib's Agg backend).
+
+  Raises ``ModuleNotFoundError`` naming the install command when matplotlib (the ``plot`` extra) is missing.
+  """
+  try:
+    import matplotlib
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(MATPLOTLIB_MISSING) from e
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -94,6 +134,50 @@ def plot_losses(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
 # tqdm's own estimate of the time left counts the first step, which compiles: "22:00" for a run of 2 minutes. The
 # bar shows the elapsed time and leaves the estimate to the postfix (Eta).
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+
+class PlainProgress:
+  """Progress as one plain line per update, for a file or a pipe: the part of tqdm's interface the script uses.
+
+  ``update`` prints ``step n/total [elapsed] key value, ...`` with the
+  postfix last given to ``set_postfix``; ``write`` prints a line; ``disable``
+  prints nothing.
+  """
+
+  def __init__(self, total: int, initial: int = 0, disable: bool = False, file: TextIO | None = None):
+    self.total, self.n, self.disable, self.file = total, initial, disable, file
+    self.postfix: dict[str, Any] = {}
+    self.start = time.perf_counter()
+
+  def set_postfix(self, postfix: dict[str, Any], refresh: bool = True) -> None:
+    self.postfix = dict(postfix)
+
+  def update(self, n: int = 1) -> None:
+    self.n += n
+    if n and not self.disable:
+      fields = ", ".join(f"{k} {v}" for k, v in self.postfix.items())
+      elapsed = fmt_duration(time.perf_counter() - self.start)
+      self.write(f"step {self.n}/{self.total} [{elapsed}] {fields}".rstrip())
+
+  def write(self, msg: str, file: TextIO | None = None) -> None:
+    if not self.disable:
+      print(msg, file=file or self.file or sys.stderr, flush=True)
+
+  def close(self) -> None:
+    pass
+
+
+def make_bar(total: int, initial: int = 0, disable: bool = False, file: TextIO | None = None) -> tqdm | PlainProgress:
+  """The run's progress display on ``file`` (default ``sys.stderr``): tqdm's bar on a terminal, else plain lines.
+
+  A bar redraws itself with ``\\r``, which in a file or a pipe makes one long
+  line; there :class:`PlainProgress` writes a line per update instead.
+  """
+  file = sys.stderr if file is None else file
+  if not (getattr(file, "isatty", None) and file.isatty()):
+    return PlainProgress(total, initial, disable, file)
+  return tqdm(total=total, initial=initial, unit="step", disable=disable, dynamic_ncols=True, file=file,
+              bar_format=BAR_FORMAT)  # fmt: skip
 
 
 class Eta:

@@ -40,9 +40,7 @@ def main() -> None:
   host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
   t0 = time.perf_counter()
   chunk = 2**30  # float32 elements: 4 GiB an array
-  arrays = [
-    jax.jit(lambda: jnp.ones((chunk,), jnp.float32), out_shardings=host)() for _ in range(int(args.gib // 4))
-  ]
+  arrays = [jax.jit(lambda: jnp.ones((chunk,), jnp.float32), out_shardings=host)() for _ in range(int(args.gib // 4))]
   jax.block_until_ready(arrays)
   row = {"gib": args.gib, "exit": args.exit, "alloc_s": time.perf_counter() - t0, "rss_gib": _rss_gib(),
          "ended_main_at": time.time()}  # fmt: skip

@@ -282,13 +282,13 @@ def calibrate(*, size: int | None = None, force: bool = False, cache: bool = Tru
     cal = load_cached()
     if cal is not None:
       return cal
-  # Shown by default (a silent half minute at init looks like a hang); once per machine when cached.
+  # Information, not a warning: an application shows jax_dos's INFO records to say why init pauses (train.gpt does).
   took = "a few seconds" if jax.default_backend() == "cpu" else "20-30 s"
-  log.warning("jax_dos: measuring this machine for the performance model (plan='auto'); %s, then cached.", took)
+  log.info("jax_dos: measuring this machine for the performance model (plan='auto'); %s, then cached.", took)
   cal = measure(size=size, reps=reps)
   if cache:
     try:
-      log.info("jax_dos: calibration cached in %s", save(cal))
+      log.debug("jax_dos: calibration cached in %s", save(cal))
     except OSError:
       pass  # a read-only home is no reason to fail; the calibration is still returned
   return cal
