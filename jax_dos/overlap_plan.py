@@ -349,10 +349,13 @@ def stream_share_of_host(plan: Plan, forward_order: list[int]) -> set[int]:
   stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones,
   at the calibrated concurrent rates (equal rates without a calibration).
   A fixed share, so that a subgroup's numbers never depend on which thread
-  came first. None where nothing streams: only then are the stream slots
-  budgeted.
+  came first. A plan of the model's (``"auto"``) shares even where nothing
+  streams: :func:`room_beside_step` budgets its stream slots beside the
+  step's peak whatever the timeline then places, and after the decision the
+  host path alone would take the whole update. A user's plan shares only
+  where it streams (only then did the user give the slots room).
   """
-  if not plan.indices("stream"):
+  if not plan.indices("stream") and not (plan.source.startswith("model") and plan.indices("host")):
     return set()
   cal = plan.calibration or {}
   host, stream = cal.get("host_rate_concurrent") or 1.0, cal.get("stream_rate_concurrent") or 1.0

@@ -331,6 +331,28 @@ def test_a_fired_clips_redo_is_shared_by_both_paths_and_deterministic():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_fired_clip_is_shared_with_the_stream_path_where_the_models_plan_streams_nothing():
+  """A plan of the model's that keeps nothing on the stream path still steps the last host subgroups on the
+  accelerator when the clip fires (its stream slots are budgeted beside the step's peak): optax's numbers. A user's
+  all-host plan keeps the host kernel alone."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan="host")
+  users = jax_dos.overlapped_plan(tx, STAGES, groups, micro_batches=2)
+  models = users.with_placements(users.placements, source="model+timeline", predicted={})
+  for planned, shared in ((users, False), (models, True)):
+    with jax_dos.trace.recording() as spans:
+      step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), clip_norm=FIRES, micro_batches=2,
+                                    plan=planned)  # fmt: skip
+      for batch in batches:
+        step(batch)
+      step.settle()
+    assert bool(step._redo_on_stream) == shared
+    assert ("stream.redo_host" in {s.name for s in spans}) == shared
+    check_against_reference(step, groups, batches, FIRES, 2)
+    step.close()
+
+
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("low_dtype", ["float32", "bfloat16"])
 def test_kernel_into_spare_buffers_is_the_in_place_kernel(grad_dtype, low_dtype):
