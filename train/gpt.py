@@ -250,17 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
 
 def cli() -> None:
-  """Console entry point (exit status 0 on success).
-
-  A finished single-process run then leaves at once (``os._exit``, its output flushed): its checkpoints and logs are
-  written and closed by then, and the normal teardown of XLA's client hands its pinned host pool back to the system
-  for many seconds (19 s at 6.7B with the overlapped step, 12 s with the plain one, on an H100 host; docs/overlap.md).
-  """
+  """Console entry point (exit status 0 on success)."""
   main(None)
-  if jax.process_count() == 1:  # a job of several processes leaves through jax.distributed's shutdown
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @dataclasses.dataclass
