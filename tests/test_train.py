@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 
 import jax
@@ -31,6 +32,7 @@ from train import optimizer as O
 from train import parallel as M
 from train import plot
 from train import progress as P
+from train import steps as S
 
 # A model small enough that each run takes seconds on a CPU.
 TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--batch", "4", "--seq-len", "32", "--eval-batches", "1",
@@ -659,3 +661,81 @@ def test_a_split_flush_larger_than_its_budget_is_refused():
   G.check_split_flush(compiled, need)  # exactly what it needs: accepted
   with pytest.raises(SystemExit, match="--grad-flush all"):
     G.check_split_flush(compiled, T.jax_dos.StepMemory(need.peak_bytes - 1, min(need.live_bytes, need.peak_bytes - 1)))
+
+
+# ----------------------------------------------------------------------------- the step: chosen, one interface
+
+
+def _plan(placements: int, predicted: dict) -> T.jax_dos.Plan:
+  return T.jax_dos.Plan(((0,),) * placements, ("host",) * placements, (1,) * placements, 2, predicted)
+
+
+@pytest.mark.parametrize(
+  "mode, overlapped, plain, refusal, chosen",
+  [
+    ("auto", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, None, True),  # 2.9 s against 2.8 + 0.9 s
+    ("auto", {"step": 3.9, "exposed": 1.1}, {"total": 0.9}, None, False),  # 3.9 s against 2.8 + 0.9 s
+    ("auto", {}, {"total": 0.9}, None, False),  # no timeline: nothing to compare
+    ("auto", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, "--delay 1 is a mode of the plain path", False),
+    ("on", {}, {}, None, True),
+    ("off", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, None, False),
+  ],
+)
+def test_the_step_is_chosen_by_the_plans_predictions(mode, overlapped, plain, refusal, chosen):
+  got, line = S.choose(mode, _plan(2, plain), _plan(2, overlapped), refusal)
+  assert got == chosen and line.startswith("step    " + ("overlapped" if chosen else "plain"))
+  if overlapped and plain and refusal is None:
+    assert f"overlapped {overlapped['step']:.2f} s" in line  # each step's prediction is said
+    assert f"plain {overlapped['step'] - overlapped['exposed'] + plain['total']:.2f} s" in line
+
+
+def test_the_choice_from_plans_made_for_a_given_device_memory():
+  """With the device's memory given to the planner (no GPU), both plans come from shapes before any state exists; an
+  accelerator too small for the state makes the overlapped step win, hiding the host update under the backward pass."""
+  cfg = T.gpt_model.get_config("tiny", n_layer=2, d_model=128, n_head=2, vocab_size=256, block_size=32)
+  _, params = T.gpt_model.init_params(cfg)
+  cal = T.jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9, device_free_bytes=2**20)
+  planner = T.jax_dos.auto_planner(cal, resident_budget_bytes=0, staging_budget_bytes=0)
+  tx = T.jax_dos.interleaved_adam(1e-3, planner=planner)
+  plain = T.jax_dos.get_plan(tx, params)
+  n = cfg.n_layer + 2
+  times = T.jax_dos.StageTimes((0.01,) * n, (0.02,) * n)
+  overlapped = T.jax_dos.overlapped_plan(tx, T.gpt_model.make_stages(cfg), T.gpt_model.stage_groups(params),
+                                         stage_times=times, micro_batches=2)  # fmt: skip
+  assert set(plain.placements) == {"host"} and plain.predicted["total"] > 0
+  assert overlapped.predicted["step"] < times.compute_s(2) + plain.predicted["total"]
+  chosen, line = S.choose("auto", plain, overlapped, None)
+  assert chosen and "predicted step: overlapped" in line
+
+
+@pytest.mark.parametrize("clip", ["1e-3", "1e3"], ids=["clip_fires", "clip_silent"])
+def test_the_overlapped_steps_losses_and_norms_equal_the_plain_steps(tmp_path, clip):
+  """One interface, two steps: the same losses and gradient norms, every step's norm and clip in the log."""
+  common = ["--steps", "4", "--eval-every", "0", "--log-every", "2", "--param-dtype", "float32", "--batch", "2",
+            "--grad-accum", "2", "--clip", clip, "--offload", "host"]  # fmt: skip
+  runs = {mode: _run(tmp_path, mode, *common, "--overlap", mode) for mode in ("on", "off")}
+  assert runs["on"]["plan"] != runs["off"]["plan"]  # the overlapped step's plan, said as the one in use
+  for key in ("losses", "grad_norms"):
+    np.testing.assert_allclose(list(runs["on"][key].values()), list(runs["off"][key].values()), rtol=2e-5)
+  for mode, out in runs.items():
+    rows = [json.loads(line) for line in open(tmp_path / mode / "metrics.jsonl")]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["clipped"] == (r["grad_norm"] >= float(clip)) for r in steps)
+    assert out["clip_fired"] == sum(r["clipped"] for r in steps) == (4 if clip == "1e-3" else 0)
+
+
+def test_the_script_ends_soon_after_its_last_step(tmp_path):
+  """The overlapped step settles and closes with the run: the process ends within seconds of its last line."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+  argv = [sys.executable, "-m", "train.gpt", *TINY[:-1], "--steps", "3", "--eval-every", "0", "--no-ckpt", "--overlap",
+          "on", "--grad-accum", "2", "--batch", "2", "--clip", "1e-3", "--out", str(tmp_path / "run")]  # fmt: skip
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  last = None
+  for line in proc.stdout:
+    if line.startswith("done: step 3"):
+      last = time.monotonic()
+  proc.wait(timeout=300)
+  assert proc.returncode == 0 and last is not None
+  assert time.monotonic() - last < 15
