@@ -434,7 +434,7 @@ class OverlappedStep:
 
   def _derive_orders(self) -> None:
     self.stream_speculation = overlap_plan.speculation_cap(self.plan, self._layout, self.host_budget_bytes)
-    self._redo_on_stream = overlap_plan.stream_share_of_host(self.plan, self._forward_order)
+    self._redo_on_stream = overlap_plan.stream_share_of_host(self.plan, self._layout)
     self._stream_order = [  # streamed subgroups in the order the backward pass hands them over
       s for i in reversed(range(len(self.model.stages))) for g in self.model.groups_completing(i)
       for s in self.group_subgroups[g] if self.plan.placements[s] == "stream"

@@ -42,6 +42,8 @@ from jax_dos.timeline import (
   StageTimes,
   Subgroup,
   choose_placements,
+  fired_share,
+  simulate_fired,
   stage_ordered_placements,
   stream_rate_during_backward,
 )
@@ -161,7 +163,8 @@ def plan_step(
   The arguments are ``OverlappedStep``'s, and so is the plan: pass it as
   ``OverlappedStep(tx, stages, groups, plan=<it>, ...)``. With
   ``stage_times`` it holds the timeline model's predicted step
-  (``plan.predicted["step"]`` and ``["exposed"]``), to compare with the plain
+  (``plan.predicted["step"]`` and ``["exposed"]`` with the clip silent,
+  ``["step_clip_fired"]`` after a fired clip), to compare with the plain
   step's plan (``jax_dos.get_plan``) before either's state is allocated.
   """
   options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
@@ -252,8 +255,10 @@ def make_plan(
     window = stage_times.per_window(micro_batches, micro_batch_order)
     placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
                                               host_budget_bytes=host_budget_bytes)  # fmt: skip
-    predicted = {"exposed": predicted["exposed_s"], "step": stage_times.compute_s(micro_batches)
-                 + predicted["exposed_s"]}  # fmt: skip
+    compute = stage_times.compute_s(micro_batches)
+    fired = simulate_fired(window, layout.timeline(), placements, rates)
+    predicted = {"exposed": predicted["exposed_s"], "step": compute + predicted["exposed_s"],
+                 "step_clip_fired": compute + fired["exposed_s"]}  # fmt: skip
     return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
                 step_room_bytes=whole.step_room_bytes)  # fmt: skip
   if isinstance(spec, str):
@@ -341,33 +346,25 @@ def check_host_memory(plan: Plan, layout: StepLayout, speculation: int | None, b
     raise MemoryError(f"{e}\nThe overlapped step's plan:\n{plan}") from None
 
 
-def stream_share_of_host(plan: Plan, forward_order: list[int]) -> set[int]:
+def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
   """The host subgroups the stream path steps when the clip fires: the last ones in forward order (needed last).
 
-  With the clip fired, every streamed parameter (``S``) and every host one
-  (``H``) is stepped after the decision; the paths end together when the
-  stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones,
-  at the calibrated concurrent rates (equal rates without a calibration).
-  A fixed share, so that a subgroup's numbers never depend on which thread
-  came first. A plan of the model's (``"auto"``) shares even where nothing
-  streams: :func:`room_beside_step` budgets its stream slots beside the
-  step's peak whatever the timeline then places, and after the decision the
-  host path alone would take the whole update. A user's plan shares only
-  where it streams (only then did the user give the slots room).
+  ``jax_dos.timeline.fired_share`` at the calibrated concurrent rates (equal
+  rates without a calibration): the two paths end together. A fixed share, so
+  that a subgroup's numbers never depend on which thread came first. A plan
+  of the model's (``"auto"``) shares even where nothing streams:
+  :func:`room_beside_step` budgets its stream slots beside the step's peak
+  whatever the timeline then places, and after the decision the host path
+  alone would take the whole update. A user's plan shares only where it
+  streams (only then did the user give the slots room).
   """
   if not plan.indices("stream") and not (plan.source.startswith("model") and plan.indices("host")):
     return set()
   cal = plan.calibration or {}
   host, stream = cal.get("host_rate_concurrent") or 1.0, cal.get("stream_rate_concurrent") or 1.0
-  host_order = [s for s in forward_order if plan.placements[s] == "host"]
-  share = (plan.elements("host") + plan.elements("stream")) * stream / (host + stream) - plan.elements("stream")
-  taken, out = 0, set()
-  for s in reversed(host_order):
-    if taken + plan.sizes[s] > share:
-      break
-    taken += plan.sizes[s]
-    out.add(s)
-  return out
+  rates = Rates(host, stream, 1.0, host, stream)
+  timeline = [dataclasses.replace(g, size=n) for g, n in zip(layout.timeline(), plan.sizes)]
+  return fired_share(timeline, plan.placements, rates)
 
 
 def _group_ranges(groups: list) -> list[range]:

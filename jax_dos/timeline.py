@@ -190,6 +190,73 @@ def simulate(
   }
 
 
+def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> set[int]:
+  """The host subgroups the stream path steps after a fired clip: the last ones in forward order.
+
+  With the clip fired, every streamed parameter (``S``) and every host one
+  (``H``) is stepped after the decision; the paths end together when the
+  stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones, at
+  the concurrent rates. ``overlap_plan.stream_share_of_host`` is this share
+  for a plan.
+  """
+  forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
+  host = [s for s in forward_order if placements[s] == "host"]
+  streamed = sum(g.size for g, p in zip(subgroups, placements) if p == "stream")
+  total = sum(subgroups[s].size for s in host) + streamed
+  share = total * rates.stream_concurrent / (rates.host_concurrent + rates.stream_concurrent) - streamed
+  taken, out = 0, set()
+  for s in reversed(host):
+    if taken + subgroups[s].size > share:
+      break
+    taken += subgroups[s].size
+    out.add(s)
+  return out
+
+
+def simulate_fired(times: StageTimes, subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> dict:
+  """:func:`simulate`'s result for a step after a fired clip (``OverlappedStep(speculation="silent")``).
+
+  Nothing offloaded runs before the decision, at the backward pass's end
+  ``D``: then the host kernel steps its host subgroups in forward order, and
+  the stream path its own subgroups in hand-over order, then its share of the
+  host ones (:func:`fired_share`), both at their concurrent rates; resident
+  subgroups are updated at ``D`` as in :func:`simulate`, and the next forward
+  pass follows stage by stage.
+  """
+  n = len(times.forward)
+  backward_end = sum(times.backward)
+  forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
+  hand_over = sorted(range(len(subgroups)), key=lambda s: (-subgroups[s].stage, s))
+  share = fired_share(subgroups, placements, rates)
+  queues = {
+    "host": [s for s in forward_order if placements[s] == "host" and s not in share],
+    "stream": [s for s in hand_over if placements[s] == "stream"] + [s for s in forward_order if s in share],
+  }
+  rate = {"host": rates.host_concurrent, "stream": rates.stream_concurrent}
+  done = [0.0] * len(subgroups)
+  ends = {}
+  for path, queue in queues.items():
+    t = backward_end
+    for s in queue:
+      t += subgroups[s].size / max(rate[path], 1e-30)
+      done[s] = t
+    ends[path] = t
+  resident = sum(g.size for g, p in zip(subgroups, placements) if p == "device") / max(rates.device, 1e-30)
+  ready = [backward_end + resident] * n
+  for s, g in enumerate(subgroups):
+    ready[g.stage] = max(ready[g.stage], done[s] if placements[s] != "device" else backward_end + resident)
+  t = backward_end + resident
+  for j in range(n):
+    t = max(t, ready[j]) + times.forward[j]
+  return {
+    "exposed_s": t - (backward_end + sum(times.forward)),
+    "backward_end_s": backward_end,
+    "forward_end_s": t,
+    "host_end_s": ends["host"],
+    "stream_end_s": ends["stream"],
+  }
+
+
 def stream_rate_during_backward(times: StageTimes, subgroup_size: float, run_ahead_stages: int) -> float:
   """The stream path's rate while the backward pass runs: one subgroup per ``run_ahead_stages + 1`` stage programs.
 

@@ -8,7 +8,9 @@ from jax_dos.timeline import (
   StageTimes,
   Subgroup,
   choose_placements,
+  fired_share,
   simulate,
+  simulate_fired,
   stream_rate_during_backward,
 )
 
@@ -135,3 +137,20 @@ def test_choose_keeps_within_the_host_budget():
   # Nothing fits: the placement needing the fewest bytes (all streamed, no speculation), for the caller to refuse.
   placements, result = choose_placements(TIMES, subgroups, 0, fast_host, host_budget_bytes=1)
   assert placements == ["stream", "stream"] and result["stream_speculation"] == 0
+
+
+def test_a_fired_step_starts_every_offloaded_update_at_the_decision_and_shares_the_host_work():
+  # Three host subgroups of 4 parameters, one a stage. Concurrent rates: host 1/s, stream 2/s, so the stream path takes
+  # 12 * 2/3 = 8 parameters: the last two in forward order (stages 1 and 2), the host kernel stage 0's.
+  subgroups = [Subgroup(4, 0), Subgroup(4, 1), Subgroup(4, 2)]
+  placements = ["host"] * 3
+  assert fired_share(subgroups, placements, RATES) == {1, 2}
+  fired = simulate_fired(TIMES, subgroups, placements, RATES)
+  # Decision at 6 s. Host: stage 0's 4 parameters at 1/s, done at 10 s; stream: stage 1's at 2/s (8 s), stage 2's
+  # (10 s). The forward starts at 6 s: stage 0 waits for 10 s and runs to 11 s, stage 1 to 12 s, stage 2 to 13 s.
+  assert fired["host_end_s"] == pytest.approx(10.0) and fired["stream_end_s"] == pytest.approx(10.0)
+  assert fired["exposed_s"] == pytest.approx(13.0 - (6.0 + 3.0))
+  silent = simulate(TIMES, subgroups, placements, RATES)
+  assert silent["exposed_s"] < fired["exposed_s"]  # a silent step hides the host work under the backward pass
+  # Resident subgroups need no decision to wait for beyond their own update.
+  assert simulate_fired(TIMES, [Subgroup(100, 0)], ["device"], RATES)["exposed_s"] == pytest.approx(1.0)

@@ -675,6 +675,8 @@ def _plan(placements: int, predicted: dict) -> T.jax_dos.Plan:
   [
     ("auto", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, None, True),  # 2.9 s against 2.8 + 0.9 s
     ("auto", {"step": 3.9, "exposed": 1.1}, {"total": 0.9}, None, False),  # 3.9 s against 2.8 + 0.9 s
+    ("auto", {"step": 2.9, "exposed": 0.1, "step_clip_fired": 3.5}, {"total": 0.9}, None, True),
+    ("auto", {"step": 2.9, "exposed": 0.1, "step_clip_fired": 3.9}, {"total": 0.9}, None, False),  # slower fired
     ("auto", {}, {"total": 0.9}, None, False),  # no timeline: nothing to compare
     ("auto", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, "--delay 1 is a mode of the plain path", False),
     ("on", {}, {}, None, True),

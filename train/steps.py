@@ -75,22 +75,28 @@ def choose(mode: str, plain: jax_dos.Plan | None, overlapped: jax_dos.Plan | Non
   """``(overlapped?, one line saying which step and why)`` for ``--overlap mode``.
 
   ``auto`` takes the overlapped step where both plans predict a step and the
-  overlapped one is shorter; ``on`` takes it unless it is refused; ``off``
-  never does. The line gives each step's predicted time where known.
+  overlapped one is shorter with the clip silent and no longer after a fired
+  clip (a real run's clip fires at its start); ``on`` takes it unless it is
+  refused; ``off`` never does. The line gives each step's predicted time.
   """
-  compute = None
+  compute = fired = None
   if overlapped is not None and "step" in overlapped.predicted:  # the forward/backward alone, as the timeline has it
     compute = overlapped.predicted["step"] - overlapped.predicted["exposed"]
-  times = {"overlapped": predicted_step_s(overlapped, None), "plain": predicted_step_s(plain, compute)}
-  shown = ", ".join(f"{name} {t:.2f} s" for name, t in times.items() if t is not None)
-  predicted = f" (predicted step: {shown})" if shown else ""
+    fired = overlapped.predicted.get("step_clip_fired")
+  silent, alone = predicted_step_s(overlapped, None), predicted_step_s(plain, compute)
+  shown = []
+  if silent is not None:
+    shown.append(f"overlapped {silent:.2f} s" + (f" ({fired:.2f} s after a fired clip)" if fired is not None else ""))
+  if alone is not None:
+    shown.append(f"plain {alone:.2f} s")
+  predicted = f" (predicted step: {', '.join(shown)})" if shown else ""
   if refusal is not None:
     return False, f"step    plain: {refusal}"
   if mode == "off":
     return False, f"step    plain (--overlap off){predicted}"
   if mode == "on":
     return True, f"step    overlapped (--overlap on){predicted}"
-  if None in times.values():
+  if silent is None or alone is None:
     return False, "step    plain: no timeline prediction to compare the overlapped step with (--overlap on forces it)"
-  faster = times["overlapped"] < times["plain"]
+  faster = silent < alone and (fired is None or fired <= alone)
   return faster, f"step    {'overlapped' if faster else 'plain'} (--overlap auto){predicted}"
