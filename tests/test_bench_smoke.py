@@ -115,7 +115,7 @@ def test_train_step_smoke_overlapped(tmp_path):
 def test_replay_timeline_reproduces_a_runs_recorded_prediction(tmp_path):
   """The replay rebuilds a committed 6.7B run's subgroups and stages: without the cap it predicts what the run's plan
   recorded (same model, same inputs); with it, its own choice is predicted no slower than the recorded placements."""
-  result = os.path.join(ROOT, "bench", "results", "train_step-h100", "gpt6p7b_accum2_overlap_prefetch_free_slots.json")
+  result = os.path.join(ROOT, "bench", "results", "train_step-h100", "gpt6p7b_2x8_overlap_batch_order.json")
   sys.path.insert(0, os.path.join(ROOT, "bench", "analysis"))
   import replay_timeline
 
@@ -124,7 +124,7 @@ def test_replay_timeline_reproduces_a_runs_recorded_prediction(tmp_path):
   assert out["capped_choice_step_s"] <= out["capped_same_placements_step_s"]
   assert sum(out["capped_choice"].values()) == sum(out["uncapped_choice"].values())
   # A stage-major run planned by the capped model within its host budget: the replay finds the plan it recorded.
-  for name in ("gpt6p7b_accum2_overlap_stage_major.json", "gpt6p7b_accum1_overlap_auto_stage_major.json"):
+  for name in ("gpt6p7b_2x8_overlap_clip_silent.json", "gpt6p7b_1x8_overlap_clip_silent_auto.json"):
     result = os.path.join(ROOT, "bench", "results", "train_step-h100", name)
     out = replay_timeline.main([result, "--rates", "2.02,2.93,47.9,1.68,1.89"])  # that machine's calibration
     assert abs(out["capped_choice_step_s"] - out["recorded_prediction_s"]) < 5e-3 * out["recorded_prediction_s"]

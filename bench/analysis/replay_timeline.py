@@ -14,7 +14,7 @@ In the run's micro-batch order (``micro_batch_order``, ``"batch"`` for runs made
 host budget (``host_budget_bytes``, none before). The rates are the calibration's, from the JSON's ``calibration``
 line or ``--rates`` (host, stream, device, host concurrent, stream concurrent, in G parameters/s)::
 
-    python bench/analysis/replay_timeline.py bench/results/train_step-h100/gpt6p7b_accum2_overlap_rebalanced.json \\
+    python bench/analysis/replay_timeline.py bench/results/train_step-h100/gpt6p7b_2x8_overlap_batch_order.json \\
         --rates 1.9,2.81,48.3,1.81,1.75
 """
 
