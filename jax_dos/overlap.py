@@ -105,26 +105,22 @@ from jax_dos.timeline import StageTimes
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 SPECULATION_MODES = ("silent", "always", "never")
-# Several threads launch accelerator work at once here. XLA's GPU command buffers (CUDA graphs) capture a program's
-# launches on the compute stream, and a launch from another thread during a capture fails it
-# (cudaErrorStreamCaptureUnjoined, seen on an H100 at 6.7B). This flag, set before jax starts, turns them off.
+# Several threads launch accelerator work at once here, and XLA's GPU command buffers (CUDA graphs) fail a capture that
+# another thread launches into (docs/measurements.md). This flag, set before jax starts, turns them off.
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 # How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
-# whose copy back has landed takes the next subgroup's state at once. Issued one per update instead (each waiting the
-# compute queue out behind the stage programs), the copies held the path to one subgroup per few stage programs.
+# whose copy back has landed takes the next subgroup's state at once (docs/measurements.md).
 IDLE_POLL_S = 0.002
 # Rebalancing (OverlappedStep(rebalance=True)): a step moves one subgroup across the stream/host boundary when one
 # path finished its step this much later than the other; it stops at the first move back, or after this many steps.
 REBALANCE_GAP_S = 0.05
 REBALANCE_STEPS = 12
-# The first steps' ends are not used: they compile the update programs and the host kernel (at 6.7B the host path of
-# the first steps finished late, the rebalancing moved two subgroups to the stream path, and from then on the stream
-# path ended 0.57 s after the host path).
+# The first steps' ends are not used: they compile the update programs and the host kernel.
 REBALANCE_AFTER_STEPS = 2
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
 TRAINING_CORES = 2
-# How long the exit handler waits for an open step to settle (a 6.7B update settles in seconds) before it leaves it.
+# How long the exit handler waits for an open step to settle before it leaves it (a worker stuck after a fault).
 EXIT_SETTLE_S = 120.0
 
 
@@ -416,8 +412,8 @@ class OverlappedStep:
     self._sending: deque = deque()  # host subgroups' new weights on their way in: (record, subgroup, arrays, final)
     self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
     # The first step's jobs, held until its programs have run: a program's first run initialises it, and a cuDNN
-    # graph loaded then is captured from the launching stream; a launch from another thread meanwhile failed that
-    # capture (6.7B on an H100, clip firing: "capturing stream has unjoined work", cuda_dnn.cc).
+    # graph loaded then is captured from the launching stream, which a launch from another thread fails
+    # (docs/measurements.md, the cuDNN race).
     self._held: list | None = []
     kw = self.hyper
     self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
@@ -790,9 +786,8 @@ class OverlappedStep:
     the slots hold, waiting for the last step's copies out where needed;
     otherwise up to ``more`` further ones, only into slots already free: the
     worker must not wait here while gradients of prefetched subgroups are
-    ready (at 6.7B such waits, 0.1 s each behind the backward pass, held the
-    stream path to 0.3 G parameters/s). A slot is held from the copy in to
-    the copy back out.
+    ready (each such wait queues behind the backward pass's programs). A slot
+    is held from the copy in to the copy back out.
     """
     if more is None:  # a new step: whatever is left from the last one is stale
       self._prefetched.clear()

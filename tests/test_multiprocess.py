@@ -39,13 +39,6 @@ def run_processes(worker: Path, *args: str, processes: int = 2, devices: int = 2
   return launch(lambda port, i: ([sys.executable, str(worker), port, str(i), *args], {}), processes, devices)
 
 
-# XLA's CPU client runs programs on a pool of max(cores, local devices) threads, and a program that spans the processes
-# holds one of them per local device while it waits for its peers: on 2 cores with 2 devices a process has no thread
-# left for anything else then. Both processes of a hung run were found blocked dispatching in the same call (not out
-# of step), which such a starved pool explains; more threads than devices leave room (docs/scaling.md).
-CPU_CLIENT_THREADS = 8
-
-
 def launch(command: Callable[[str, int], tuple[list[str], dict]], processes: int = 2, devices: int = 2) -> list[str]:
   """Runs ``command(port, i) -> (argv, extra environment)`` as process ``i`` of ``processes`` CPU processes of
   ``devices`` devices each, ``port`` free for their coordinator; returns their outputs (all must pass).
@@ -53,7 +46,7 @@ def launch(command: Callable[[str, int], tuple[list[str], dict]], processes: int
   A process that fails ends the others (they would wait for it in a collective); none outlives ``TIMEOUT_S``.
   """
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             PYTHONFAULTHANDLER="1", PJRT_NPROC=str(CPU_CLIENT_THREADS))  # fmt: skip
+             PYTHONFAULTHANDLER="1")  # fmt: skip
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   port = str(_free_port())
   with tempfile.TemporaryDirectory() as tmp:
