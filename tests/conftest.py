@@ -1,0 +1,36 @@
+"""Session set-up shared by every test, and by the interpreters the tests start.
+
+One persistent compilation cache for the whole run (every pytest-xdist worker and every subprocess a test starts
+inherits it through the environment): the tests build the same small programs again and again (each
+``train.gpt`` run, each subprocess, each worker), and XLA compiles each once. The cache is a fresh directory
+removed at the end, so a run never reads programs compiled by an earlier one; a ``JAX_COMPILATION_CACHE_DIR``
+given by the caller is used as it is.
+
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+OWNED_ENV = "JAX_DOS_TESTS_OWN_CACHE"  # set when this session made the directory (and removes it)
+
+
+def pytest_configure(config):
+  if not hasattr(config, "workerinput") and not os.environ.get(CACHE_ENV):  # the controller (or a run without -n)
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="jax-dos-tests-compilation-cache-")
+    os.environ[OWNED_ENV] = "1"
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tests' programs compile quickly
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+  jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+  )
+
+
+def pytest_unconfigure(config):
+  if not hasattr(config, "workerinput") and os.environ.pop(OWNED_ENV, None):
+    shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True)
