@@ -14,6 +14,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 OWNED_ENV = "JAX_DOS_TESTS_OWN_CACHE"  # set when this session made the directory (and removes it)
 
@@ -34,3 +36,22 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   if not hasattr(config, "workerinput") and os.environ.pop(OWNED_ENV, None):
     shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def calibration():
+  """This machine's calibration for the performance model, measured once (``jax_dos.calibrate``'s cache)."""
+  import jax_dos
+
+  return jax_dos.calibrate()
+
+
+@pytest.fixture
+def calibrated_cache(tmp_path, calibration):
+  """``tmp_path / "cache"``, an ``XDG_CACHE_HOME`` holding this machine's calibration: a script run with it plans
+  from the cached rates instead of measuring them again (``test_calibration.py`` tests the measuring)."""
+  from jax_dos.planning import calibration as C
+
+  home = tmp_path / "cache"
+  C.save(calibration, home / "jax_dos" / C.cache_path(calibration.key).name)
+  return home
