@@ -6,6 +6,8 @@ inherits it through the environment): the tests build the same small programs ag
 removed at the end, so a run never reads programs compiled by an earlier one; a ``JAX_COMPILATION_CACHE_DIR``
 given by the caller is used as it is.
 
+The longest tests run first (``RUN_FIRST``), so that pytest-xdist's workers (``-n 2`` in pyproject.toml) share out
+the short ones after them instead of one worker finishing a long test alone at the end.
 """
 
 from __future__ import annotations
@@ -19,6 +21,28 @@ import pytest
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 OWNED_ENV = "JAX_DOS_TESTS_OWN_CACHE"  # set when this session made the directory (and removes it)
 
+# Node id prefixes of the longest tests (each runs for tens of seconds: subprocesses, whole training runs), longest
+# first. Only the order depends on it: a test missing here runs all the same, after these.
+RUN_FIRST = (
+  "tests/test_multiprocess.py::test_train_gpt_on_two_processes_matches_one_and_resumes",
+  "tests/test_bench_smoke.py::test_train_step_smoke_overlapped",
+  "tests/test_bench_smoke.py::test_scale_out_smoke",
+  "tests/test_multiprocess.py",
+  "tests/test_peers.py::test_run_all_smoke",
+  "tests/test_partition.py",
+  "tests/test_overlap.py::test_sharded_on_four_devices",
+  "tests/test_overlap.py::test_leaving_python",
+  "tests/test_bench_smoke.py",
+  "tests/test_train.py::test_resume_is_bit_exact",
+  "tests/test_sharding.py",
+  "tests/test_train.py::test_a_first_save_killed_midway",
+  "tests/test_interleaved_adam.py::test_matches_optax[multi_steps",
+  "tests/test_interleaved_adam.py::test_optax_multisteps",
+  "tests/test_train.py",
+  "tests/test_checkpoint.py::test_kill_during_save",
+  "tests/test_checkpoint.py::test_sharded_restore",
+)
+
 
 def pytest_configure(config):
   if not hasattr(config, "workerinput") and not os.environ.get(CACHE_ENV):  # the controller (or a run without -n)
@@ -31,6 +55,13 @@ def pytest_configure(config):
   jax.config.update(
     "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
   )
+
+
+def pytest_collection_modifyitems(config, items):
+  def rank(item) -> int:
+    return next((i for i, prefix in enumerate(RUN_FIRST) if item.nodeid.startswith(prefix)), len(RUN_FIRST))
+
+  items.sort(key=rank)  # stable: collection order within a rank
 
 
 def pytest_unconfigure(config):
