@@ -1,6 +1,22 @@
-"""Settings every test process and the processes it starts share."""
+"""Session set-up shared by every test, and by the interpreters the tests start.
+
+One persistent compilation cache for the whole run (every pytest-xdist worker and every subprocess a test starts
+inherits it through the environment): the tests build the same small programs again and again (each
+``train.gpt`` run, each subprocess, each worker), and XLA compiles each once. The cache is a fresh directory
+removed at the end, so a run never reads programs compiled by an earlier one; a ``JAX_COMPILATION_CACHE_DIR``
+given by the caller is used as it is.
+
+The longest tests run first (``RUN_FIRST``), so that pytest-xdist's workers (``-n 2`` in pyproject.toml) share out
+the short ones after them instead of one worker finishing a long test alone at the end.
+"""
+
+from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+
+import pytest
 
 # XLA's CPU client runs a program's per-device parts on a pool of max(cores, local devices) threads, and a part that
 # reaches a collective holds its thread until its peers arrive. On a 2-core machine with 4 devices (or 2 devices in
@@ -8,3 +24,72 @@ import os
 # hung two-process run were found blocked dispatching in the same call, and a 4-device run timed out in a collective
 # whose peer never arrived. More threads than devices leave room. Set before jax starts; inherited by subprocesses.
 os.environ.setdefault("PJRT_NPROC", "16")
+
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+OWNED_ENV = "JAX_DOS_TESTS_OWN_CACHE"  # set when this session made the directory (and removes it)
+
+# Node id prefixes of the longest tests (each runs for tens of seconds: subprocesses, whole training runs), longest
+# first. Only the order depends on it: a test missing here runs all the same, after these.
+RUN_FIRST = (
+  "tests/test_multiprocess.py::test_train_gpt_on_two_processes_matches_one_and_resumes",
+  "tests/test_bench_smoke.py::test_train_step_smoke_overlapped",
+  "tests/test_bench_smoke.py::test_scale_out_smoke",
+  "tests/test_multiprocess.py",
+  "tests/test_peers.py::test_run_all_smoke",
+  "tests/test_partition.py",
+  "tests/test_overlap.py::test_sharded_on_four_devices",
+  "tests/test_overlap.py::test_leaving_python",
+  "tests/test_bench_smoke.py",
+  "tests/test_train.py::test_resume_is_bit_exact",
+  "tests/test_sharding.py",
+  "tests/test_train.py::test_a_first_save_killed_midway",
+  "tests/test_interleaved_adam.py::test_matches_optax[multi_steps",
+  "tests/test_interleaved_adam.py::test_optax_multisteps",
+  "tests/test_train.py",
+  "tests/test_checkpoint.py::test_kill_during_save",
+  "tests/test_checkpoint.py::test_sharded_restore",
+)
+
+
+def pytest_configure(config):
+  if not hasattr(config, "workerinput") and not os.environ.get(CACHE_ENV):  # the controller (or a run without -n)
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="jax-dos-tests-compilation-cache-")
+    os.environ[OWNED_ENV] = "1"
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tests' programs compile quickly
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+  jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+  )
+
+
+def pytest_collection_modifyitems(config, items):
+  def rank(item) -> int:
+    return next((i for i, prefix in enumerate(RUN_FIRST) if item.nodeid.startswith(prefix)), len(RUN_FIRST))
+
+  items.sort(key=rank)  # stable: collection order within a rank
+
+
+def pytest_unconfigure(config):
+  if not hasattr(config, "workerinput") and os.environ.pop(OWNED_ENV, None):
+    shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def calibration():
+  """This machine's calibration for the performance model, measured once (``jax_dos.calibrate``'s cache)."""
+  import jax_dos
+
+  return jax_dos.calibrate()
+
+
+@pytest.fixture
+def calibrated_cache(tmp_path, calibration):
+  """``tmp_path / "cache"``, an ``XDG_CACHE_HOME`` holding this machine's calibration: a script run with it plans
+  from the cached rates instead of measuring them again (``test_calibration.py`` tests the measuring)."""
+  from jax_dos.planning import calibration as C
+
+  home = tmp_path / "cache"
+  C.save(calibration, home / "jax_dos" / C.cache_path(calibration.key).name)
+  return home

@@ -8,10 +8,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(tmp_path, script, *args):
+  """Runs ``bench/script``, its output and its cache in ``tmp_path`` (``calibrated_cache`` seeds that cache)."""
   env = dict(os.environ, PYTHONPATH=ROOT, OUT=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"))
   proc = subprocess.run(
     [sys.executable, os.path.join(ROOT, "bench", script), *args], env=env, capture_output=True, text=True, timeout=600
@@ -20,6 +23,7 @@ def run(tmp_path, script, *args):
   return proc.stdout
 
 
+@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
 def test_update_phase_smoke(tmp_path):
   run(tmp_path, "update_phase.py", "--smoke", "--sizes", "smoke", "--skip", "torch,optax", "--budgets", "0,0.25",
       "--trace")  # fmt: skip
@@ -40,6 +44,7 @@ def test_contention_smoke(tmp_path):
   assert all(r["time_s"] > 0 and r["predicted_s"] > 0 and "wall" in r["trace"] for r in rows)
 
 
+@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
 def test_train_step_smoke(tmp_path):
   path = tmp_path / "train_step.json"
   run(tmp_path, "train_step.py", "--smoke", "--variants", "host,auto", "--steps", "2", "--out", str(path))
@@ -49,6 +54,7 @@ def test_train_step_smoke(tmp_path):
   assert all("error" not in r and r["tokens_per_s"] > 0 for r in doc["results"])
 
 
+@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
 def test_train_step_smoke_accumulated(tmp_path):
   """Two micro-batches a step: twice the tokens, the planner sized from the micro-batch's program, no flush."""
   path = tmp_path / "train_step.json"
@@ -85,6 +91,7 @@ def test_checkpoint_cost_smoke(tmp_path):
   assert set(out["seconds"]) == {"save_returned", "save_complete", "manifest", "verify", "restore"}
 
 
+@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
 def test_scale_out_smoke(tmp_path):
   """Two CPU processes against one: every run finishes, and each of the two holds about half of the state."""
   run(tmp_path, "scale_out.py", "--smoke")
@@ -98,6 +105,7 @@ def test_scale_out_smoke(tmp_path):
   assert two["summary"]["tokens_per_s_per_gpu_vs_one"] > 0 and doc["meta"]["dram"]["bandwidth_Bps"] > 0
 
 
+@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
 def test_train_step_smoke_overlapped(tmp_path):
   """The overlapped variants, planned by the stages' timeline and rebalancing, with their trace and plans."""
   path = tmp_path / "train_step.json"

@@ -272,6 +272,7 @@ def test_table_rows_and_ratios(tmp_path):
   assert summary["notes"] == ["note"] and summary["table"] == lines
 
 
+@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
 def test_run_all_smoke(tmp_path):
   """The driver end to end on tiny sizes: jax-dos's train_step (and plain torch where installed), then the table."""
   systems = "jaxdos" + (",torch" if importlib.util.find_spec("torch") else "")
