@@ -29,7 +29,7 @@ from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
-from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation
+from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state
 from jax_dos.overlap_plan import plan_step as overlapped_plan
@@ -91,6 +91,7 @@ __all__ = [
   "resolve_plan",
   "to_optax_adamw_state",
   "timeline",
+  "TracedUpdateWarning",
   "trace",
   "update_params",
   "wait_for_host_updates",

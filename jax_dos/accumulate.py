@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from jax_dos import memory
+from jax_dos.interleaved import shapes_only
 
 
 def _welford(grads, acc, mini_step):
@@ -58,12 +59,13 @@ def multi_steps(inner: optax.GradientTransformation, every_k: int) -> optax.Grad
       return _traced_update(updates, state, params, **extra_args)
     acc = _jit_welford(updates, state.acc_grads, state.mini_step)
     if int(state.mini_step) < every_k - 1:
-      zeros = jax.eval_shape(
-        lambda a, s, p: inner.update(optax.tree.cast_like(a, updates), s, p, **extra_args)[0],
-        acc,
-        state.inner_opt_state,
-        params,
-      )
+      with shapes_only():  # the inner update's output shapes: nothing runs, so no TracedUpdateWarning
+        zeros = jax.eval_shape(
+          lambda a, s, p: inner.update(optax.tree.cast_like(a, updates), s, p, **extra_args)[0],
+          acc,
+          state.inner_opt_state,
+          params,
+        )
       new_updates = jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros)
       return new_updates, state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
     new_updates, inner_state = inner.update(

@@ -20,8 +20,11 @@ The plan comes from a planner the caller gives (``plan="auto"``) or from
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Callable
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import jax
@@ -37,6 +40,32 @@ from jax_dos.state import InterleavedAdamState
 
 Planner = Callable[[Any, int], Plan]  # (params, subgroup_size) -> Plan
 DELAY_PREDICTIONS = ("moments", "gradient")
+
+
+class TracedUpdateWarning(UserWarning):
+  """An ``interleaved_adam`` update with offloaded state was traced (inside ``jit``): it runs the slow path.
+
+  Said once per optimizer. The traced path moves every offloaded leaf's state to the accelerator and back inside
+  the program, unpipelined, with no host kernel; the plan was made for the eager engine. Call the update outside
+  ``jit`` (``tx.update``, ``jax_dos.update_params``, ``nnx.Optimizer.update`` outside ``nnx.jit``) after a jitted
+  gradient step, or, where tracing is meant, filter it:
+  ``warnings.filterwarnings("ignore", category=jax_dos.TracedUpdateWarning)``.
+  """
+
+
+# Set while jax_dos itself traces an update only for its output's shapes (jax_dos.multi_steps's skipped calls):
+# that runs nothing, so it warns of nothing.
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("jax_dos_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+  """Within it, a traced ``update`` is taken to be traced for shapes only (no :class:`TracedUpdateWarning`)."""
+  token = _SHAPES_ONLY.set(True)
+  try:
+    yield
+  finally:
+    _SHAPES_ONLY.reset(token)
 
 
 def _deleted(xs: list) -> bool:
@@ -76,6 +105,40 @@ def leaves_with_paths(tree: Any, what: str) -> tuple[list[Any], Any]:
       )
     leaves.append(leaf)
   return leaves, treedef
+
+
+def is_nnx_variable(x: Any) -> bool:
+  """Whether ``x`` is a Flax NNX ``Variable`` (``nnx.Param`` and the like), without importing flax.
+
+  A tree can hold NNX variables only once ``flax.nnx`` is imported, so this looks in ``sys.modules`` only.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  variable = getattr(nnx, "Variable", None)
+  return variable is not None and isinstance(x, variable)
+
+
+def tree_without_variables(tree: Any, values: Sequence[Any]) -> Any:
+  """``values``, one per leaf of ``tree``, in ``tree``'s structure with every NNX ``Variable`` dropped.
+
+  Where ``tree`` holds ``nnx.Param(x)``, the result holds ``x``'s value itself (not a ``Param`` of it): what
+  ``nnx.jit`` (and ``jax.jit``, as a prefix) takes as shardings of such a tree. A ``Variable`` over more than one
+  array keeps its wrapper. Trees without variables come back as ``jax.tree.unflatten`` would make them.
+  """
+  items, treedef = jax.tree.flatten(tree, is_leaf=is_nnx_variable)
+  rest = iter(values)
+  out = []
+  for item in items:
+    sub = jax.tree.structure(item)
+    if is_nnx_variable(item) and sub.num_leaves == 1:
+      out.append(next(rest))
+    else:
+      out.append(jax.tree.unflatten(sub, [next(rest) for _ in range(sub.num_leaves)]))
+  if next(rest, _END) is not _END:
+    raise ValueError("tree_without_variables: more values than leaves.")
+  return jax.tree.unflatten(treedef, out)
+
+
+_END = object()
 
 
 def decay_flags(mask, params, weight_decay: float) -> tuple[bool, ...]:
@@ -139,6 +202,7 @@ class InterleavedAdam:
     self.partition_replicated = partition_replicated
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
+    self._warned_traced = False  # TracedUpdateWarning said (once per optimizer)
 
   @property
   def partitions(self) -> bool:
@@ -147,7 +211,10 @@ class InterleavedAdam:
 
   def plan_for(self, params: Any) -> Plan:
     """The :class:`Plan` for ``params`` (made once per tree structure, shapes and dtypes)."""
-    leaves, treedef = jax.tree.flatten(params)
+    leaves = jax.tree.leaves(params)
+    # NNX variables are leaves here: nnx.state(model, nnx.Param) (at init) and its pure arrays (what nnx.Optimizer
+    # passes to update) share a plan, which a second planning could change (free accelerator memory has changed).
+    treedef = jax.tree.structure(params, is_leaf=is_nnx_variable)
     key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
     if key not in self._plans:
       if isinstance(self.plan_spec, str) and self.plan_spec == "auto":
@@ -233,6 +300,7 @@ class InterleavedAdam:
     masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
     args = (grads, masters, mus, nus, param_leaves)
     if any(memory.is_traced(x) for x in (*grads, *masters, *param_leaves, state.count, grad_scale)):
+      self._warn_traced(plan)
       out = traced.update_leaves(
         *args, state.count, plan.leaf_placements(), decay, self.hyper, self.delay, self.delay_warmup, grad_scale,
         new_params, self.delay_predict,
@@ -249,6 +317,30 @@ class InterleavedAdam:
     u, m32, m1, m2, count = out
     unflat = lambda xs: jax.tree.unflatten(sdef, xs)  # noqa: E731
     return unflat(u), InterleavedAdamState(count, unflat(m32), unflat(m1), unflat(m2))
+
+  def _warn_traced(self, plan: Plan) -> None:
+    """One :class:`TracedUpdateWarning` per optimizer, the first time an update of offloaded state is traced.
+
+    Any offloaded subgroup (``"stream"`` or ``"host"``), not only host ones: both are what the engine pipelines
+    (streamed ones through a few staging slots, host ones with the host kernel), and traced, each one's whole
+    state crosses PCIe twice inside the program, unpipelined and held on the accelerator, memory no plan budgeted.
+    An all-``"device"`` plan traces to what the engine runs anyway: no warning.
+    """
+    offloaded = [p for p in plan.placements if p != "device"]
+    if self._warned_traced or not offloaded or _SHAPES_ONLY.get():
+      return
+    self._warned_traced = True
+    warnings.warn(
+      f"interleaved_adam's update is being traced (inside jax.jit, nnx.jit or another JAX transformation) with"
+      f" {len(offloaded)} of {len(plan.placements)} subgroups offloaded ({', '.join(sorted(set(offloaded)))}): it"
+      " runs the traced path, which copies their whole state to the accelerator and back inside the program, with no"
+      " host kernel and no pipelining, not the eager engine the plan is made for. Call the update outside jit: jit"
+      " the gradient step only, then tx.update(grads, opt_state, params) or jax_dos.update_params(tx, grads,"
+      " opt_state, params) eagerly (with Flax NNX: nnx.Optimizer.update outside nnx.jit; docs/api.md, 'Flax NNX')."
+      " Said once per optimizer; filter jax_dos.TracedUpdateWarning if tracing is intended.",
+      TracedUpdateWarning,
+      stacklevel=4,
+    )
 
   def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
     key = (plan, decay)

@@ -126,8 +126,18 @@ def micro_batch(batch: Any, m: int, micro_batches: int) -> Any:
 # One jitted wrapper per program kind, the stage function a static argument: every StagedModel of the same stages
 # (the one that measures their times, the overlapped step's) shares the compiled programs.
 _jit_forward = jax.jit(_forward, static_argnums=0)
-# dy is dead after its stage's backward; the running sums are updated in place.
+# dy is dead after its stage's backward and dx is written into it; the running sums are updated in place.
 _jit_backward = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(5, 6))
+# A stage whose dx cannot take dy's buffers (the first stage has no dx; another whose input differs in shape or
+# dtype from its output) keeps dy: a donated buffer no output reuses is not freed any sooner, and jax warns of it.
+_jit_backward_keep_dy = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(6,))
+
+
+def _same_types(a: Any, b: Any) -> bool:
+  """Whether trees ``a`` and ``b`` have one structure and leaves of equal shapes and dtypes (one buffer fits both)."""
+  if jax.tree.structure(a) != jax.tree.structure(b):
+    return False
+  return all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 class StagedModel:
@@ -166,18 +176,22 @@ class StagedModel:
   def backward(
     self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool
   ) -> tuple[Any, tuple, Any, tuple]:
-    """Stage ``stage``'s backward pass; ``dy`` and ``sums`` are consumed.
+    """Stage ``stage``'s backward pass; ``sums`` are consumed, and ``dy`` where ``dx`` can take its buffers.
 
     ``dy`` is ``None`` for the last stage (whose output is the loss), and
     ``sums`` holds, per group of the stage, the running gradient sum or
-    ``None``. Returns ``(loss, sums, dx, squares)``: the loss for the last
-    stage (else ``None``), the new sums, the cotangent of ``x`` (``None`` for
-    the first stage) and, with ``last`` (the last micro-batch), the float32
-    sums of squares of the groups this stage completes.
+    ``None``. ``dy`` is donated (its buffers become ``dx``'s) where ``x`` and
+    ``dy`` match in structure, shapes and dtypes; the first stage's (no
+    ``dx``) and any other's is kept, for the caller to drop. Returns
+    ``(loss, sums, dx, squares)``: the loss for the last stage (else
+    ``None``), the new sums, the cotangent of ``x`` (``None`` for the first
+    stage) and, with ``last`` (the last micro-batch), the float32 sums of
+    squares of the groups this stage completes.
     """
     st = self.stages[stage]
     complete = tuple(last and self.completion[g] == stage for g in st.groups)
-    return _jit_backward(st.fn, complete, params, x, batch, dy, tuple(sums))
+    program = _jit_backward if dy is None or (x is not None and _same_types(x, dy)) else _jit_backward_keep_dy
+    return program(st.fn, complete, params, x, batch, dy, tuple(sums))
 
   def loss_and_grads(
     self, groups: Sequence[Any], batch: Any, micro_batches: int = 1, order: str = "stage"

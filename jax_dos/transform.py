@@ -37,6 +37,7 @@ from jax_dos.interleaved import (
   Planner,
   find_interleaved,
   prediction_mode,
+  tree_without_variables,
 )
 from jax_dos.plan import Plan, PlanSpec
 from jax_dos.planning.planner import auto_planner
@@ -253,9 +254,13 @@ def gradient_memory_kinds(tx: optax.GradientTransformation, params: Any, flush: 
 
   Empty leaves stay on the device: nothing to move, and jax 0.11 reports a
   zero-size output of ``pinned_host`` sharding as device memory.
+
+  ``params`` may be a Flax NNX ``nnx.State`` (``nnx.state(model, nnx.Param)``): the kinds are then plain strings
+  where the state holds ``nnx.Param`` s (not ``Param`` s of strings), in the state's structure.
   """
   _check_flush(flush)
-  return _gradient_kinds(find_interleaved(tx, params, "gradient_memory_kinds")[0], params, flush)
+  opt = find_interleaved(tx, params, "gradient_memory_kinds")[0]
+  return tree_without_variables(params, _gradient_kinds(opt, params, flush))
 
 
 def _check_flush(flush: str) -> None:
@@ -263,14 +268,13 @@ def _check_flush(flush: str) -> None:
     raise ValueError(f"flush must be one of {GRADIENT_FLUSHES}, got {flush!r}.")
 
 
-def _gradient_kinds(opt: InterleavedAdam, params: Any, flush: str) -> Any:
-  """:func:`gradient_memory_kinds` for the optimizer ``opt`` (found once by the caller)."""
+def _gradient_kinds(opt: InterleavedAdam, params: Any, flush: str) -> list[str]:
+  """:func:`gradient_memory_kinds` for the optimizer ``opt`` (found once by the caller), one per leaf in order."""
   leaves = jax.tree.leaves(params)
-  kinds = [
+  return [
     "pinned_host" if (flush == "all" or p == "host") and np.size(x) else "device"
     for p, x in zip(opt.plan_for(params).leaf_placements(), leaves)
   ]
-  return jax.tree.unflatten(jax.tree.structure(params), kinds)
 
 
 def gradient_shardings(tx: optax.GradientTransformation, params: Any, flush: str = "host") -> Any:
@@ -285,6 +289,12 @@ def gradient_shardings(tx: optax.GradientTransformation, params: Any, flush: str
 
       grad_fn = jax.jit(jax.value_and_grad(loss), out_shardings=(None, jax_dos.gradient_shardings(tx, params)))
 
+  ``params`` may be a Flax NNX ``nnx.State`` (``nnx.state(model, nnx.Param)``, or the state half of
+  ``nnx.split(model, nnx.Param, ...)``): the result is then that state's structure with a plain ``Sharding`` where
+  the state holds an ``nnx.Param``, which ``nnx.jit`` takes as ``out_shardings`` for gradients of that state
+  (``nnx.grad``'s) and ``jax.jit`` as a prefix of them (a ``Sharding`` wrapped in a ``Param``, what mapping over
+  the state would give, ``nnx.jit`` refuses).
+
   Gradients must be float32 or bfloat16 (the host kernel reads either).
   """
   _check_flush(flush)
@@ -296,4 +306,4 @@ def gradient_shardings(tx: optax.GradientTransformation, params: Any, flush: str
     state = partition.state_sharding(p) if partitioned else None  # each device: its share of a replicated gradient
     return memory.with_kind(p, kind) if state is None else state.with_memory_kind(kind)
 
-  return jax.tree.map(sharding, params, kinds)
+  return tree_without_variables(params, [sharding(p, k) for p, k in zip(jax.tree.leaves(params), kinds)])

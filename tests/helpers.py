@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+import jax_dos
+from jax_dos.interleaved import find_interleaved
 
 SHAPES = {
   "embed": (13, 8),
@@ -40,7 +46,7 @@ def run_pair(tx, ref, params, steps: int, rng: np.random.Generator, *, jit: bool
   """
   ref_params = params if ref_params is None else ref_params
   state, ref_state = tx.init(params), ref.init(ref_params)
-  update = jax.jit(tx.update) if jit else tx.update
+  update = jit_traced(tx, tx.update) if jit else tx.update
   for _ in range(steps):
     grads = random_tree(rng, jax.tree.map(jnp.shape, ref_params), dtype=grad_dtype or jnp.float32)
     grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), grads, ref_params)
@@ -49,3 +55,32 @@ def run_pair(tx, ref, params, steps: int, rng: np.random.Generator, *, jit: bool
     ref_updates, ref_state = ref.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref_state, ref_params)
     ref_params = optax.apply_updates(ref_params, ref_updates)
   return params, state, ref_params, ref_state
+
+
+_WARNED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose TracedUpdateWarning a jit_traced call has seen
+
+
+def jit_traced(tx, fn):
+  """``jax.jit(fn)`` for a test that traces ``tx``'s update on purpose, ``fn(grads, state, params, ...)``.
+
+  Expects what jax_dos says of it: one ``jax_dos.TracedUpdateWarning`` at the first traced call where ``tx``'s plan
+  offloads state (none for an all-device plan), none after that for the same optimizer. Other warnings pass on.
+  """
+  jitted = jax.jit(fn)
+
+  def call(grads, state, params, *args, **kwargs):
+    opt = find_interleaved(tx, params, "jit_traced")[0]  # tx itself or a chain containing it
+    offloaded = any(p != "device" for p in jax_dos.get_plan(tx, params).placements)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always", jax_dos.TracedUpdateWarning)
+      out = jitted(grads, state, params, *args, **kwargs)
+    said = [w for w in caught if issubclass(w.category, jax_dos.TracedUpdateWarning)]
+    assert len(said) == int(offloaded and opt not in _WARNED), [str(w.message) for w in said]
+    if said:
+      _WARNED.add(opt)
+    for w in caught:
+      if w not in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out
+
+  return call

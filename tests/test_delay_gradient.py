@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_diff, random_tree
+from helpers import jit_traced, max_rel_diff, random_tree
 from test_flush_and_delay import MIXED, make_grad_fn, quadratic_grads, reference
 
 import jax_dos
@@ -38,12 +38,13 @@ def test_the_trajectory_is_undelayed_adamw(call):
   plain, _, _ = reference(params0, quadratic_grads(targets), steps, placements, warmup)
 
   params, state, grad_fn = params0, tx.init(params0), make_grad_fn(tx, params0)
+  update = jit_traced(tx, tx.update) if call == "jit" else tx.update
   for t in range(steps):
     grads = grad_fn(params, targets[t])
     if call == "update_params":
       params, state = jax_dos.update_params(tx, grads, state, params)
     else:
-      updates, state = (jax.jit(tx.update) if call == "jit" else tx.update)(grads, state, params)
+      updates, state = update(grads, state, params)
       params = optax.apply_updates(params, updates)
     assert max_rel_diff(params, expected[t]) < TOL, f"step {t}"
   jax_dos.wait_for_host_updates()

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import SHAPES, max_rel_diff, random_tree
+from helpers import SHAPES, jit_traced, max_rel_diff, random_tree
 from reference import adamw_prediction, adamw_trajectory
 
 import jax_dos
@@ -56,7 +56,7 @@ def test_flushed_gradients_land_in_pinned_host_and_match_optax(flush, jit):
   ref = optax.adamw(1e-2, weight_decay=0.1)
   state, ref_state, ref_params = tx.init(params), ref.init(params), params
   grad_fn = make_grad_fn(tx, params, flush)
-  update = jax.jit(tx.update) if jit else tx.update
+  update = jit_traced(tx, tx.update) if jit else tx.update
   kinds = jax.tree.leaves(jax_dos.gradient_memory_kinds(tx, params, flush))
   placements = jax_dos.get_plan(tx, params).leaf_placements()
   sizes = [np.size(x) for x in jax.tree.leaves(params)]
@@ -127,7 +127,7 @@ def test_delay_one_semantics(jit):
 
   params, state = params0, tx.init(params0)
   grad_fn = make_grad_fn(tx, params0)
-  update = jax.jit(tx.update) if jit else tx.update
+  update = jit_traced(tx, tx.update) if jit else tx.update
   for t in range(steps):
     updates, state = update(grad_fn(params, targets[t]), state, params)
     params = optax.apply_updates(params, updates)
@@ -205,7 +205,7 @@ def test_delayed_bfloat16_parameters_are_the_previous_masters_rounded(jit):
   masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
   state, ref_state = tx.init(params), ref.init(masters)
   flush = jax.jit(lambda g: g, out_shardings=jax_dos.gradient_shardings(tx, params))
-  update = jax.jit(tx.update) if jit else tx.update
+  update = jit_traced(tx, tx.update) if jit else tx.update
   history = [[np.array(x) for x in jax.tree.leaves(masters)]]
   for t in range(steps):
     grads = random_tree(rng, dtype=jnp.bfloat16)
@@ -267,7 +267,7 @@ def test_delay_predict_hands_on_the_predicted_step(jit, dtype):
   plain, _, _ = reference(params, given_grads(grads), steps, placements, warmup)
   state = tx.init(params)
   flush = jax.jit(lambda g: g, out_shardings=jax_dos.gradient_shardings(tx, params))
-  step = jax.jit(lambda g, s, p: jax_dos.update_params(tx, g, s, p)) if jit else partial(jax_dos.update_params, tx)
+  step = jit_traced(tx, partial(jax_dos.update_params, tx)) if jit else partial(jax_dos.update_params, tx)
   for t in range(steps):
     params, state = step(flush(grads[t]), state, params)
     # bf16: a float32 rounding difference may flip the last bit of a rounded weight; allow one bf16 ulp.

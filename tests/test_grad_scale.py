@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_diff, random_tree
+from helpers import jit_traced, max_rel_diff, random_tree
 
 import jax_dos
 
@@ -31,7 +31,7 @@ def test_clip_scale_matches_optax_clip_by_global_norm(jit, max_norm):
     return grads, jax_dos.clip_scale(optax.global_norm(grads), max_norm)
 
   grad_fn = jax.jit(grads_and_scale, out_shardings=(jax_dos.gradient_shardings(tx, params), None))
-  update = jax.jit(tx.update) if jit else tx.update
+  update = jit_traced(tx, tx.update) if jit else tx.update
   state, ref_state = tx.init(params), ref.init(params)
   scales = []
   for _ in range(4):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_diff, random_tree
+from helpers import jit_traced, max_rel_diff, random_tree
 
 import jax_dos
 
@@ -24,7 +24,7 @@ def make_tx(plan, **kw):
 
 def step_fn(tx, jit):
   step = lambda g, s, p: jax_dos.update_params(tx, g, s, p)  # noqa: E731
-  return jax.jit(step) if jit else step
+  return jit_traced(tx, step) if jit else step
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
