@@ -547,7 +547,11 @@ class OverlappedStep:
     """
     if self.speculation != "silent":
       return self.speculation == "always"
-    return previous is None or previous.decision is None or not previous.decision.fired
+    if previous is None:
+      return True
+    with self._wake:
+      decision = previous.decision
+    return decision is None or not decision.fired
 
   def _pace(self, x: Any) -> None:
     """Waits until at most ``run_ahead_stages`` dispatched stage programs (the last one producing ``x``) are unrun."""
@@ -607,8 +611,9 @@ class OverlappedStep:
     """(decider thread) Reads the true scalars once the backward pass has ended and hands the workers the verdict."""
     with trace.span("decide.read"):
       host = np.asarray(true)
-    record.decision = _Decision(host, true, not host[3] == record.spec_host()[3])
-    with self._wake:
+    decision = _Decision(host, true, not host[3] == record.spec_host()[3])
+    with self._wake:  # written under the lock: the training thread reads it there (_speculates)
+      record.decision = decision
       self._wake.notify_all()  # a stream worker past its speculation waits for this
     self._host.submit(self._host_finish, record)
     self._streamer.submit(self._stream_finish, record)
