@@ -171,23 +171,7 @@ def simulate(
         else:
           speculation -= subgroups[s].size
       free[path] = done[s] = _finish(start, subgroups[s].size, backward_end, during_backward[path], rate[path])
-  resident = sum(g.size for g, p in zip(subgroups, placements) if p == "device") / max(rates.device, 1e-30)
-  for s, p in enumerate(placements):
-    if p == "device":
-      done[s] = backward_end + resident
-  ready = [backward_end + resident] * n
-  for s, g in enumerate(subgroups):
-    ready[g.stage] = max(ready[g.stage], done[s])
-  t = backward_end + resident
-  for j in range(n):
-    t = max(t, ready[j]) + times.forward[j]
-  return {
-    "exposed_s": t - (backward_end + sum(times.forward)),
-    "backward_end_s": backward_end,
-    "forward_end_s": t,
-    "host_end_s": free["host"],
-    "stream_end_s": free["stream"],
-  }
+  return _next_forward(times, subgroups, placements, rates, done, backward_end, free)
 
 
 def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> set[int]:
@@ -223,7 +207,6 @@ def simulate_fired(times: StageTimes, subgroups: Sequence[Subgroup], placements:
   subgroups are updated at ``D`` as in :func:`simulate`, and the next forward
   pass follows stage by stage.
   """
-  n = len(times.forward)
   backward_end = sum(times.backward)
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
   hand_over = sorted(range(len(subgroups)), key=lambda s: (-subgroups[s].stage, s))
@@ -241,19 +224,25 @@ def simulate_fired(times: StageTimes, subgroups: Sequence[Subgroup], placements:
       t += subgroups[s].size / max(rate[path], 1e-30)
       done[s] = t
     ends[path] = t
+  return _next_forward(times, subgroups, placements, rates, done, backward_end, ends)
+
+
+def _next_forward(times, subgroups, placements, rates, done, backward_end, path_ends) -> dict:
+  """The step's result once each offloaded subgroup's update ends at ``done[s]``: resident subgroups are updated at
+  ``backward_end``, and the next forward pass runs stage by stage, each waiting for its groups' final weights."""
   resident = sum(g.size for g, p in zip(subgroups, placements) if p == "device") / max(rates.device, 1e-30)
-  ready = [backward_end + resident] * n
+  ready = [backward_end + resident] * len(times.forward)
   for s, g in enumerate(subgroups):
     ready[g.stage] = max(ready[g.stage], done[s] if placements[s] != "device" else backward_end + resident)
   t = backward_end + resident
-  for j in range(n):
-    t = max(t, ready[j]) + times.forward[j]
+  for j, forward in enumerate(times.forward):
+    t = max(t, ready[j]) + forward
   return {
     "exposed_s": t - (backward_end + sum(times.forward)),
     "backward_end_s": backward_end,
     "forward_end_s": t,
-    "host_end_s": ends["host"],
-    "stream_end_s": ends["stream"],
+    "host_end_s": path_ends["host"],
+    "stream_end_s": path_ends["stream"],
   }
 
 

@@ -1,4 +1,4 @@
-"""Session set-up shared by every test, and by the interpreters the tests start.
+"""Set-up shared by every test of a run, and by the interpreters the tests start.
 
 One persistent compilation cache for the whole run (every pytest-xdist worker and every subprocess a test starts
 inherits it through the environment): the tests build the same small programs again and again (each
@@ -26,7 +26,7 @@ import pytest
 os.environ.setdefault("PJRT_NPROC", "16")
 
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
-OWNED_ENV = "JAX_DOS_TESTS_OWN_CACHE"  # set when this session made the directory (and removes it)
+OWNED_ENV = "JAX_DOS_TESTS_OWN_CACHE"  # set when this test run made the directory (and removes it)
 
 # Node id prefixes of the longest tests (each runs for tens of seconds: subprocesses, whole training runs), longest
 # first. Only the order depends on it: a test missing here runs all the same, after these.
