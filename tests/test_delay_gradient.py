@@ -58,25 +58,31 @@ def test_bfloat16_parameters_are_the_masters_up_to_the_copies_rounding():
   """bf16 copies of master, mu and nu: the weights handed on are cast(master) up to those copies' rounding.
 
   The accelerator steps from the old master rounded to bf16 (half a bf16 step of the old weight) with moments
-  rounded to bf16 (a 2**-8 fraction of the update), then rounds once more (a bf16 step of the new weight).
+  rounded to bf16, then rounds once more (a bf16 step of the new weight). The old first moment's rounding,
+  2**-9 |b1 mu|, is a fraction of the update only where b1 mu and (1 - b1) g do not cancel; where they do, it
+  moves the weight by up to lr 2**-9 b1 |mu| / (1 - b1**t) / (sqrt(nu_hat) + eps), which the bound adds.
   """
   rng = np.random.default_rng()
   params = random_tree(rng, dtype=jnp.bfloat16)
   grads = [random_tree(rng, dtype=jnp.bfloat16) for _ in range(6)]
   tx = make_tx(warmup=1)
-  ref = optax.adamw(1e-2, weight_decay=0.1)
+  lr, b1, b2, eps = 1e-2, 0.9, 0.999, 1e-8
+  ref = optax.adamw(lr, b1, b2, eps, weight_decay=0.1)
   masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)
   state, ref_state = tx.init(params), ref.init(masters)
   flush = jax.jit(lambda g: g, out_shardings=jax_dos.gradient_shardings(tx, params))
   equal = total = 0
-  for g in grads:
+  for t, g in enumerate(grads, start=1):
     params, state = jax_dos.update_params(tx, flush(g), state, params)
+    mu_old = ref_state[0].mu
     updates, ref_state = ref.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref_state, masters)
     old, masters = masters, optax.apply_updates(masters, updates)
-    for p, m0, m in zip(*(jax.tree.leaves(t) for t in (params, old, masters))):
+    trees = (params, old, masters, mu_old, ref_state[0].nu)
+    for p, m0, m, mu, nu in zip(*(jax.tree.leaves(tree) for tree in trees)):
       got, want = np.asarray(p, np.float32), np.asarray(m.astype(jnp.bfloat16), np.float32)
-      m0, m = np.asarray(m0), np.asarray(m)
-      bound = 2**-9 * np.abs(m0) + 2**-7 * np.abs(want) + 2**-7 * np.abs(m - m0)
+      m0, m, mu, nu = (np.asarray(x, np.float64) for x in (m0, m, mu, nu))
+      cancelled = lr * 2**-8 * b1 * np.abs(mu) / (1 - b1**t) / (np.sqrt(nu / (1 - b2**t)) + eps)
+      bound = 2**-9 * np.abs(m0) + 2**-7 * np.abs(want) + 2**-7 * np.abs(m - m0) + cancelled
       assert np.all(np.abs(got - want) <= bound)
       equal, total = equal + int(np.sum(got == want)), total + got.size
   assert equal >= 0.9 * total, f"only {equal} of {total} weights equal cast(master)"
