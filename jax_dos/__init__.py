@@ -16,7 +16,8 @@ The package, from the ground up: ``state``, ``adam_math``, ``memory``,
 ``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
 ``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
 face) with ``accumulate``, ``state_convert`` and ``checkpoint``; the overlapped step, ``stages``,
-``timeline``, ``overlap_plan`` and ``overlap`` (docs/design.md).
+``timeline``, ``overlap_plan`` and ``overlap``, and ``nnx_adapter`` (a Flax NNX model's stages)
+(docs/design.md).
 
 Importing it changes one thing outside itself: XLA's pinned host pool cap
 (``memory.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
@@ -30,6 +31,7 @@ from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
+from jax_dos.nnx_adapter import NNXStages, nnx_stages
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state
 from jax_dos.overlap_plan import plan_step as overlapped_plan
@@ -67,6 +69,7 @@ __all__ = [
   "GRADIENT_FLUSHES",
   "InterleavedAdamState",
   "InterleavedAdamTransformation",
+  "NNXStages",
   "NO_COMMAND_BUFFERS",
   "PLACEMENTS",
   "Plan",
@@ -87,6 +90,7 @@ __all__ = [
   "interleaved_adamw",
   "make_plan",
   "multi_steps",
+  "nnx_stages",
   "partition_leaves",
   "resolve_plan",
   "to_optax_adamw_state",
