@@ -331,9 +331,10 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   t0 = time.perf_counter()
   planner = jax_dos.auto_planner(**budgets, params_in_place=True)
   tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask, planner=planner)
-  groups = gpt.stage_groups(params)
+  staged = gpt.staged(cfg)
+  groups = staged.split(params)
   del params
-  stages = gpt.make_stages(cfg)
+  stages = staged.stages
   times = None
   if args.timeline:  # train.gpt --overlap auto's way: place subgroups by the measured stages' timeline
     t1 = time.perf_counter()
