@@ -96,14 +96,31 @@ def _used_inputs(closed: Any, count: int) -> list[int]:
   return [i for i, v in enumerate(jaxpr.invars[:count]) if v in live]
 
 
+class _ByValue:
+  """Equal, and of equal hash, where the fields are: stages of equal models and functions share compiled programs.
+
+  ``jax.jit`` hashes a static argument (the stage function) at every call, so the hash is computed once.
+  """
+
+  def _key(self) -> tuple:
+    return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
+  def __eq__(self, other: object) -> bool:
+    return self is other or (type(other) is type(self) and self._key() == other._key())  # type: ignore[attr-defined]
+
+  def __hash__(self) -> int:
+    cached = self.__dict__.get("_hash")
+    if cached is None:
+      cached = self.__dict__["_hash"] = hash((type(self), self._key()))
+    return cached
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class _EndStage:
+class _EndStage(_ByValue):
   """The embedding's or the head's stage: the model rebuilt from the stage's groups, the blocks shapes only.
 
   ``layout`` is every parameter's ``(path, shape)`` in the model's layout,
   ``paths`` the paths of each group of the stage (in the stage's order).
-  Equal (and of equal hash) for equal models and functions: such stages share
-  their compiled programs.
   """
 
   graphdef: Any
@@ -111,20 +128,6 @@ class _EndStage:
   paths: tuple[tuple[Path, ...], ...]
   fn: Callable
   head: bool
-
-  @functools.cached_property
-  def _key(self) -> tuple:
-    return (self.graphdef, self.layout, self.paths, self.fn, self.head)
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _EndStage) and self._key == other._key
-
-  @functools.cached_property
-  def _hash(self) -> int:
-    return hash(self._key)
-
-  def __hash__(self) -> int:  # jit hashes a static argument at every call: computed once
-    return self._hash
 
   def model(self, groups: Sequence[dict]) -> Any:
     values = dict(self.layout)
@@ -137,8 +140,8 @@ class _EndStage:
     return self.fn(model, x, batch) if self.head else self.fn(model, batch)
 
 
-@dataclasses.dataclass(frozen=True)
-class _LayerStage:
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LayerStage(_ByValue):
   """One layer's stage: ``block(layer, x, batch)``, the layer's module rebuilt from its group."""
 
   graphdef: Any

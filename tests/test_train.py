@@ -191,6 +191,8 @@ def test_data_too_short_for_any_sequence_says_so():
     (["--mesh", "dp=1"], "give axis sizes as data=D,fsdp=F"),
     (["--mesh", "data=1,data=1"], "each once"),
     (["--mesh", "data=1", "--overlap", "on"], "drop --overlap on"),
+    (["--arch", "llama", "--preset", "gpt2-124m"], "not a preset of --arch llama"),
+    (["--arch", "llama", "--n-head", "2", "--preset", "llama-1.1b"], "multiple of n_kv_head=4"),
   ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
@@ -209,6 +211,8 @@ def test_defaults():
   assert (args.grad_accum, args.grad_flush) == (1, "host")
   assert F.parse_args(["--grad-accum", "4"]).grad_flush == "none"  # the sum is on the accelerator: nothing to flush
   assert args.mesh is None and F.parse_args(["--mesh", "data=1"]).mesh == {"data": 1, "fsdp": 1}
+  assert args.arch == "gpt" and F.parse_args(["--arch", "llama"]).out == os.path.join("runs", "llama-tiny")
+  assert F.parse_args(["--arch", "llama", "--preset", "llama-7b"]).out == os.path.join("runs", "llama-7b")
 
 
 def test_help_shows_only_real_defaults():
