@@ -1,8 +1,8 @@
 """Stages from a Flax NNX model's own modules: what :class:`jax_dos.OverlappedStep` needs, and the way back.
 
 :func:`nnx_stages` reads a model as ``loss = head(blocks(embed(batch)))``,
-with the repeated blocks an ``nnx.List`` (or any sequence of modules) or one
-module whose parameters are a stack of layers along a leading axis (made with
+with the repeated blocks an ``nnx.List`` of modules or one module
+whose parameters are a stack of layers along a leading axis (made with
 ``nnx.vmap``/``nnx.scan``), and returns an :class:`NNXStages`::
 
     staged = jax_dos.nnx_stages(model, batch, embed=lambda m, b: m.embed(b[0]), blocks="blocks",
@@ -243,7 +243,7 @@ def nnx_stages(
       own modules (e.g. ``lambda m, b: m.embed(b[0])``). It must not read the
       blocks.
     blocks: the attribute (a dotted path for a nested one) holding the
-      repeated blocks: an ``nnx.List`` (or list) of modules, or one module
+      repeated blocks: an ``nnx.List`` of modules, or one module
       whose every parameter is a stack of layers along its leading axis
       (``nnx.vmap``/``nnx.scan``).
     head: ``head(model, x, batch) -> loss``, the last stage, the scalar loss
