@@ -73,6 +73,10 @@ def head(model, x, batch):
   return cross_entropy(model.logits(x), batch[1])
 
 
+def run_layer(layer, x, batch):
+  return layer(x)
+
+
 def make_model(rng: np.random.Generator, stacked: bool) -> Transformer:
   """The model with fresh random parameters: shapes from ``nnx.eval_shape`` (no initializer runs), values drawn
   here, norm scales near 1."""
@@ -121,7 +125,8 @@ def test_a_users_transformer_trains_through_the_adapter_as_optax(stacked, clip):
   expected = reference(model, batches, clip)
 
   # The adapter, as a user writes it: the model's own modules, its parameters written back.
-  staged = jax_dos.nnx_stages(model, batches[0], embed=embed, blocks="blocks", head=head)
+  layer = run_layer if stacked else None  # a layer's own call, given (the stack) or the default (the list)
+  staged = jax_dos.nnx_stages(model, batches[0], embed=embed, blocks="blocks", head=head, block=layer)
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD)
   with jax_dos.OverlappedStep(tx, staged.stages, staged.split(model), clip_norm=clip, micro_batches=2) as step:
     losses = [step(batch) for batch in batches]
