@@ -188,7 +188,7 @@ def test_streamed_speculation_is_held_to_the_host_budget(clip_norm):
     assert step.stream_speculation == speculated and step.host_bytes() <= budget
     for batch in batches:
       step(batch)
-      assert step._last_record.speculated_elements <= speculated
+      assert step._last_record.stream.speculated_elements <= speculated
     check_against_reference(step, groups, batches, clip_norm, 2)
     step.close()
   with pytest.raises(MemoryError, match="plain path"):
@@ -320,7 +320,7 @@ def test_a_fired_clips_redo_is_shared_by_both_paths_and_deterministic():
     with jax_dos.trace.recording() as spans:
       step, _ = overlapped_run(groups, batches, FIRES, 2, plan)
       step.settle()
-    shared = step._redo_on_stream
+    shared = step.routes.redo_on_stream
     hosts = [s for s in step._forward_order if step.plan.placements[s] == "host"]
     assert shared and shared == set(hosts[len(hosts) - len(shared) :]) and len(shared) < len(hosts)
     assert "stream.redo_host" in {s.name for s in spans}
@@ -347,7 +347,7 @@ def test_a_fired_clip_is_shared_with_the_stream_path_where_the_models_plan_strea
       for batch in batches:
         step(batch)
       step.settle()
-    assert bool(step._redo_on_stream) == shared
+    assert bool(step.routes.redo_on_stream) == shared
     assert ("stream.redo_host" in {s.name for s in spans}) == shared
     check_against_reference(step, groups, batches, FIRES, 2)
     step.close()
