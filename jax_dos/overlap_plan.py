@@ -231,6 +231,28 @@ def default_host_budget() -> int:
   return budget if pool is None else min(budget, pool)
 
 
+def host_need_bound(
+  num_params: int, param_bytes: int = 2, *, overlapped: bool = False, moment_copies: bool = False,
+  host_memory_bytes: int | None = None,
+) -> int:  # fmt: skip
+  """The most pinned host bytes a step of ``num_params`` parameters plans, from the count alone.
+
+  For a pool cap set before jax starts (``jax_dos.cap_pinned_pool``), when no
+  plan can be made yet. The plain step with every subgroup offloaded:
+  ``STATE_BYTES`` and a gradient or weight copy (4 B) a parameter, 4 B more
+  with ``moment_copies`` (``delay_predict="gradient"``). The overlapped step
+  (``overlapped``): the host path's ``timeline.HostBytes`` a parameter (state,
+  spare state, gradient and weight copies of ``param_bytes`` each), and no
+  more than its default host budget, ``HOST_SHARE`` of the host's RAM
+  (``host_memory_bytes``, default the machine's). The larger of the two.
+  """
+  plain = (STATE_BYTES + 4 + (4 if moment_copies else 0)) * num_params
+  if not overlapped:
+    return plain
+  total = memory.host_memory_total() if host_memory_bytes is None else host_memory_bytes
+  return max(plain, min(HostBytes().per_parameter("host", param_bytes) * num_params, int(HOST_SHARE * total)))
+
+
 def make_plan(
   spec: Any, owner: Any, groups: list, layout: StepLayout, *, stage_times: StageTimes | None, micro_batches: int,
   micro_batch_order: str, run_ahead_stages: int, max_stream_slots: int, host_budget_bytes: int,
