@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import pytest
 from helpers import max_rel_diff
 
 import jax_dos
+from jax_dos.job_thread import JobThread
 from jax_dos.overlap import STREAM_SLOTS
 
 D_IN, D_H, BLOCKS, ROWS = 6, 8, 3, 8
@@ -666,3 +668,18 @@ def test_stream_slots_change_no_number_and_a_dropped_step_ends_its_threads():
   for thread in threads:
     thread.join(timeout=10)
     assert not thread.is_alive(), thread.name
+
+
+def test_a_workers_results_come_back_through_futures_and_its_failure_skips_the_rest():
+  """A worker thread's job gives its result through a future; its first error is kept on its own list, fails its
+  future and skips the jobs queued behind it; once the thread has ended its owner runs a job itself."""
+  worker = JobThread("test-worker", threading.Condition())
+  x = int(np.random.default_rng().integers(1000))
+  assert worker.submit(lambda a: a + 1, x).result(timeout=60) == x + 1
+  failing, later = worker.submit(lambda: 1 / 0), worker.submit(lambda: x)
+  with pytest.raises(ZeroDivisionError):
+    failing.result(timeout=60)
+  worker.join()
+  assert later.cancelled() and isinstance(worker.errors[0], ZeroDivisionError)
+  worker.stop()
+  assert worker.ask(lambda: x) == x
