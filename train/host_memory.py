@@ -31,7 +31,10 @@ def pinned_need(args: argparse.Namespace, host_memory_bytes: int | None = None) 
   host)."""
   if args.offload == "none":
     return 0, 0
-  n = gpt_model.param_count(gpt_model.get_config(args.preset, **model_overrides(args)))
+  try:
+    n = gpt_model.param_count(gpt_model.get_config(args.preset, **model_overrides(args)))
+  except ValueError:  # a model shape the flags' own checks refuse, saying what to change (train.flags.parse_args)
+    return 0, 0
   param_bytes = 4 if args.param_dtype == "float32" else 2
   may_overlap = args.overlap != "off" and overlapped.refusal(args) is None
   most = jax_dos.host_need_bound(
