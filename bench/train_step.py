@@ -162,7 +162,24 @@ def _peak(jax, jnp) -> dict:
   return {"peak_flops": max(best.values()), "by_size": best}
 
 
+def _cap_pinned_pool(args: argparse.Namespace) -> None:
+  """XLA's pinned pool capped at the variant's most need before jax starts (``jax_dos.cap_pinned_pool``): the pool
+  grows by doubling regions up to its cap, so the cap bounds the process's resident set (docs/overlap.md, "Memory")."""
+  if args.variant in ("peak", "idiom", "none"):
+    return
+  import jax_dos
+  from models import gpt
+
+  shape = dict(vocab_size=args.vocab_size, block_size=max(args.seq_len, gpt.PRESETS[args.preset]["block_size"]))
+  n = gpt.param_count(gpt.get_config(args.preset, **shape))
+  param_bytes = 4 if args.param_dtype == "float32" else 2
+  predict = args.variant == "ahead"  # delay_predict="gradient": copies of the moments
+  most = jax_dos.host_need_bound(n, param_bytes, overlapped=args.variant in OVERLAPPED, moment_copies=predict)
+  jax_dos.cap_pinned_pool(most, certain_bytes=0)  # the plan says what fits (it may keep state resident)
+
+
 def run_variant(args: argparse.Namespace) -> dict:
+  _cap_pinned_pool(args)
   env = common.setup_env(pinned_fraction=0.9, gpu_mem_fraction=args.mem_fraction)
   import jax
   import jax.numpy as jnp

@@ -30,8 +30,9 @@ from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
+from jax_dos.memory import cap_pinned_pool
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
-from jax_dos.overlap_plan import abstract_state
+from jax_dos.overlap_plan import abstract_state, host_need_bound
 from jax_dos.overlap_plan import plan_step as overlapped_plan
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planning.budgets import StepMemory
@@ -73,6 +74,7 @@ __all__ = [
   "StepMemory",
   "auto_planner",
   "calibrate",
+  "cap_pinned_pool",
   "clip_scale",
   "from_optax_adamw_state",
   "OverlappedStep",
@@ -83,6 +85,7 @@ __all__ = [
   "get_plan",
   "gradient_memory_kinds",
   "gradient_shardings",
+  "host_need_bound",
   "interleaved_adam",
   "interleaved_adamw",
   "make_plan",

@@ -19,7 +19,13 @@ optimizer's own plan and the measured stage times, for ``jax_dos.overlap``:
   :func:`speculation_cap`: how many streamed parameters the budget lets a step
   speculate on; :func:`check_host_memory`;
 * :func:`stream_share_of_host`: the host subgroups the stream path steps when
-  the clip fires, so that both paths end their redo together.
+  the clip fires, so that both paths end their redo together;
+* :func:`routes`: what the step's threads read of a plan (:class:`Routes`), one
+  value per plan; :func:`rebalanced`: the plan with one subgroup moved across
+  the host/stream boundary, a new value handed forward to the step.
+
+The plan flows one way: this module makes plans and the step takes them; the
+step never edits a plan, it asks for a new one.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import jax.numpy as jnp
 
 from jax_dos import memory
 from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
-from jax_dos.plan import PLACEMENTS, STAGING_BYTES, STATE_BYTES, Plan, partition_groups
+from jax_dos.plan import PLACEMENTS, RESIDENT_CALL_ELEMENTS, STAGING_BYTES, STATE_BYTES, Plan, partition_groups
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
@@ -60,6 +66,12 @@ RUN_AHEAD_STAGES = 2
 # state is on its way back). Each copy starts only once the compute queue has reached it, so more are needed than the
 # plain update phase's 2 to keep the link busy (docs/measurements.md).
 STREAM_SLOTS = 4
+# Rebalancing (OverlappedStep(rebalance=True)): a step moves one subgroup across the stream/host boundary when one
+# path finished its step this much later than the other; it stops at the first move back, or after this many steps.
+REBALANCE_GAP_S = 0.05
+REBALANCE_STEPS = 12
+# The first steps' ends are not used: they compile the update programs and the host kernel.
+REBALANCE_AFTER_STEPS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +81,8 @@ class StepLayout:
   ``subgroups`` (leaf indices) and ``sizes`` (elements) are
   ``jax_dos.plan.partition_groups``'; ``stages`` gives each subgroup's stage,
   the one whose backward pass completes its gradient; ``leaf_sizes`` and
-  ``leaf_bytes`` each leaf's elements and bytes per element.
+  ``leaf_bytes`` each leaf's elements and bytes per element; ``hand_over``
+  every subgroup in the order the backward pass hands them over.
   """
 
   subgroups: tuple[tuple[int, ...], ...]
@@ -77,6 +90,7 @@ class StepLayout:
   stages: tuple[int, ...]
   leaf_sizes: tuple[int, ...]
   leaf_bytes: tuple[int, ...]
+  hand_over: tuple[int, ...] = ()
 
   @property
   def forward_order(self) -> list[int]:
@@ -139,9 +153,11 @@ def step_layout(model: StagedModel, groups: list, subgroup_size: int) -> StepLay
   """The parameter groups as the plan sees them: subgroups within groups, each one's stage, each leaf's size."""
   leaves, _ = leaves_with_paths(list(groups), "params")
   subgroups, sizes, group_of = partition_groups(groups, subgroup_size)
+  of_group = [[s for s, g in enumerate(group_of) if g == gi] for gi in range(len(groups))]
+  hand_over = [s for i in reversed(range(len(model.stages))) for g in model.groups_completing(i) for s in of_group[g]]
   return StepLayout(
     tuple(subgroups), tuple(sizes), tuple(model.completion[g] for g in group_of),
-    tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves),
+    tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves), tuple(hand_over),
   )  # fmt: skip
 
 
@@ -213,6 +229,28 @@ def default_host_budget() -> int:
   budget = int(HOST_SHARE * memory.host_memory_total())
   pool = memory.pinned_pool_limit()
   return budget if pool is None else min(budget, pool)
+
+
+def host_need_bound(
+  num_params: int, param_bytes: int = 2, *, overlapped: bool = False, moment_copies: bool = False,
+  host_memory_bytes: int | None = None,
+) -> int:  # fmt: skip
+  """The most pinned host bytes a step of ``num_params`` parameters plans, from the count alone.
+
+  For a pool cap set before jax starts (``jax_dos.cap_pinned_pool``), when no
+  plan can be made yet. The plain step with every subgroup offloaded:
+  ``STATE_BYTES`` and a gradient or weight copy (4 B) a parameter, 4 B more
+  with ``moment_copies`` (``delay_predict="gradient"``). The overlapped step
+  (``overlapped``): the host path's ``timeline.HostBytes`` a parameter (state,
+  spare state, gradient and weight copies of ``param_bytes`` each), and no
+  more than its default host budget, ``HOST_SHARE`` of the host's RAM
+  (``host_memory_bytes``, default the machine's). The larger of the two.
+  """
+  plain = (STATE_BYTES + 4 + (4 if moment_copies else 0)) * num_params
+  if not overlapped:
+    return plain
+  total = memory.host_memory_total() if host_memory_bytes is None else host_memory_bytes
+  return max(plain, min(HostBytes().per_parameter("host", param_bytes) * num_params, int(HOST_SHARE * total)))
 
 
 def make_plan(
@@ -365,6 +403,84 @@ def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
   rates = Rates(host, stream, 1.0, host, stream)
   timeline = [dataclasses.replace(g, size=n) for g, n in zip(layout.timeline(), plan.sizes)]
   return fired_share(timeline, plan.placements, rates)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Routes:
+  """What the overlapped step's threads read of one plan: made once per plan (:func:`routes`), never changed.
+
+  ``forward_rank``: each subgroup's place in the order the forward pass needs
+  them; ``stream_order``: the streamed subgroups in hand-over order, and
+  ``stream_rank`` their places in it; ``redo_on_stream``: the host subgroups
+  the stream path steps when the clip fires (:func:`stream_share_of_host`);
+  ``stream_speculation``: streamed parameters a step may speculate on
+  (:func:`speculation_cap`).
+  """
+
+  plan: Plan
+  forward_rank: dict[int, int]
+  stream_order: tuple[int, ...]
+  stream_rank: dict[int, int]
+  redo_on_stream: frozenset[int]
+  stream_speculation: int
+  resident_calls: tuple[tuple[int, ...], ...]  # resident subgroups, per jitted update of at most RESIDENT_CALL_ELEMENTS
+
+  def by_forward_rank(self, subgroups: Any) -> list[int]:
+    return sorted(subgroups, key=self.forward_rank.__getitem__)
+
+
+def routes(plan: Plan, layout: StepLayout, host_budget_bytes: int) -> Routes:
+  """The :class:`Routes` of ``plan``."""
+  stream_order = tuple(s for s in layout.hand_over if plan.placements[s] == "stream")
+  return Routes(
+    plan, {s: r for r, s in enumerate(layout.forward_order)}, stream_order,
+    {s: r for r, s in enumerate(stream_order)}, frozenset(stream_share_of_host(plan, layout)),
+    speculation_cap(plan, layout, host_budget_bytes), _resident_calls(plan),
+  )  # fmt: skip
+
+
+def _resident_calls(plan: Plan) -> tuple[tuple[int, ...], ...]:
+  calls, size = [[]], 0
+  for s in plan.indices("device"):
+    if calls[-1] and size + plan.sizes[s] > RESIDENT_CALL_ELEMENTS:
+      calls.append([])
+      size = 0
+    calls[-1].append(s)
+    size += plan.sizes[s]
+  return tuple(tuple(c) for c in calls if c)
+
+
+def rebalanced(
+  plan: Plan, layout: StepLayout, ends: dict[str, float], last_move: str | None, host_budget_bytes: int
+) -> tuple[Plan | None, str | None, bool]:
+  """``(new plan, the path it moved a subgroup to, stop)``: one subgroup across the stream/host boundary.
+
+  ``ends``: when the host and stream paths (``"host"``, ``"stream"``)
+  finished their last subgroup of a step, in seconds. Where they are more
+  than ``REBALANCE_GAP_S`` apart, the subgroup next to the boundary moves to
+  the path that finished first (streamed ones are the earlier stages). No
+  move (``None``) where they are close; no move and ``stop`` where the move
+  would go back (``last_move`` the other way: the boundary has crossed the
+  balance), would leave a path empty, or would not fit the host budget.
+  """
+  host, stream = ends.get("host"), ends.get("stream")
+  if host is None or stream is None or abs(host - stream) < REBALANCE_GAP_S:
+    return None, None, False
+  to = "host" if stream > host else "stream"
+  if last_move not in (None, to):
+    return None, None, True
+  placements = list(plan.placements)
+  side = [s for s in layout.forward_order if placements[s] == ("stream" if to == "host" else "host")]
+  if len(side) < 2:  # keep each path in use
+    return None, None, True
+  placements[side[-1] if to == "host" else side[0]] = to
+  new = plan.with_placements(placements, predicted={}, source=plan.source.split("+rebalanced")[0] + "+rebalanced")
+  if to == "host":
+    try:
+      check_host_memory(new, layout, speculation_cap(new, layout, host_budget_bytes), host_budget_bytes)
+    except MemoryError:
+      return None, None, True
+  return new, to, False
 
 
 def _group_ranges(groups: list) -> list[range]:

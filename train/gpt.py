@@ -67,8 +67,8 @@ import numpy as np
 import jax_dos
 from models import gpt as gpt_model
 from train import data as data_lib
+from train import host_memory, parallel, progress, step_log, steps
 from train import overlapped as overlapped_lib
-from train import parallel, progress, step_log, steps
 from train.evaluate import validation_loss
 from train.flags import build_parser, model_overrides, parse_args, resumed_schedule
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   """
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)  # parse_args starts jax's backend
   overlapped_lib.allow_overlap_on_gpu(build_parser().parse_args(argv))  # before jax starts its GPU client
+  host_memory.cap_host_memory(build_parser().parse_args(argv))  # XLA's pinned pool, from the run's most need
   parallel.join_from_environment()  # a job of several processes (jax.distributed), before jax starts a backend
   args = parse_args(argv)
   results = train(args)
