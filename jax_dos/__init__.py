@@ -39,7 +39,9 @@ from jax_dos.planning.budgets import StepMemory
 from jax_dos.planning.calibration import calibrate
 from jax_dos.planning.cost_model import Calibration
 from jax_dos.planning.planner import auto_planner, make_plan
+from jax_dos.remat import PLANNED_POLICIES as PLANNED_REMAT_POLICIES
 from jax_dos.remat import REMAT_NAMES, REMAT_POLICIES, checkpoint_policy, rematerialise
+from jax_dos.remat import describe as describe_remat
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
@@ -71,6 +73,7 @@ __all__ = [
   "InterleavedAdamTransformation",
   "NO_COMMAND_BUFFERS",
   "PLACEMENTS",
+  "PLANNED_REMAT_POLICIES",
   "Plan",
   "REMAT_NAMES",
   "REMAT_POLICIES",
@@ -80,6 +83,7 @@ __all__ = [
   "calibrate",
   "checkpoint_policy",
   "clip_scale",
+  "describe_remat",
   "from_optax_adamw_state",
   "OverlappedStep",
   "overlapped_plan",
