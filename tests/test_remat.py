@@ -67,14 +67,14 @@ def test_gpt_stages_under_every_policy_give_full_remats_loss_and_gradients():
   batch = (tokens(), tokens())
   stages = G.make_stages(cfg)
   full = jax_dos.StagedModel(stages, len(groups)).loss_and_grads(groups, batch, micro_batches=2)
-  policies = ["none", "minimal", "none", "offload", "full"]  # embeddings, three blocks, head
+  policies = ["full", "minimal", "none", "offload", "full"]  # embeddings, three blocks, head
   model = jax_dos.StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(stages, policies)], len(groups))
   loss, grads = model.loss_and_grads(groups, batch, micro_batches=2)
   np.testing.assert_allclose(float(loss), float(full[0]), rtol=1e-6)
   assert max_rel_diff(grads, full[1]) < 1e-5
   part, xs, kept = jax_dos.stages.micro_batch(batch, 0, 2), [None], []
   for i in range(4):
-    x, saved = model.forward(i, (groups[i],), xs[-1], part)
+    x, saved = model.forward(i, (groups[i],), xs[-1], part)  # embeddings: full, nothing kept
     xs.append(x)
     kept.append(saved)
   # The tagged outputs the backward pass needs, of one micro-batch in float32: qkv_proj, out_proj (the second norm's
@@ -83,23 +83,28 @@ def test_gpt_stages_under_every_policy_give_full_remats_loss_and_gradients():
   assert kept[1].device_bytes() == tagged  # minimal
   assert kept[2].device_bytes() > tagged  # none: the norms' and the attention's intermediates too
   assert kept[3].device_bytes() == 0 and sum(a.nbytes for a in kept[3].arrays) == tagged  # offload: in host memory
-  assert jax_dos.StagedModel(stages, len(groups)).forward(1, (groups[1],), xs[1], part)[1] is None  # full keeps none
+  assert kept[0] is None
 
 
 def test_overlapped_step_under_per_stage_policies_equals_full_remat():
-  """Two steps of two micro-batches (stage-major) with a policy per stage, against all "full": same parameters."""
+  """Two steps of two micro-batches (stage-major) with a policy per stage, given by the stages or by the plan, against
+  all "full": the same losses and parameters."""
   rng = np.random.default_rng()
   groups, batches = toy_groups(rng), [toy_batch(rng) for _ in range(2)]
+  tx = jax_dos.interleaved_adamw(1e-2, weight_decay=0.1, subgroup_size=40, plan="device")
+  planned = jax_dos.overlapped_plan(tx, toy_stages(), groups)
+  planned = dataclasses.replace(planned, remat=("full", "none", "none", "full"))
   out = []
-  for policies in (("full",) * 4, ("none", "minimal", "none", "full")):
-    tx = jax_dos.interleaved_adamw(1e-2, weight_decay=0.1, subgroup_size=40, plan="device")
+  for policies, plan in ((("full",) * 4, None), (("none", "minimal", "none", "full"), None), (("full",) * 4, planned)):
     step = jax_dos.OverlappedStep(tx, toy_stages(policies), jax.tree.map(jnp.copy, groups), clip_norm=1.0,
-                                  micro_batches=2)  # fmt: skip
+                                  micro_batches=2, plan=plan)  # fmt: skip
+    assert [st.remat for st in step.model.stages] == list(policies if plan is None else plan.remat)
     losses = [float(step(batch)) for batch in batches]
     out.append((losses, step.params))
     step.close()
-  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
-  assert max_rel_diff(out[1][1], out[0][1]) < 1e-5
+  for losses, params in out[1:]:
+    np.testing.assert_allclose(losses, out[0][0], rtol=1e-6)
+    assert max_rel_diff(params, out[0][1]) < 1e-5
 
 
 def hand_made_times(k_saved: int) -> jax_dos.StageTimes:
