@@ -35,6 +35,7 @@ Usage (GPU machine)::
     python bench/train_step.py --preset gpt-6.7b --batch 16 --variants peak,idiom,host --out $OUT/a.json
     python bench/train_step.py --preset gpt-6.7b --batch 8 --grad-accum 2 --variants peak,host,auto,ahead
     python bench/train_step.py --preset gpt-1.3b --param-dtype float32 --variants none,auto --out $OUT/fit.json
+    python bench/train_step.py --preset gpt-6.7b --batch 8 --grad-accum 2 --variants overlap --remat auto  # per block
     python bench/train_step.py --smoke          # a tiny model on the CPU: checks the script runs
 """
 
