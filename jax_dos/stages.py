@@ -141,6 +141,11 @@ def _forward_saving(fn, policy: str, params, x, batch):
   """``(y, Saved)``: the stage's output and the residuals ``policy`` keeps for its backward program."""
   y, vjp = _stage_vjp(fn, policy, params, x, batch)
   leaves, treedef = jax.tree.flatten(vjp)
+  if not all(isinstance(a, jax.Array) for a in leaves):
+    raise TypeError(
+      f"this jax ({jax.__version__}) returns a vjp function that is not a tree of arrays, so a stage's forward program"
+      f" cannot hand its residuals to its backward program; use remat='full' for the stages (--remat full)."
+    )
   where = {id(a): j for j, a in enumerate(jax.tree.leaves((params, x, batch)))}
   sources = tuple(where.get(id(a), -1) for a in leaves)
   return y, Saved(tuple(a for a, s in zip(leaves, sources) if s < 0), treedef, sources)
