@@ -149,3 +149,25 @@ def test_the_plan_keeps_full_remat_where_nothing_else_fits_and_saves_activations
   assert kept <= middle.step_room_bytes - slot
   assert STATE_BYTES * middle.elements("device") + kept <= middle.step_room_bytes
   assert short.predicted["step"] > middle.predicted["step"] > ample.predicted["step"]
+
+
+def test_the_activation_memory_and_the_candidates_of_an_assignment():
+  """Every micro-batch the order keeps counts its saved residuals; the largest temporaries count only where they
+  grow; the candidates move the last block first, to the policy saving the most time per byte."""
+  saved = int(np.random.default_rng().integers(1, 100)) * 1000
+  times = hand_made_times(saved)
+  temps = {"full": (1, 5, 5, 9), "minimal": (1, 7, 7, 9), "none": (1, 12, 12, 9)}
+  remat = {p: dataclasses.replace(c, temp_bytes=temps[p]) for p, c in times.remat.items()}
+  times = dataclasses.replace(times, remat=remat)
+  mixed = ("full", "none", "minimal", "full")
+  assert times.extra_activation_bytes(mixed, 3, "stage") == 3 * (2 * saved + saved) + 12 - 9
+  assert times.extra_activation_bytes(mixed, 3, "batch") == 2 * saved + saved + 12 - 9
+  assert times.extra_activation_bytes(("full", "minimal", "minimal", "full"), 3, "stage") == 3 * 2 * saved  # 7 < 9
+  assert jax_dos.timeline.remat_candidates(times) == [
+    ("full",) * 4,
+    ("full", "full", "minimal", "full"),  # 0.5 s per saved byte: minimal first, the last block first
+    ("full", "minimal", "minimal", "full"),
+    ("full", "minimal", "none", "full"),  # then 0.3 s for the next saved bytes
+    ("full", "none", "none", "full"),
+  ]
+  assert times.assigned(mixed).backward == (2.0, 1.2, 1.5, 2.0)
