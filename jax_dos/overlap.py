@@ -174,7 +174,10 @@ class OverlappedStep:
       With them, ``"auto"`` places subgroups by the step's timeline
       (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner
       would, and records the predicted step in ``plan.predicted``; without
-      them it keeps ``tx``'s planner's shares, by stage order.
+      them it keeps ``tx``'s planner's shares, by stage order. Measured with
+      ``policies``, ``"auto"`` also chooses each stage's rematerialisation
+      policy beside the placements (``plan.remat``), and the step runs its
+      stages under them.
     run_ahead_stages: how many stage programs the training thread may have
       dispatched beyond the one the accelerator runs (``RUN_AHEAD_STAGES``).
       Fewer: the workers' programs and copies wait less behind the stage
@@ -276,6 +279,11 @@ class OverlappedStep:
     self.plan = overlap_plan.plan_step(
       tx, stages, list(params), plan=plan, stage_times=stage_times, **dataclasses.asdict(options)
     )
+    if self.plan.remat is not None:  # the plan's rematerialisation policies, chosen beside its placements
+      if len(self.plan.remat) != len(self.model.stages):
+        raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
+      self.model = StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)],
+                               len(params))  # fmt: skip
     self.routes = overlap_plan.routes(self.plan, self._layout, self.host_budget_bytes)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
@@ -395,6 +403,7 @@ class OverlappedStep:
     programs = schedule(n, k, self.micro_batch_order)
     window = max(j for j, (kind, _, _) in enumerate(programs) if kind == "forward") + 1  # the final backward pass
     inputs = [[None] * n for _ in range(k)]  # each micro-batch's stage inputs, kept from forward to backward
+    saved = [[None] * n for _ in range(k)]  # and what each stage's policy saves beside them
     sums: list[Any] = [None] * len(self.group_subgroups)
     dys, losses, squares = [None] * k, [None] * k, []
     reached: set[int] = set()  # stages whose groups' final weights were waited for
@@ -407,7 +416,7 @@ class OverlappedStep:
         self._submit(self._streamer, self._stream_path.prefetch)
       if kind == "forward":
         with trace.span("overlap.forward"):
-          x = self.model.forward(i, self._stage_params(i), inputs[m][i], parts[m])
+          x, saved[m][i] = self.model.forward(i, self._stage_params(i), inputs[m][i], parts[m])
         inputs[m][i + 1] = x
         trace.watch(f"forward {i}", x)
         self._pace(x)
@@ -415,8 +424,8 @@ class OverlappedStep:
       last = m == k - 1
       with trace.span("overlap.backward"):
         out, new, dys[m], sq = self.model.backward(i, self._stage_params(i), inputs[m][i], parts[m], dys[m],
-                                                   tuple(sums[g] for g in st.groups), last)  # fmt: skip
-      inputs[m][i] = None
+                                                   tuple(sums[g] for g in st.groups), last, saved[m][i])  # fmt: skip
+      inputs[m][i] = saved[m][i] = None
       losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):
         sums[g] = s

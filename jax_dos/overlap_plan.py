@@ -49,6 +49,7 @@ from jax_dos.timeline import (
   Subgroup,
   choose_placements,
   fired_share,
+  remat_candidates,
   simulate_fired,
   stage_ordered_placements,
   stream_rate_during_backward,
@@ -194,7 +195,7 @@ def plan_step(
     plan if plan is not None else owner.plan_spec, owner, groups, layout, stage_times=stage_times,
     micro_batches=options.micro_batches, micro_batch_order=options.micro_batch_order,
     run_ahead_stages=options.run_ahead_stages, max_stream_slots=options.stream_slots,
-    host_budget_bytes=options.host_budget_bytes,
+    host_budget_bytes=options.host_budget_bytes, stage_policies=tuple(st.remat for st in model.stages),
   )  # fmt: skip
 
 
@@ -256,6 +257,7 @@ def host_need_bound(
 def make_plan(
   spec: Any, owner: Any, groups: list, layout: StepLayout, *, stage_times: StageTimes | None, micro_batches: int,
   micro_batch_order: str, run_ahead_stages: int, max_stream_slots: int, host_budget_bytes: int,
+  stage_policies: tuple[str, ...] | None = None,
 ) -> Plan:  # fmt: skip
   """The step's plan from ``spec`` (``"auto"``, a placement, a list of them, or a ``Plan`` within groups).
 
@@ -263,7 +265,9 @@ def make_plan(
   before any state took accelerator memory): the resident share and the
   streaming slots that fit beside the step's peak, then by the timeline model
   with ``stage_times`` (``source="model+timeline"``, ``predicted`` holding the
-  step), else the plain plan's shares by stage order (``"model+stages"``).
+  step, :func:`_timeline_plan`: with the stages' measured policies, the
+  rematerialisation too), else the plain plan's shares by stage order
+  (``"model+stages"``). ``stage_policies``: the stages' own policies.
   """
   subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
   if isinstance(spec, Plan):
@@ -280,25 +284,14 @@ def make_plan(
     boundaries = 0  # the "stage" order keeps every micro-batch's stage inputs at the step's peak, not one's
     if micro_batch_order == "stage" and stage_times is not None:
       boundaries = (micro_batches - 1) * stage_times.boundary_bytes
-    resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries)
     if stage_times is None or whole.calibration is None:
+      resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries)
       stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
       placements = stage_ordered_placements(forward_order, sizes, resident, stream)
       return Plan(subgroups, tuple(placements), sizes, slots, source="model+stages", calibration=whole.calibration,
                   step_room_bytes=whole.step_room_bytes)  # fmt: skip
-    cal = whole.calibration
-    backward = stream_rate_during_backward(stage_times, sum(sizes) / len(sizes), run_ahead_stages)
-    rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
-                  cal["stream_rate_concurrent"], backward)  # fmt: skip
-    window = stage_times.per_window(micro_batches, micro_batch_order)
-    placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
-                                              host_budget_bytes=host_budget_bytes)  # fmt: skip
-    compute = stage_times.compute_s(micro_batches)
-    fired = simulate_fired(window, layout.timeline(), placements, rates)
-    predicted = {"exposed": predicted["exposed_s"], "step": compute + predicted["exposed_s"],
-                 "step_clip_fired": compute + fired["exposed_s"]}  # fmt: skip
-    return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
-                step_room_bytes=whole.step_room_bytes)  # fmt: skip
+    return _timeline_plan(whole, groups, layout, stage_times, boundaries, stage_policies, micro_batches,
+                          micro_batch_order, run_ahead_stages, max_stream_slots, host_budget_bytes)  # fmt: skip
   if isinstance(spec, str):
     if spec not in PLACEMENTS:
       raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
@@ -310,6 +303,63 @@ def make_plan(
       " (jax_dos.plan.partition_groups); pass one placement per subgroup."
     )
   return Plan(subgroups, placements, sizes, max_stream_slots, source="user")
+
+
+def _timeline_plan(
+  whole: Plan, groups: list, layout: StepLayout, stage_times: StageTimes, boundaries: int,
+  stage_policies: tuple[str, ...] | None, micro_batches: int, micro_batch_order: str, run_ahead_stages: int,
+  max_stream_slots: int, host_budget_bytes: int,
+) -> Plan:  # fmt: skip
+  """Placements and rematerialisation chosen together: the predicted fastest step that fits.
+
+  Each candidate policy assignment (``timeline.remat_candidates``; the
+  stages' own policies where no choice was measured) holds
+  ``extra_activation_bytes`` more than all ``"full"`` (the saved residuals of every
+  micro-batch the order keeps, and any growth of the largest backward
+  program's temporaries), taken out of the room beside the step's peak
+  before the resident share and the streaming slots are sized
+  (:func:`room_beside_step`); the timeline then places the subgroups under
+  that assignment's stage times. An assignment other than all ``"full"``
+  is tried only where the room is known and still holds a streaming slot
+  of the largest subgroup beside its activations: where memory is short, or
+  unknown, the plan keeps full rematerialisation. Ties keep the fewer
+  activations.
+  """
+  subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
+  n, k = len(stage_times.forward), micro_batches
+  full = ("full",) * n
+  if stage_times.remat_choices:
+    candidates = remat_candidates(stage_times)
+  else:
+    candidates = [stage_policies if stage_times.remat and stage_policies else None]
+  per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / (sum(sizes) or 1)
+  least = STAGING_BYTES * max(sizes, default=0) * per_device  # one streaming slot of the largest subgroup
+  cal = whole.calibration
+  best = None
+  for policies in candidates:
+    times, extra = stage_times, 0
+    if policies is not None:
+      times = stage_times.assigned(policies)
+      extra = stage_times.extra_activation_bytes(policies, k, micro_batch_order)
+      room = None if whole.step_room_bytes is None else whole.step_room_bytes - boundaries - extra
+      if policies != full and stage_times.remat_choices and (room is None or room < least):
+        continue
+    resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries + extra)
+    backward = stream_rate_during_backward(times, sum(sizes) / len(sizes), run_ahead_stages)
+    rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
+                  cal["stream_rate_concurrent"], backward)  # fmt: skip
+    window = times.per_window(k, micro_batch_order)
+    placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
+                                              host_budget_bytes=host_budget_bytes)  # fmt: skip
+    step = times.compute_s(k) + predicted["exposed_s"]
+    if best is None or step < best[0] * (1 - 1e-9):
+      best = (step, policies, times, window, placements, predicted, rates, slots)
+  step, policies, times, window, placements, predicted, rates, slots = best
+  fired = simulate_fired(window, layout.timeline(), placements, rates)
+  predicted = {"exposed": predicted["exposed_s"], "step": step,
+               "step_clip_fired": times.compute_s(k) + fired["exposed_s"]}  # fmt: skip
+  return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
+              step_room_bytes=whole.step_room_bytes, remat=policies if stage_times.remat_choices else None)  # fmt: skip
 
 
 def room_beside_step(
@@ -330,10 +380,12 @@ def room_beside_step(
   and ``max_slots``.
   """
   resident, total, slots = whole.elements("device"), sum(sizes), max_slots
-  if whole.step_room_bytes is None or resident >= total:
+  if whole.step_room_bytes is None:
     return resident, slots
   per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / total
   room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
+  if resident >= total and STATE_BYTES * total * per_device <= room:
+    return resident, slots
   for _ in range(len(sizes)):
     kept = stage_ordered_placements(forward_order, sizes, cap, 0)
     largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)

@@ -324,7 +324,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   overlap_plan = times = None
   if refusal is None and args.overlap != "off":
     if args.offload == "auto" and sized:
-      times = overlapped_lib.stage_times(cfg, params, first_batch, args.grad_accum)
+      times = overlapped_lib.stage_times(cfg, params, first_batch, args.grad_accum, args.remat)
     overlap_plan = overlapped_lib.plan(args, tx, cfg, params, times)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
   notes.append(line)
@@ -407,6 +407,15 @@ def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params
   }
 
 
+def plain_remat(remat: str) -> str:
+  """The plain step's block policy for ``--remat``: ``auto`` is ``full`` on an accelerator that reports its memory
+  (its activations may not fit) and ``none`` elsewhere (the CPU: nothing to save); the overlapped step's plan
+  chooses its own per block (``train.overlapped.stage_times``)."""
+  if remat != "auto":
+    return remat
+  return "full" if jax.local_devices()[0].memory_stats() is not None else "none"
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
   """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
@@ -417,7 +426,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   # --- model, then the step: both steps' plans from shapes, one chosen, its optimizer state allocated once
   cfg = gpt_model.get_config(
     args.preset, **model_overrides(args), vocab_size=vocab, dtype=args.compute_dtype, param_dtype=args.param_dtype,
-    remat=args.remat,
+    remat=plain_remat(args.remat),
   )  # fmt: skip
   _calibrate(args)
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None

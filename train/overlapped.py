@@ -19,6 +19,7 @@ checkpoint does not depend on the path that wrote it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
@@ -28,6 +29,7 @@ import jax_dos
 from models import gpt as gpt_model
 
 OVERLAP_MODES = ("auto", "on", "off")
+REMAT_MODES = ("auto", *jax_dos.REMAT_POLICIES)
 
 
 def refusal(args: argparse.Namespace) -> str | None:
@@ -59,10 +61,19 @@ def _in_groups(state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamSt
   return jax_dos.InterleavedAdamState(state.count, *(gpt_model.stage_groups(t) for t in state[1:]))
 
 
+def stages(cfg: gpt_model.GPTConfig, remat: str) -> list[jax_dos.Stage]:
+  """The GPT's stages under ``--remat``: a policy on every stage but the last (the head, which has no forward
+  program); ``auto`` leaves them ``full``, for the plan to choose (:func:`stage_times` measures the choices)."""
+  made = gpt_model.make_stages(cfg)
+  if remat in ("auto", "full"):
+    return made
+  return [dataclasses.replace(st, remat=remat) for st in made[:-1]] + made[-1:]
+
+
 def plan(args: argparse.Namespace, tx, cfg: gpt_model.GPTConfig, params: dict, times=None) -> jax_dos.Plan:
   """The overlapped step's plan for the GPT's stages, from the parameters' shapes (no optimizer state exists)."""
   return jax_dos.overlapped_plan(
-    tx, gpt_model.make_stages(cfg), gpt_model.stage_groups(params), stage_times=times, micro_batches=args.grad_accum
+    tx, stages(cfg, args.remat), gpt_model.stage_groups(params), stage_times=times, micro_batches=args.grad_accum
   )
 
 
@@ -86,7 +97,7 @@ class OverlappedTraining:
     opt_state: jax_dos.InterleavedAdamState | None = None, stage_times=None,
   ):  # fmt: skip
     self.step = jax_dos.OverlappedStep(
-      tx, gpt_model.make_stages(cfg), gpt_model.stage_groups(params), None if opt_state is None else
+      tx, stages(cfg, args.remat), gpt_model.stage_groups(params), None if opt_state is None else
       _in_groups(opt_state), clip_norm=args.clip or None, micro_batches=args.grad_accum, plan=step_plan,
       stage_times=stage_times,
     )  # fmt: skip
@@ -121,8 +132,12 @@ class OverlappedTraining:
     return _in_model_layout(self.step.opt_state)
 
 
-def stage_times(cfg: gpt_model.GPTConfig, params: dict, batch: tuple, micro_batches: int) -> jax_dos.StageTimes:
-  """Each stage's measured forward and backward time on one micro-batch of ``batch``."""
+def stage_times(
+  cfg: gpt_model.GPTConfig, params: dict, batch: tuple, micro_batches: int, remat: str = "full"
+) -> jax_dos.StageTimes:
+  """Each stage's measured forward and backward time on one micro-batch of ``batch``; with ``remat="auto"`` also
+  each stage's costs under the policies the plan chooses among (``jax_dos.remat.PLANNED_POLICIES``)."""
   rows = batch[0].shape[0] // micro_batches
-  model = jax_dos.StagedModel(gpt_model.make_stages(cfg), cfg.n_layer + 2)
-  return model.measure_times(gpt_model.stage_groups(params), tuple(x[:rows] for x in batch))
+  model = jax_dos.StagedModel(stages(cfg, remat), cfg.n_layer + 2)
+  policies = jax_dos.PLANNED_REMAT_POLICIES if remat == "auto" else ()
+  return model.measure_times(gpt_model.stage_groups(params), tuple(x[:rows] for x in batch), policies)
