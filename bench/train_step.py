@@ -35,6 +35,7 @@ Usage (GPU machine)::
     python bench/train_step.py --preset gpt-6.7b --batch 16 --variants peak,idiom,host --out $OUT/a.json
     python bench/train_step.py --preset gpt-6.7b --batch 8 --grad-accum 2 --variants peak,host,auto,ahead
     python bench/train_step.py --preset gpt-1.3b --param-dtype float32 --variants none,auto --out $OUT/fit.json
+    python bench/train_step.py --preset gpt-6.7b --batch 8 --grad-accum 2 --variants overlap --remat auto  # per block
     python bench/train_step.py --smoke          # a tiny model on the CPU: checks the script runs
 """
 
@@ -74,7 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       " not for the idiom)")  # fmt: skip
   p.add_argument("--vocab-size", type=int, default=50304)
   p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-  p.add_argument("--no-remat", action="store_true", help="keep block activations (default: rematerialise)")
+  p.add_argument("--remat", default="full", choices=("auto", "full", "minimal", "none", "offload"),
+                 help="block rematerialisation policy (jax_dos.remat); auto: overlap variants let the plan choose per"
+                      " block from the measured stages and the memory left (train.gpt --remat auto), the others take"
+                      " full")  # fmt: skip
   p.add_argument("--grad-flush", default=None, choices=("host", "all", "none"),  # GRADIENT_FLUSHES, none
                  help="jax_dos variants: gradients the backward pass writes to host memory (gradient_shardings'"
                       " flush; none: all stay on the GPU); default host, none with --grad-accum")  # fmt: skip
@@ -162,7 +166,24 @@ def _peak(jax, jnp) -> dict:
   return {"peak_flops": max(best.values()), "by_size": best}
 
 
+def _cap_pinned_pool(args: argparse.Namespace) -> None:
+  """XLA's pinned pool capped at the variant's most need before jax starts (``jax_dos.cap_pinned_pool``): the pool
+  grows by doubling regions up to its cap, so the cap bounds the process's resident set (docs/overlap.md, "Memory")."""
+  if args.variant in ("peak", "idiom", "none"):
+    return
+  import jax_dos
+  from models import gpt
+
+  shape = dict(vocab_size=args.vocab_size, block_size=max(args.seq_len, gpt.PRESETS[args.preset]["block_size"]))
+  n = gpt.param_count(gpt.get_config(args.preset, **shape))
+  param_bytes = 4 if args.param_dtype == "float32" else 2
+  predict = args.variant == "ahead"  # delay_predict="gradient": copies of the moments
+  most = jax_dos.host_need_bound(n, param_bytes, overlapped=args.variant in OVERLAPPED, moment_copies=predict)
+  jax_dos.cap_pinned_pool(most, certain_bytes=0)  # the plan says what fits (it may keep state resident)
+
+
 def run_variant(args: argparse.Namespace) -> dict:
+  _cap_pinned_pool(args)
   env = common.setup_env(pinned_fraction=0.9, gpu_mem_fraction=args.mem_fraction)
   import jax
   import jax.numpy as jnp
@@ -183,7 +204,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     block_size=max(args.seq_len, gpt.PRESETS[args.preset]["block_size"]),
     dtype="bfloat16" if jax.default_backend() == "gpu" else "float32",
     param_dtype=args.param_dtype,
-    remat=not args.no_remat,
+    remat="full" if args.remat == "auto" else args.remat,
   )
   graphdef, params = gpt.init_params(cfg, seed=0)
   tokens = data.load_tokens(None)[0]
@@ -334,14 +355,18 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   staged = gpt.staged(cfg)
   groups = staged.split(params)
   del params
-  stages = staged.stages
+  stages = list(staged.stages)
+  if args.remat not in ("auto", "full"):  # train.gpt's stages under a fixed --remat: every stage but the head
+    stages = [dataclasses.replace(st, remat=args.remat) for st in stages[:-1]] + stages[-1:]
   times = None
   if args.timeline:  # train.gpt --overlap auto's way: place subgroups by the measured stages' timeline
     t1 = time.perf_counter()
     micro = tuple(x[: args.batch] for x in batches[0])
-    times = jax_dos.StagedModel(stages, len(groups)).measure_times(groups, micro)
+    policies = jax_dos.PLANNED_REMAT_POLICIES if args.remat == "auto" else ()
+    times = jax_dos.StagedModel(stages, len(groups)).measure_times(groups, micro, policies)
     out["stage_times"] = {"forward_s": times.forward, "backward_s": times.backward,
-                          "boundary_bytes": times.boundary_bytes, "measure_s": time.perf_counter() - t1}  # fmt: skip
+                          "boundary_bytes": times.boundary_bytes, "measure_s": time.perf_counter() - t1,
+                          "remat": {p: dataclasses.asdict(c) for p, c in times.remat.items()}}  # fmt: skip
   step_kw = {"micro_batch_order": "batch" if args.variant == "overlapbatch" else args.overlap_order}
   if args.overlap_run_ahead is not None:
     step_kw["run_ahead_stages"] = args.overlap_run_ahead
@@ -358,6 +383,7 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   out["host_bytes_planned"] = step.host_bytes()
   del groups
   out["plan"] = str(step.plan)
+  out["remat"] = list(step.plan.remat) if step.plan.remat is not None else [st.remat for st in stages]
   out["plan_predicted"] = dict(step.plan.predicted)
   out["plan_elements"] = {k: step.plan.elements(k) for k in ("device", "stream", "host")}
   out["init_s"] = time.perf_counter() - t0

@@ -16,8 +16,8 @@ The package, from the ground up: ``state``, ``adam_math``, ``memory``,
 ``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
 ``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
 face) with ``accumulate``, ``state_convert`` and ``checkpoint``; the overlapped step, ``stages``,
-``timeline``, ``overlap_plan`` and ``overlap``, and ``nnx_adapter`` (a Flax NNX model's stages)
-(docs/design.md).
+``timeline``, ``overlap_plan`` and ``overlap``, with ``remat`` (the
+rematerialisation policies) below them, and ``nnx_adapter`` (a Flax NNX model's stages) (docs/design.md).
 
 Importing it changes one thing outside itself: XLA's pinned host pool cap
 (``memory.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
@@ -31,19 +31,23 @@ from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
+from jax_dos.memory import cap_pinned_pool
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
-from jax_dos.overlap_plan import abstract_state
+from jax_dos.overlap_plan import abstract_state, host_need_bound
 from jax_dos.overlap_plan import plan_step as overlapped_plan
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planning.budgets import StepMemory
 from jax_dos.planning.calibration import calibrate
 from jax_dos.planning.cost_model import Calibration
 from jax_dos.planning.planner import auto_planner, make_plan
+from jax_dos.remat import PLANNED_POLICIES as PLANNED_REMAT_POLICIES
+from jax_dos.remat import REMAT_NAMES, REMAT_POLICIES, checkpoint_policy, rematerialise
+from jax_dos.remat import describe as describe_remat
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
-from jax_dos.timeline import StageTimes
+from jax_dos.timeline import RematCosts, StageTimes
 from jax_dos.transform import (
   DEFAULT_DELAY_WARMUP,
   DEFAULT_SUBGROUP_SIZE,
@@ -72,11 +76,18 @@ __all__ = [
   "NNXStages",
   "NO_COMMAND_BUFFERS",
   "PLACEMENTS",
+  "PLANNED_REMAT_POLICIES",
   "Plan",
+  "REMAT_NAMES",
+  "REMAT_POLICIES",
+  "RematCosts",
   "StepMemory",
   "auto_planner",
   "calibrate",
+  "cap_pinned_pool",
+  "checkpoint_policy",
   "clip_scale",
+  "describe_remat",
   "from_optax_adamw_state",
   "OverlappedStep",
   "overlapped_plan",
@@ -86,12 +97,14 @@ __all__ = [
   "get_plan",
   "gradient_memory_kinds",
   "gradient_shardings",
+  "host_need_bound",
   "interleaved_adam",
   "interleaved_adamw",
   "make_plan",
   "multi_steps",
   "nnx_stages",
   "partition_leaves",
+  "rematerialise",
   "resolve_plan",
   "to_optax_adamw_state",
   "timeline",

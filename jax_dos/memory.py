@@ -116,6 +116,12 @@ def host_memory_available() -> int:
 POOL_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 XLA_DEFAULT_POOL_GIB = 64  # XLA's GPU client caps its pinned host allocator here unless POOL_LIMIT_ENV says otherwise
 DEFAULT_POOL_FRACTION = 0.9
+# What a run's resident set holds beside its pinned need (XLA's pool margin, Python, jax, numba, data): a run whose
+# need and this exceed the host's RAM is refused before anything moves (cap_pinned_pool).
+HOST_HEADROOM_BYTES = 5 * 2**30
+# XLA's pinned pool beyond the planned need (cap_pinned_pool): what the plan does not count (transfer staging).
+POOL_MARGIN_BYTES = 2 * 2**30
+_import_pool_limit: str | None = None  # the cap raise_pinned_pool_limit set at import, which cap_pinned_pool may lower
 
 
 def _backends_started() -> bool:
@@ -131,9 +137,53 @@ def raise_pinned_pool_limit(fraction: float = DEFAULT_POOL_FRACTION) -> None:
   so this only acts before the first computation; a value the user set is kept.
   ``import jax_dos`` calls it.
   """
+  global _import_pool_limit
   if POOL_LIMIT_ENV in os.environ or _backends_started():
     return
-  os.environ[POOL_LIMIT_ENV] = str(max(XLA_DEFAULT_POOL_GIB, int(fraction * host_memory_total() / 2**30)))
+  os.environ[POOL_LIMIT_ENV] = _import_pool_limit = str(
+    max(XLA_DEFAULT_POOL_GIB, int(fraction * host_memory_total() / 2**30))
+  )
+
+
+def cap_pinned_pool(
+  need_bytes: int,
+  *,
+  certain_bytes: int | None = None,
+  host_memory_bytes: int | None = None,
+  what: str = "the run",
+  advice: str = "Keep more of the state on the accelerator, use a smaller model, or add host RAM.",
+) -> int | None:
+  """Caps XLA's pinned host pool at ``need_bytes`` + ``POOL_MARGIN_BYTES`` before the GPU client starts.
+
+  ``need_bytes``: the most pinned host memory the run's plan can take (the
+  offloaded state, its spare and transfer buffers); ``certain_bytes`` (default
+  ``need_bytes``): what it takes in any plan. XLA's pool grows by doubling
+  regions up to its cap, so a cap far above the need lets the process hold far
+  more than it uses (docs/overlap.md, "Memory"). The cap is never set below
+  XLA's own default (64 GiB) nor above the host's RAM less
+  ``HOST_HEADROOM_BYTES``. A value the user set is kept, and once jax's
+  backend has started nothing changes (``None`` is returned); the cap
+  ``import jax_dos`` set is replaced. Returns the cap in bytes.
+
+  Raises ``MemoryError`` naming the numbers and ``advice`` where
+  ``certain_bytes`` and ``HOST_HEADROOM_BYTES`` exceed the host's RAM
+  (``host_memory_bytes``, default the machine's), before anything moves.
+  """
+  total = host_memory_total() if host_memory_bytes is None else host_memory_bytes
+  certain = need_bytes if certain_bytes is None else certain_bytes
+  if certain + HOST_HEADROOM_BYTES > total:
+    raise MemoryError(
+      f"{what} needs {certain / 2**30:.1f} GiB of pinned host memory for its optimizer state and buffers, and"
+      f" {HOST_HEADROOM_BYTES / 2**30:.0f} GiB beside it for the process: {(certain + HOST_HEADROOM_BYTES) / 2**30:.1f}"
+      f" GiB, above this machine's {total / 2**30:.1f} GiB of RAM. {advice}"
+    )
+  gib = math.ceil((need_bytes + POOL_MARGIN_BYTES) / 2**30)
+  gib = max(XLA_DEFAULT_POOL_GIB, min(gib, (total - HOST_HEADROOM_BYTES) // 2**30))
+  current = os.environ.get(POOL_LIMIT_ENV)
+  if _backends_started() or (current is not None and current != _import_pool_limit):
+    return None
+  os.environ[POOL_LIMIT_ENV] = str(gib)
+  return gib * 2**30
 
 
 def pinned_pool_limit() -> int | None:

@@ -19,7 +19,13 @@ optimizer's own plan and the measured stage times, for ``jax_dos.overlap``:
   :func:`speculation_cap`: how many streamed parameters the budget lets a step
   speculate on; :func:`check_host_memory`;
 * :func:`stream_share_of_host`: the host subgroups the stream path steps when
-  the clip fires, so that both paths end their redo together.
+  the clip fires, so that both paths end their redo together;
+* :func:`routes`: what the step's threads read of a plan (:class:`Routes`), one
+  value per plan; :func:`rebalanced`: the plan with one subgroup moved across
+  the host/stream boundary, a new value handed forward to the step.
+
+The plan flows one way: this module makes plans and the step takes them; the
+step never edits a plan, it asks for a new one.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import jax.numpy as jnp
 
 from jax_dos import memory
 from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
-from jax_dos.plan import PLACEMENTS, STAGING_BYTES, STATE_BYTES, Plan, partition_groups
+from jax_dos.plan import PLACEMENTS, RESIDENT_CALL_ELEMENTS, STAGING_BYTES, STATE_BYTES, Plan, partition_groups
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
@@ -43,6 +49,7 @@ from jax_dos.timeline import (
   Subgroup,
   choose_placements,
   fired_share,
+  remat_candidates,
   simulate_fired,
   stage_ordered_placements,
   stream_rate_during_backward,
@@ -60,6 +67,12 @@ RUN_AHEAD_STAGES = 2
 # state is on its way back). Each copy starts only once the compute queue has reached it, so more are needed than the
 # plain update phase's 2 to keep the link busy (docs/measurements.md).
 STREAM_SLOTS = 4
+# Rebalancing (OverlappedStep(rebalance=True)): a step moves one subgroup across the stream/host boundary when one
+# path finished its step this much later than the other; it stops at the first move back, or after this many steps.
+REBALANCE_GAP_S = 0.05
+REBALANCE_STEPS = 12
+# The first steps' ends are not used: they compile the update programs and the host kernel.
+REBALANCE_AFTER_STEPS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +82,8 @@ class StepLayout:
   ``subgroups`` (leaf indices) and ``sizes`` (elements) are
   ``jax_dos.plan.partition_groups``'; ``stages`` gives each subgroup's stage,
   the one whose backward pass completes its gradient; ``leaf_sizes`` and
-  ``leaf_bytes`` each leaf's elements and bytes per element.
+  ``leaf_bytes`` each leaf's elements and bytes per element; ``hand_over``
+  every subgroup in the order the backward pass hands them over.
   """
 
   subgroups: tuple[tuple[int, ...], ...]
@@ -77,6 +91,7 @@ class StepLayout:
   stages: tuple[int, ...]
   leaf_sizes: tuple[int, ...]
   leaf_bytes: tuple[int, ...]
+  hand_over: tuple[int, ...] = ()
 
   @property
   def forward_order(self) -> list[int]:
@@ -139,9 +154,11 @@ def step_layout(model: StagedModel, groups: list, subgroup_size: int) -> StepLay
   """The parameter groups as the plan sees them: subgroups within groups, each one's stage, each leaf's size."""
   leaves, _ = leaves_with_paths(list(groups), "params")
   subgroups, sizes, group_of = partition_groups(groups, subgroup_size)
+  of_group = [[s for s, g in enumerate(group_of) if g == gi] for gi in range(len(groups))]
+  hand_over = [s for i in reversed(range(len(model.stages))) for g in model.groups_completing(i) for s in of_group[g]]
   return StepLayout(
     tuple(subgroups), tuple(sizes), tuple(model.completion[g] for g in group_of),
-    tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves),
+    tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves), tuple(hand_over),
   )  # fmt: skip
 
 
@@ -178,7 +195,7 @@ def plan_step(
     plan if plan is not None else owner.plan_spec, owner, groups, layout, stage_times=stage_times,
     micro_batches=options.micro_batches, micro_batch_order=options.micro_batch_order,
     run_ahead_stages=options.run_ahead_stages, max_stream_slots=options.stream_slots,
-    host_budget_bytes=options.host_budget_bytes,
+    host_budget_bytes=options.host_budget_bytes, stage_policies=tuple(st.remat for st in model.stages),
   )  # fmt: skip
 
 
@@ -215,9 +232,32 @@ def default_host_budget() -> int:
   return budget if pool is None else min(budget, pool)
 
 
+def host_need_bound(
+  num_params: int, param_bytes: int = 2, *, overlapped: bool = False, moment_copies: bool = False,
+  host_memory_bytes: int | None = None,
+) -> int:  # fmt: skip
+  """The most pinned host bytes a step of ``num_params`` parameters plans, from the count alone.
+
+  For a pool cap set before jax starts (``jax_dos.cap_pinned_pool``), when no
+  plan can be made yet. The plain step with every subgroup offloaded:
+  ``STATE_BYTES`` and a gradient or weight copy (4 B) a parameter, 4 B more
+  with ``moment_copies`` (``delay_predict="gradient"``). The overlapped step
+  (``overlapped``): the host path's ``timeline.HostBytes`` a parameter (state,
+  spare state, gradient and weight copies of ``param_bytes`` each), and no
+  more than its default host budget, ``HOST_SHARE`` of the host's RAM
+  (``host_memory_bytes``, default the machine's). The larger of the two.
+  """
+  plain = (STATE_BYTES + 4 + (4 if moment_copies else 0)) * num_params
+  if not overlapped:
+    return plain
+  total = memory.host_memory_total() if host_memory_bytes is None else host_memory_bytes
+  return max(plain, min(HostBytes().per_parameter("host", param_bytes) * num_params, int(HOST_SHARE * total)))
+
+
 def make_plan(
   spec: Any, owner: Any, groups: list, layout: StepLayout, *, stage_times: StageTimes | None, micro_batches: int,
   micro_batch_order: str, run_ahead_stages: int, max_stream_slots: int, host_budget_bytes: int,
+  stage_policies: tuple[str, ...] | None = None,
 ) -> Plan:  # fmt: skip
   """The step's plan from ``spec`` (``"auto"``, a placement, a list of them, or a ``Plan`` within groups).
 
@@ -225,7 +265,9 @@ def make_plan(
   before any state took accelerator memory): the resident share and the
   streaming slots that fit beside the step's peak, then by the timeline model
   with ``stage_times`` (``source="model+timeline"``, ``predicted`` holding the
-  step), else the plain plan's shares by stage order (``"model+stages"``).
+  step, :func:`_timeline_plan`: with the stages' measured policies, the
+  rematerialisation too), else the plain plan's shares by stage order
+  (``"model+stages"``). ``stage_policies``: the stages' own policies.
   """
   subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
   if isinstance(spec, Plan):
@@ -242,25 +284,14 @@ def make_plan(
     boundaries = 0  # the "stage" order keeps every micro-batch's stage inputs at the step's peak, not one's
     if micro_batch_order == "stage" and stage_times is not None:
       boundaries = (micro_batches - 1) * stage_times.boundary_bytes
-    resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries)
     if stage_times is None or whole.calibration is None:
+      resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries)
       stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
       placements = stage_ordered_placements(forward_order, sizes, resident, stream)
       return Plan(subgroups, tuple(placements), sizes, slots, source="model+stages", calibration=whole.calibration,
                   step_room_bytes=whole.step_room_bytes)  # fmt: skip
-    cal = whole.calibration
-    backward = stream_rate_during_backward(stage_times, sum(sizes) / len(sizes), run_ahead_stages)
-    rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
-                  cal["stream_rate_concurrent"], backward)  # fmt: skip
-    window = stage_times.per_window(micro_batches, micro_batch_order)
-    placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
-                                              host_budget_bytes=host_budget_bytes)  # fmt: skip
-    compute = stage_times.compute_s(micro_batches)
-    fired = simulate_fired(window, layout.timeline(), placements, rates)
-    predicted = {"exposed": predicted["exposed_s"], "step": compute + predicted["exposed_s"],
-                 "step_clip_fired": compute + fired["exposed_s"]}  # fmt: skip
-    return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
-                step_room_bytes=whole.step_room_bytes)  # fmt: skip
+    return _timeline_plan(whole, groups, layout, stage_times, boundaries, stage_policies, micro_batches,
+                          micro_batch_order, run_ahead_stages, max_stream_slots, host_budget_bytes)  # fmt: skip
   if isinstance(spec, str):
     if spec not in PLACEMENTS:
       raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
@@ -272,6 +303,63 @@ def make_plan(
       " (jax_dos.plan.partition_groups); pass one placement per subgroup."
     )
   return Plan(subgroups, placements, sizes, max_stream_slots, source="user")
+
+
+def _timeline_plan(
+  whole: Plan, groups: list, layout: StepLayout, stage_times: StageTimes, boundaries: int,
+  stage_policies: tuple[str, ...] | None, micro_batches: int, micro_batch_order: str, run_ahead_stages: int,
+  max_stream_slots: int, host_budget_bytes: int,
+) -> Plan:  # fmt: skip
+  """Placements and rematerialisation chosen together: the predicted fastest step that fits.
+
+  Each candidate policy assignment (``timeline.remat_candidates``; the
+  stages' own policies where no choice was measured) holds
+  ``extra_activation_bytes`` more than all ``"full"`` (the saved residuals of every
+  micro-batch the order keeps, and any growth of the largest backward
+  program's temporaries), taken out of the room beside the step's peak
+  before the resident share and the streaming slots are sized
+  (:func:`room_beside_step`); the timeline then places the subgroups under
+  that assignment's stage times. An assignment other than all ``"full"``
+  is tried only where the room is known and still holds a streaming slot
+  of the largest subgroup beside its activations: where memory is short, or
+  unknown, the plan keeps full rematerialisation. Ties keep the fewer
+  activations.
+  """
+  subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
+  n, k = len(stage_times.forward), micro_batches
+  full = ("full",) * n
+  if stage_times.remat_choices:
+    candidates = remat_candidates(stage_times)
+  else:
+    candidates = [stage_policies if stage_times.remat and stage_policies else None]
+  per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / (sum(sizes) or 1)
+  least = STAGING_BYTES * max(sizes, default=0) * per_device  # one streaming slot of the largest subgroup
+  cal = whole.calibration
+  best = None
+  for policies in candidates:
+    times, extra = stage_times, 0
+    if policies is not None:
+      times = stage_times.assigned(policies)
+      extra = stage_times.extra_activation_bytes(policies, k, micro_batch_order)
+      room = None if whole.step_room_bytes is None else whole.step_room_bytes - boundaries - extra
+      if policies != full and stage_times.remat_choices and (room is None or room < least):
+        continue
+    resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries + extra)
+    backward = stream_rate_during_backward(times, sum(sizes) / len(sizes), run_ahead_stages)
+    rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
+                  cal["stream_rate_concurrent"], backward)  # fmt: skip
+    window = times.per_window(k, micro_batch_order)
+    placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
+                                              host_budget_bytes=host_budget_bytes)  # fmt: skip
+    step = times.compute_s(k) + predicted["exposed_s"]
+    if best is None or step < best[0] * (1 - 1e-9):
+      best = (step, policies, times, window, placements, predicted, rates, slots)
+  step, policies, times, window, placements, predicted, rates, slots = best
+  fired = simulate_fired(window, layout.timeline(), placements, rates)
+  predicted = {"exposed": predicted["exposed_s"], "step": step,
+               "step_clip_fired": times.compute_s(k) + fired["exposed_s"]}  # fmt: skip
+  return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
+              step_room_bytes=whole.step_room_bytes, remat=policies if stage_times.remat_choices else None)  # fmt: skip
 
 
 def room_beside_step(
@@ -292,10 +380,12 @@ def room_beside_step(
   and ``max_slots``.
   """
   resident, total, slots = whole.elements("device"), sum(sizes), max_slots
-  if whole.step_room_bytes is None or resident >= total:
+  if whole.step_room_bytes is None:
     return resident, slots
   per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / total
   room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
+  if resident >= total and STATE_BYTES * total * per_device <= room:
+    return resident, slots
   for _ in range(len(sizes)):
     kept = stage_ordered_placements(forward_order, sizes, cap, 0)
     largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)
@@ -365,6 +455,84 @@ def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
   rates = Rates(host, stream, 1.0, host, stream)
   timeline = [dataclasses.replace(g, size=n) for g, n in zip(layout.timeline(), plan.sizes)]
   return fired_share(timeline, plan.placements, rates)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Routes:
+  """What the overlapped step's threads read of one plan: made once per plan (:func:`routes`), never changed.
+
+  ``forward_rank``: each subgroup's place in the order the forward pass needs
+  them; ``stream_order``: the streamed subgroups in hand-over order, and
+  ``stream_rank`` their places in it; ``redo_on_stream``: the host subgroups
+  the stream path steps when the clip fires (:func:`stream_share_of_host`);
+  ``stream_speculation``: streamed parameters a step may speculate on
+  (:func:`speculation_cap`).
+  """
+
+  plan: Plan
+  forward_rank: dict[int, int]
+  stream_order: tuple[int, ...]
+  stream_rank: dict[int, int]
+  redo_on_stream: frozenset[int]
+  stream_speculation: int
+  resident_calls: tuple[tuple[int, ...], ...]  # resident subgroups, per jitted update of at most RESIDENT_CALL_ELEMENTS
+
+  def by_forward_rank(self, subgroups: Any) -> list[int]:
+    return sorted(subgroups, key=self.forward_rank.__getitem__)
+
+
+def routes(plan: Plan, layout: StepLayout, host_budget_bytes: int) -> Routes:
+  """The :class:`Routes` of ``plan``."""
+  stream_order = tuple(s for s in layout.hand_over if plan.placements[s] == "stream")
+  return Routes(
+    plan, {s: r for r, s in enumerate(layout.forward_order)}, stream_order,
+    {s: r for r, s in enumerate(stream_order)}, frozenset(stream_share_of_host(plan, layout)),
+    speculation_cap(plan, layout, host_budget_bytes), _resident_calls(plan),
+  )  # fmt: skip
+
+
+def _resident_calls(plan: Plan) -> tuple[tuple[int, ...], ...]:
+  calls, size = [[]], 0
+  for s in plan.indices("device"):
+    if calls[-1] and size + plan.sizes[s] > RESIDENT_CALL_ELEMENTS:
+      calls.append([])
+      size = 0
+    calls[-1].append(s)
+    size += plan.sizes[s]
+  return tuple(tuple(c) for c in calls if c)
+
+
+def rebalanced(
+  plan: Plan, layout: StepLayout, ends: dict[str, float], last_move: str | None, host_budget_bytes: int
+) -> tuple[Plan | None, str | None, bool]:
+  """``(new plan, the path it moved a subgroup to, stop)``: one subgroup across the stream/host boundary.
+
+  ``ends``: when the host and stream paths (``"host"``, ``"stream"``)
+  finished their last subgroup of a step, in seconds. Where they are more
+  than ``REBALANCE_GAP_S`` apart, the subgroup next to the boundary moves to
+  the path that finished first (streamed ones are the earlier stages). No
+  move (``None``) where they are close; no move and ``stop`` where the move
+  would go back (``last_move`` the other way: the boundary has crossed the
+  balance), would leave a path empty, or would not fit the host budget.
+  """
+  host, stream = ends.get("host"), ends.get("stream")
+  if host is None or stream is None or abs(host - stream) < REBALANCE_GAP_S:
+    return None, None, False
+  to = "host" if stream > host else "stream"
+  if last_move not in (None, to):
+    return None, None, True
+  placements = list(plan.placements)
+  side = [s for s in layout.forward_order if placements[s] == ("stream" if to == "host" else "host")]
+  if len(side) < 2:  # keep each path in use
+    return None, None, True
+  placements[side[-1] if to == "host" else side[0]] = to
+  new = plan.with_placements(placements, predicted={}, source=plan.source.split("+rebalanced")[0] + "+rebalanced")
+  if to == "host":
+    try:
+      check_host_memory(new, layout, speculation_cap(new, layout, host_budget_bytes), host_budget_bytes)
+    except MemoryError:
+      return None, None, True
+  return new, to, False
 
 
 def _group_ranges(groups: list) -> list[range]:

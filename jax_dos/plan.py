@@ -29,6 +29,8 @@ from typing import Any, Literal, Union
 import jax
 import numpy as np
 
+from jax_dos.remat import describe as describe_remat
+
 Placement = Literal["device", "stream", "host"]
 PLACEMENTS: tuple[str, ...] = ("device", "stream", "host")
 MEMORY_KIND: dict[str, str] = {"device": "device", "stream": "pinned_host", "host": "pinned_host"}
@@ -57,6 +59,9 @@ class Plan:
       step's forward/backward peak (``F - P`` of ``planning.budgets``), for
       what is held through it: resident state, and in the overlapped step the
       streamed subgroups in flight. ``None``: the step's needs were not given.
+    remat: in an overlapped step's plan, the rematerialisation policy of each
+      stage (``jax_dos.remat``) that the plan chose beside the placements;
+      ``None``: the stages' own.
     ahead_budget_bytes: with ``delay_predict="gradient"``, accelerator bytes
       (per device) for host subgroups' state copies sent ahead: subgroups
       whose copies fit, in plan order, are sent during the forward/backward
@@ -72,6 +77,7 @@ class Plan:
   calibration: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
   ahead_budget_bytes: int | None = None
   step_room_bytes: int | None = dataclasses.field(default=None, compare=False)
+  remat: tuple[str, ...] | None = None
 
   def __post_init__(self):
     if len(self.placements) != len(self.subgroups):
@@ -124,6 +130,8 @@ class Plan:
       lines.append(f"  stream slots in flight: {self.stream_slots}")
     if self.ahead_budget_bytes is not None and self.indices("host"):
       lines.append(f"  state copies sent ahead: up to {self.ahead_budget_bytes / 2**30:.2f} GiB per device")
+    if self.remat is not None:
+      lines.append(f"  rematerialisation: {describe_remat(self.remat)}")
     if self.step_room_bytes is not None:
       lines.append(f"  room beside the training step's peak: {self.step_room_bytes / 2**30:.2f} GiB per device")
     if self.predicted:

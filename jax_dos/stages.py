@@ -8,12 +8,21 @@ A staged model computes its loss as a chain of stage functions::
 
 where ``P_i`` is the tuple of the parameter *groups* stage ``i`` uses (a group
 may be used by several stages: a head tied to the token embedding uses the
-embedding's group). The forward pass keeps each stage's input ``x_i`` and
-nothing else; the backward pass of stage ``i`` recomputes ``f_i`` under
-``jax.vjp`` (activation checkpointing per stage, as ``jax.checkpoint`` per
-block does) and returns the cotangent of ``x_i`` and the gradients of
-``P_i``, added in place to a running sum where one exists (micro-batches,
-groups used by several stages).
+embedding's group). The forward pass keeps each stage's input ``x_i``; the
+backward pass of stage ``i`` returns the cotangent of ``x_i`` and the
+gradients of ``P_i``, added in place to a running sum where one exists
+(micro-batches, groups used by several stages).
+
+What else the forward pass keeps is the stage's rematerialisation policy
+(:attr:`Stage.remat`, ``jax_dos.remat``): under ``"full"`` nothing, and the
+backward program recomputes ``f_i`` under ``jax.vjp`` (activation
+checkpointing per stage, as ``jax.checkpoint`` per block does); under another
+policy the forward program runs ``jax.vjp`` of ``jax.checkpoint(f_i,
+policy)`` and returns, beside ``x_{i+1}``, the residuals the policy saves
+(:class:`Saved`: the vjp function's arrays, less those that are the stage's
+own inputs), and the backward program applies that vjp function to them,
+recomputing only what the policy did not save. The last stage has no forward
+program (its backward program computes the loss), so its policy is unused.
 
 Gradients therefore become ready stage by stage, the last stage first, each
 group's complete gradient as soon as the backward pass has passed the first
@@ -53,7 +62,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_dos import memory
-from jax_dos.timeline import MICRO_BATCH_ORDERS, StageTimes
+from jax_dos.remat import check_policy, rematerialise
+from jax_dos.timeline import MICRO_BATCH_ORDERS, RematCosts, StageTimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,17 +73,53 @@ class Stage:
   ``params`` is the tuple of those groups' trees, in ``groups`` order. The
   first stage gets ``x = None``; the last returns the scalar loss. Use the
   same ``fn`` object for identical stages (transformer blocks): each distinct
-  ``fn`` compiles its own programs.
+  ``fn`` compiles its own programs. ``remat`` is the stage's
+  rematerialisation policy (``jax_dos.remat.REMAT_POLICIES``; the module
+  docstring says what each keeps); an overlapped step's plan may choose
+  another (``Plan.remat``).
   """
 
   fn: Callable[[tuple, Any, Any], Any]
   groups: tuple[int, ...]
+  remat: str = "full"
 
   def __post_init__(self):
     groups = tuple(self.groups)
     if not groups or len(set(groups)) != len(groups) or any(not isinstance(g, int) or g < 0 for g in groups):
       raise ValueError(f"a Stage's groups must be distinct group indices >= 0, at least one; got {self.groups!r}.")
     object.__setattr__(self, "groups", groups)
+    check_policy(self.remat)
+
+
+@jax.tree_util.register_pytree_node_class
+class Saved:
+  """The residuals a stage's forward program keeps for its backward program under a policy other than ``"full"``.
+
+  ``arrays`` are the leaves of the ``jax.vjp`` function that are not the
+  stage's own inputs; ``treedef`` is that function's tree, and ``sources``
+  says, per leaf, which input leaf of ``(params, x, batch)`` it is (``-1``:
+  the next of ``arrays``). The backward program gets the inputs anyway, so
+  they are neither returned nor held twice.
+  """
+
+  def __init__(self, arrays: tuple, treedef: Any, sources: tuple[int, ...]):
+    self.arrays, self.treedef, self.sources = tuple(arrays), treedef, sources
+
+  def tree_flatten(self):
+    return self.arrays, (self.treedef, self.sources)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children, *aux)
+
+  def vjp(self, params: tuple, x: Any, batch: Any) -> Callable:
+    """The stage's vjp function, its inputs put back among the saved arrays."""
+    inputs, arrays = jax.tree.leaves((params, x, batch)), iter(self.arrays)
+    return jax.tree.unflatten(self.treedef, [next(arrays) if s < 0 else inputs[s] for s in self.sources])
+
+  def device_bytes(self) -> int:
+    """Accelerator bytes (per device) of the saved arrays; those the policy offloaded to the host count none."""
+    return sum(memory.device_elements(a) * a.dtype.itemsize for a in self.arrays if memory.memory_kind(a) == "device")
 
 
 def _sum_of_squares(tree: Any) -> jax.Array:
@@ -84,17 +130,44 @@ def _forward(fn, params, x, batch):
   return fn(params, x, batch)
 
 
+def _stage_vjp(fn, policy: str, params, x, batch) -> tuple[Any, Callable]:
+  """``jax.vjp`` of the stage under ``policy``, over the parameters (and ``x``, where the stage has one)."""
+  if x is None:
+    return jax.vjp(rematerialise(lambda p: fn(p, None, batch), policy), params)
+  return jax.vjp(rematerialise(lambda p, x: fn(p, x, batch), policy), params, x)
+
+
+def _forward_saving(fn, policy: str, params, x, batch):
+  """``(y, Saved)``: the stage's output and the residuals ``policy`` keeps for its backward program."""
+  y, vjp = _stage_vjp(fn, policy, params, x, batch)
+  leaves, treedef = jax.tree.flatten(vjp)
+  if not all(isinstance(a, jax.Array) for a in leaves):
+    raise TypeError(
+      f"this jax ({jax.__version__}) returns a vjp function that is not a tree of arrays, so a stage's forward program"
+      f" cannot hand its residuals to its backward program; use remat='full' for the stages (--remat full)."
+    )
+  where = {id(a): j for j, a in enumerate(jax.tree.leaves((params, x, batch)))}
+  sources = tuple(where.get(id(a), -1) for a in leaves)
+  return y, Saved(tuple(a for a, s in zip(leaves, sources) if s < 0), treedef, sources)
+
+
 def _backward(fn, complete: tuple[bool, ...], params, x, batch, dy, sums):
   """``(loss or None, new sums, dx or None, sums of squares of the completed groups)`` for one stage."""
-  if x is None:
-    y, vjp = jax.vjp(lambda p: fn(p, None, batch), params)
-    (grads,), dx = vjp(jnp.ones_like(y) if dy is None else dy), None
-  else:
-    y, vjp = jax.vjp(lambda p, x: fn(p, x, batch), params, x)
-    grads, dx = vjp(jnp.ones_like(y) if dy is None else dy)
+  y, vjp = _stage_vjp(fn, "none", params, x, batch)
+  return _summed(vjp(jnp.ones_like(y) if dy is None else dy), x, complete, sums, y if dy is None else None)
+
+
+def _backward_saved(fn, complete: tuple[bool, ...], params, x, batch, dy, sums, saved: Saved):
+  """:func:`_backward` of a stage whose forward program kept ``saved``: nothing it saved is recomputed."""
+  del fn
+  return _summed(saved.vjp(params, x, batch)(dy), x, complete, sums, None)
+
+
+def _summed(cotangents, x, complete, sums, loss):
+  (grads, dx) = (cotangents[0], None) if x is None else cotangents
   new = tuple(g if s is None else jax.tree.map(jnp.add, s, g) for s, g in zip(sums, grads))
   squares = tuple(_sum_of_squares(t) for t, c in zip(new, complete) if c)
-  return (y if dy is None else None), new, dx, squares
+  return loss, new, dx, squares
 
 
 def schedule(stages: int, micro_batches: int, order: str) -> list[tuple[str, int, int]]:
@@ -126,11 +199,31 @@ def micro_batch(batch: Any, m: int, micro_batches: int) -> Any:
 # One jitted wrapper per program kind, the stage function a static argument: every StagedModel of the same stages
 # (the one that measures their times, the overlapped step's) shares the compiled programs.
 _jit_forward = jax.jit(_forward, static_argnums=0)
+_jit_forward_saving = jax.jit(_forward_saving, static_argnums=(0, 1))
 # dy is dead after its stage's backward and dx is written into it; the running sums are updated in place.
 _jit_backward = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(5, 6))
 # A stage whose dx cannot take dy's buffers (the first stage has no dx; another whose input differs in shape or
 # dtype from its output) keeps dy: a donated buffer no output reuses is not freed any sooner, and jax warns of it.
 _jit_backward_keep_dy = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(6,))
+# The saved residuals are not donated: no output takes their shapes, and they are freed once the program has run.
+_jit_backward_saved = jax.jit(_backward_saved, static_argnums=(0, 1), donate_argnums=(5, 6))
+_jit_backward_saved_keep_dy = jax.jit(_backward_saved, static_argnums=(0, 1), donate_argnums=(6,))
+
+
+def _forward_call(st: Stage, params: tuple, x: Any, batch: Any) -> tuple[Any, Saved | None]:
+  if st.remat == "full":
+    return _jit_forward(st.fn, params, x, batch), None
+  return _jit_forward_saving(st.fn, st.remat, params, x, batch)
+
+
+def _backward_call(st: Stage, complete: tuple[bool, ...], params, x, batch, dy, sums, saved) -> tuple[Callable, tuple]:
+  """The jitted backward program for stage ``st`` and its arguments (to run, or to lower for its memory)."""
+  donate = dy is None or (x is not None and _same_types(x, dy))
+  if saved is not None:
+    program = _jit_backward_saved if donate else _jit_backward_saved_keep_dy
+    return program, (st.fn, complete, params, x, batch, dy, tuple(sums), saved)
+  program = _jit_backward if donate else _jit_backward_keep_dy
+  return program, (st.fn, complete, params, x, batch, dy, tuple(sums))
 
 
 def _same_types(a: Any, b: Any) -> bool:
@@ -168,20 +261,22 @@ class StagedModel:
     """The groups whose gradient is complete once ``stage``'s backward pass has run."""
     return tuple(g for g in self.stages[stage].groups if self.completion[g] == stage)
 
-  def forward(self, stage: int, params: tuple, x: Any, batch: Any) -> Any:
-    """Stage ``stage``'s output (dispatched asynchronously)."""
-    st = self.stages[stage]
-    return _jit_forward(st.fn, params, x, batch)
+  def forward(self, stage: int, params: tuple, x: Any, batch: Any) -> tuple[Any, Saved | None]:
+    """``(y, saved)``: stage ``stage``'s output and what its policy keeps for its backward pass (``None`` under
+    ``"full"``), dispatched asynchronously."""
+    return _forward_call(self.stages[stage], params, x, batch)
 
   def backward(
-    self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool
+    self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool, saved: Saved | None = None
   ) -> tuple[Any, tuple, Any, tuple]:
     """Stage ``stage``'s backward pass; ``sums`` are consumed, and ``dy`` where ``dx`` can take its buffers.
 
     ``dy`` is ``None`` for the last stage (whose output is the loss), and
     ``sums`` holds, per group of the stage, the running gradient sum or
-    ``None``. ``dy`` is donated (its buffers become ``dx``'s) where ``x`` and
-    ``dy`` match in structure, shapes and dtypes; the first stage's (no
+    ``None``; ``saved`` is what the stage's forward program returned beside
+    its output (``None`` under ``"full"``: the backward program recomputes
+    the stage). ``dy`` is donated (its buffers become ``dx``'s) where ``x``
+    and ``dy`` match in structure, shapes and dtypes; the first stage's (no
     ``dx``) and any other's is kept, for the caller to drop. Returns
     ``(loss, sums, dx, squares)``: the loss for the last stage (else
     ``None``), the new sums, the cotangent of ``x`` (``None`` for the first
@@ -190,8 +285,8 @@ class StagedModel:
     """
     st = self.stages[stage]
     complete = tuple(last and self.completion[g] == stage for g in st.groups)
-    program = _jit_backward if dy is None or (x is not None and _same_types(x, dy)) else _jit_backward_keep_dy
-    return program(st.fn, complete, params, x, batch, dy, tuple(sums))
+    program, args = _backward_call(st, complete, params, x, batch, dy, sums, saved)
+    return program(*args)
 
   def loss_and_grads(
     self, groups: Sequence[Any], batch: Any, micro_batches: int = 1, order: str = "stage"
@@ -208,39 +303,45 @@ class StagedModel:
     n, k = len(self.stages), micro_batches
     parts = [micro_batch(batch, m, k) for m in range(k)]
     inputs = [[None] * n for _ in range(k)]
+    saved = [[None] * n for _ in range(k)]
     sums: list[Any] = [None] * len(groups)
     dys, losses = [None] * k, [None] * k
     for kind, i, m in schedule(n, k, order):
       st = self.stages[i]
       params = tuple(groups[g] for g in st.groups)
       if kind == "forward":
-        inputs[m][i + 1] = self.forward(i, params, inputs[m][i], parts[m])
+        inputs[m][i + 1], saved[m][i] = self.forward(i, params, inputs[m][i], parts[m])
         continue
       out, new, dys[m], _ = self.backward(i, params, inputs[m][i], parts[m], dys[m],
-                                          tuple(sums[g] for g in st.groups), last=m == k - 1)  # fmt: skip
-      inputs[m][i] = None
+                                          tuple(sums[g] for g in st.groups), m == k - 1, saved[m][i])  # fmt: skip
+      inputs[m][i] = saved[m][i] = None
       losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):
         sums[g] = s
     return (losses[0] if k == 1 else sum(losses) / k), sums
 
-  def measure_times(self, groups: Sequence[Any], batch: Any) -> StageTimes:
+  def measure_times(self, groups: Sequence[Any], batch: Any, policies: Sequence[str] = ()) -> StageTimes:
     """Each stage's forward and backward time on ``batch`` (one micro-batch), run one stage at a time, and the
     bytes (per device) of the stage inputs its forward pass keeps.
 
     A first pass compiles; the second is timed, waiting for each program.
     The parameters are committed first, as the overlapped step commits them:
-    the programs compiled here are then the step's.
+    the programs compiled here are then the step's. With ``policies``
+    (``jax_dos.remat`` names) or a stage whose policy is not ``"full"``, also
+    what each stage costs under each of those policies and its own
+    (:attr:`StageTimes.remat`, :meth:`remat_costs`), for a plan to choose
+    among them (``policies``: :attr:`StageTimes.remat_choices`).
     """
     groups = memory.committed(list(groups))
     n = len(self.stages)
     for _ in range(2):  # the first pass compiles
-      fwd, bwd, xs, x = [], [], [], None
+      fwd, bwd, xs, saved, x = [], [], [], [], None
       for i in range(n):
         xs.append(x)
         t = time.perf_counter()
         if i < n - 1:
-          x = jax.block_until_ready(self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch))
+          x, kept_i = jax.block_until_ready(self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch))
+          saved.append(kept_i)
         fwd.append(time.perf_counter() - t)
       kept = sum(memory.device_elements(a) * a.dtype.itemsize for a in jax.tree.leaves(xs))
       sums: list[Any] = [None] * len(groups)
@@ -249,10 +350,82 @@ class StagedModel:
         st = self.stages[i]
         t = time.perf_counter()
         _, new, dy, _ = jax.block_until_ready(self.backward(i, tuple(groups[g] for g in st.groups), xs[i], batch, dy,
-                                                            tuple(sums[g] for g in st.groups), last=True))  # fmt: skip
+                                                            tuple(sums[g] for g in st.groups), True,
+                                                            saved[i] if i < n - 1 else None))  # fmt: skip
         bwd.append(time.perf_counter() - t)
         xs[i] = None
+        if i < n - 1:
+          saved[i] = None
         for g, s in zip(st.groups, new):
           sums[g] = s
       del sums
-    return StageTimes(tuple(fwd), tuple(reversed(bwd)), kept)
+    times = StageTimes(tuple(fwd), tuple(reversed(bwd)), kept)
+    if not policies and all(st.remat == "full" for st in self.stages[:-1]):
+      return times
+    for name in policies:
+      check_policy(name)
+    return dataclasses.replace(
+      times, remat=self.remat_costs(groups, batch, times, policies), remat_choices=tuple(dict.fromkeys(policies))
+    )
+
+  def remat_costs(
+    self, groups: Sequence[Any], batch: Any, times: StageTimes, policies: Sequence[str]
+  ) -> dict[str, RematCosts]:
+    """What each stage costs under each of ``policies``, ``"full"`` and the stages' own, on one micro-batch.
+
+    Each distinct stage function is measured once per policy, at the first
+    stage that uses it (identical stages run identical programs): the
+    forward and backward program's seconds (the second of two runs), the
+    accelerator bytes the forward program saves (from its outputs' shapes)
+    and the backward program's temporaries (``memory_analysis()`` of its
+    compiled program, before it runs; 0 where the backend gives none). A
+    stage's times are its own measured ones (``times``) plus the difference
+    its function showed between the policy and the stage's own. The last
+    stage has no forward program: every policy costs it what it costs now.
+    """
+    groups = memory.committed(list(groups))
+    n, names = len(self.stages), tuple(dict.fromkeys(["full", *policies, *(st.remat for st in self.stages[:-1])]))
+    xs, x = [], None
+    for i in range(n - 1):
+      xs.append(x)
+      x, _ = self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch)
+    first: dict[Any, int] = {}
+    for i in range(n - 1):
+      first.setdefault(self.stages[i].fn, i)
+    one = {(i, p): _measure_stage(dataclasses.replace(self.stages[i], remat=p), groups, xs[i], batch)
+           for i in first.values() for p in names}  # fmt: skip
+    last = self.stages[-1]
+    last_temp = _temp_bytes(*_backward_call(last, (False,) * len(last.groups), tuple(groups[g] for g in last.groups),
+                                            x, batch, None, (None,) * len(last.groups), None))  # fmt: skip
+    costs = {}
+    for p in names:
+      rows = []
+      for i, st in enumerate(self.stages[:-1]):
+        mine, own = one[first[st.fn], p], one[first[st.fn], st.remat]
+        rows.append((max(0.0, times.forward[i] + mine[0] - own[0]), max(0.0, times.backward[i] + mine[1] - own[1]),
+                     mine[2], mine[3]))  # fmt: skip
+      rows.append((times.forward[-1], times.backward[-1], 0, last_temp))
+      costs[p] = RematCosts(*(tuple(column) for column in zip(*rows)))
+    return costs
+
+
+def _temp_bytes(program: Callable, args: tuple) -> int:
+  """The temporaries of ``program`` compiled for ``args`` (``memory_analysis()``; 0 where the backend gives none)."""
+  stats = program.lower(*args).compile().memory_analysis()
+  return 0 if stats is None else int(stats.temp_size_in_bytes)
+
+
+def _measure_stage(st: Stage, groups: list, x: Any, batch: Any) -> tuple[float, float, int, int]:
+  """``(forward s, backward s, saved bytes, backward temporaries)`` of one stage alone (the second of two runs)."""
+  params, temp = tuple(groups[g] for g in st.groups), None
+  for _ in range(2):
+    t = time.perf_counter()
+    y, saved = jax.block_until_ready(_forward_call(st, params, x, batch))
+    forward = time.perf_counter() - t
+    program, args = _backward_call(st, (False,) * len(params), params, x, batch, jnp.ones_like(y),
+                                   (None,) * len(params), saved)  # fmt: skip
+    temp = _temp_bytes(program, args) if temp is None else temp  # before the run donates dy
+    t = time.perf_counter()
+    jax.block_until_ready(program(*args))
+    backward = time.perf_counter() - t
+  return forward, backward, 0 if saved is None else saved.device_bytes(), temp

@@ -55,23 +55,52 @@ MICRO_BATCH_ORDERS = ("stage", "batch")  # jax_dos.stages.schedule
 
 
 @dataclasses.dataclass(frozen=True)
+class RematCosts:
+  """What each stage costs under one rematerialisation policy, on one micro-batch (forward order).
+
+  ``forward`` and ``backward``: seconds of the stage's programs;
+  ``saved_bytes``: accelerator bytes (per device) its forward program keeps
+  for its backward program beside the stage's input (0 under ``"full"``);
+  ``temp_bytes``: its backward program's temporaries.
+  """
+
+  forward: tuple[float, ...]
+  backward: tuple[float, ...]
+  saved_bytes: tuple[int, ...]
+  temp_bytes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class StageTimes:
   """Seconds each stage's forward and backward programs take on one micro-batch (forward order).
 
   ``boundary_bytes``: accelerator bytes (per device) of the stage inputs one
   micro-batch's forward pass keeps; the ``"stage"`` order keeps ``k``
-  micro-batches' at once (0: not measured).
+  micro-batches' at once (0: not measured). ``remat``: each measured
+  rematerialisation policy's :class:`RematCosts` (``"full"`` among them
+  where any is), and ``remat_choices`` the policies a plan may choose among
+  (``full`` always stays a choice): none, the stages run their own policies.
   """
 
   forward: tuple[float, ...]
   backward: tuple[float, ...]
   boundary_bytes: int = 0
+  remat: dict[str, RematCosts] = dataclasses.field(default_factory=dict, compare=False)
+  remat_choices: tuple[str, ...] = ()
 
   def __post_init__(self):
     if len(self.forward) != len(self.backward) or not self.forward:
       raise ValueError("StageTimes needs one forward and one backward time per stage.")
     if min(self.forward) < 0 or min(self.backward) < 0:
       raise ValueError("stage times must be >= 0 seconds.")
+    for name, costs in self.remat.items():
+      if len(costs.forward) != len(self.forward):
+        raise ValueError(f"StageTimes.remat[{name!r}] has {len(costs.forward)} stages, the times {len(self.forward)}.")
+    if self.remat_choices and "full" not in self.remat:
+      raise ValueError("StageTimes.remat_choices needs the costs of 'full' in StageTimes.remat (the fallback).")
+    missing = [p for p in self.remat_choices if p not in self.remat]
+    if missing:
+      raise ValueError(f"StageTimes.remat_choices {missing} have no costs in StageTimes.remat.")
 
   def compute_s(self, micro_batches: int) -> float:
     """The step's forward and backward passes alone."""
@@ -84,6 +113,64 @@ class StageTimes:
       raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {order!r}.")
     k = micro_batches if order == "stage" else 1
     return StageTimes(tuple(k * t for t in self.forward), tuple(k * t for t in self.backward), self.boundary_bytes)
+
+  def assigned(self, policies: Sequence[str]) -> StageTimes:
+    """The stage times with stage ``i`` under ``policies[i]`` (from :attr:`remat`)."""
+    costs = [self.remat[p] for p in policies]
+    return StageTimes(tuple(c.forward[i] for i, c in enumerate(costs)),
+                      tuple(c.backward[i] for i, c in enumerate(costs)), self.boundary_bytes)  # fmt: skip
+
+  def extra_activation_bytes(self, policies: Sequence[str], micro_batches: int, order: str) -> int:
+    """Accelerator bytes the step holds at its peak under ``policies`` beyond all ``"full"``, from :attr:`remat`.
+
+    ``k' sum_i saved_i(p_i) + max(0, max_i temp_i(p_i) - max_i temp_i(full))``:
+    every micro-batch's saved residuals are alive when the backward pass
+    starts in the ``"stage"`` order (``k' = k``), one micro-batch's in the
+    ``"batch"`` order (``k' = 1``); and the largest backward program's
+    temporaries may grow (a shrink is not counted on: the estimate errs
+    toward holding less).
+    """
+    k = micro_batches if order == "stage" else 1
+    costs = [self.remat[p] for p in policies]
+    saved = sum(c.saved_bytes[i] for i, c in enumerate(costs))
+    temp = max(c.temp_bytes[i] for i, c in enumerate(costs))
+    return k * saved + max(0, temp - max(self.remat["full"].temp_bytes))
+
+
+def remat_candidates(times: StageTimes) -> list[tuple[str, ...]]:
+  """Policy assignments, each holding more activations for less recomputation: all ``"full"`` first.
+
+  From all ``"full"``, each next assignment moves one stage (not the last,
+  which has no forward program) to the choice (:attr:`StageTimes.remat_choices`)
+  that saves the most step time per byte it adds to the stage's saved
+  residuals; among equal stages, the last one first (its residuals are freed
+  first in the backward pass). A move that saves no time is never made.
+  One choice only: that policy on every stage but the last, after all ``"full"``.
+  """
+  n = len(times.forward)
+  full = ("full",) * n
+  choices = [p for p in times.remat_choices if p != "full"]
+  if not choices:
+    return [full]
+  if len(times.remat_choices) == 1:
+    return [full, (*((choices[0],) * (n - 1)), "full")]
+  cost = lambda p, i: times.remat[p].forward[i] + times.remat[p].backward[i]  # noqa: E731
+  saved = lambda p, i: times.remat[p].saved_bytes[i]  # noqa: E731
+  current, out = list(full), [full]
+  while True:
+    best = None
+    for i in reversed(range(n - 1)):
+      for p in choices:
+        gain, more = cost(current[i], i) - cost(p, i), saved(p, i) - saved(current[i], i)
+        if gain <= 0 or p == current[i]:
+          continue
+        ratio = gain / max(more, 1)
+        if best is None or ratio > best[0] * (1 + 1e-9):
+          best = (ratio, i, p)
+    if best is None:
+      return out
+    current[best[1]] = best[2]
+    out.append(tuple(current))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,13 @@ head tied to the token embedding::
 * the MLP is ``Linear(d, 4d) -> GELU(tanh) -> Linear(4d, d)``;
 * ``param_dtype`` (storage) and ``dtype`` (compute) are separate; norms,
   logits and the loss are always computed in float32;
-* ``remat=True`` rematerialises each block's activations in the backward pass
-  (``nnx.remat``), trading compute for activation memory.
+* ``remat`` is each block's rematerialisation policy (``jax_dos.remat``):
+  ``"none"`` keeps every activation for the backward pass, ``"full"``
+  recomputes the block (``nnx.remat``), ``"minimal"`` keeps the outputs of
+  the large matmuls, tagged ``qkv_proj``, ``out_proj``, ``mlp_in`` and
+  ``mlp_out`` (``jax.ad_checkpoint.checkpoint_name``), and recomputes the
+  rest; ``"offload"`` keeps those in host memory. ``True``/``False`` mean
+  ``"full"``/``"none"``.
 
 Initialisation as GPT-2: N(0, 0.02) weights, zero biases, and residual output
 projections scaled by ``1 / sqrt(2 n_layer)``.
@@ -40,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import jax_dos
 from models import lm
@@ -64,7 +70,7 @@ class GPTConfig:
   norm: str = "layernorm"  # or "rmsnorm"
   dtype: str = "float32"  # compute dtype of matmuls and the residual stream
   param_dtype: str = "float32"  # storage dtype of the parameters
-  remat: bool = False  # rematerialise block activations in the backward pass
+  remat: str = "none"  # each block's rematerialisation policy: none, minimal, full or offload (True: full)
 
   def __post_init__(self):
     for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
@@ -78,6 +84,10 @@ class GPTConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"GPTConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
+    if isinstance(self.remat, bool):
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in jax_dos.REMAT_POLICIES:
+      raise ValueError(f"GPTConfig.remat must be one of {jax_dos.REMAT_POLICIES}, got {self.remat!r}.")
 
   @property
   def head_dim(self) -> int:
@@ -140,9 +150,10 @@ class CausalSelfAttention(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
-    q, k, v = (y.reshape(b, t, self.n_head, d // self.n_head) for y in jnp.split(self.qkv(x), 3, axis=-1))
+    qkv = checkpoint_name(self.qkv(x), "qkv_proj")
+    q, k, v = (y.reshape(b, t, self.n_head, d // self.n_head) for y in jnp.split(qkv, 3, axis=-1))
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=lm.attention_impl(q))  # [b, t, h, hd]
-    return self.proj(y.reshape(b, t, d))
+    return checkpoint_name(self.proj(y.reshape(b, t, d)), "out_proj")
 
 
 class MLP(nnx.Module):
@@ -151,7 +162,8 @@ class MLP(nnx.Module):
     self.proj = _linear(cfg, 4 * cfg.d_model, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
+    h = checkpoint_name(self.fc(x), "mlp_in")
+    return checkpoint_name(self.proj(jax.nn.gelu(h, approximate=True)), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -195,7 +207,8 @@ class GPT(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = self.embed(tokens)
-    apply = nnx.remat(_apply_block) if self.cfg.remat else _apply_block
+    remat = self.cfg.remat
+    apply = _apply_block if remat == "none" else nnx.remat(_apply_block, policy=jax_dos.checkpoint_policy(remat))
     for block in self.blocks:
       x = apply(block, x)
     return self.logits(x)

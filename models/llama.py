@@ -14,8 +14,10 @@ output head of its own::
   ``ffn_dim`` (default: ``8d/3`` rounded up to a multiple of ``multiple_of``,
   Llama's rule: 11008 at ``d = 4096``);
 * ``param_dtype`` (storage) and ``dtype`` (compute) are separate; norms,
-  logits and the loss are computed in float32; ``remat=True`` rematerialises
-  each block in the backward pass.
+  logits and the loss are computed in float32; ``remat`` is each block's
+  rematerialisation policy, as the GPT's (``jax_dos.remat``: ``"none"``,
+  ``"minimal"``, ``"full"``, ``"offload"``; ``True``/``False`` mean
+  ``"full"``/``"none"``).
 
 The large matmuls' outputs are named for rematerialisation policies
 (``jax.ad_checkpoint.checkpoint_name``): ``"qkv_proj"`` (the q, k and v
@@ -67,7 +69,7 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   dtype: str = "float32"  # compute dtype of matmuls and the residual stream
   param_dtype: str = "float32"  # storage dtype of the parameters
-  remat: bool = False  # rematerialise block activations in the backward pass
+  remat: str = "none"  # each block's rematerialisation policy: none, minimal, full or offload (True: full)
 
   def __post_init__(self):
     for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model", "multiple_of"):
@@ -85,6 +87,10 @@ class LlamaConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"LlamaConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
+    if isinstance(self.remat, bool):
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in jax_dos.REMAT_POLICIES:
+      raise ValueError(f"LlamaConfig.remat must be one of {jax_dos.REMAT_POLICIES}, got {self.remat!r}.")
 
   @property
   def head_dim(self) -> int:
@@ -224,7 +230,8 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = self.embed(tokens)
-    apply = nnx.remat(_apply_block) if self.cfg.remat else _apply_block
+    remat = self.cfg.remat
+    apply = _apply_block if remat == "none" else nnx.remat(_apply_block, policy=jax_dos.checkpoint_policy(remat))
     for block in self.blocks:
       x = apply(block, x)
     return self.logits(x)

@@ -5,6 +5,7 @@ input differs from its output in shape or dtype cannot take ``dy``'s), so its ``
 fresh stage functions: jax warns when it compiles a program, which a program cached by an earlier test would not do.
 """
 
+import dataclasses
 import warnings
 
 import jax
@@ -124,10 +125,13 @@ def test_the_gpt_overlapped_step_warns_of_no_unusable_donation():
   assert all(np.isfinite(losses))
 
 
-def test_stage_gradients_equal_jax_grad_where_dy_is_kept_or_donated():
-  """``StagedModel.loss_and_grads`` (the programs that do and do not donate ``dy``) against ``jax.grad``."""
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_stage_gradients_equal_jax_grad_where_dy_is_kept_or_donated(remat):
+  """``StagedModel.loss_and_grads`` (the programs that do and do not donate ``dy``, recomputing the stage or taking
+  what its forward program saved) against ``jax.grad``."""
   rng = np.random.default_rng()
   stages, (embed, widen, block, head) = toy_stages()
+  stages = [dataclasses.replace(st, remat=remat) for st in stages]
   groups = toy_groups(rng, jnp.float32)
   batch = toy_batch(rng)
   with warnings.catch_warnings(record=True) as caught:

@@ -108,17 +108,25 @@ def test_loss_is_mean_cross_entropy_near_log_vocab_at_init():
   assert abs(float(loss) - math.log(cfg.vocab_size)) < 0.2  # small init: nearly uniform predictions
 
 
-def test_remat_gives_the_same_loss_and_gradients():
-  rng = np.random.default_rng(3)
+def test_every_remat_policy_gives_the_same_loss_and_gradients():
+  """The plain step under each block policy against keeping every activation ("none"), to float32 rounding."""
+  rng = np.random.default_rng()
   cfg = G.get_config("tiny", **SMALL)
   x, y = _tokens(rng, cfg), _tokens(rng, cfg)
-  out = []
-  for remat in (False, True):
-    graphdef, params = G.init_params(G.get_config("tiny", **SMALL, remat=remat), seed=4)
-    out.append(jax.jit(jax.value_and_grad(G.make_loss_fn(graphdef)))(params, (x, y)))
-  np.testing.assert_allclose(float(out[0][0]), float(out[1][0]), rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+  out = {}
+  for policy in ("none", "full", "minimal", "offload"):
+    graphdef, params = G.init_params(G.get_config("tiny", **SMALL, remat=policy), seed=4)
+    out[policy] = jax.jit(jax.value_and_grad(G.make_loss_fn(graphdef)))(params, (x, y))
+  for policy in ("full", "minimal", "offload"):
+    np.testing.assert_allclose(float(out[policy][0]), float(out["none"][0]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out[policy][1]), jax.tree.leaves(out["none"][1])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_remat_config_takes_a_policy_name_or_a_bool():
+  assert G.get_config("tiny", remat=True).remat == "full" and G.get_config("tiny", remat=False).remat == "none"
+  with pytest.raises(ValueError, match="GPTConfig.remat must be one of"):
+    G.get_config("tiny", remat="some")
 
 
 def test_bfloat16_compute_is_close_to_float32():

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import pytest
 from helpers import max_rel_diff
 
 import jax_dos
+from jax_dos.job_thread import JobThread
 from jax_dos.overlap import STREAM_SLOTS
 
 D_IN, D_H, BLOCKS, ROWS = 6, 8, 3, 8
@@ -188,7 +190,7 @@ def test_streamed_speculation_is_held_to_the_host_budget(clip_norm):
     assert step.stream_speculation == speculated and step.host_bytes() <= budget
     for batch in batches:
       step(batch)
-      assert step._last_record.speculated_elements <= speculated
+      assert step._last_record.stream.speculated_elements <= speculated
     check_against_reference(step, groups, batches, clip_norm, 2)
     step.close()
   with pytest.raises(MemoryError, match="plain path"):
@@ -320,7 +322,7 @@ def test_a_fired_clips_redo_is_shared_by_both_paths_and_deterministic():
     with jax_dos.trace.recording() as spans:
       step, _ = overlapped_run(groups, batches, FIRES, 2, plan)
       step.settle()
-    shared = step._redo_on_stream
+    shared = step.routes.redo_on_stream
     hosts = [s for s in step._forward_order if step.plan.placements[s] == "host"]
     assert shared and shared == set(hosts[len(hosts) - len(shared) :]) and len(shared) < len(hosts)
     assert "stream.redo_host" in {s.name for s in spans}
@@ -347,7 +349,7 @@ def test_a_fired_clip_is_shared_with_the_stream_path_where_the_models_plan_strea
       for batch in batches:
         step(batch)
       step.settle()
-    assert bool(step._redo_on_stream) == shared
+    assert bool(step.routes.redo_on_stream) == shared
     assert ("stream.redo_host" in {s.name for s in spans}) == shared
     check_against_reference(step, groups, batches, FIRES, 2)
     step.close()
@@ -666,3 +668,18 @@ def test_stream_slots_change_no_number_and_a_dropped_step_ends_its_threads():
   for thread in threads:
     thread.join(timeout=10)
     assert not thread.is_alive(), thread.name
+
+
+def test_a_workers_results_come_back_through_futures_and_its_failure_skips_the_rest():
+  """A worker thread's job gives its result through a future; its first error is kept on its own list, fails its
+  future and skips the jobs queued behind it; once the thread has ended its owner runs a job itself."""
+  worker = JobThread("test-worker", threading.Condition())
+  x = int(np.random.default_rng().integers(1000))
+  assert worker.submit(lambda a: a + 1, x).result(timeout=60) == x + 1
+  failing, later = worker.submit(lambda: 1 / 0), worker.submit(lambda: x)
+  with pytest.raises(ZeroDivisionError):
+    failing.result(timeout=60)
+  worker.join()
+  assert later.cancelled() and isinstance(worker.errors[0], ZeroDivisionError)
+  worker.stop()
+  assert worker.ask(lambda: x) == x

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import io
@@ -191,6 +192,7 @@ def test_data_too_short_for_any_sequence_says_so():
     (["--mesh", "dp=1"], "give axis sizes as data=D,fsdp=F"),
     (["--mesh", "data=1,data=1"], "each once"),
     (["--mesh", "data=1", "--overlap", "on"], "drop --overlap on"),
+    (["--remat", "some"], "invalid choice"),
     (["--arch", "llama", "--preset", "gpt2-124m"], "not a preset of --arch llama"),
     (["--arch", "llama", "--n-head", "2", "--preset", "llama-1.1b"], "multiple of n_kv_head=4"),
   ],
@@ -211,6 +213,8 @@ def test_defaults():
   assert (args.grad_accum, args.grad_flush) == (1, "host")
   assert F.parse_args(["--grad-accum", "4"]).grad_flush == "none"  # the sum is on the accelerator: nothing to flush
   assert args.mesh is None and F.parse_args(["--mesh", "data=1"]).mesh == {"data": 1, "fsdp": 1}
+  assert args.remat == "auto" and F.parse_args(["--remat"]).remat == "full"  # the flag alone: full, as it was
+  assert F.parse_args(["--remat", "minimal"]).remat == "minimal"
   assert args.arch == "gpt" and F.parse_args(["--arch", "llama"]).out == os.path.join("runs", "llama-tiny")
   assert F.parse_args(["--arch", "llama", "--preset", "llama-7b"]).out == os.path.join("runs", "llama-7b")
 
@@ -697,6 +701,15 @@ def test_the_step_is_chosen_by_the_plans_predictions(mode, overlapped, plain, re
     assert f"plain {overlapped['step'] - overlapped['exposed'] + plain['total']:.2f} s" in line
 
 
+def test_the_line_says_which_rematerialisation_the_overlapped_plan_chose():
+  remat = ("full", "minimal", "minimal", "full")
+  overlapped = dataclasses.replace(_plan(2, {"step": 2.9, "exposed": 0.1}), remat=remat)
+  _, line = S.choose("auto", _plan(2, {"total": 0.9}), overlapped, None)
+  assert "overlapped 2.90 s, remat minimal on 2 of 4 stages, full on 2" in line
+  _, line = S.choose("auto", _plan(2, {"total": 0.9}), _plan(2, {"step": 2.9, "exposed": 0.1}), None)
+  assert "remat" not in line  # the stages' own policies: nothing chosen
+
+
 def test_the_choice_from_plans_made_for_a_given_device_memory():
   """With the device's memory given to the planner (no GPU), both plans come from shapes before any state exists; an
   accelerator too small for the state makes the overlapped step win, hiding the host update under the backward pass."""
@@ -722,10 +735,13 @@ def test_the_choice_from_plans_made_for_a_given_device_memory():
   ids=["clip_fires", "clip_silent", "llama_clip_fires"],
 )
 def test_the_overlapped_steps_losses_and_norms_equal_the_plain_steps(tmp_path, clip, model):
-  """One interface, two steps: the same losses and gradient norms, every step's norm and clip in the log. The
-  Llama-style model's stages come from its own modules as the GPT's do (``jax_dos.nnx_stages``)."""
+  """One interface, two steps: the same losses and gradient norms, every step's norm and clip in the log; under
+  --remat auto (the plain step keeps every activation on the CPU, the overlapped one recomputes every stage) and
+  --remat minimal (both keep the large matmuls' outputs). The Llama-style model's stages come from its own modules
+  as the GPT's do (``jax_dos.nnx_stages``)."""
+  remat = "minimal" if clip == "1e-3" else "auto"
   common = ["--steps", "4", "--eval-every", "0", "--log-every", "2", "--param-dtype", "float32", "--batch", "2",
-            "--grad-accum", "2", "--clip", clip, "--offload", "host", *model]  # fmt: skip
+            "--grad-accum", "2", "--clip", clip, "--offload", "host", "--remat", remat, *model]  # fmt: skip
   runs = {mode: _run(tmp_path, mode, *common, "--overlap", mode) for mode in ("on", "off")}
   assert runs["on"]["plan"] != runs["off"]["plan"]  # the overlapped step's plan, said as the one in use
   for key in ("losses", "grad_norms"):

@@ -82,7 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                  help="parameter storage; default float32 for --offload none, bfloat16 otherwise")  # fmt: skip
   m.add_argument("--compute-dtype", choices=gpt_model.DTYPES, default=None,
                  help="default bfloat16 on a GPU, float32 otherwise")  # fmt: skip
-  m.add_argument("--remat", action="store_true", help="rematerialise block activations (less memory, more compute)")
+  m.add_argument("--remat", nargs="?", const="full", default="auto", choices=overlapped.REMAT_MODES,
+                 help="what each block's forward pass keeps for its backward pass (the flag alone: full): full"
+                      " recomputes the block, minimal keeps the large matmuls' outputs and recomputes the rest, none"
+                      " keeps everything, offload keeps those outputs in host memory; auto: the overlapped step's"
+                      " plan chooses per block beside the optimizer state, from the measured stages and the memory"
+                      " left (full where it is short), and the plain step takes full on an accelerator that reports"
+                      " its memory, none elsewhere (docs/overlap.md)")  # fmt: skip
 
   d = p.add_argument_group("data")
   d.add_argument("--data", default=None, help="text file (read as bytes) or nanoGPT uint16 .bin token file;"

@@ -67,8 +67,8 @@ import numpy as np
 
 import jax_dos
 from train import data as data_lib
+from train import host_memory, parallel, progress, step_log, steps
 from train import overlapped as overlapped_lib
-from train import parallel, progress, step_log, steps
 from train.evaluate import validation_loss
 from train.flags import build_parser, model_module, model_overrides, parse_args, resumed_schedule
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   """
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)  # parse_args starts jax's backend
   overlapped_lib.allow_overlap_on_gpu(build_parser().parse_args(argv))  # before jax starts its GPU client
+  host_memory.cap_host_memory(build_parser().parse_args(argv))  # XLA's pinned pool, from the run's most need
   parallel.join_from_environment()  # a job of several processes (jax.distributed), before jax starts a backend
   args = parse_args(argv)
   results = train(args)
@@ -330,7 +331,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   if refusal is None and args.overlap != "off":
     staged = model_module(args).staged(cfg)  # the model's own modules as stages
     if args.offload == "auto" and sized:
-      times = overlapped_lib.stage_times(staged, params, first_batch, args.grad_accum)
+      times = overlapped_lib.stage_times(staged, params, first_batch, args.grad_accum, args.remat)
     overlap_plan = overlapped_lib.plan(args, tx, staged, params, times)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
   notes.append(line)
@@ -413,6 +414,15 @@ def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params
   }
 
 
+def plain_remat(remat: str) -> str:
+  """The plain step's block policy for ``--remat``: ``auto`` is ``full`` on an accelerator that reports its memory
+  (its activations may not fit) and ``none`` elsewhere (the CPU: nothing to save); the overlapped step's plan
+  chooses its own per block (``train.overlapped.stage_times``)."""
+  if remat != "auto":
+    return remat
+  return "full" if jax.local_devices()[0].memory_stats() is not None else "none"
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
   """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
@@ -424,7 +434,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   arch = model_module(args)
   cfg = arch.get_config(
     args.preset, **model_overrides(args), vocab_size=vocab, dtype=args.compute_dtype, param_dtype=args.param_dtype,
-    remat=args.remat,
+    remat=plain_remat(args.remat),
   )  # fmt: skip
   _calibrate(args)
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None

@@ -22,6 +22,7 @@ checkpoint does not depend on the path that wrote it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
@@ -30,6 +31,7 @@ import jax
 import jax_dos
 
 OVERLAP_MODES = ("auto", "on", "off")
+REMAT_MODES = ("auto", *jax_dos.REMAT_POLICIES)
 
 
 def refusal(args: argparse.Namespace) -> str | None:
@@ -61,10 +63,19 @@ def _in_groups(staged: jax_dos.NNXStages, state: jax_dos.InterleavedAdamState) -
   return jax_dos.InterleavedAdamState(state.count, *(staged.split(t) for t in state[1:]))
 
 
+def stages(staged: jax_dos.NNXStages, remat: str) -> list[jax_dos.Stage]:
+  """The model's stages under ``--remat``: a policy on every stage but the last (the head, which has no forward
+  program); ``auto`` leaves them ``full``, for the plan to choose (:func:`stage_times` measures the choices)."""
+  made = list(staged.stages)
+  if remat in ("auto", "full"):
+    return made
+  return [dataclasses.replace(st, remat=remat) for st in made[:-1]] + made[-1:]
+
+
 def plan(args: argparse.Namespace, tx, staged: jax_dos.NNXStages, params: dict, times=None) -> jax_dos.Plan:
   """The overlapped step's plan for the model's stages, from the parameters' shapes (no optimizer state exists)."""
   return jax_dos.overlapped_plan(
-    tx, staged.stages, staged.split(params), stage_times=times, micro_batches=args.grad_accum
+    tx, stages(staged, args.remat), staged.split(params), stage_times=times, micro_batches=args.grad_accum
   )
 
 
@@ -91,7 +102,7 @@ class OverlappedTraining:
     self.staged = staged
     self.step = jax_dos.OverlappedStep(
       tx,
-      staged.stages,
+      stages(staged, args.remat),
       staged.split(params),
       None if opt_state is None else _in_groups(staged, opt_state),
       clip_norm=args.clip or None,
@@ -130,8 +141,12 @@ class OverlappedTraining:
     return _in_model_layout(self.staged, self.step.opt_state)
 
 
-def stage_times(staged: jax_dos.NNXStages, params: dict, batch: tuple, micro_batches: int) -> jax_dos.StageTimes:
-  """Each stage's measured forward and backward time on one micro-batch of ``batch``."""
+def stage_times(
+  staged: jax_dos.NNXStages, params: dict, batch: tuple, micro_batches: int, remat: str = "full"
+) -> jax_dos.StageTimes:
+  """Each stage's measured forward and backward time on one micro-batch of ``batch``; with ``remat="auto"`` also
+  each stage's costs under the policies the plan chooses among (``jax_dos.remat.PLANNED_POLICIES``)."""
   rows = batch[0].shape[0] // micro_batches
-  model = jax_dos.StagedModel(staged.stages, staged.num_groups)
-  return model.measure_times(staged.split(params), tuple(x[:rows] for x in batch))
+  model = jax_dos.StagedModel(stages(staged, remat), staged.num_groups)
+  policies = jax_dos.PLANNED_REMAT_POLICIES if remat == "auto" else ()
+  return model.measure_times(staged.split(params), tuple(x[:rows] for x in batch), policies)

@@ -77,7 +77,8 @@ def choose(mode: str, plain: jax_dos.Plan | None, overlapped: jax_dos.Plan | Non
   ``auto`` takes the overlapped step where both plans predict a step and the
   overlapped one is shorter with the clip silent and no longer after a fired
   clip (a real run's clip fires at its start); ``on`` takes it unless it is
-  refused; ``off`` never does. The line gives each step's predicted time.
+  refused; ``off`` never does. The line gives each step's predicted time, and the rematerialisation the
+  overlapped plan chose beside its placements (``Plan.remat``).
   """
   compute = fired = None
   if overlapped is not None and "step" in overlapped.predicted:  # the forward/backward alone, as the timeline has it
@@ -86,7 +87,9 @@ def choose(mode: str, plain: jax_dos.Plan | None, overlapped: jax_dos.Plan | Non
   silent, alone = predicted_step_s(overlapped, None), predicted_step_s(plain, compute)
   shown = []
   if silent is not None:
-    shown.append(f"overlapped {silent:.2f} s" + (f" ({fired:.2f} s after a fired clip)" if fired is not None else ""))
+    remat = "" if overlapped.remat is None else f", remat {jax_dos.describe_remat(overlapped.remat)}"
+    shown.append(f"overlapped {silent:.2f} s" + (f" ({fired:.2f} s after a fired clip)" if fired is not None else "")
+                 + remat)  # fmt: skip
   if alone is not None:
     shown.append(f"plain {alone:.2f} s")
   predicted = f" (predicted step: {', '.join(shown)})" if shown else ""

@@ -1,0 +1,240 @@
+"""The overlapped step's host path: the host worker, the buffers it owns, and the new weights it hands back.
+
+A :class:`HostPath` belongs to the host worker thread: every method but the
+constructor runs there, and it alone writes its buffers: the host subgroups'
+state (master, mu, nu in pinned host memory), their spare state (the fused
+kernel steps from the state into it: a speculation leaves the state as it
+was) and the staging copies of the new weights. The training thread hands it
+a subgroup's gradients (already on their way to pinned host memory), the
+subgroup's parameters (which it gives up until the new ones come back) and a
+``concurrent.futures.Future``; the host path resolves the future with the new
+parameters once they are final. It never writes the step's parameters.
+
+When the clip fires, the stream path steps the last host subgroups in
+forward order (``overlap_plan.stream_share_of_host``): the host path hands it
+their untouched state, gradients and parameters through
+``StepRecord.host_share`` and takes their new state back through
+``StepRecord.share_done``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_dos import device_steps, host_kernels, memory, trace
+from jax_dos.job_thread import result_of
+from jax_dos.overlap_clip import StepRecord
+from jax_dos.overlap_plan import Routes
+
+WAIT_POLL_S = 0.05  # how often a wait on another thread checks the step's threads for errors
+
+
+@dataclasses.dataclass
+class HostStep:
+  """The host worker's record of one step (written by the host worker only)."""
+
+  grads: dict[int, dict[int, jax.Array]] = dataclasses.field(default_factory=dict)  # subgroup -> leaf -> gradient
+  params: dict[int, list[jax.Array]] = dataclasses.field(default_factory=dict)  # subgroup -> its parameters now
+  futures: dict[int, Future] = dataclasses.field(default_factory=dict)  # subgroup -> the training thread's future
+  speculated: list[int] = dataclasses.field(default_factory=list)
+  deferred: list[int] = dataclasses.field(default_factory=list)  # waiting for the decision (no speculation)
+  sent: list[jax.Array] = dataclasses.field(default_factory=list)  # new weights written, their copies maybe in flight
+  end: float | None = None  # when the worker last finished a subgroup of this step (perf_counter)
+
+
+@dataclasses.dataclass
+class ShareInput:
+  """A host subgroup handed to the stream path after a fired clip: its untouched state ``[masters, mus, nus]``, its
+  gradients in host memory, its parameters (donated to the update) and the future of its new parameters."""
+
+  state: list[list[jax.Array]]
+  grads: list[jax.Array]
+  params: list[jax.Array]
+  future: Future
+
+
+class HostPath:
+  """The host subgroups' state and the host worker's step (module docstring).
+
+  Args:
+    routes: the plan as the threads read it.
+    hyper: the AdamW hyperparameters; ``decay``: per leaf, whether weight decay applies.
+    state: leaf -> ``(master, mu, nu)`` of the host leaves (owned from here on).
+    low_dtypes: per leaf, the dtype its new weights are sent in (the parameter's, bfloat16 or float32).
+    failed: says whether some thread of the step has failed (a wait on another thread gives up then).
+  """
+
+  def __init__(
+    self, routes: Routes, hyper: Any, decay: tuple[bool, ...], state: dict[int, tuple], low_dtypes: list[Any],
+    failed: Callable[[], BaseException | None],
+  ):  # fmt: skip
+    self.routes, self.hyper, self.decay, self._failed = routes, hyper, decay, failed
+    self._low_dtypes = low_dtypes
+    kw = hyper
+    self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
+    self.masters: dict[int, jax.Array] = {}
+    self.mus: dict[int, jax.Array] = {}
+    self.nus: dict[int, jax.Array] = {}
+    self.lows: dict[int, jax.Array] = {}
+    self.spares: dict[int, tuple] = {}
+    self._sending: deque = deque()  # new weights on their way in: (record, subgroup, arrays, final)
+    self.take(state, routes)
+
+  # ----------------------------------------------------------------------------- ownership
+
+  def take(self, state: dict[int, tuple], routes: Routes) -> None:
+    """Becomes the owner of these leaves' state, allocating their spare state and weight copies; takes ``routes``."""
+    self.routes = routes
+    leaves = sorted(state)
+    for i in leaves:
+      self.masters[i], self.mus[i], self.nus[i] = state[i]
+    self.lows.update(zip(leaves, memory.zeros_like_each([(self.masters[i], self._low_dtypes[i]) for i in leaves])))
+    spares = memory.zeros_like_each([(self.masters[i], jnp.float32) for i in leaves for _ in range(3)])
+    self.spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
+
+  def give(self, leaves: list[int], routes: Routes) -> dict[int, tuple]:
+    """Hands these leaves' state over (``leaf -> (master, mu, nu)``) and frees their buffers; takes ``routes``."""
+    self.routes = routes
+    out = {i: (self.masters.pop(i), self.mus.pop(i), self.nus.pop(i)) for i in leaves}
+    for i in leaves:
+      for a in (self.lows.pop(i), *self.spares.pop(i)):
+        a.delete()
+    return out
+
+  def state(self) -> dict[int, tuple]:
+    """``leaf -> (master, mu, nu)`` of the host leaves now (for the step's ``opt_state``, once settled)."""
+    return {i: (self.masters[i], self.mus[i], self.nus[i]) for i in self.masters}
+
+  # ----------------------------------------------------------------------------- a step
+
+  def update(
+    self, record: StepRecord, s: int, grads: dict[int, jax.Array], params: list[jax.Array], future: Future
+  ) -> None:
+    """(a hand-over) Subgroup ``s``'s step: speculated, with the true scale where the decision is known, or kept for
+    the decision (:meth:`finish`)."""
+    with trace.span("host.wait_grads"):
+      jax.block_until_ready(list(grads.values()))
+    st: HostStep = record.host
+    st.grads[s], st.params[s], st.futures[s] = grads, params, future
+    decision = record.decided()
+    if decision is not None and decision.fired and s in self.routes.redo_on_stream:
+      return  # the stream worker steps it
+    if decision is None and not record.speculate:
+      st.deferred.append(s)  # stepped once the decision is known, in forward order (finish)
+      return
+    self._host_weights(record, s, decision.host if decision else record.spec_host(), final=decision is not None)
+    if decision is None:
+      st.speculated.append(s)
+
+  def _host_weights(self, record: StepRecord, s: int, scalars: Any, final: bool) -> None:
+    """The kernel's step into the spare buffers (the state stays as it was), the new weights sent to the parameters.
+
+    The copy to the accelerator is issued and left in flight (it starts only once the compute queue has reached
+    the point where it was issued, a few stage programs later); the program that writes the weights in place
+    is dispatched once the copy has landed (:meth:`_assign_sent`), while the kernel steps later subgroups.
+    """
+    st: HostStep = record.host
+    leaves = self.routes.plan.subgroups[s]
+    buffers, decay = [], []
+    for i in leaves:
+      arrays = (st.grads[s][i], self.masters[i], self.mus[i], self.nus[i], *self.spares[i], self.lows[i])
+      for shards in zip(*(memory.shards(a) for a in arrays)):
+        buffers.append(shards)
+        decay.append(self.decay[i])
+    with trace.span("host.kernel"):
+      host_kernels.adam_many_into(buffers, decay, **self._kernel_kw, scalars=scalars)
+    with trace.span("host.send"):
+      sent = memory.put([self.lows[i] for i in leaves], "device", likes=st.params[s])
+    self._sending.append((record, s, sent, final))
+    self._assign_sent(wait=False)
+
+  def _assign_sent(self, wait: bool) -> None:
+    """Writes the new weights of the subgroups whose copies have landed (all of them with ``wait``), in order, into
+    the parameters the host path holds; final ones go back to the training thread."""
+    while self._sending and (wait or all(x.is_ready() for x in self._sending[0][2])):
+      record, s, sent, final = self._sending.popleft()
+      st: HostStep = record.host
+      with trace.span("host.assign"):
+        jax.block_until_ready(sent)  # never dispatch a program whose input is in flight: it would hold the queue
+        new = device_steps.assign(st.params[s], sent)
+      st.params[s] = new
+      st.sent += new
+      st.end = time.perf_counter()
+      if final:
+        self._final(st, s)
+
+  @staticmethod
+  def _final(st: HostStep, s: int) -> None:
+    """Subgroup ``s``'s new parameters are final: they go back to the training thread, which owns them again."""
+    st.futures.pop(s).set_result(st.params.pop(s))
+
+  def _check(self) -> None:
+    error = self._failed()
+    if error is not None:
+      raise RuntimeError("another thread of the overlapped step failed") from error
+
+  def finish(self, record: StepRecord) -> None:
+    """(after the step's last hand-over) The decision's consequences for the host subgroups; a fired clip's redo in
+    the order the next forward pass needs them, shared with the stream worker (which takes the last ones), then the
+    spare buffers become the state."""
+    try:
+      self._finish(record)
+    except BaseException as e:
+      if not record.host_share.done():  # the stream worker must not wait for a share that will never come
+        record.host_share.set_exception(e)
+      raise
+
+  def _finish(self, record: StepRecord) -> None:
+    decision = result_of(record.decision, self._check, WAIT_POLL_S)
+    st: HostStep = record.host
+    self._assign_sent(wait=True)
+    on_stream = self.routes.redo_on_stream if decision.fired else frozenset()
+    shared: dict[int, list[list[jax.Array]]] = {}
+    if decision.fired:
+      with trace.span("host.wait_sent"):
+        jax.block_until_ready(st.sent)  # the copies read the buffers the redo writes
+      st.sent.clear()  # the redo writes into (donates) these
+      share = {}
+      for s in on_stream & st.grads.keys():  # handed to the stream worker, with their parameters and futures
+        leaves = self.routes.plan.subgroups[s]
+        state = [[d[i] for i in leaves] for d in (self.masters, self.mus, self.nus)]
+        share[s] = ShareInput(state, [st.grads[s][i] for i in leaves], st.params.pop(s), st.futures.pop(s))
+      record.host_share.set_result(share)  # the stream worker may step its share now
+      for s in self.routes.by_forward_rank(set(st.speculated + st.deferred) - on_stream):
+        with trace.span("host.redo" if s in st.speculated else "host.kernel_after_decision"):
+          self._host_weights(record, s, decision.host, final=True)
+      self._assign_sent(wait=True)
+      if share:  # committed below, after the swap
+        with trace.span("host.wait_stream_redo"):
+          shared = result_of(record.share_done, self._check, WAIT_POLL_S)
+    else:
+      for s in st.speculated:
+        self._final(st, s)
+      for s in self.routes.by_forward_rank(st.deferred):
+        with trace.span("host.kernel_after_decision"):
+          self._host_weights(record, s, decision.host, final=True)
+      self._assign_sent(wait=True)
+    with trace.span("host.wait_sent"):
+      jax.block_until_ready(st.sent)
+    for s in st.grads:  # the new state becomes the state; the old one is the next step's spare
+      if s in on_stream:
+        continue
+      for i in self.routes.plan.subgroups[s]:
+        current = (self.masters[i], self.mus[i], self.nus[i])
+        (self.masters[i], self.mus[i], self.nus[i]), self.spares[i] = self.spares[i], current
+    for s, back in shared.items():  # the stream path's new state; the old one is the spare (the speculated freed)
+      for j, i in enumerate(self.routes.plan.subgroups[s]):
+        speculated = self.spares[i]
+        self.spares[i] = (self.masters[i], self.mus[i], self.nus[i])
+        self.masters[i], self.mus[i], self.nus[i] = back[0][j], back[1][j], back[2][j]
+        for a in speculated:
+          a.delete()
+    st.grads.clear()

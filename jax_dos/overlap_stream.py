@@ -1,0 +1,302 @@
+"""The overlapped step's stream path: the stream worker, the streamed state it owns, its slots and copies.
+
+A :class:`StreamPath` belongs to the stream worker thread: every method but
+the constructor runs there, and it alone writes the streamed subgroups' state
+(master, mu, nu in pinned host memory) and its slots (state on its way in,
+ahead of its gradients; new state on its way back). For each streamed
+subgroup the training thread hands it the gradients, the subgroup's
+parameters (given up until the new ones come back) and a
+``concurrent.futures.Future``; the stream path copies the state in, updates
+it on the accelerator (the old parameters donated), copies the new state
+back into new host buffers and resolves the future with the new parameters
+once they are final. It never writes the step's parameters.
+
+Speculation: a subgroup stepped on the speculated scale keeps its old state
+until the decision, for at most ``Routes.stream_speculation`` parameters a
+step; past that the worker waits for the decision. After a fired clip it
+also steps the host path's share (``StepRecord.host_share``), returning the
+new state through ``StepRecord.share_done``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import jax
+
+from jax_dos import device_steps, memory, trace
+from jax_dos.job_thread import result_of
+from jax_dos.overlap_clip import Decision, StepRecord
+from jax_dos.overlap_host import WAIT_POLL_S, ShareInput
+from jax_dos.overlap_plan import Routes
+
+# How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
+# whose copy back has landed takes the next subgroup's state at once (docs/measurements.md).
+IDLE_POLL_S = 0.002
+
+
+@dataclasses.dataclass
+class Streamed:
+  """A streamed subgroup updated on a speculated scale, its old state kept until the decision."""
+
+  old: list[list[jax.Array]]  # the state before the step (host buffers), kept until the decision
+  new: list[list[jax.Array]]  # the state after it (host buffers)
+  grads: list[jax.Array]  # kept for a redo
+  params: list[jax.Array]  # the speculated new parameters (donated to a redo)
+  future: Future  # the training thread's future of the final parameters
+
+
+@dataclasses.dataclass
+class StreamStep:
+  """The stream worker's record of one step (written by the stream worker only)."""
+
+  streamed: dict[int, Streamed] = dataclasses.field(default_factory=dict)  # speculated on, until the decision
+  speculated_elements: int = 0  # parameters of the streamed subgroups speculated on
+  end: float | None = None  # when the worker last finished a subgroup of this step (perf_counter)
+
+
+class StreamPath:
+  """The streamed subgroups' state and the stream worker's step (module docstring).
+
+  Args:
+    routes: the plan as the threads read it (its ``stream_slots``: subgroups in flight at most).
+    hyper: the AdamW hyperparameters; ``decay``: per leaf, whether weight decay applies.
+    state: leaf -> ``(master, mu, nu)`` of the streamed leaves (owned from here on).
+    failed: says whether some thread of the step has failed (a wait on another thread gives up then).
+  """
+
+  def __init__(
+    self, routes: Routes, hyper: Any, decay: tuple[bool, ...], state: dict[int, tuple],
+    failed: Callable[[], BaseException | None],
+  ):  # fmt: skip
+    self.routes, self.hyper, self.decay, self._failed = routes, hyper, decay, failed
+    self.masters: dict[int, jax.Array] = {}
+    self.mus: dict[int, jax.Array] = {}
+    self.nus: dict[int, jax.Array] = {}
+    self._in_flight: deque = deque()  # copies back to the host, oldest first
+    self._prefetched: dict[int, list] = {}  # subgroup -> its state on its way in, ahead of its gradients
+    self._prefetch_next = 0  # index into routes.stream_order of the next subgroup to prefetch
+    self._step_open = False  # between a step's first prefetch and its finish
+    self.take(state, routes)
+
+  # ----------------------------------------------------------------------------- ownership
+
+  def take(self, state: dict[int, tuple], routes: Routes) -> None:
+    """Becomes the owner of these leaves' state; takes ``routes``."""
+    self.routes = routes
+    for i, (m, mu, nu) in state.items():
+      self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
+
+  def give(self, leaves: list[int], routes: Routes) -> dict[int, tuple]:
+    """Hands these leaves' state over (``leaf -> (master, mu, nu)``); takes ``routes``."""
+    self.routes = routes
+    return {i: (self.masters.pop(i), self.mus.pop(i), self.nus.pop(i)) for i in leaves}
+
+  def state(self) -> dict[int, tuple]:
+    """``leaf -> (master, mu, nu)`` of the streamed leaves now (for the step's ``opt_state``, once settled)."""
+    return {i: (self.masters[i], self.mus[i], self.nus[i]) for i in self.masters}
+
+  def _state(self, s: int) -> list[list[jax.Array]]:
+    leaves = self.routes.plan.subgroups[s]
+    return [[d[i] for i in leaves] for d in (self.masters, self.mus, self.nus)]
+
+  # ----------------------------------------------------------------------------- slots and copies in
+
+  def _slots_used(self) -> int:
+    return len(self._prefetched) + len(self._in_flight)
+
+  def _free_slot(self) -> None:
+    back = jax.tree.leaves(self._in_flight.popleft())
+    with trace.span("stream.wait_slot"):
+      jax.block_until_ready([a for a in back if not a.is_deleted()])  # see _slot_free
+
+  def _wait_for_slot(self) -> None:
+    """Frees the oldest slots, waiting for their copies back, until one is free."""
+    while self._slots_used() >= self.routes.plan.stream_slots and self._in_flight:
+      self._free_slot()
+
+  def _slot_free(self) -> bool:
+    """Whether the oldest copy back has landed. A copy back may be deleted while still listed: a redo deletes the
+    speculated copies, and a later step deletes its old state, which was an earlier step's copy back."""
+    return all(a.is_deleted() or a.is_ready() for a in jax.tree.leaves(self._in_flight[0]))
+
+  def prefetch(self, more: int | None = None) -> None:
+    """Starts the copies in of the next streamed subgroups' state, in hand-over order, before their gradients exist.
+
+    A copy into the accelerator starts only once the compute queue has reached
+    the point where it was issued (a few stage programs later), so each is
+    issued well ahead of its update. ``more=None`` begins a step: as many as
+    the slots hold, waiting for the last step's copies out where needed;
+    otherwise up to ``more`` further ones, only into slots already free: the
+    worker must not wait here while gradients of prefetched subgroups are
+    ready (each such wait queues behind the backward pass's programs). A slot
+    is held from the copy in to the copy back out.
+    """
+    if more is None:  # a new step: whatever is left from the last one is stale
+      self._prefetched.clear()
+      self._prefetch_next = 0
+      self._step_open = True
+    order, slots, issued = self.routes.stream_order, self.routes.plan.stream_slots, 0
+    while self._prefetch_next < len(order) and (more is None or issued < more):
+      while self._slots_used() >= slots and self._in_flight:
+        if more is not None and not self._slot_free():
+          return
+        self._free_slot()
+      if self._slots_used() >= slots:
+        return
+      s = order[self._prefetch_next]
+      with trace.span("stream.prefetch"):
+        self._prefetched[s] = memory.put_groups(self._state(s), "device")
+      self._prefetch_next += 1
+      issued += 1
+
+  def top_up(self) -> None:
+    """(idle or waiting) Copies in the next subgroups' state into every slot already free."""
+    if self._step_open:
+      self.prefetch(more=self.routes.plan.stream_slots)
+
+  def _wait_landed(self, state: Any) -> None:
+    """Waits until ``state`` is on the accelerator, topping up the copies in meanwhile."""
+    arrays = jax.tree.leaves(state)
+    with trace.span("stream.wait_state"):
+      while not all(a.is_ready() for a in arrays):
+        self.top_up()
+        time.sleep(IDLE_POLL_S)
+
+  # ----------------------------------------------------------------------------- a step
+
+  def update(self, record: StepRecord, s: int, grads: list[jax.Array], params: list[jax.Array], future: Future):
+    """(a hand-over) Subgroup ``s``'s step: speculated while the step's speculation allows, else with the true
+    scale (waiting for the decision)."""
+    decision = record.decided()
+    if decision is None and not self._may_speculate(record, s):
+      decision = self._wait_decision(record, "stream.wait_decision")
+    scalars = decision.device if decision else record.spec_device
+    self._dispatch(record, s, grads, params, future, scalars, final=decision is not None)
+
+  def _may_speculate(self, record: StepRecord, s: int) -> bool:
+    """Whether subgroup ``s`` fits the step's streamed speculation (``Routes.stream_speculation``); counts it if so."""
+    if not record.speculate:
+      return False
+    st: StreamStep = record.stream
+    size, cap = self.routes.plan.sizes[s], self.routes.stream_speculation
+    if cap is not None and st.speculated_elements + size > cap:
+      return False
+    st.speculated_elements += size
+    return True
+
+  def _wait_decision(self, record: StepRecord, span: str | None) -> Decision:
+    """Waits for the clip decision, topping up the copies in meanwhile."""
+    with trace.span(span) if span else contextlib.nullcontext():
+      while not record.decision.done():
+        error = self._failed()
+        if error is not None:
+          raise RuntimeError("the step failed before its clip decision") from error
+        self.top_up()
+        wait_futures([record.decision], timeout=IDLE_POLL_S)
+    return record.decision.result()
+
+  def _dispatch(
+    self, record: StepRecord, s: int, grads: list[jax.Array], params: list[jax.Array], future: Future, scalars: Any,
+    final: bool,
+  ) -> None:  # fmt: skip
+    st: StreamStep = record.stream
+    leaves = list(self.routes.plan.subgroups[s])
+    earlier = st.streamed.get(s)
+    state = None if earlier else self._prefetched.pop(s, None)
+    if not earlier:  # updates come in hand-over order: never prefetch this one or an earlier one again this step
+      self._prefetch_next = max(self._prefetch_next, self.routes.stream_rank[s] + 1)
+    if state is None:
+      self._wait_for_slot()
+    with trace.span("stream.dispatch"):
+      old = earlier.old if earlier else self._state(s)
+      if state is None:
+        state = memory.put_groups(old, "device")
+      self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
+      g = memory.like_states(grads, old[0])
+      outs = device_steps.update_params(g, *state, params, scalars, self.hyper,
+                                        tuple(self.decay[i] for i in leaves))  # fmt: skip
+      back = memory.put_groups(list(outs[1:]), "pinned_host")
+    if earlier:
+      jax.block_until_ready(earlier.new)  # their copies out must land before the host buffers are freed
+      for a in (a for group in earlier.new for a in group):
+        a.delete()
+    st.end = time.perf_counter()
+    self._in_flight.append(back)
+    if final:
+      st.streamed.pop(s, None)
+      self._commit(s, old, back)
+      future.set_result(list(outs[0]))
+    else:
+      st.streamed[s] = Streamed(old, back, grads, list(outs[0]), future)
+    if not earlier:
+      self.top_up()
+
+  def _commit(self, s: int, old: list[list[jax.Array]], new: list[list[jax.Array]]) -> None:
+    """The new state becomes subgroup ``s``'s; the old host buffers are freed once their copies are done (like a
+    donated buffer: the update that read them has waited for them to land)."""
+    for i, m, mu, nu in zip(self.routes.plan.subgroups[s], *new):
+      self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
+    for a in (a for group in old for a in group):
+      a.delete()
+
+  def finish(self, record: StepRecord) -> None:
+    """(after the step's last hand-over) Commits or redoes the speculated subgroups, in forward order, once the
+    decision is known; after a fired clip, steps the host path's share."""
+    decision = self._wait_decision(record, None)
+    self._step_open = False
+    st: StreamStep = record.stream
+    for s in self.routes.by_forward_rank(st.streamed):  # the speculated ones
+      streamed = st.streamed[s]
+      if decision.fired:
+        self._dispatch(record, s, streamed.grads, streamed.params, streamed.future, decision.device, True)  # commits
+      else:
+        del st.streamed[s]
+        self._commit(s, streamed.old, streamed.new)
+        streamed.future.set_result(streamed.params)
+    st.streamed.clear()
+    if decision.fired and self.routes.redo_on_stream:
+      self._host_share(record, decision)
+
+  def _check(self) -> None:
+    error = self._failed()
+    if error is not None:
+      raise RuntimeError("the host worker failed before its redo") from error
+
+  def _host_share(self, record: StepRecord, decision: Decision) -> None:
+    """(clip fired) Steps its share of the host subgroups (``Routes.redo_on_stream``) on the accelerator, while the
+    host worker redoes the others: the work after the backward pass takes both paths. A fixed share, so that a
+    subgroup's numbers never depend on which thread came first."""
+    try:
+      with trace.span("stream.wait_host"):
+        share = result_of(record.host_share, self._check, WAIT_POLL_S)  # the host worker is done with their buffers
+      backs = {s: self._redo_host(s, share[s], decision) for s in self.routes.by_forward_rank(share)}
+    except BaseException as e:
+      record.share_done.set_exception(e)
+      raise
+    record.share_done.set_result(backs)
+
+  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> list[list[jax.Array]]:
+    """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns the new
+    state, copied back into new host buffers (the host path makes it the state)."""
+    leaves = list(self.routes.plan.subgroups[s])
+    self._wait_for_slot()
+    with trace.span("stream.redo_host"):
+      old = share.state
+      state = memory.put_groups(old, "device")
+      grads = memory.put(share.grads, "device")
+      self._wait_landed([state, grads])
+      g = memory.like_states(grads, old[0])
+      outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
+                                        tuple(self.decay[i] for i in leaves))  # fmt: skip
+      back = memory.put_groups(list(outs[1:]), "pinned_host")
+    self._in_flight.append(back)
+    share.future.set_result(list(outs[0]))
+    return back

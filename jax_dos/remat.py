@@ -1,0 +1,74 @@
+"""Rematerialisation policies: what a block's forward pass keeps for its backward pass, by name.
+
+The names are the user's interface (``train.gpt --remat``,
+``jax_dos.Stage(..., remat=...)``); each is a ``jax.checkpoint`` policy over
+the matmul outputs a model tags with ``jax.ad_checkpoint.checkpoint_name``
+under the names of :data:`REMAT_NAMES`:
+
+* ``"full"``: keep the block's input only and recompute the rest in the
+  backward pass (``jax.checkpoint``'s default: nothing saveable);
+* ``"minimal"``: keep the outputs of the large matmuls (the names of
+  :data:`REMAT_NAMES`) and recompute the cheap rest (norms, activations,
+  attention), as MaxText's ``remat_policy``;
+* ``"none"``: keep everything the backward pass needs (no ``jax.checkpoint``);
+* ``"offload"``: keep the large matmuls' outputs in pinned host memory
+  (``save_and_offload_only_these_names``), copied back for the backward pass.
+
+A policy changes what is computed twice, never the numbers: the gradients are
+the same function of the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+# The matmul outputs a model tags (jax.ad_checkpoint.checkpoint_name) for the "minimal" and "offload" policies.
+REMAT_NAMES = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
+REMAT_POLICIES = ("full", "minimal", "none", "offload")
+# The policies a planner chooses among on its own ("offload" competes with the state's streaming for the link, which
+# the timeline does not price yet: a user names it).
+PLANNED_POLICIES = ("full", "minimal", "none")
+
+
+def check_policy(name: str) -> str:
+  """``name`` if it is a policy of :data:`REMAT_POLICIES`, else a ``ValueError`` saying which names exist."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"unknown rematerialisation policy {name!r}; use one of {REMAT_POLICIES}.")
+  return name
+
+
+def checkpoint_policy(name: str) -> Callable[..., Any] | None:
+  """The ``jax.checkpoint`` / ``nnx.remat`` ``policy=`` of a policy name (``None``: ``"full"``, jax's default).
+
+  ``"none"`` gives ``everything_saveable``; :func:`rematerialise` does not wrap the function at all.
+  """
+  policies = jax.checkpoint_policies
+  table = {
+    "full": None,
+    "minimal": policies.save_only_these_names(*REMAT_NAMES),
+    "none": policies.everything_saveable,
+    "offload": policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=(), names_which_can_be_offloaded=REMAT_NAMES, offload_src="device",
+      offload_dst="pinned_host",
+    ),
+  }  # fmt: skip
+  return table[check_policy(name)]
+
+
+def rematerialise(fn: Callable, name: str) -> Callable:
+  """``fn`` under policy ``name``: ``jax.checkpoint(fn, policy=...)``, or ``fn`` itself for ``"none"``."""
+  if check_policy(name) == "none":
+    return fn
+  return jax.checkpoint(fn, policy=checkpoint_policy(name))
+
+
+def describe(policies: tuple[str, ...]) -> str:
+  """``policies`` (one per stage) in a few words: ``"full"``, or ``"minimal on 30 of 34 stages, full on 4"``."""
+  counts = {p: policies.count(p) for p in dict.fromkeys(policies)}
+  if len(counts) == 1:
+    return next(iter(counts))
+  (first, n), *rest = sorted(counts.items(), key=lambda item: (item[0] == "full", -item[1]))
+  return f"{first} on {n} of {len(policies)} stages, " + ", ".join(f"{p} on {m}" for p, m in rest)

@@ -1,0 +1,100 @@
+"""Host memory bounded before jax starts: XLA's pinned pool capped from the run's need, a run too large refused."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_dos
+from jax_dos import memory, overlap_plan
+from models import gpt as gpt_model
+from train import host_memory
+from train.flags import build_parser
+
+GiB = 2**30
+
+CAP = textwrap.dedent(
+  """
+    import math, os, sys
+    import jax_dos
+    from jax_dos import memory
+
+    need, ram = int(sys.argv[1]), int(sys.argv[2])
+    env = memory.POOL_LIMIT_ENV
+    assert os.environ[env] == memory._import_pool_limit  # import's cap: 90% of RAM
+    os.environ[env] = "50"  # a value the user set is kept
+    assert jax_dos.cap_pinned_pool(need, host_memory_bytes=ram) is None and os.environ[env] == "50"
+    os.environ[env] = memory._import_pool_limit
+    cap = jax_dos.cap_pinned_pool(need, host_memory_bytes=ram)
+    assert not memory._backends_started()
+    print(cap, os.environ[env])
+  """
+)
+
+
+def test_the_pinned_pool_is_capped_from_the_need_before_jax_starts():
+  """Before the backend starts, the pool's cap is the need and its margin (never below XLA's 64 GiB, never above the
+  RAM less the headroom), replacing the cap ``import jax_dos`` set; a user's value is kept; once jax has started,
+  nothing changes."""
+  rng = np.random.default_rng()
+  ram = int(rng.integers(100, 200)) * GiB
+  need = int(rng.integers(70 * GiB, ram - memory.HOST_HEADROOM_BYTES - memory.POOL_MARGIN_BYTES))
+  env = {k: v for k, v in os.environ.items() if k != memory.POOL_LIMIT_ENV}
+  root = Path(__file__).resolve().parent.parent
+  out = subprocess.run([sys.executable, "-c", CAP, str(need), str(ram)], cwd=root, env=dict(env, JAX_PLATFORMS="cpu"),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+  assert out.returncode == 0, out.stderr[-3000:]
+  cap, value = out.stdout.split()
+  gib = math.ceil((need + memory.POOL_MARGIN_BYTES) / GiB)
+  assert int(cap) == gib * GiB and value == str(gib)
+  jnp.zeros(1).block_until_ready()  # this process's backend has started
+  before = os.environ.get(memory.POOL_LIMIT_ENV)
+  assert jax_dos.cap_pinned_pool(need, host_memory_bytes=ram) is None
+  assert os.environ.get(memory.POOL_LIMIT_ENV) == before
+
+
+def test_a_run_that_cannot_fit_the_hosts_ram_stops_before_anything_moves():
+  """``--offload host`` puts the whole state on the host: a host whose RAM cannot hold it and the process's headroom
+  stops the run before jax starts, with the numbers and what to change; a larger host takes it."""
+  args = build_parser().parse_args(["--preset", "gpt-6.7b", "--offload", "host", "--overlap", "off"])
+  n = gpt_model.param_count(gpt_model.get_config("gpt-6.7b"))
+  certain, most = host_memory.pinned_need(args)
+  assert certain == 12 * n and most == 16 * n  # the state; and a gradient or weight copy each, on the plain step
+  small = certain + memory.HOST_HEADROOM_BYTES - int(np.random.default_rng().integers(1, GiB))
+  with pytest.raises(SystemExit) as e:
+    host_memory.cap_host_memory(args, host_memory_bytes=small)
+  message = str(e.value)
+  assert f"{certain / GiB:.1f} GiB" in message and f"{small / GiB:.1f} GiB of RAM" in message
+  assert "--preset" in message and "--offload" in message
+  assert host_memory.cap_host_memory(args, host_memory_bytes=4 * small) is None  # fits; jax has started here
+  auto = build_parser().parse_args(["--preset", "gpt-6.7b"])  # a plan may keep state resident: nothing is certain
+  assert host_memory.pinned_need(auto, small)[0] == 0
+
+
+def test_the_need_bound_is_an_all_host_overlapped_plans_need():
+  """``host_need_bound`` for the overlapped step is what ``OverlappedStep.host_bytes`` counts for an all-host plan
+  (the most per parameter), held to the host budget; for the plain step, 16 B a parameter."""
+  rng = np.random.default_rng()
+  sizes = [(int(rng.integers(2, 9)), int(rng.integers(2, 9))) for _ in range(3)]
+  groups = [{"w": jnp.zeros(s, jnp.bfloat16)} for s in sizes]
+  stages = [jax_dos.Stage(lambda p, x, b: x, (g,)) for g in range(len(groups))]
+  tx = jax_dos.interleaved_adam(1e-3, plan="host", subgroup_size=8)
+  plan = jax_dos.overlapped_plan(tx, stages, groups)
+  layout = overlap_plan.step_layout(jax_dos.StagedModel(stages, len(groups)), groups, 8)
+  n = sum(math.prod(s) for s in sizes)
+  assert jax_dos.host_need_bound(n, 2, overlapped=True, host_memory_bytes=2**50) == overlap_plan.host_bytes(
+    plan, layout, 0
+  )
+  ram = 100 * GiB
+  assert jax_dos.host_need_bound(10**10, 2, overlapped=True, host_memory_bytes=ram) == max(
+    16 * 10**10, int(overlap_plan.HOST_SHARE * ram)
+  )
+  assert jax_dos.host_need_bound(n) == 16 * n
