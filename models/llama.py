@@ -152,7 +152,7 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
   Channel pairs ``(i, i + hd/2)`` turn by the angle ``pos * theta^(-2i/hd)``.
   """
   t, hd = x.shape[1], x.shape[-1]
-  freq = theta ** (-np.arange(0, hd, 2, dtype=np.float32) / hd)  # [hd/2]
+  freq = theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)  # [hd/2]
   angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]  # [t, hd/2]
   cos, sin = (f(angle)[None, :, None, :] for f in (jnp.cos, jnp.sin))
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
