@@ -352,9 +352,10 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   t0 = time.perf_counter()
   planner = jax_dos.auto_planner(**budgets, params_in_place=True)
   tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask, planner=planner)
-  groups = gpt.stage_groups(params)
+  staged = gpt.staged(cfg)
+  groups = staged.split(params)
   del params
-  stages = gpt.make_stages(cfg)
+  stages = list(staged.stages)
   if args.remat not in ("auto", "full"):  # train.gpt's stages under a fixed --remat: every stage but the head
     stages = [dataclasses.replace(st, remat=args.remat) for st in stages[:-1]] + stages[-1:]
   times = None

@@ -17,7 +17,7 @@ The package, from the ground up: ``state``, ``adam_math``, ``memory``,
 ``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
 face) with ``accumulate``, ``state_convert`` and ``checkpoint``; the overlapped step, ``stages``,
 ``timeline``, ``overlap_plan`` and ``overlap``, with ``remat`` (the
-rematerialisation policies) below them (docs/design.md).
+rematerialisation policies) below them, and ``nnx_adapter`` (a Flax NNX model's stages) (docs/design.md).
 
 Importing it changes one thing outside itself: XLA's pinned host pool cap
 (``memory.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
@@ -32,6 +32,7 @@ from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.memory import cap_pinned_pool
+from jax_dos.nnx_adapter import NNXStages, nnx_stages
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state, host_need_bound
 from jax_dos.overlap_plan import plan_step as overlapped_plan
@@ -72,6 +73,7 @@ __all__ = [
   "GRADIENT_FLUSHES",
   "InterleavedAdamState",
   "InterleavedAdamTransformation",
+  "NNXStages",
   "NO_COMMAND_BUFFERS",
   "PLACEMENTS",
   "PLANNED_REMAT_POLICIES",
@@ -100,6 +102,7 @@ __all__ = [
   "interleaved_adamw",
   "make_plan",
   "multi_steps",
+  "nnx_stages",
   "partition_leaves",
   "rematerialise",
   "resolve_plan",

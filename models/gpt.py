@@ -38,21 +38,22 @@ memory), so even the largest preset can be inspected on a laptop.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_dos
+from models import lm
+from models.lm import DTYPES, cross_entropy, loss, make_loss_fn, tree_size
 
-DTYPES = ("float32", "bfloat16")
+__all__ = ["DTYPES", "GPT", "GPTConfig", "PRESETS", "abstract_params", "cross_entropy", "flops_per_token",
+           "get_config", "init_params", "loss", "make_loss_fn", "param_count", "staged", "tree_size"]  # fmt: skip
+
 NORMS = ("layernorm", "rmsnorm")
 
 
@@ -141,12 +142,6 @@ class Norm(nnx.Module):
     return self.norm(x.astype(jnp.float32)).astype(out_dtype or self.out_dtype)
 
 
-def _attention_impl(q: jax.Array) -> str | None:
-  """cuDNN's fused (flash) attention on a GPU in 16-bit; XLA's otherwise (jax's ``None`` means XLA)."""
-  fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0
-  return "cudnn" if fused and q.shape[-1] <= 128 else None
-
-
 class CausalSelfAttention(nnx.Module):
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
     self.n_head = cfg.n_head
@@ -157,7 +152,7 @@ class CausalSelfAttention(nnx.Module):
     b, t, d = x.shape
     qkv = checkpoint_name(self.qkv(x), "qkv_proj")
     q, k, v = (y.reshape(b, t, self.n_head, d // self.n_head) for y in jnp.split(qkv, 3, axis=-1))
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(q))  # [b, t, h, hd]
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=lm.attention_impl(q))  # [b, t, h, hd]
     return checkpoint_name(self.proj(y.reshape(b, t, d)), "out_proj")
 
 
@@ -198,17 +193,25 @@ class GPT(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
     self.ln_f = Norm(cfg, rngs)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """Token plus position embeddings: the residual stream ``x[b, t, d]`` the blocks take."""
     _, t = tokens.shape
     if t > self.cfg.block_size:
       raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}.")
-    x = self.wte(tokens) + self.wpe(jnp.arange(t))[None]
+    return self.wte(tokens) + self.wpe(jnp.arange(t))[None]
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """The final norm and the head tied to the token embedding: float32 logits."""
+    x = self.ln_f(x, out_dtype=jnp.float32)
+    return x @ self.wte.embedding[...].astype(jnp.float32).T
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens)
     remat = self.cfg.remat
     apply = _apply_block if remat == "none" else nnx.remat(_apply_block, policy=jax_dos.checkpoint_policy(remat))
     for block in self.blocks:
       x = apply(block, x)
-    x = self.ln_f(x, out_dtype=jnp.float32)
-    return x @ self.wte.embedding[...].astype(jnp.float32).T  # tied head, float32 logits
+    return self.logits(x)
 
 
 # ----------------------------------------------------------------------------- parameters, loss
@@ -240,11 +243,6 @@ def abstract_params(cfg: GPTConfig) -> dict:
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def tree_size(tree: Any) -> int:
-  """Number of elements in a tree of arrays (or ``ShapeDtypeStruct`` s)."""
-  return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-
-
 def param_count(cfg: GPTConfig) -> int:
   r"""Parameters of the model, from the config alone.
 
@@ -274,72 +272,15 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
   return 6 * n + 12 * cfg.n_layer * cfg.d_model * t
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean token cross-entropy (natural log) in float32."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
-
-
-def loss(graphdef: nnx.GraphDef, params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-  """Mean cross-entropy of the model ``merge(graphdef, params)`` on ``batch = (x, y)``; pure.
-
-  ``graphdef`` is hashable, so ``jax.jit(loss, static_argnums=0)`` compiles once per model shape.
-  """
-  x, y = batch
-  return cross_entropy(nnx.merge(graphdef, params)(x), y)
-
-
-def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[dict, tuple[jax.Array, jax.Array]], jax.Array]:
-  """A pure ``loss_fn(params, (x, y)) -> scalar`` for ``jax.grad``/``jax.jit``: merges and runs the model."""
-  return functools.partial(loss, graphdef)
-
-
 # ----------------------------------------------------------------------------- stages, for jax_dos.OverlappedStep
 
 
-def stage_groups(params: dict) -> list[dict]:
-  """The parameters as the staged model's groups: ``[embeddings, block 0, ..., block L-1, final norm]``."""
-  blocks = params["blocks"]
-  return [{"wpe": params["wpe"], "wte": params["wte"]}, *(blocks[i] for i in sorted(blocks)), params["ln_f"]]
+def staged(cfg: GPTConfig) -> jax_dos.NNXStages:
+  """The model as ``jax_dos.OverlappedStep``'s stages (``jax_dos.nnx_stages``), from its own modules.
 
-
-def from_stage_groups(groups: list[dict]) -> dict:
-  """The inverse of :func:`stage_groups`: the model's parameter dict."""
-  embed, *blocks, ln_f = groups
-  return {"blocks": dict(enumerate(blocks)), "ln_f": ln_f, "wpe": embed["wpe"], "wte": embed["wte"]}
-
-
-def _embed_stage(wte_def, wpe_def, params, x, batch):
-  del x
-  tokens = batch[0]
-  (embed,) = params
-  t = tokens.shape[1]
-  return nnx.merge(wte_def, embed["wte"])(tokens) + nnx.merge(wpe_def, embed["wpe"])(jnp.arange(t))[None]
-
-
-def _block_stage(block_def, params, x, batch):
-  del batch
-  return nnx.merge(block_def, params[0])(x)
-
-
-def _head_stage(norm_def, params, x, batch):
-  ln_f, embed = params
-  x = nnx.merge(norm_def, ln_f)(x, out_dtype=jnp.float32)
-  return cross_entropy(x @ embed["wte"]["embedding"].astype(jnp.float32).T, batch[1])
-
-
-def make_stages(cfg: GPTConfig) -> list[jax_dos.Stage]:
-  """The model as ``jax_dos.Stage`` s over :func:`stage_groups`: embeddings, one stage per block, norm and tied head.
-
-  The same function as :func:`loss` (each stage's activations are recomputed in
-  its backward pass, as with ``remat=True``); the head stage uses the
-  embedding's group too (tied weights).
+  Groups ``[embeddings (wte, wpe), block 0, ..., block L-1, final norm]``;
+  the head's stage uses the embeddings' group too (tied weights).
+  ``staged(cfg).split(params)`` and ``.merge(groups)`` convert between
+  :func:`init_params`' dict and the groups.
   """
-  model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-  defs = {name: nnx.split(getattr(model, name), nnx.Param)[0] for name in ("wte", "wpe", "ln_f")}
-  block = functools.partial(_block_stage, nnx.split(model.blocks[0], nnx.Param)[0])
-  n = cfg.n_layer
-  return [
-    jax_dos.Stage(functools.partial(_embed_stage, defs["wte"], defs["wpe"]), (0,)),
-    *(jax_dos.Stage(block, (1 + i,)) for i in range(n)),
-    jax_dos.Stage(functools.partial(_head_stage, defs["ln_f"]), (n + 1, 0)),
-  ]
+  return lm.staged(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), cfg.block_size)

@@ -112,15 +112,14 @@ def test_the_gpt_overlapped_step_warns_of_no_unusable_donation():
   rng = np.random.default_rng()
   cfg = gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=16, param_dtype="bfloat16")
   _, params = gpt.init_params(cfg, seed=int(rng.integers(2**31)))
-  groups = gpt.stage_groups(params)
+  staged = gpt.staged(cfg)
+  groups = staged.split(params)
   tx = jax_dos.interleaved_adamw(1e-3, weight_decay=0.1, plan="host")
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, cfg.block_size + 1)), jnp.int32)
   batch = (tokens[:, :-1], tokens[:, 1:])
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    with jax_dos.OverlappedStep(
-      tx, gpt.make_stages(cfg), groups, tx.init(groups), clip_norm=1.0, micro_batches=2
-    ) as step:
+    with jax_dos.OverlappedStep(tx, staged.stages, groups, tx.init(groups), clip_norm=1.0, micro_batches=2) as step:
       losses = [float(step(batch)) for _ in range(2)]
   assert donation_warnings(caught) == []
   assert all(np.isfinite(losses))

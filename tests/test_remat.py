@@ -62,10 +62,11 @@ def test_gpt_stages_under_every_policy_give_full_remats_loss_and_gradients():
   rng = np.random.default_rng()
   cfg = G.get_config("tiny", n_layer=3, n_head=2, d_model=32, block_size=16, vocab_size=64)
   _, params = G.init_params(cfg, seed=int(rng.integers(1 << 30)))
-  groups = G.stage_groups(params)
+  staged = G.staged(cfg)
+  groups = staged.split(params)
   tokens = lambda: jnp.asarray(rng.integers(0, cfg.vocab_size, (4, cfg.block_size)), jnp.int32)  # noqa: E731
   batch = (tokens(), tokens())
-  stages = G.make_stages(cfg)
+  stages = staged.stages
   full = jax_dos.StagedModel(stages, len(groups)).loss_and_grads(groups, batch, micro_batches=2)
   policies = ["full", "minimal", "none", "offload", "full"]  # embeddings, three blocks, head
   model = jax_dos.StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(stages, policies)], len(groups))

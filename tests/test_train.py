@@ -25,6 +25,7 @@ import optax
 import pytest
 import tqdm
 
+from models import gpt as gpt_model
 from train import data as D
 from train import flags as F
 from train import gpt as T
@@ -192,6 +193,8 @@ def test_data_too_short_for_any_sequence_says_so():
     (["--mesh", "data=1,data=1"], "each once"),
     (["--mesh", "data=1", "--overlap", "on"], "drop --overlap on"),
     (["--remat", "some"], "invalid choice"),
+    (["--arch", "llama", "--preset", "gpt2-124m"], "not a preset of --arch llama"),
+    (["--arch", "llama", "--n-head", "2", "--preset", "llama-1.1b"], "multiple of n_kv_head=4"),
   ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
@@ -212,6 +215,8 @@ def test_defaults():
   assert args.mesh is None and F.parse_args(["--mesh", "data=1"]).mesh == {"data": 1, "fsdp": 1}
   assert args.remat == "auto" and F.parse_args(["--remat"]).remat == "full"  # the flag alone: full, as it was
   assert F.parse_args(["--remat", "minimal"]).remat == "minimal"
+  assert args.arch == "gpt" and F.parse_args(["--arch", "llama"]).out == os.path.join("runs", "llama-tiny")
+  assert F.parse_args(["--arch", "llama", "--preset", "llama-7b"]).out == os.path.join("runs", "llama-7b")
 
 
 def test_help_shows_only_real_defaults():
@@ -241,7 +246,8 @@ def test_help_names_the_optimizer_defaults():
   for item in helps["lr"].split("default by preset: ")[1].split(", "):
     names, value = item.split(" ")
     stated |= dict.fromkeys(names.split("/"), float(value))
-  assert stated == {name: F.parse_args(["--preset", name]).lr for name in F.gpt_model.PRESETS}
+  arch = {name: next(a for a, m in F.ARCHS.items() if name in m.PRESETS) for name in F.preset_names()}
+  assert stated == {name: F.parse_args(["--arch", arch[name], "--preset", name]).lr for name in arch}
 
 
 def test_progress_off_a_terminal_is_plain_lines(tmp_path, monkeypatch, capsys):
@@ -388,8 +394,8 @@ def test_the_loop_holds_no_gradients_while_the_next_step_computes(tmp_path, monk
 @pytest.mark.parametrize("clip", [0.0, 1.0, 1e-3])
 def test_accumulated_gradient_is_the_batch_gradient(clip):
   """``scale * grad_sum`` over micro-batches is the whole batch's gradient times its clip factor."""
-  cfg = T.gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=32, dtype="float32")
-  graphdef, params = T.gpt_model.init_params(cfg, seed=int(np.random.default_rng().integers(1000)))
+  cfg = gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=32, dtype="float32")
+  graphdef, params = gpt_model.init_params(cfg, seed=int(np.random.default_rng().integers(1000)))
   rng = np.random.default_rng()
   batch = tuple(rng.integers(0, 256, (6, 32)).astype(np.int32) for _ in range(2))
   with jax.default_matmul_precision("highest"):
@@ -407,8 +413,8 @@ def test_accumulated_gradient_is_the_batch_gradient(clip):
 
 def test_accumulation_needs_one_micro_batch_of_activations():
   """The planner's step memory for 4 micro-batches: one micro-batch's program plus the running sum, kept live."""
-  cfg = T.gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=64)
-  graphdef, params = T.gpt_model.init_params(cfg)
+  cfg = gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=64)
+  graphdef, params = gpt_model.init_params(cfg)
   grads = sum(x.nbytes for x in jax.tree.leaves(params))
   whole = G.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none")
   micro = G.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none", micro_batches=4)
@@ -640,8 +646,8 @@ def test_budget_flags_reach_the_planner(tmp_path):
 
 @pytest.mark.parametrize("flush", ["all", "host", "none"])
 def test_gradient_step_memory_counts_the_compiled_step(flush):
-  cfg = T.gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
-  graphdef, params = T.gpt_model.init_params(cfg)
+  cfg = gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
+  graphdef, params = gpt_model.init_params(cfg)
   need = G.gradient_step_memory(graphdef, params, (4, 32), 1.0, flush)
   grads = sum(x.nbytes for x in jax.tree.leaves(params))
   assert 0 < need.live_bytes <= need.peak_bytes  # the loss and the clip's scale stay on the accelerator
@@ -654,8 +660,8 @@ def test_gradient_step_memory_counts_the_compiled_step(flush):
 
 def test_a_split_flush_larger_than_its_budget_is_refused():
   """The split program's own memory is checked against what the plan assumed (CPU programs have a real analysis)."""
-  cfg = T.gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
-  graphdef, params = T.gpt_model.init_params(cfg)
+  cfg = gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
+  graphdef, params = gpt_model.init_params(cfg)
   batch = (jax.ShapeDtypeStruct((4, 32), np.int32),) * 2
   leaves = len(jax.tree.leaves(params))
   tx = T.jax_dos.interleaved_adam(1e-3, plan=["host", "device"] * (leaves // 2) + ["host"] * (leaves % 2),
@@ -707,30 +713,35 @@ def test_the_line_says_which_rematerialisation_the_overlapped_plan_chose():
 def test_the_choice_from_plans_made_for_a_given_device_memory():
   """With the device's memory given to the planner (no GPU), both plans come from shapes before any state exists; an
   accelerator too small for the state makes the overlapped step win, hiding the host update under the backward pass."""
-  cfg = T.gpt_model.get_config("tiny", n_layer=2, d_model=128, n_head=2, vocab_size=256, block_size=32)
-  _, params = T.gpt_model.init_params(cfg)
+  cfg = gpt_model.get_config("tiny", n_layer=2, d_model=128, n_head=2, vocab_size=256, block_size=32)
+  _, params = gpt_model.init_params(cfg)
   cal = T.jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9, device_free_bytes=2**20)
   planner = T.jax_dos.auto_planner(cal, resident_budget_bytes=0, staging_budget_bytes=0)
   tx = T.jax_dos.interleaved_adam(1e-3, planner=planner)
   plain = T.jax_dos.get_plan(tx, params)
   n = cfg.n_layer + 2
   times = T.jax_dos.StageTimes((0.01,) * n, (0.02,) * n)
-  overlapped = T.jax_dos.overlapped_plan(tx, T.gpt_model.make_stages(cfg), T.gpt_model.stage_groups(params),
-                                         stage_times=times, micro_batches=2)  # fmt: skip
+  staged = gpt_model.staged(cfg)
+  overlapped = T.jax_dos.overlapped_plan(tx, staged.stages, staged.split(params), stage_times=times, micro_batches=2)
   assert set(plain.placements) == {"host"} and plain.predicted["total"] > 0
   assert overlapped.predicted["step"] < times.compute_s(2) + plain.predicted["total"]
   chosen, line = S.choose("auto", plain, overlapped, None)
   assert chosen and "predicted step: overlapped" in line
 
 
-@pytest.mark.parametrize("clip", ["1e-3", "1e3"], ids=["clip_fires", "clip_silent"])
-def test_the_overlapped_steps_losses_and_norms_equal_the_plain_steps(tmp_path, clip):
+@pytest.mark.parametrize(
+  "clip, model",
+  [("1e-3", []), ("1e3", []), ("1e-3", ["--arch", "llama", "--n-head", "4"])],  # llama: 4 heads over its 2 kv heads
+  ids=["clip_fires", "clip_silent", "llama_clip_fires"],
+)
+def test_the_overlapped_steps_losses_and_norms_equal_the_plain_steps(tmp_path, clip, model):
   """One interface, two steps: the same losses and gradient norms, every step's norm and clip in the log; under
   --remat auto (the plain step keeps every activation on the CPU, the overlapped one recomputes every stage) and
-  --remat minimal (both keep the large matmuls' outputs)."""
+  --remat minimal (both keep the large matmuls' outputs). The Llama-style model's stages come from its own modules
+  as the GPT's do (``jax_dos.nnx_stages``)."""
   remat = "minimal" if clip == "1e-3" else "auto"
   common = ["--steps", "4", "--eval-every", "0", "--log-every", "2", "--param-dtype", "float32", "--batch", "2",
-            "--grad-accum", "2", "--clip", clip, "--offload", "host", "--remat", remat]  # fmt: skip
+            "--grad-accum", "2", "--clip", clip, "--offload", "host", "--remat", remat, *model]  # fmt: skip
   runs = {mode: _run(tmp_path, mode, *common, "--overlap", mode) for mode in ("on", "off")}
   assert runs["on"]["plan"] != runs["off"]["plan"]  # the overlapped step's plan, said as the one in use
   for key in ("losses", "grad_norms"):

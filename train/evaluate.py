@@ -8,11 +8,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from models import gpt as gpt_model
+from models import lm
 
 # Jitted at module level (the model's graphdef is a static, hashable argument) so that runs of the same model in one
 # process share compiled code.
-eval_step = jax.jit(gpt_model.loss, static_argnums=0)
+eval_step = jax.jit(lm.loss, static_argnums=0)
 
 
 def validation_loss(graphdef: Any, params: Any, batches: Sequence[Any]) -> float:

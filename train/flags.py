@@ -17,7 +17,11 @@ import jax
 
 import jax_dos
 from models import gpt as gpt_model
+from models import llama as llama_model
 from train import overlapped, parallel, progress
+
+# The models --arch trains: each module has the same interface (models/lm.py).
+ARCHS = {"gpt": gpt_model, "llama": llama_model}
 
 OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 
@@ -41,10 +45,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
 
 
+def preset_names() -> list[str]:
+  """Every architecture's presets, each name once (``tiny`` and ``small`` name one size in each), in their order."""
+  return list(dict.fromkeys(name for module in ARCHS.values() for name in module.PRESETS))
+
+
 def _lr_default_text() -> str:
   """Every preset's default --lr, presets sharing a value grouped: ``tiny 0.003, ..., gpt-1.3b/gpt-13b 0.0002``."""
   groups: dict[float, list[str]] = {}
-  for name in gpt_model.PRESETS:
+  for name in preset_names():
     groups.setdefault(DEFAULT_LR.get(name, FALLBACK_LR), []).append(name)
   return ", ".join(f"{'/'.join(names)} {lr:g}" for lr, names in groups.items())
 
@@ -52,15 +61,23 @@ def _lr_default_text() -> str:
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     prog="python -m train.gpt",
-    description="Train a GPT (Flax NNX) with jax_dos.interleaved_adam: AdamW whose state lives in host memory.",
+    description="Train a GPT or a Llama-style model (Flax NNX) with jax_dos.interleaved_adam: AdamW whose state lives"
+    " in host memory.",
     formatter_class=_HelpFormatter,
   )
   m = p.add_argument_group("model")
-  m.add_argument("--preset", default="tiny", choices=sorted(gpt_model.PRESETS), help="model size")
+  m.add_argument("--arch", default="gpt", choices=tuple(ARCHS),
+                 help="gpt (models/gpt.py: GPT-2) or llama (models/llama.py: RMSNorm, rotary, SwiGLU, grouped-query"
+                      " attention, untied head)")  # fmt: skip
+  m.add_argument("--preset", default="tiny", choices=preset_names(),
+                 help="model size: gpt's " + ", ".join(gpt_model.PRESETS) + "; llama's "
+                      + ", ".join(llama_model.PRESETS))  # fmt: skip
   m.add_argument("--n-layer", type=int, default=None, help="override the preset's number of blocks")
   m.add_argument("--n-head", type=int, default=None, help="override the preset's attention heads")
   m.add_argument("--d-model", type=int, default=None, help="override the preset's width")
-  m.add_argument("--vocab-size", type=int, default=None, help="default: 256 for byte data, 50304 for a .bin file")
+  m.add_argument("--vocab-size", type=int, default=None,
+                 help="default: the preset's (llama-1.1b, llama-7b: 32000), else 256 for byte data, 50304 for a .bin"
+                      " file")  # fmt: skip
   m.add_argument("--param-dtype", choices=gpt_model.DTYPES, default=None,
                  help="parameter storage; default float32 for --offload none, bfloat16 otherwise")  # fmt: skip
   m.add_argument("--compute-dtype", choices=gpt_model.DTYPES, default=None,
@@ -183,9 +200,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
   if args.resume and args.no_ckpt:
     err("--resume continues from a checkpoint and saves more; drop --no-ckpt.")
-  shape = {**gpt_model.PRESETS[args.preset], **model_overrides(args)}
+  presets = ARCHS[args.arch].PRESETS
+  if args.preset not in presets:
+    err(f"--preset {args.preset} is not a preset of --arch {args.arch}; choose one of {', '.join(presets)}.")
+  shape = {**presets[args.preset], **model_overrides(args)}
   if shape["d_model"] % shape["n_head"]:
     err(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}.")
+  try:
+    ARCHS[args.arch].get_config(args.preset, **model_overrides(args))
+  except ValueError as e:
+    err(f"--arch {args.arch} --preset {args.preset} with these sizes: {e}")
   block = shape["block_size"]
   args.seq_len = block if args.seq_len is None else args.seq_len
   if not 1 <= args.seq_len <= block:
@@ -243,7 +267,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       err(f"--batch {args.batch} rows do not split over the mesh's {devices} devices; give a multiple of {devices}.")
     if args.overlap == "on":
       err("--overlap on: the overlapped step runs on one device; drop --mesh (or --overlap on).")
-  args.out = os.path.join("runs", args.preset) if args.out is None else args.out
+  if args.out is None:
+    name = args.preset if args.arch == "gpt" or args.preset.startswith(args.arch) else f"{args.arch}-{args.preset}"
+    args.out = os.path.join("runs", name)
   return args
 
 
@@ -280,6 +306,11 @@ def resumed_schedule(args: argparse.Namespace, saved_args: dict[str, Any]) -> li
     f"resume: keeping the resumed run's learning-rate schedule ({flags} from its checkpoint): lr {args.lr:g} ->"
     f" {args.min_lr:g}, warm-up {args.warmup}, cosine to step {args.decay_steps}; pass {flags} to change it."
   ]
+
+
+def model_module(args: argparse.Namespace):
+  """The module of ``--arch``'s model (``models.gpt`` or ``models.llama``)."""
+  return ARCHS[args.arch]
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, int]:

@@ -1,6 +1,7 @@
-"""Train a GPT with AdamW whose state lives in host memory (``python -m train.gpt``).
+"""Train a GPT or a Llama-style model with AdamW whose state lives in host memory (``python -m train.gpt``).
 
     python -m train.gpt                                   # tiny preset on Python's own sources, a few minutes on a CPU
+    python -m train.gpt --arch llama                      # the Llama-style model (models/llama.py), same flags
     python -m train.gpt --preset gpt2-124m --batch 8 --steps 2000 --offload auto --plot
     python -m train.gpt --resume                          # continue from <out>/ckpt
 
@@ -65,12 +66,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_dos
-from models import gpt as gpt_model
 from train import data as data_lib
 from train import host_memory, parallel, progress, step_log, steps
 from train import overlapped as overlapped_lib
 from train.evaluate import validation_loss
-from train.flags import build_parser, model_overrides, parse_args, resumed_schedule
+from train.flags import build_parser, model_module, model_overrides, parse_args, resumed_schedule
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
 from train.optimizer import make_optimizer
 
@@ -83,7 +83,8 @@ GPU_MEMORY_FRACTION = "0.94"
 # ----------------------------------------------------------------------------- checkpoints
 
 
-MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "bias", "norm")
+# The config's fields a resumed run may change (how the model computes, not what it is).
+RUN_FIELDS = ("dtype", "param_dtype", "remat")
 
 
 def _open_checkpoints(args: argparse.Namespace, ckpt_dir: str) -> tuple[jax_dos.CheckpointManager | None, bool]:
@@ -168,7 +169,7 @@ def _damage_reported():
           warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
-def _restore(manager, cfg: gpt_model.GPTConfig, params, opt_state, args) -> tuple[Any, Any, int]:
+def _restore(manager, cfg, params, opt_state, args) -> tuple[Any, Any, int]:
   """Restores the newest checkpoint that verifies; damaged newer ones are moved aside, one line each."""
   ckpt_dir = manager.directory
   try:
@@ -183,8 +184,12 @@ def _restore(manager, cfg: gpt_model.GPTConfig, params, opt_state, args) -> tupl
       f"error: --resume: the checkpoint's model differs from this run's; give the same --preset, --n-layer,"
       f" --n-head, --d-model and --vocab-size as the run that wrote it.\n{e}"
     ) from None
+  saved_arch = meta.get("args", {}).get("arch", "gpt")
+  if saved_arch != args.arch:
+    raise SystemExit(f"error: --resume: the checkpoint is of --arch {saved_arch}, not {args.arch}.")
   saved = meta.get("config", {})
-  diff = {k: (saved.get(k), getattr(cfg, k)) for k in MODEL_FIELDS if saved.get(k) != getattr(cfg, k)}
+  fields = [k for k in cfg.to_dict() if k not in RUN_FIELDS]
+  diff = {k: (saved.get(k), getattr(cfg, k)) for k in fields if saved.get(k) != getattr(cfg, k)}
   if diff:
     raise SystemExit(f"error: --resume: the checkpoint's model differs from this run's (saved, now): {diff}.")
   if meta.get("seed") != args.seed:
@@ -272,7 +277,8 @@ def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
     tokens, data_vocab, data_desc = data_lib.load_tokens(args.data)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: --data: {e}") from None
-  vocab = args.vocab_size or (50304 if data_vocab > 256 else 256)
+  by_data = 50304 if data_vocab > 256 else 256
+  vocab = args.vocab_size or model_module(args).PRESETS[args.preset].get("vocab_size") or by_data
   if data_vocab > 256 and int(np.max(tokens)) >= vocab:
     raise SystemExit(f"error: {args.data} holds token ids up to {int(np.max(tokens))}; pass --vocab-size above that.")
   if vocab < 256 and data_vocab == 256:
@@ -321,20 +327,21 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   refusal = overlapped_lib.refusal(args)
   if refusal is None and args.overlap == "auto" and jax.default_backend() != "gpu":
     refusal = "--overlap auto takes the overlapped step on a GPU only (--overlap on takes it here)"
-  overlap_plan = times = None
+  overlap_plan = times = staged = None
   if refusal is None and args.overlap != "off":
+    staged = model_module(args).staged(cfg)  # the model's own modules as stages
     if args.offload == "auto" and sized:
-      times = overlapped_lib.stage_times(cfg, params, first_batch, args.grad_accum, args.remat)
-    overlap_plan = overlapped_lib.plan(args, tx, cfg, params, times)
+      times = overlapped_lib.stage_times(staged, params, first_batch, args.grad_accum, args.remat)
+    overlap_plan = overlapped_lib.plan(args, tx, staged, params, times)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
   notes.append(line)
   if overlapped:
     start_step, opt_state = 0, None
     if restore_from is not None:
-      template = overlapped_lib.abstract_state(overlap_plan, params)  # restored straight into the step's placements
+      template = overlapped_lib.abstract_state(staged, overlap_plan, params)  # restored straight into its placements
       params, opt_state, start_step = _restore(restore_from, cfg, params, template, args)
     try:
-      step = overlapped_lib.OverlappedTraining(args, tx, cfg, params, overlap_plan, opt_state, times)
+      step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)
       return _Built(step, schedule, start_step, [*notes, str(step.plan)])
     except MemoryError as e:
       if args.overlap == "on":
@@ -424,16 +431,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   manager, resume = _open_checkpoints(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
 
   # --- model, then the step: both steps' plans from shapes, one chosen, its optimizer state allocated once
-  cfg = gpt_model.get_config(
+  arch = model_module(args)
+  cfg = arch.get_config(
     args.preset, **model_overrides(args), vocab_size=vocab, dtype=args.compute_dtype, param_dtype=args.param_dtype,
     remat=plain_remat(args.remat),
   )  # fmt: skip
   _calibrate(args)
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
-  shardings = None if mesh is None else parallel.param_shardings(mesh, gpt_model.abstract_params(cfg))
+  shardings = None if mesh is None else parallel.param_shardings(mesh, arch.abstract_params(cfg))
   batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
-  graphdef, params = gpt_model.init_params(cfg, seed=args.seed, shardings=shardings)
-  num_params = gpt_model.tree_size(params)
+  graphdef, params = arch.init_params(cfg, seed=args.seed, shardings=shardings)
+  num_params = arch.tree_size(params)
   first = data_lib.get_batch(splits.train, args.batch * args.grad_accum, args.seq_len, args.seed, 0)
   built = _build_step(args, cfg, graphdef, params, first, batch_layout, manager if resume else None)
   step, schedule, start_step = built.step, built.schedule, built.start_step
@@ -450,7 +458,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None, enabled=_primary()
   )
   tokens_per_step = args.batch * args.grad_accum * args.seq_len
-  flops_tok = gpt_model.flops_per_token(cfg, args.seq_len)
+  flops_tok = arch.flops_per_token(cfg, args.seq_len)
   peak = args.peak_flops or progress.detect_peak_flops(args.compute_dtype, jax.local_devices()[0])
   peak = peak and peak * (1 if mesh is None else mesh.size)  # MFU of the job: every chip's peak
 
@@ -469,7 +477,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": at, "seed": args.seed, "source": data_desc}
     return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": vars(args)}
 
-  _say(args, f"model   {args.preset}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
+  _say(args, f"model   {args.arch} {args.preset}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
   _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"

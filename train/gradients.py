@@ -30,13 +30,13 @@ import optax
 from jax.sharding import NamedSharding
 
 import jax_dos
-from models import gpt as gpt_model
+from models import lm
 
 
 def _grad_step(graphdef, params, batch, clip: float):
   """``(loss, grads, scale, norm)``: the raw gradients, the global-norm clip's factor (1 when ``clip`` is 0), and
   the gradients' global norm."""
-  loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
+  loss, grads = jax.value_and_grad(lm.loss, argnums=1)(graphdef, params, batch)
   norm = optax.global_norm(grads)
   scale = jax_dos.clip_scale(norm, clip) if clip > 0 else jnp.float32(1)
   return loss, grads, scale, norm
@@ -54,7 +54,7 @@ def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batch
   by it (``grad_scale``), so the sum is never divided on the accelerator.
   ``norm = |grad_sum| / k`` is the mean gradient's global norm.
   """
-  loss, grads = jax.value_and_grad(gpt_model.loss, argnums=1)(graphdef, params, batch)
+  loss, grads = jax.value_and_grad(lm.loss, argnums=1)(graphdef, params, batch)
   grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
   mean = 1.0 / micro_batches
   norm = optax.global_norm(grad_sum) * mean

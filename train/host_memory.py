@@ -3,7 +3,7 @@
 XLA's GPU client reads its pinned pool's cap once, when it starts, and the
 step's plan is made only later (it needs the device and the model). So
 :func:`cap_host_memory`, called before jax starts, takes the most the flags
-allow: the preset's parameter count (``models.gpt.param_count``, no jax) and
+allow: the preset's parameter count (its model's ``param_count``, no jax) and
 ``jax_dos.host_need_bound``, and caps the pool there
 (``jax_dos.cap_pinned_pool``); a run whose state must be offloaded
 (``--offload host`` or ``stream``) and cannot fit the host's RAM ends there,
@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 
 import jax_dos
-from models import gpt as gpt_model
 from train import overlapped
-from train.flags import model_overrides
+from train.flags import model_module, model_overrides
 
 ADVICE = (
   "Use a smaller --preset, keep more state on the accelerator (--offload auto or device), train with --overlap off"
@@ -32,7 +31,8 @@ def pinned_need(args: argparse.Namespace, host_memory_bytes: int | None = None) 
   if args.offload == "none":
     return 0, 0
   try:
-    n = gpt_model.param_count(gpt_model.get_config(args.preset, **model_overrides(args)))
+    arch = model_module(args)
+    n = arch.param_count(arch.get_config(args.preset, **model_overrides(args)))
   except ValueError:  # a model shape the flags' own checks refuse, saying what to change (train.flags.parse_args)
     return 0, 0
   param_bytes = 4 if args.param_dtype == "float32" else 2

@@ -1,4 +1,7 @@
-"""The training script's overlapped step: the GPT as stages under ``jax_dos.OverlappedStep``, and when to use it.
+"""The training script's overlapped step: the model's stages under ``jax_dos.OverlappedStep``, and when to use it.
+
+The stages are the model's own modules (``jax_dos.nnx_stages``, built by the
+model's ``staged(cfg)``): the embedding, one stage per block, the head.
 
 ``--overlap on`` trains with :class:`OverlappedTraining`: each ``step(batch)``
 runs the forward and backward passes stage by stage and the AdamW update of
@@ -26,7 +29,6 @@ from typing import Any
 import jax
 
 import jax_dos
-from models import gpt as gpt_model
 
 OVERLAP_MODES = ("auto", "on", "off")
 REMAT_MODES = ("auto", *jax_dos.REMAT_POLICIES)
@@ -53,54 +55,61 @@ def allow_overlap_on_gpu(args: argparse.Namespace) -> None:
       os.environ["XLA_FLAGS"] = " ".join([*flags, jax_dos.NO_COMMAND_BUFFERS])
 
 
-def _in_model_layout(state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamState:
-  return jax_dos.InterleavedAdamState(state.count, *(gpt_model.from_stage_groups(t) for t in state[1:]))
+def _in_model_layout(staged: jax_dos.NNXStages, state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamState:
+  return jax_dos.InterleavedAdamState(state.count, *(staged.merge(t) for t in state[1:]))
 
 
-def _in_groups(state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamState:
-  return jax_dos.InterleavedAdamState(state.count, *(gpt_model.stage_groups(t) for t in state[1:]))
+def _in_groups(staged: jax_dos.NNXStages, state: jax_dos.InterleavedAdamState) -> jax_dos.InterleavedAdamState:
+  return jax_dos.InterleavedAdamState(state.count, *(staged.split(t) for t in state[1:]))
 
 
-def stages(cfg: gpt_model.GPTConfig, remat: str) -> list[jax_dos.Stage]:
-  """The GPT's stages under ``--remat``: a policy on every stage but the last (the head, which has no forward
+def stages(staged: jax_dos.NNXStages, remat: str) -> list[jax_dos.Stage]:
+  """The model's stages under ``--remat``: a policy on every stage but the last (the head, which has no forward
   program); ``auto`` leaves them ``full``, for the plan to choose (:func:`stage_times` measures the choices)."""
-  made = gpt_model.make_stages(cfg)
+  made = list(staged.stages)
   if remat in ("auto", "full"):
     return made
   return [dataclasses.replace(st, remat=remat) for st in made[:-1]] + made[-1:]
 
 
-def plan(args: argparse.Namespace, tx, cfg: gpt_model.GPTConfig, params: dict, times=None) -> jax_dos.Plan:
-  """The overlapped step's plan for the GPT's stages, from the parameters' shapes (no optimizer state exists)."""
+def plan(args: argparse.Namespace, tx, staged: jax_dos.NNXStages, params: dict, times=None) -> jax_dos.Plan:
+  """The overlapped step's plan for the model's stages, from the parameters' shapes (no optimizer state exists)."""
   return jax_dos.overlapped_plan(
-    tx, stages(cfg, args.remat), gpt_model.stage_groups(params), stage_times=times, micro_batches=args.grad_accum
+    tx, stages(staged, args.remat), staged.split(params), stage_times=times, micro_batches=args.grad_accum
   )
 
 
-def abstract_state(step_plan: jax_dos.Plan, params: dict) -> jax_dos.InterleavedAdamState:
+def abstract_state(staged: jax_dos.NNXStages, step_plan: jax_dos.Plan, params: dict) -> jax_dos.InterleavedAdamState:
   """The optimizer state's shapes in the plan's placements, in the model's layout: a template to restore into."""
-  return _in_model_layout(jax_dos.abstract_state(step_plan, gpt_model.stage_groups(params)))
+  return _in_model_layout(staged, jax_dos.abstract_state(step_plan, staged.split(params)))
 
 
 class OverlappedTraining:
-  """``jax_dos.OverlappedStep`` over the GPT's stages, with parameters and state in the model's layout.
+  """``jax_dos.OverlappedStep`` over the model's stages, with parameters and state in the model's layout.
 
-  ``plan`` is :func:`plan`'s. ``opt_state``: a restored state (in the model's
-  layout, best in the plan's placements: ``abstract_state``), or ``None``
-  for a fresh one, allocated once in the plan's placements. The step's
-  pinned host memory stays within its default budget, a share of RAM: where
-  it does not fit, a ``MemoryError`` before anything is allocated.
+  ``staged`` is the model's stages (its ``staged(cfg)``), ``plan``
+  :func:`plan`'s. ``opt_state``: a restored state (in the model's layout,
+  best in the plan's placements: ``abstract_state``), or ``None`` for a
+  fresh one, allocated once in the plan's placements. The step's pinned host
+  memory stays within its default budget, a share of RAM: where it does not
+  fit, a ``MemoryError`` before anything is allocated.
   """
 
   def __init__(
-    self, args: argparse.Namespace, tx, cfg: gpt_model.GPTConfig, params: dict, step_plan: jax_dos.Plan,
+    self, args: argparse.Namespace, tx, staged: jax_dos.NNXStages, params: dict, step_plan: jax_dos.Plan,
     opt_state: jax_dos.InterleavedAdamState | None = None, stage_times=None,
   ):  # fmt: skip
+    self.staged = staged
     self.step = jax_dos.OverlappedStep(
-      tx, stages(cfg, args.remat), gpt_model.stage_groups(params), None if opt_state is None else
-      _in_groups(opt_state), clip_norm=args.clip or None, micro_batches=args.grad_accum, plan=step_plan,
+      tx,
+      stages(staged, args.remat),
+      staged.split(params),
+      None if opt_state is None else _in_groups(staged, opt_state),
+      clip_norm=args.clip or None,
+      micro_batches=args.grad_accum,
+      plan=step_plan,
       stage_times=stage_times,
-    )  # fmt: skip
+    )
 
   def __call__(self, batch: Any) -> jax.Array:
     return self.step(batch)
@@ -124,20 +133,20 @@ class OverlappedTraining:
   @property
   def params(self) -> dict:
     """The current parameters (waits for the pending update; the next step consumes them)."""
-    return gpt_model.from_stage_groups(self.step.params)
+    return self.staged.merge(self.step.params)
 
   @property
   def opt_state(self) -> jax_dos.InterleavedAdamState:
     """The current optimizer state (waits for every pending write; the next step consumes it)."""
-    return _in_model_layout(self.step.opt_state)
+    return _in_model_layout(self.staged, self.step.opt_state)
 
 
 def stage_times(
-  cfg: gpt_model.GPTConfig, params: dict, batch: tuple, micro_batches: int, remat: str = "full"
+  staged: jax_dos.NNXStages, params: dict, batch: tuple, micro_batches: int, remat: str = "full"
 ) -> jax_dos.StageTimes:
   """Each stage's measured forward and backward time on one micro-batch of ``batch``; with ``remat="auto"`` also
   each stage's costs under the policies the plan chooses among (``jax_dos.remat.PLANNED_POLICIES``)."""
   rows = batch[0].shape[0] // micro_batches
-  model = jax_dos.StagedModel(stages(cfg, remat), cfg.n_layer + 2)
+  model = jax_dos.StagedModel(stages(staged, remat), staged.num_groups)
   policies = jax_dos.PLANNED_REMAT_POLICIES if remat == "auto" else ()
-  return model.measure_times(gpt_model.stage_groups(params), tuple(x[:rows] for x in batch), policies)
+  return model.measure_times(staged.split(params), tuple(x[:rows] for x in batch), policies)

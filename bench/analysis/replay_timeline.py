@@ -58,8 +58,9 @@ def main(argv=None) -> dict:
   rates = parse_rates(args.rates or doc.get("calibration") or "")
   config = doc["config"]
   cfg = gpt.get_config(config["preset"], vocab_size=config["vocab_size"], param_dtype=config["param_dtype"])
-  groups = gpt.stage_groups(gpt.abstract_params(cfg))
-  staged = jax_dos.StagedModel(gpt.make_stages(cfg), len(groups))
+  stages = gpt.staged(cfg)
+  groups = stages.split(gpt.abstract_params(cfg))
+  staged = jax_dos.StagedModel(stages.stages, len(groups))
   width = 2 if config["param_dtype"] == "bfloat16" else 4
   subgroups = []
   for g, tree in enumerate(groups):

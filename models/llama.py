@@ -1,0 +1,292 @@
+"""A Llama-style model in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query attention, an untied head.
+
+Architecture (Llama 2): a token embedding, ``n_layer`` pre-norm blocks
+``x += attn(rmsnorm(x)); x += mlp(rmsnorm(x))``, a final RMSNorm and an
+output head of its own::
+
+    logits = rmsnorm(x) @ W_out                      (float32)
+
+* attention: ``n_head`` query heads and ``n_kv_head`` key/value heads
+  (grouped-query attention; ``n_kv_head = n_head`` is multi-head), rotary
+  position embeddings on queries and keys (the rotate-half form, base
+  ``rope_theta``), ``jax.nn.dot_product_attention(is_causal=True)``, no biases;
+* the MLP is SwiGLU: ``W_down(silu(W_gate x) * W_up x)``, its width
+  ``ffn_dim`` (default: ``8d/3`` rounded up to a multiple of ``multiple_of``,
+  Llama's rule: 11008 at ``d = 4096``);
+* ``param_dtype`` (storage) and ``dtype`` (compute) are separate; norms,
+  logits and the loss are computed in float32; ``remat`` is each block's
+  rematerialisation policy, as the GPT's (``jax_dos.remat``: ``"none"``,
+  ``"minimal"``, ``"full"``, ``"offload"``; ``True``/``False`` mean
+  ``"full"``/``"none"``).
+
+The large matmuls' outputs are named for rematerialisation policies
+(``jax.ad_checkpoint.checkpoint_name``): ``"qkv_proj"`` (the q, k and v
+projections), ``"out_proj"`` (attention's output projection), ``"mlp_in"``
+(the gate and up projections) and ``"mlp_out"`` (the down projection).
+
+Initialisation: N(0, 0.02) weights, the residual output projections
+(``wo``, ``w_down``) scaled by ``1 / sqrt(2 n_layer)``, norms at one.
+
+The module-level interface is ``models/gpt.py``'s (``get_config``,
+``init_params``, ``abstract_params``, ``param_count``, ``flops_per_token``,
+``staged``), so ``python -m train.gpt --arch llama`` trains it as it trains
+the GPT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import jax_dos
+from models import lm
+from models.lm import DTYPES, cross_entropy, loss, make_loss_fn, tree_size
+
+__all__ = ["DTYPES", "Llama", "LlamaConfig", "PRESETS", "abstract_params", "cross_entropy", "flops_per_token",
+           "get_config", "init_params", "loss", "make_loss_fn", "param_count", "staged", "tree_size"]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Model hyperparameters. Dtypes are names (``"float32"``/``"bfloat16"``) so the config is JSON-able."""
+
+  vocab_size: int = 256  # 256 = bytes (the default data); Llama 2's tokenizer: 32000
+  block_size: int = 128  # the longest sequence trained on (rotary positions need no table)
+  n_layer: int = 4
+  n_head: int = 4
+  n_kv_head: int = 2  # key/value heads; n_head must be a multiple
+  d_model: int = 128
+  ffn_dim: int | None = None  # SwiGLU width; None: 8 d / 3 rounded up to a multiple of multiple_of
+  multiple_of: int = 256
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  dtype: str = "float32"  # compute dtype of matmuls and the residual stream
+  param_dtype: str = "float32"  # storage dtype of the parameters
+  remat: str = "none"  # each block's rematerialisation policy: none, minimal, full or offload (True: full)
+
+  def __post_init__(self):
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model", "multiple_of"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}.")
+    if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+      raise ValueError(
+        f"d_model={self.d_model} must be n_head={self.n_head} heads of an even width (rotary embeddings rotate pairs)."
+      )
+    if self.n_head % self.n_kv_head:
+      raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}.")
+    if self.ffn_dim is not None and (not isinstance(self.ffn_dim, int) or self.ffn_dim < 1):
+      raise ValueError(f"LlamaConfig.ffn_dim must be a positive integer or None, got {self.ffn_dim!r}.")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"LlamaConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
+    if isinstance(self.remat, bool):
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in jax_dos.REMAT_POLICIES:
+      raise ValueError(f"LlamaConfig.remat must be one of {jax_dos.REMAT_POLICIES}, got {self.remat!r}.")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_head
+
+  @property
+  def hidden_dim(self) -> int:
+    """The SwiGLU width: ``ffn_dim``, or ``8 d / 3`` rounded up to a multiple of ``multiple_of``."""
+    if self.ffn_dim is not None:
+      return self.ffn_dim
+    return self.multiple_of * -(-(8 * self.d_model // 3) // self.multiple_of)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+# Named sizes. A preset without vocab_size takes the data's (256 for bytes); the large ones are Llama's own shapes
+# with its 32000-token vocabulary: TinyLlama's 1.1B and Llama 2's 7B.
+PRESETS: dict[str, dict[str, Any]] = {
+  "tiny": dict(n_layer=4, n_head=4, n_kv_head=2, d_model=128, block_size=128, multiple_of=32),  # ~0.8M params
+  "small": dict(n_layer=6, n_head=6, n_kv_head=2, d_model=384, block_size=256, multiple_of=32),
+  "llama-1.1b": dict(n_layer=22, n_head=32, n_kv_head=4, d_model=2048, block_size=2048, vocab_size=32000),
+  "llama-7b": dict(n_layer=32, n_head=32, n_kv_head=32, d_model=4096, block_size=4096, vocab_size=32000),
+}
+
+
+def get_config(preset: str, **overrides: Any) -> LlamaConfig:
+  """The :class:`LlamaConfig` of a named preset, with fields overridden (e.g. ``vocab_size=256``)."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+  return LlamaConfig(**{**PRESETS[preset], **overrides})
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _linear(cfg: LlamaConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(
+      d_in, d_out, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+      kernel_init=nnx.initializers.normal(std), rngs=rngs,
+  )  # fmt: skip
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm computed in float32; returns the compute dtype (or ``out_dtype``)."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype,
+                            rngs=rngs)  # fmt: skip
+    self.out_dtype = cfg.dtype
+
+  def __call__(self, x: jax.Array, out_dtype: Any = None) -> jax.Array:
+    return self.norm(x.astype(jnp.float32)).astype(out_dtype or self.out_dtype)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding of ``x[b, t, heads, hd]`` at positions ``0 .. t-1`` (rotate-half form), in float32.
+
+  Channel pairs ``(i, i + hd/2)`` turn by the angle ``pos * theta^(-2i/hd)``.
+  """
+  t, hd = x.shape[1], x.shape[-1]
+  freq = theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)  # [hd/2]
+  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]  # [t, hd/2]
+  cos, sin = (f(angle)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.n_head, self.n_kv_head, self.head_dim, self.theta = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_theta
+    kv = cfg.n_kv_head * cfg.head_dim
+    self.wq = _linear(cfg, cfg.d_model, cfg.d_model, 0.02, rngs)
+    self.wk = _linear(cfg, cfg.d_model, kv, 0.02, rngs)
+    self.wv = _linear(cfg, cfg.d_model, kv, 0.02, rngs)
+    self.wo = _linear(cfg, cfg.d_model, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, d = x.shape
+    q = checkpoint_name(self.wq(x), "qkv_proj").reshape(b, t, self.n_head, self.head_dim)
+    k = checkpoint_name(self.wk(x), "qkv_proj").reshape(b, t, self.n_kv_head, self.head_dim)
+    v = checkpoint_name(self.wv(x), "qkv_proj").reshape(b, t, self.n_kv_head, self.head_dim)
+    q, k = rotary(q, self.theta), rotary(k, self.theta)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=lm.attention_impl(q))  # [b, t, h, hd]
+    return checkpoint_name(self.wo(y.reshape(b, t, d)), "out_proj")
+
+
+class SwiGLU(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    f = cfg.hidden_dim
+    self.w_gate = _linear(cfg, cfg.d_model, f, 0.02, rngs)
+    self.w_up = _linear(cfg, cfg.d_model, f, 0.02, rngs)
+    self.w_down = _linear(cfg, f, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    gate, up = checkpoint_name(self.w_gate(x), "mlp_in"), checkpoint_name(self.w_up(x), "mlp_in")
+    return checkpoint_name(self.w_down(jax.nn.silu(gate) * up), "mlp_out")
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg, rngs)
+    self.mlp = SwiGLU(cfg, rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+def _apply_block(block: Block, x: jax.Array) -> jax.Array:
+  return block(x)
+
+
+class Llama(nnx.Module):
+  """``Llama(config, rngs)(tokens[b, t]) -> logits[b, t, vocab]`` in float32."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                         embedding_init=nnx.initializers.normal(0.02), rngs=rngs)  # fmt: skip
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
+    self.norm = RMSNorm(cfg, rngs)
+    self.head = _linear(cfg, cfg.d_model, cfg.vocab_size, 0.02, rngs)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """The token embedding: the residual stream ``x[b, t, d]`` the blocks take."""
+    if tokens.shape[1] > self.cfg.block_size:
+      raise ValueError(f"sequence length {tokens.shape[1]} exceeds block_size {self.cfg.block_size}.")
+    return self.wte(tokens)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """The final norm and the output head: float32 logits."""
+    x = self.norm(x, out_dtype=jnp.float32)
+    return x @ self.head.kernel[...].astype(jnp.float32)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens)
+    remat = self.cfg.remat
+    apply = _apply_block if remat == "none" else nnx.remat(_apply_block, policy=jax_dos.checkpoint_policy(remat))
+    for block in self.blocks:
+      x = apply(block, x)
+    return self.logits(x)
+
+
+# ----------------------------------------------------------------------------- parameters, counts, stages
+
+
+def _init_tree(cfg: LlamaConfig, seed: jax.Array) -> dict:
+  return nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(jax.random.key(seed))), nnx.Param))
+
+
+_init = jax.jit(_init_tree, static_argnums=0)
+
+
+def init_params(cfg: LlamaConfig, seed: int = 0, shardings: Any = None) -> tuple[nnx.GraphDef, dict]:
+  """Builds the model; returns ``(graphdef, params)`` with ``params`` a plain nested dict of arrays.
+
+  One jitted call (compiled once per config); ``shardings`` as ``models.gpt.init_params``'.
+  """
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  if shardings is None:
+    return graphdef, _init(cfg, jnp.asarray(seed, jnp.uint32))
+  return graphdef, jax.jit(_init_tree, static_argnums=0, out_shardings=shardings)(cfg, np.uint32(seed))
+
+
+def abstract_params(cfg: LlamaConfig) -> dict:
+  """The parameter tree as ``jax.ShapeDtypeStruct`` s, built with ``nnx.eval_shape`` (allocates nothing)."""
+  return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param))
+
+
+def param_count(cfg: LlamaConfig) -> int:
+  r"""Parameters of the model, from the config alone.
+
+  .. math:: N = 2 V d + L (2 d^2 + 2 d d_{kv} + 3 d f + 2 d) + d
+
+  with ``d_kv = n_kv_head * head_dim`` and ``f`` the SwiGLU width (6.74B for Llama 2 7B's shape).
+  """
+  d, f, kv = cfg.d_model, cfg.hidden_dim, cfg.n_kv_head * cfg.head_dim
+  return 2 * cfg.vocab_size * d + cfg.n_layer * (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d) + d
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> int:
+  r"""Training FLOPs per token (forward + backward), as ``models.gpt.flops_per_token``: :math:`6 N + 12 L d T`.
+
+  ``N`` excludes the token embedding (a lookup; the untied head is a matmul
+  and counts). Rematerialisation's extra forward pass is not counted.
+  """
+  t = cfg.block_size if seq_len is None else seq_len
+  return 6 * (param_count(cfg) - cfg.vocab_size * cfg.d_model) + 12 * cfg.n_layer * cfg.d_model * t
+
+
+def staged(cfg: LlamaConfig) -> jax_dos.NNXStages:
+  """The model as ``jax_dos.OverlappedStep``'s stages (``jax_dos.nnx_stages``), from its own modules.
+
+  Groups ``[token embedding, block 0, ..., block L-1, final norm and head]``.
+  """
+  return lm.staged(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), cfg.block_size)
