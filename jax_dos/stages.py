@@ -60,6 +60,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_dos import memory
 from jax_dos.remat import check_policy, rematerialise
@@ -141,6 +142,8 @@ def _forward_saving(fn, policy: str, params, x, batch):
   """``(y, Saved)``: the stage's output and the residuals ``policy`` keeps for its backward program."""
   y, vjp = _stage_vjp(fn, policy, params, x, batch)
   leaves, treedef = jax.tree.flatten(vjp)
+  # A constant the stage closes over (a numpy table) becomes a saved array like any other residual.
+  leaves = [jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a for a in leaves]
   if not all(isinstance(a, jax.Array) for a in leaves):
     raise TypeError(
       f"this jax ({jax.__version__}) returns a vjp function that is not a tree of arrays, so a stage's forward program"

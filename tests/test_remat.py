@@ -172,3 +172,22 @@ def test_the_activation_memory_and_the_candidates_of_an_assignment():
     ("full", "none", "none", "full"),
   ]
   assert times.assigned(mixed).backward == (2.0, 1.2, 1.5, 2.0)
+
+
+def test_a_stage_closing_over_a_numpy_table_saves_it_like_any_residual():
+  """A constant numpy table in a block (rotary frequencies, say) under ``none``: the gradients are ``full``'s."""
+  rng = np.random.default_rng()
+  table = rng.uniform(0.5, 1.5, D_H).astype(np.float32)
+
+  def block(params, x, batch):
+    (g,) = params
+    return x + jnp.tanh(x @ g["w"]) * table
+
+  groups, batch = toy_groups(rng), toy_batch(rng)
+  fns = [(_embed, (0,)), (block, (1,)), (block, (2,)), (_head, (3, 0))]
+  runs = [
+    jax_dos.StagedModel([jax_dos.Stage(fn, g, p) for fn, g in fns], len(groups)).loss_and_grads(groups, batch)
+    for p in ("full", "none")
+  ]
+  np.testing.assert_allclose(float(runs[1][0]), float(runs[0][0]), rtol=1e-6)
+  assert max_rel_diff(runs[1][1], runs[0][1]) < 1e-5
