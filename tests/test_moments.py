@@ -1,0 +1,114 @@
+"""Compact moments (``moments="bfloat16" | "int8"``): one rounding on every path, close to float32 Adam."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import SHAPES, random_tree
+
+import jax_dos
+from jax_dos import moment_formats as mf
+
+SHAPES_BLOCKS = dict(SHAPES, big=(40, 17))  # 680 elements: three int8 blocks, the last one padded
+LR, STEPS = 1e-2, 6
+# A step moves a weight by at most about lr; a decoded moment is off by under one code (bfloat16: 2**-7 of it;
+# int8: 2/127 of it at the top of its block, for mu's square-root map). Allow 8 such errors per step.
+TOL = {"bfloat16": 8 * 2**-7, "int8": 8 * 2 / 127}
+
+
+def _moment_samples(rng, n, salt):
+  x = rng.standard_normal(n) * np.exp(2 * rng.standard_normal(n))
+  x = (x * x if salt else x).astype(np.float32)
+  x[rng.integers(0, n, 20)] = 0.0
+  x[-300:] = 0.0  # a whole zero block (scale 0)
+  return x
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "int8"])
+def test_host_and_jnp_encode_and_decode_to_the_same_bits(moments):
+  rng = np.random.default_rng()
+  n = 1000
+  for salt in (0, 1):
+    x = _moment_samples(rng, n, salt)
+    seed = float(rng.integers(1, mf.SEED_PERIOD))
+    host = mf.host_encode(x, moments, seed, salt)
+    dev = np.asarray(mf.encode(jnp.asarray(x), moments, jnp.float32(seed), salt))
+    np.testing.assert_array_equal(host.view(np.uint8), dev.view(np.uint8))
+    back = np.asarray(mf.decode(jnp.asarray(dev), (n,), moments, salt))
+    np.testing.assert_array_equal(mf.host_decode(host, n, moments, salt).view(np.uint32), back.view(np.uint32))
+    # Within one code: bfloat16's ulp; int8's at a quarter of its block's maximum or more (code >= 63 for mu).
+    block_max = np.repeat(np.maximum.reduceat(np.abs(x), np.arange(0, n, mf.BLOCK)), mf.BLOCK)[:n]
+    big = np.abs(x) >= 0.25 * block_max if moments == "int8" else x != 0
+    np.testing.assert_allclose(back[big], x[big], rtol=2**-7 if moments == "bfloat16" else 2 / 63)
+    assert np.all((back == 0) == (x == 0)) if salt == 1 else True  # a nonzero nu never decodes to 0
+
+
+def test_stochastic_rounding_is_unbiased():
+  """b2 * nu must decay in bfloat16: the mean of many roundings of x is x, not its nearest bfloat16."""
+  x = np.full(200_000, 1.0 + 2**-10, np.float32)  # a quarter of a bfloat16 ulp above 1
+  back = np.asarray(mf.decode(mf.encode(jnp.asarray(x), "bfloat16", jnp.float32(7), 1), x.shape, "bfloat16", 1))
+  assert abs(back.mean() - x[0]) < 2**-12
+
+
+def _bytes(x) -> np.ndarray:
+  return np.asarray(x).reshape(-1).view(np.uint8)
+
+
+def _run(tx, params, grads):
+  state = tx.init(params)
+  for g in grads:
+    updates, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "int8"])
+def test_every_placement_follows_float32_adam_within_the_format(moments):
+  rng = np.random.default_rng()
+  params = random_tree(rng, SHAPES_BLOCKS)
+  grads = [random_tree(rng, SHAPES_BLOCKS) for _ in range(STEPS)]
+  ref, _ = _run(optax.adamw(LR, weight_decay=0.1), params, grads)
+  states = {}
+  for plan in ("device", "host", ["host", "stream", "device", "host", "stream"]):
+    tx = jax_dos.interleaved_adam(LR, weight_decay=0.1, subgroup_size=100, plan=plan, moments=moments)
+    p, state = _run(tx, params, grads)
+    states[str(plan)] = state
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref)):
+      assert np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0) <= TOL[moments] * LR * STEPS, plan
+    for leaf, x in zip(jax.tree.leaves(state.mu), jax.tree.leaves(params)):
+      assert leaf.dtype == mf.stored_dtype(moments) and leaf.shape == mf.stored_shape(x.shape, moments)
+  # One rounding on every path: the host kernel's float32 arithmetic is that of XLA to an ulp (XLA may fuse a
+  # multiply-add), which flips a rounding decision only where a moment lies within an ulp of a rounding threshold.
+  assert _differing_fraction(states["device"], states["host"]) <= 0.02
+
+
+def _differing_fraction(states_a, states_b) -> float:
+  mine, other = (jax.tree.leaves(s.mu) + jax.tree.leaves(s.nu) for s in (states_a, states_b))
+  differing = sum(int(np.sum(_bytes(a) != _bytes(b))) for a, b in zip(mine, other))
+  return differing / sum(np.asarray(a).nbytes for a in mine)
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "int8"])
+def test_traced_update_params_rounds_as_the_eager_one(moments):
+  rng = np.random.default_rng()
+  params = random_tree(rng, SHAPES_BLOCKS)
+  grads = [random_tree(rng, SHAPES_BLOCKS) for _ in range(3)]
+  tx = jax_dos.interleaved_adam(LR, plan="device", moments=moments)
+  eager_p, eager_s = _run(tx, params, grads)
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, p: jax_dos.update_params(tx, g, s, p))
+  p = params
+  for g in grads:
+    p, state = step(g, state, p)
+  # XLA fuses one program otherwise than the other (a multiply-add, an ulp); the roundings are the same.
+  assert _differing_fraction(eager_s, state) <= 0.02
+  for a, b in zip(jax.tree.leaves(eager_p), jax.tree.leaves(p)):
+    assert np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0) <= TOL[moments] * LR
+
+
+def test_bad_moments_are_refused():
+  with pytest.raises(ValueError, match=r"'float32', 'bfloat16', 'int8'"):
+    jax_dos.interleaved_adam(1e-3, moments="fp8")
+  with pytest.raises(ValueError, match="delay_predict"):
+    jax_dos.interleaved_adam(1e-3, moments="int8", delay=1, delay_predict="moments", plan="host")
