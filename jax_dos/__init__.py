@@ -30,6 +30,7 @@ from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
+from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state
 from jax_dos.overlap_plan import plan_step as overlapped_plan
@@ -64,6 +65,7 @@ __all__ = [
   "DEFAULT_DELAY_WARMUP",
   "DEFAULT_SUBGROUP_SIZE",
   "DELAY_PREDICTIONS",
+  "MOMENT_FORMATS",
   "GRADIENT_FLUSHES",
   "InterleavedAdamState",
   "InterleavedAdamTransformation",

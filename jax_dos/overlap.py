@@ -92,7 +92,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import device_steps, host_kernels, memory, overlap_plan, partition, trace
+from jax_dos import device_steps, host_kernels, memory, moment_formats, overlap_plan, partition, trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import decay_flags, leaves_with_paths
@@ -382,13 +382,16 @@ class OverlappedStep:
     self._derive_orders()
     self._check_host_memory()  # before any state moves or spare buffer is allocated
     place = lambda xs: [  # noqa: E731
-      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
+      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p], a.dtype)
       for a, p in zip(xs, self._leaf_placement)
     ]
     if opt_state is None:  # a fresh state (tx.init's), allocated once in the step's placements
       kinds = [MEMORY_KIND[p] for p in self._leaf_placement]
       self._masters = [memory.copy_in(a, k) for a, k in zip(leaves, kinds)]
-      self._mus, self._nus = ([memory.zeros_like_in(a, k) for a, k in zip(leaves, kinds)] for _ in range(2))
+      fmt = self.hyper.moments
+      self._mus, self._nus = (
+        [moment_formats.zeros_like_in(a, k, fmt) for a, k in zip(leaves, kinds)] for _ in range(2)
+      )
       self._count = jnp.zeros([], jnp.int32)
     else:
       state = (opt_state.master, opt_state.mu, opt_state.nu)
@@ -442,16 +445,19 @@ class OverlappedStep:
     """The host path's buffers for these leaves: the new weights' staging copy and the spare state."""
     low = lambda i: jnp.bfloat16 if self._params[i].dtype == jnp.bfloat16 else jnp.float32  # noqa: E731
     self._lows.update(zip(leaves, memory.zeros_like_each([(self._masters[i], low(i)) for i in leaves])))
-    spares = memory.zeros_like_each([(self._masters[i], jnp.float32) for i in leaves for _ in range(3)])
+    state = lambda i: (self._masters[i], self._mus[i], self._nus[i])  # noqa: E731
+    spares = memory.zeros_like_each([(a, a.dtype) for i in leaves for a in state(i)])
     self._spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
 
   def _check_host_memory(self) -> None:
-    overlap_plan.check_host_memory(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes)
+    overlap_plan.check_host_memory(
+      self.plan, self._layout, self.stream_speculation, self.host_budget_bytes, self.hyper.moments
+    )
 
   def host_bytes(self) -> int:
     """Pinned host bytes the step needs at most (``overlap_plan.host_bytes``): the offloaded state, the host path's
     spare state and copies, and the streamed parameters speculated on (:attr:`stream_speculation` at most)."""
-    return overlap_plan.host_bytes(self.plan, self._layout, self.stream_speculation)
+    return overlap_plan.host_bytes(self.plan, self._layout, self.stream_speculation, self.hyper.moments)
 
   # ----------------------------------------------------------------------------- one step
 

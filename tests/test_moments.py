@@ -112,3 +112,23 @@ def test_bad_moments_are_refused():
     jax_dos.interleaved_adam(1e-3, moments="fp8")
   with pytest.raises(ValueError, match="delay_predict"):
     jax_dos.interleaved_adam(1e-3, moments="int8", delay=1, delay_predict="moments", plan="host")
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "int8"])
+def test_overlapped_step_follows_float32_adam_within_the_format(moments):
+  from test_overlap import B1, B2, FIRES, MIXED, STAGES, WD, _subgroup_count, make_batch, make_groups, reference_run
+  from test_overlap import LR as OVERLAP_LR
+
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  tx = jax_dos.interleaved_adamw(OVERLAP_LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, moments=moments,
+                                 plan=MIXED[: _subgroup_count(groups)])  # fmt: skip
+  step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), clip_norm=FIRES, micro_batches=2)
+  for batch in batches:
+    step(batch)
+  state = step.opt_state
+  masters, _ = reference_run(groups, batches, FIRES, 2)
+  assert {x.dtype for x in jax.tree.leaves(state.mu)} == {mf.stored_dtype(moments)}
+  for ours, theirs in zip(jax.tree.leaves(state.master), jax.tree.leaves(masters)):
+    assert np.max(np.abs(np.asarray(ours) - np.asarray(theirs))) <= TOL[moments] * OVERLAP_LR * len(batches)
+  step.close()

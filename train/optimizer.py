@@ -71,6 +71,8 @@ def make_optimizer(
     offload["delay_predict"] = args.delay_predict or False
   if args.write_behind:
     offload["write_behind"] = True
+  if args.moments != "float32":
+    offload["moments"] = args.moments
   tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
   return tx, schedule
 

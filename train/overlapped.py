@@ -66,9 +66,9 @@ def plan(args: argparse.Namespace, tx, cfg: gpt_model.GPTConfig, params: dict, t
   )
 
 
-def abstract_state(step_plan: jax_dos.Plan, params: dict) -> jax_dos.InterleavedAdamState:
+def abstract_state(step_plan: jax_dos.Plan, params: dict, moments: str = "float32") -> jax_dos.InterleavedAdamState:
   """The optimizer state's shapes in the plan's placements, in the model's layout: a template to restore into."""
-  return _in_model_layout(jax_dos.abstract_state(step_plan, gpt_model.stage_groups(params)))
+  return _in_model_layout(jax_dos.abstract_state(step_plan, gpt_model.stage_groups(params), moments))
 
 
 class OverlappedTraining:
