@@ -189,7 +189,8 @@ def decode(stored: jax.Array, shape: tuple[int, ...], moments: str, salt: int) -
     return stored
   if moments == "bfloat16":
     return stored.astype(jnp.float32)
-  codes, s = stored[:, :BLOCK], jax.lax.bitcast_convert_type(stored[:, BLOCK:], jnp.float32)[:, None]
+  block = stored.shape[1] - 4  # BLOCK, or the block of a checkpoint being converted
+  codes, s = stored[:, :block], jax.lax.bitcast_convert_type(stored[:, block:], jnp.float32)[:, None]
   if salt == 0:
     x = jnp.asarray(MU_TABLE)[codes] * s
   else:
@@ -304,24 +305,30 @@ def host_encode(x: np.ndarray, moments: str, seed: float, salt: int) -> np.ndarr
 
 
 @numba.njit(cache=True, error_model="numpy")
-def _nb_decode(n, salt, fmt_int8, bits16, codes8, words, out, mu_table, nu_table):
+def _nb_decode(n, salt, fmt_int8, bits16, codes8, words, out, mu_table, nu_table, block):
   for i in range(n):
     if not fmt_int8:
       out[i] = nb_bf16_load(bits16[i])
     else:
-      b = i // BLOCK
-      at, s = b * (BLOCK + 4) + i % BLOCK, words[b * ((BLOCK + 4) // 4) + BLOCK // 4]
+      b = i // block
+      at, s = b * (block + 4) + i % block, words[b * ((block + 4) // 4) + block // 4]
       out[i] = nb_mu_decode(codes8[at], s, mu_table) if salt == 0 else nb_nu_decode(codes8[at], s, nu_table)
 
 
 def host_decode(stored: np.ndarray, n: int, moments: str, salt: int) -> np.ndarray:
-  """:func:`decode` by the host kernel's numba functions, as a flat float32 array of ``n``: the same bits."""
+  """:func:`decode` by the host kernel's numba functions, as a flat float32 array of ``n``: the same bits.
+
+  An int8 moment's block is its row's length less 4 (so a checkpoint's other block size decodes too).
+  """
+  if moments == "float32":
+    return np.array(stored, np.float32).reshape(-1)[:n]
   bf16 = moments == "bfloat16"
+  block = 0 if bf16 else int(np.shape(stored)[-1]) - 4
   flat = np.ascontiguousarray(stored).reshape(-1).view(np.uint16 if bf16 else np.uint8)
   out = np.empty(n, np.float32)
   none16, none8, none32 = np.zeros(0, np.uint16), np.zeros(0, np.uint8), np.zeros(0, np.float32)
   _nb_decode(n, salt, not bf16, flat if bf16 else none16, none8 if bf16 else flat,
-             none32 if bf16 else flat.view(np.float32), out, MU_TABLE, NU_TABLE)  # fmt: skip
+             none32 if bf16 else flat.view(np.float32), out, MU_TABLE, NU_TABLE, block)  # fmt: skip
   return out
 
 
