@@ -178,7 +178,8 @@ def interleaved_adam(
   """
   hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay, moment_formats.check(moments))
   if planner is None and isinstance(plan, str) and plan == "auto":
-    planner = auto_planner(ahead_copies=prediction_mode(delay_predict) == "gradient")  # calibrates on first use
+    ahead = prediction_mode(delay_predict) == "gradient"
+    planner = auto_planner(ahead_copies=ahead, moments=moment_formats.check(moments))  # calibrates on first use
   opt = InterleavedAdam(
     hyper, mask=mask, subgroup_size=subgroup_size, plan=plan, planner=planner, delay=delay, delay_warmup=delay_warmup,
     delay_predict=delay_predict, write_behind=write_behind, partition_replicated=partition_replicated,

@@ -132,3 +132,25 @@ def test_overlapped_step_follows_float32_adam_within_the_format(moments):
   for ours, theirs in zip(jax.tree.leaves(state.master), jax.tree.leaves(masters)):
     assert np.max(np.abs(np.asarray(ours) - np.asarray(theirs))) <= TOL[moments] * OVERLAP_LR * len(batches)
   step.close()
+
+
+def test_planner_counts_each_formats_bytes(monkeypatch):
+  from jax_dos.plan import STATE_BYTES
+  from jax_dos.planning import make_plan
+  from jax_dos.planning.cost_model import Calibration, kernel_bytes
+
+  monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)
+  g = 1e9
+  cal = Calibration(host_rate=1 * g, stream_rate=1 * g, device_rate=100 * g, host_rate_concurrent=1 * g,
+                    stream_rate_concurrent=1 * g)  # fmt: skip
+  assert kernel_bytes("float32") == 28 and kernel_bytes("bfloat16") == 20
+  assert cal.for_moments("bfloat16").host_rate == pytest.approx(1.4 * g)
+  assert cal.for_moments("int8").host_rate == pytest.approx(28 / (12 + 4 * (1 + 4 / mf.BLOCK)) * g)
+  params = [jnp.zeros((1024,)) for _ in range(8)]
+  budget = STATE_BYTES * 2048  # two subgroups of float32 state
+  resident = {}
+  for moments in mf.FORMATS:
+    plan = make_plan(params, 1024, cal, resident_budget_bytes=budget, staging_budget_bytes=None, moments=moments)
+    resident[moments] = plan.elements("device")
+    assert resident[moments] * mf.state_bytes_per_param(moments) <= budget
+  assert resident["float32"] == 2048 and resident["bfloat16"] == 3072 and resident["int8"] == 3072

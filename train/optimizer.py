@@ -65,6 +65,7 @@ def make_optimizer(
     step_memory=step_memory,
     params_in_place=True,
     ahead_copies=args.delay == 1 and args.delay_predict == "gradient",
+    moments=args.moments,
   )
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
   if args.delay:
