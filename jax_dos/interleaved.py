@@ -301,6 +301,7 @@ class InterleavedAdam:
           f"gradient for {jax.tree_util.keystr(path[0])} has shape {np.shape(g)}, params have {np.shape(p)}."
         )
     grad_scale = _check_grad_scale(grad_scale)
+    self._check_moments(state)
     plan = self.plan_for(params)
     decay = decay_flags(self.mask, params, self.hyper.weight_decay)
     masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
@@ -347,6 +348,16 @@ class InterleavedAdam:
       TracedUpdateWarning,
       stacklevel=4,
     )
+
+  def _check_moments(self, state: InterleavedAdamState) -> None:
+    want = moment_formats.stored_dtype(self.hyper.moments)
+    found = {jnp.result_type(x) for x in jax.tree.leaves((state.mu, state.nu))}
+    if found - {want}:
+      raise ValueError(
+        f"this optimizer stores its moments as {self.hyper.moments!r} ({want}), but the state's are"
+        f" {sorted(map(str, found))}. Pass the state this optimizer's init made, or restore a checkpoint through"
+        " jax_dos.CheckpointManager into tx.init(params), which converts between formats."
+      )
 
   def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
     key = (plan, decay)

@@ -112,6 +112,22 @@ def test_bad_moments_are_refused():
     jax_dos.interleaved_adam(1e-3, moments="fp8")
   with pytest.raises(ValueError, match="delay_predict"):
     jax_dos.interleaved_adam(1e-3, moments="int8", delay=1, delay_predict="moments", plan="host")
+  params = random_tree(np.random.default_rng())
+  state = jax_dos.interleaved_adam(1e-3, plan="device").init(params)
+  with pytest.raises(ValueError, match="CheckpointManager"):
+    jax_dos.interleaved_adam(1e-3, plan="device", moments="int8").update(params, state, params)
+
+
+def test_optax_state_holds_the_decoded_moments():
+  rng = np.random.default_rng()
+  params = random_tree(rng, SHAPES_BLOCKS)
+  tx = jax_dos.interleaved_adam(LR, plan="host", moments="int8")
+  _, state = _run(tx, params, [random_tree(rng, SHAPES_BLOCKS) for _ in range(2)])
+  adam = jax_dos.to_optax_adamw_state(state, schedule=False)[0]
+  for salt, (ours, theirs) in enumerate(((state.mu, adam.mu), (state.nu, adam.nu))):
+    for x, y, p in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), jax.tree.leaves(params)):
+      assert y.dtype == jnp.float32 and y.shape == p.shape
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(mf.decode(jnp.asarray(x), p.shape, "int8", salt)))
 
 
 @pytest.mark.parametrize("moments", ["bfloat16", "int8"])
