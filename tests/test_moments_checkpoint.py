@@ -81,3 +81,16 @@ def test_restore_converts_between_formats_and_says_so(tmp_path, caplog, saved, r
       want = values if restored == "float32" else mf.host_encode(values, restored, 3.0, salt) if values.size else x
       np.testing.assert_array_equal(raw(x)[0], raw(want)[0])
   train(other, rp, rs, rng, 1)
+
+
+def test_train_gpt_resumes_in_another_format(tmp_path, capsys):
+  from train import gpt
+
+  tiny = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--batch", "4", "--seq-len", "32", "--eval-batches",
+          "1", "--quiet", "--offload", "host", "--eval-every", "100", "--out", str(tmp_path / "run")]  # fmt: skip
+  first = gpt.main([*tiny, "--moments", "int8", "--steps", "2"])
+  capsys.readouterr()
+  second = gpt.main([*tiny, "--moments", "bfloat16", "--steps", "3", "--resume"])
+  assert second["start_step"] == 2 and second["step"] == 3
+  assert "saved as int8 (blocks of 256) and are restored as bfloat16" in capsys.readouterr().err
+  assert all(np.isfinite(v) for v in {**first["losses"], **second["losses"]}.values())
