@@ -8,12 +8,14 @@ the host and the accelerator give identical bits. It reads and writes
 int8) and reads ``g``: 20 B a parameter with float32 gradients against
 ``host_kernels``' 28 for float32 moments (16 with int8).
 
-int8 works block by block (one ``prange`` over blocks): a first loop finds
-the new moments' block maxima (the new scales), a second recomputes each new
-moment (same inputs, same bits), encodes it and writes the weights. Every
-element's old code and its block's old scale are read before they are
-written, so the output buffers may be the input ones (in place). Kernels use
-``error_model="numpy"``: a zero scale gives ``0 / 0 = NaN``, encoded as 0.
+int8 takes three launches: a ``prange`` over blocks finds the new moments'
+block maxima (the new scales, into small scratch arrays), a ``prange`` over
+elements recomputes each new moment (same inputs, same bits), encodes it and
+writes the weights, and a last one writes the scales. Each element's code is
+read before it is written and the old scales are overwritten last, so the
+output buffers may be the input ones (in place). Kernels use
+``error_model="numpy"``: a zero scale gives ``1 / 0 = inf`` and ``0 inf =
+NaN``, encoded as 0.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import numpy as np
 from jax_dos import moment_formats as mf
 
 B = mf.BLOCK
-_ROW = (B + 4) // 4  # float32 words a block's row takes: its codes, then its scale
 _OPTS = dict(parallel=True, nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
 
@@ -51,48 +52,62 @@ def make_bf16_kernel(load_grad, store_low):
   return adam_bf16
 
 
-def make_int8_kernel(load_grad, store_low):
-  @numba.njit(**_OPTS)
-  def adam_int8(g, p, mc, ms, vc, vs, p_out, mc_out, ms_out, vc_out, vs_out, low, b1, one_minus_b1, b2,
-                one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, key_m, key_v, decay, write_low,
-                write_state, mu_t, nu_t):  # fmt: skip
-    n = g.shape[0]
-    for b in numba.prange((n + B - 1) // B):
-      row, lo, hi = b * (B + 4), b * B, min(n, (b + 1) * B)
-      old_m, old_v = ms[b * _ROW + B // 4], vs[b * _ROW + B // 4]
-      sm, sv = np.float32(0), np.float32(0)
-      for i in range(lo, hi):  # the new scales: max |m| and max sqrt(v), NaN propagating (as jnp.max)
-        gi = load_grad(g[i]) * gs
-        mi = one_minus_b1 * gi + b1 * mf.nb_mu_decode(mc[row + i - lo], old_m, mu_t)
-        vi = one_minus_b2 * (gi * gi) + b2 * mf.nb_nu_decode(vc[row + i - lo], old_v, nu_t)
-        a, t = abs(mi), np.sqrt(vi)
-        if sm == sm and not a <= sm:
-          sm = a
-        if sv == sv and not t <= sv:
-          sv = t
-      for i in range(lo, hi):
-        gi = load_grad(g[i]) * gs
-        mi = one_minus_b1 * gi + b1 * mf.nb_mu_decode(mc[row + i - lo], old_m, mu_t)
-        vi = one_minus_b2 * (gi * gi) + b2 * mf.nb_nu_decode(vc[row + i - lo], old_v, nu_t)
-        u = (mi / bc1) / (np.sqrt(vi / bc2 + eps_root) + eps)
-        pi = p[i]
-        if decay:
-          u = u + wd * pi
-        pn = pi + neg_lr * u
-        if write_state:
-          mc_out[row + i - lo] = mf.nb_mu_code(mi, sm, mf.nb_unit(mf.nb_hash(i, key_m)))
-          vc_out[row + i - lo] = mf.nb_nu_code(vi, sv, mf.nb_unit(mf.nb_hash(i, key_v)))
-          p_out[i] = pn
-        if write_low:
-          low[i] = store_low(pn)
-      if write_state:
-        for j in range(hi - lo, B):  # padding: zeros, code 0
-          mc_out[row + j] = 0
-          vc_out[row + j] = 0
-        ms_out[b * _ROW + B // 4] = sm
-        vs_out[b * _ROW + B // 4] = sv
+def make_int8_kernels(load_grad, store_low):
+  """The int8 step as three launches: the blocks' new scales, the element-wise step, the scales written."""
 
-  return adam_int8
+  @numba.njit(**_OPTS)
+  def scales(g, mc, mw, vc, vw, new_m, new_v, b1, one_minus_b1, b2, one_minus_b2, gs, mu_t, nu_t):
+    n = g.shape[0]
+    nb = new_m.shape[0]
+    for b in numba.prange(nb):  # max |m| and sqrt(max v) of the new moments, NaN propagating (as jnp.max)
+      old_m, old_v = mw[nb * (B // 4) + b], vw[nb * (B // 4) + b]
+      sm, sv2, bad_m, bad_v = np.float32(0), np.float32(0), False, False
+      for i in range(b * B, min(n, (b + 1) * B)):
+        gi = load_grad(g[i]) * gs
+        mi = one_minus_b1 * gi + b1 * mf.nb_mu_decode(mc[i], old_m, mu_t)
+        vi = one_minus_b2 * (gi * gi) + b2 * mf.nb_nu_decode(vc[i], old_v, nu_t)
+        sm = max(sm, abs(mi))  # a plain max; NaN is tracked beside it
+        sv2 = max(sv2, vi)
+        bad_m |= mi != mi
+        bad_v |= vi != vi
+      new_m[b] = np.float32(np.nan) if bad_m else sm
+      new_v[b] = np.float32(np.nan) if bad_v else np.sqrt(sv2)
+
+  @numba.njit(**_OPTS)
+  def step(g, p, mc, mw, vc, vw, p_out, mc_out, vc_out, low, inv_m, inv_v, b1, one_minus_b1, b2, one_minus_b2, eps,
+           eps_root, wd, neg_lr, bc1, bc2, gs, key_m, key_v, decay, write_low, write_state, mu_t, nu_t):  # fmt: skip
+    # One prange over elements (numba's parfor lowering is what vectorizes): element i's code is byte i.
+    base = inv_m.shape[0] * (B // 4)
+    for i in numba.prange(g.shape[0]):
+      b = i // B
+      gi = load_grad(g[i]) * gs
+      mi = one_minus_b1 * gi + b1 * mf.nb_mu_decode(mc[i], mw[base + b], mu_t)
+      vi = one_minus_b2 * (gi * gi) + b2 * mf.nb_nu_decode(vc[i], vw[base + b], nu_t)
+      u = (mi / bc1) / (np.sqrt(vi / bc2 + eps_root) + eps)
+      pi = p[i]
+      if decay:
+        u = u + wd * pi
+      pn = pi + neg_lr * u
+      if write_state:
+        mc_out[i] = mf.nb_mu_code(mi, inv_m[b], mf.nb_unit(mf.nb_hash(i, key_m)))
+        vc_out[i] = mf.nb_nu_code(vi, inv_v[b], mf.nb_unit(mf.nb_hash(i, key_v)))
+        p_out[i] = pn
+      if write_low:
+        low[i] = store_low(pn)
+
+  return scales, step
+
+
+@numba.njit(**_OPTS)
+def commit_scales(n, new_m, new_v, mc_out, mw_out, vc_out, vw_out):
+  """Writes the new scales, and zero codes for the padding after element ``n``."""
+  nb = new_m.shape[0]
+  for b in numba.prange(nb):
+    mw_out[nb * (B // 4) + b] = new_m[b]
+    vw_out[nb * (B // 4) + b] = new_v[b]
+  for i in range(n, nb * B):
+    mc_out[i] = 0
+    vc_out[i] = 0
 
 
 def moments_of(dtype: str) -> str:

@@ -17,13 +17,16 @@ a nearest-rounded ``nu`` never decreases (docs/design.md, the measurement).
 
 ``"int8"``: each leaf's moments, flattened and zero-padded to whole blocks of
 ``BLOCK`` elements, are stored as one ``uint8`` array of shape
-``(blocks, BLOCK + 4)``: a block's ``BLOCK`` codes, then its float32 scale's 4
-bytes (little-endian). The maps are non-linear (square-root companding), so
+``(blocks, BLOCK + 4)`` holding, in order, every block's ``BLOCK`` codes, then
+every block's float32 scale (4 bytes, little-endian): element ``i``'s code is
+byte ``i``, so the host kernel indexes codes as it indexes the weights (its
+loops vectorize). The block size is the shape's second dimension less 4.
+The maps are non-linear (square-root companding), so
 that small moments keep relative precision (a linear map of ``nu`` sends
 small ones to 0, and ``m / sqrt(nu)`` to infinity)::
 
-    mu:  s = max |m|        q = sign(m) R(127 sqrt(|m| / s))      m = T_mu[q] s,           T_mu[q] = sign(q) (q / 127)^2
-    nu:  s = max sqrt(v)    q = R(255 sqrt(sqrt(v) / s))          v = (T_nu[q] s)^2,       T_nu[q] = (q / 255)^2
+    mu:  s = max |m|        q = sign(m) R(127 sqrt(|m| (1/s)))    m = T_mu[q] s,           T_mu[q] = sign(q) (q / 127)^2
+    nu:  s = sqrt(max v)    q = R(255 sqrt(sqrt(v) (1/s)))        v = (T_nu[q] s)^2,       T_nu[q] = (q / 255)^2
 
 (``q`` int8 for mu, uint8 for nu; the tables ``T`` are float32, rounded once
 from the exact values.)
@@ -164,23 +167,22 @@ def encode(x: jax.Array, moments: str, seed: jax.Array, salt: int) -> jax.Array:
   if salt == 0:
     a = jnp.abs(xf)
     s = jnp.max(a, axis=1, keepdims=True)
-    q = _round(jnp.sqrt(a / s) * jnp.float32(127), u, 127)
+    q = _round(jnp.sqrt(a * (1 / s)) * jnp.float32(127), u, 127)
     codes = jax.lax.bitcast_convert_type(jnp.where(xf < 0, -q, q).astype(jnp.int8), jnp.uint8)
   else:
-    t = jnp.sqrt(xf)
-    s = jnp.max(t, axis=1, keepdims=True)
-    q = _round(jnp.sqrt(t / s) * jnp.float32(255), u, 255)
+    s = jnp.sqrt(jnp.max(xf, axis=1, keepdims=True))  # = max sqrt(v): sqrt is monotone and correctly rounded
+    q = _round(jnp.sqrt(jnp.sqrt(xf) * (1 / s)) * jnp.float32(255), u, 255)
     q = jnp.where(xf > 0, jnp.maximum(q, 1), q)
     codes = q.astype(jnp.uint8)
-  scale = jax.lax.bitcast_convert_type(s, jnp.uint8).reshape(nb, 4)
-  return jnp.concatenate([codes, scale], axis=1)
+  scale = jax.lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
+  return jnp.concatenate([codes.reshape(-1), scale]).reshape(nb, BLOCK + 4)
 
 
 def _round(x: jax.Array, u: jax.Array, top: int) -> jax.Array:
   """``min(floor(x + u), top)`` as int32, 0 where ``x`` is not a number >= 0 (NaN, from a 0 or NaN scale)."""
   ok = x >= 0
-  q = jnp.floor(jnp.where(ok, x, 0) + u)
-  return jnp.where(ok, jnp.minimum(q, top), 0).astype(jnp.int32)
+  q = (jnp.where(ok, x, 0) + u).astype(jnp.int32)  # >= 0: truncation is floor
+  return jnp.where(ok, jnp.minimum(q, top), 0)
 
 
 def decode(stored: jax.Array, shape: tuple[int, ...], moments: str, salt: int) -> jax.Array:
@@ -189,8 +191,10 @@ def decode(stored: jax.Array, shape: tuple[int, ...], moments: str, salt: int) -
     return stored
   if moments == "bfloat16":
     return stored.astype(jnp.float32)
-  block = stored.shape[1] - 4  # BLOCK, or the block of a checkpoint being converted
-  codes, s = stored[:, :block], jax.lax.bitcast_convert_type(stored[:, block:], jnp.float32)[:, None]
+  nb, block = stored.shape[0], stored.shape[1] - 4  # BLOCK, or the block of a checkpoint being converted
+  flat = stored.reshape(-1)
+  codes = flat[: nb * block].reshape(nb, block)
+  s = jax.lax.bitcast_convert_type(flat[nb * block :].reshape(nb, 4), jnp.float32)[:, None]
   if salt == 0:
     x = jnp.asarray(MU_TABLE)[codes] * s
   else:
@@ -219,8 +223,8 @@ def nb_hash(i, key):
 
 
 @numba.njit(inline="always")
-def nb_unit(h):
-  return np.float32(h >> np.uint64(8)) * np.float32(2.0**-24)
+def nb_unit(h):  # through int32: a uint64 -> float conversion does not vectorize
+  return np.float32(np.int32(h >> np.uint64(8))) * np.float32(2.0**-24)
 
 
 @numba.njit(inline="always")
@@ -238,10 +242,8 @@ def nb_bf16_store(x, h):  # stochastic rounding with the random bits h
 
 @numba.njit(inline="always")
 def nb_round(x, u, top):
-  if x >= np.float32(0):  # false for NaN
-    q = np.floor(x + u)
-    return np.int32(min(q, np.float32(top)))
-  return np.int32(0)
+  q = np.int32(x + u) if x >= np.float32(0) else np.int32(0)  # x + u >= 0: truncation is floor; NaN: 0
+  return min(q, np.int32(top))
 
 
 @numba.njit(inline="always")
@@ -250,8 +252,8 @@ def nb_mu_decode(byte, s, table):  # byte: the code's uint8 bits; table: MU_TABL
 
 
 @numba.njit(inline="always")
-def nb_mu_code(m, s, u):
-  q = nb_round(np.sqrt(abs(m) / s) * np.float32(127), u, 127)
+def nb_mu_code(m, inv, u):  # inv: 1 / the block's scale
+  q = nb_round(np.sqrt(abs(m) * inv) * np.float32(127), u, 127)
   return np.uint8((256 - q if m < np.float32(0) else q) & 0xFF)  # the int8 code's two's-complement byte
 
 
@@ -262,8 +264,8 @@ def nb_nu_decode(code, s, table):  # table: NU_TABLE
 
 
 @numba.njit(inline="always")
-def nb_nu_code(v, s, u):
-  q = nb_round(np.sqrt(np.sqrt(v) / s) * np.float32(255), u, 255)
+def nb_nu_code(v, inv, u):  # inv: 1 / the block's scale
+  q = nb_round(np.sqrt(np.sqrt(v) * inv) * np.float32(255), u, 255)
   if v > np.float32(0) and q < 1:
     q = np.int32(1)
   return np.uint8(q)
@@ -276,20 +278,22 @@ def _nb_encode(x, key, salt, fmt_int8, out16, codes, words):
     for i in range(n):
       out16[i] = nb_bf16_store(x[i], nb_hash(i, key))
     return
-  for b in range((n + BLOCK - 1) // BLOCK):
-    lo, hi, row = b * BLOCK, min(n, (b + 1) * BLOCK), b * (BLOCK + 4)
-    s = np.float32(0)
+  nb = (n + BLOCK - 1) // BLOCK
+  for b in range(nb):
+    lo, hi = b * BLOCK, min(n, (b + 1) * BLOCK)
+    s, bad = np.float32(0), False
     for i in range(lo, hi):
-      a = abs(x[i]) if salt == 0 else np.sqrt(x[i])
-      if s == s and not a <= s:
-        s = a
+      s = max(s, abs(x[i]) if salt == 0 else x[i])
+      bad |= x[i] != x[i]
+    s = np.float32(np.nan) if bad else s if salt == 0 else np.sqrt(s)
+    inv = np.float32(1) / s
     for i in range(lo, hi):
       u = nb_unit(nb_hash(i, key))
       if salt == 0:
-        codes[row + i - lo] = nb_mu_code(x[i], s, u)
+        codes[i] = nb_mu_code(x[i], inv, u)
       else:
-        codes[row + i - lo] = nb_nu_code(x[i], s, u)
-    words[row // 4 + BLOCK // 4] = s
+        codes[i] = nb_nu_code(x[i], inv, u)
+    words[nb * (BLOCK // 4) + b] = s
 
 
 def host_encode(x: np.ndarray, moments: str, seed: float, salt: int) -> np.ndarray:
@@ -306,13 +310,13 @@ def host_encode(x: np.ndarray, moments: str, seed: float, salt: int) -> np.ndarr
 
 @numba.njit(cache=True, error_model="numpy")
 def _nb_decode(n, salt, fmt_int8, bits16, codes8, words, out, mu_table, nu_table, block):
+  nb = (n + block - 1) // block if fmt_int8 else 0
   for i in range(n):
     if not fmt_int8:
       out[i] = nb_bf16_load(bits16[i])
     else:
-      b = i // block
-      at, s = b * (block + 4) + i % block, words[b * ((block + 4) // 4) + block // 4]
-      out[i] = nb_mu_decode(codes8[at], s, mu_table) if salt == 0 else nb_nu_decode(codes8[at], s, nu_table)
+      s = words[nb * (block // 4) + i // block]
+      out[i] = nb_mu_decode(codes8[i], s, mu_table) if salt == 0 else nb_nu_decode(codes8[i], s, nu_table)
 
 
 def host_decode(stored: np.ndarray, n: int, moments: str, salt: int) -> np.ndarray:
