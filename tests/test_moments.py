@@ -170,3 +170,17 @@ def test_planner_counts_each_formats_bytes(monkeypatch):
     resident[moments] = plan.elements("device")
     assert resident[moments] * mf.state_bytes_per_param(moments) <= budget
   assert resident["float32"] == 2048 and resident["bfloat16"] == 3072 and resident["int8"] == 3072
+
+
+@pytest.mark.parametrize(
+  "flags,match",
+  [(["--moments", "int8", "--offload", "none"], "--offload none"),
+   (["--moments", "bfloat16", "--delay", "1", "--delay-predict"], "--delay-predict"),
+   (["--moments", "fp8"], "invalid choice")],
+)  # fmt: skip
+def test_train_gpt_refuses_what_compact_moments_cannot_do(flags, match, capsys):
+  from train import flags as F
+
+  with pytest.raises(SystemExit):
+    F.parse_args(["--d-model", "32", *flags])
+  assert match in capsys.readouterr().err
