@@ -184,3 +184,18 @@ def test_train_gpt_refuses_what_compact_moments_cannot_do(flags, match, capsys):
   with pytest.raises(SystemExit):
     F.parse_args(["--d-model", "32", *flags])
   assert match in capsys.readouterr().err
+
+
+def test_write_behind_and_the_plain_delay_keep_the_rounding():
+  """write_behind's two kernel passes give the one pass's bits; delay=1 takes the same host steps, one step late."""
+  rng = np.random.default_rng()
+  params = random_tree(rng, SHAPES_BLOCKS)
+  grads = [random_tree(rng, SHAPES_BLOCKS) for _ in range(3)]
+  runs = [
+    _run(jax_dos.interleaved_adam(LR, plan="host", moments="int8", **kw), params, grads)[1]
+    for kw in ({}, {"write_behind": True}, {"delay": 1, "delay_warmup": 1})
+  ]
+  jax_dos.wait_for_host_updates()
+  for other in runs[1:]:
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(other)):
+      np.testing.assert_array_equal(_bytes(a), _bytes(b))
