@@ -1,11 +1,13 @@
-"""Host kernel rate: jax_dos's fused numba AdamW against torch's fused CPU AdamW.
+"""Host kernel rate: jax_dos's fused numba AdamW against torch's fused CPU AdamW, per moment format.
 
 Both run on the same buffers: ``pinned_host`` jax arrays (the ones the engine
 updates), seen through writable numpy views (torch through ``from_numpy``), at
-the same thread counts, in the same process. Prints a table and writes JSON to
-``$OUT/host_kernel.json`` (or ``bench/results/``).
+the same thread counts, in the same process. With ``--moments``, jax_dos's
+kernel also runs on bfloat16 or int8 moments (``interleaved_adam(moments=...)``;
+torch, float32 only, is skipped where it is not installed). Prints a table and
+writes JSON to ``$OUT/host_kernel.json`` (or ``bench/results/``).
 
-    python bench/host_kernel.py [--elements 268435456] [--threads 4 8 16]
+    python bench/host_kernel.py [--elements 268435456] [--threads 4 8 16] [--moments float32 bfloat16 int8]
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dos import adam_math, host_kernels
+from jax_dos import moment_formats as mf
+from jax_dos.planning.cost_model import kernel_bytes
 
 
 def pinned_buffers(n: int, seed: int) -> list[jax.Array]:
@@ -39,22 +43,27 @@ def main() -> None:
   ap.add_argument("--elements", type=int, default=256 * 2**20)
   ap.add_argument("--threads", type=int, nargs="+", default=[4, 8, os.cpu_count()])
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--moments", nargs="+", choices=mf.FORMATS, default=["float32"])
   args = ap.parse_args()
 
-  import torch
+  try:
+    import torch
+  except ImportError:
+    torch = None
 
   n = args.elements
   arrays = pinned_buffers(n, seed=0)
   g, p, m, v = (host_kernels.writable_view(a) for a in arrays)
-  hyper = adam_math.AdamHyper(1e-3)
-  scalars = np.asarray(adam_math.step_scalars(hyper, jnp.asarray(10, jnp.int32)))
-  tg, tp, tm, tv = (torch.from_numpy(a) for a in (g, p, m, v))
-  step = torch.tensor(11.0)
+  compact = {fmt: (mf.host_encode(m, fmt, 1.0, 0), mf.host_encode(v, fmt, 1.0, 1)) for fmt in args.moments}
+  tg, tp, tm, tv = (torch.from_numpy(a) for a in (g, p, m, v)) if torch else (None,) * 4
+  step = torch.tensor(11.0) if torch else None
 
-  def ours_kernel_only():
-    host_kernels.adam_inplace(
-      g, p, m, v, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0, decay=False, scalars=scalars
-    )
+  def ours(fmt):
+    hyper = adam_math.AdamHyper(1e-3, moments=fmt)
+    scalars = np.asarray(adam_math.step_scalars(hyper, jnp.asarray(10, jnp.int32)))
+    mm, vv = (m, v) if fmt == "float32" else compact[fmt]
+    kw = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0, scalars=scalars)
+    return lambda: host_kernels.adam_many([(g, p, mm, vv)], [False], **kw)
 
   def torch_fused():
     torch._fused_adamw_(
@@ -76,38 +85,36 @@ def main() -> None:
   rows = []
   for threads in args.threads:
     host_kernels.set_num_threads(threads)
-    torch.set_num_threads(threads)
-    # Our kernel overwrites g with the update (which the engine sends to the GPU), so repeated runs feed
-    # on their own output: the same bytes move and the values stay finite.
-    t_ours = common.timed(ours_kernel_only, reps=args.repeats)["time_s"]  # warm-up compiles
-    t_torch = common.timed(torch_fused, reps=args.repeats)["time_s"]
-    rows.append(
-      dict(
-        threads=threads,
-        jax_dos_Gps=n / t_ours / 1e9,
-        torch_Gps=n / t_torch / 1e9,
-        ratio=t_torch / t_ours,
-        jax_dos_s=t_ours,
-        torch_s=t_torch,
-      )
-    )
-    print(
-      f"threads {threads:3d}: jax_dos {rows[-1]['jax_dos_Gps']:.2f} G params/s, torch fused "
-      f"{rows[-1]['torch_Gps']:.2f} G params/s, ratio {rows[-1]['ratio']:.3f}",
-      flush=True,
-    )
+    row = dict(threads=threads)
+    # Repeated runs feed on their own output: the same bytes move and the values stay finite.
+    for fmt in args.moments:
+      t = common.timed(ours(fmt), reps=args.repeats)["time_s"]  # warm-up compiles
+      row[f"jax_dos_{fmt}_Gps"], row[f"jax_dos_{fmt}_s"] = n / t / 1e9, t
+    if "float32" in args.moments:
+      row["jax_dos_Gps"], row["jax_dos_s"] = row["jax_dos_float32_Gps"], row["jax_dos_float32_s"]
+    if torch is not None:
+      torch.set_num_threads(threads)
+      t_torch = common.timed(torch_fused, reps=args.repeats)["time_s"]
+      row.update(torch_Gps=n / t_torch / 1e9, torch_s=t_torch)
+      if "jax_dos_s" in row:
+        row["ratio"] = t_torch / row["jax_dos_s"]
+    rows.append(row)
+    rates = ", ".join(f"{fmt} {row[f'jax_dos_{fmt}_Gps']:.3f}" for fmt in args.moments)
+    vs = f"; torch fused {row['torch_Gps']:.3f}" if torch is not None else ""
+    print(f"threads {threads:3d}: jax_dos G params/s: {rates}{vs}", flush=True)
 
   result = dict(
     benchmark="host_kernel",
     elements=n,
     device=str(jax.devices()[0].device_kind),
     jax=jax.__version__,
-    torch=torch.__version__,
+    torch=getattr(torch, "__version__", None),
+    moments=args.moments,
     cpus=os.cpu_count(),
     host=platform.node(),
     rows=rows,
-    bytes_per_param={"jax_dos": 28, "torch": 28},
-    note="both read g, p, m, v and write p, m, v (28 B/param).",
+    bytes_per_param={"torch": 28, **{f"jax_dos_{fmt}": kernel_bytes(fmt) for fmt in args.moments}},
+    note="both read g, p, m, v and write p, m, v (28 B/param with float32 moments, 20 bfloat16, ~16 int8).",
   )
   out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   with open(os.path.join(out, "host_kernel.json"), "w") as f:

@@ -67,6 +67,8 @@ def parse_args(argv=None):
   p.add_argument("--recalibrate", action="store_true", help="measure the calibration again (else the cache)")
   p.add_argument("--calibration-size", type=int, default=None,
                  help="parameters per path to calibrate with (default: jax_dos's); implies --recalibrate")  # fmt: skip
+  p.add_argument("--moments", choices=("float32", "bfloat16", "int8"), default="float32",
+                 help="how the jax_dos variants store mu and nu (interleaved_adam(moments=...))")  # fmt: skip
   p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU")
   p.add_argument("--trace", action="store_true", help="one more step per engine variant with jax_dos.trace spans")
   p.add_argument(
@@ -162,7 +164,7 @@ class Bench:
         "host": socket.gethostname(), "python": platform.python_version(), "threads": self.threads,
         "numba_threads": numba.get_num_threads(), "torch": getattr(self.torch, "__version__", None),
         "env": self.env, "subgroup_size": a.subgroup_size, "staging_budget_bytes": self.staging, "reps": a.reps,
-        "smoke": a.smoke, "traced_donates_state": self.donate,
+        "smoke": a.smoke, "traced_donates_state": self.donate, "moments": a.moments,
     }  # fmt: skip
 
   def block(self, x) -> None:
@@ -240,7 +242,9 @@ class Bench:
     import jax_dos
 
     jax = self.jax
-    tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=self.args.subgroup_size, plan=plan)
+    tx = jax_dos.interleaved_adam(
+      1e-3, weight_decay=0.01, subgroup_size=self.args.subgroup_size, plan=plan, moments=self.args.moments
+    )
     self.place(plan)
     update = tx.update
     if name == "traced":
@@ -312,7 +316,9 @@ class Bench:
         pred = planning.predict(cal, n_device=n_dev, stream_slots=plan.stream_slots, **kw)["total"]
       if self.state is None:
         gc.collect()
-        init_tx = jax_dos.interleaved_adam(1e-3, weight_decay=0.01, subgroup_size=args.subgroup_size, plan="host")
+        init_tx = jax_dos.interleaved_adam(
+          1e-3, weight_decay=0.01, subgroup_size=args.subgroup_size, plan="host", moments=args.moments
+        )
         try:
           self.state = init_tx.init(params)
           self.block(self.state)

@@ -32,6 +32,7 @@ from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.memory import cap_pinned_pool
+from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state, host_need_bound
@@ -70,6 +71,7 @@ __all__ = [
   "DEFAULT_DELAY_WARMUP",
   "DEFAULT_SUBGROUP_SIZE",
   "DELAY_PREDICTIONS",
+  "MOMENT_FORMATS",
   "GRADIENT_FLUSHES",
   "InterleavedAdamState",
   "InterleavedAdamTransformation",

@@ -12,7 +12,10 @@ step ``t = count + 1`` (optax's ``safe_increment``) and gradient scale ``s``
     u   <- (-lr(count)) * u
     p   <- p + u
 
-All in float32. The per-step scalars ``(-lr, 1 - b1**t, 1 - b2**t, s)`` are
+All in float32. With compact moments (``moments="bfloat16"`` or ``"int8"``)
+``m`` and ``v`` are decoded to float32 first and the new ones encoded after
+(``moment_formats.py``); the step's seed for their stochastic rounding is a
+fifth scalar. The per-step scalars ``(-lr, 1 - b1**t, 1 - b2**t, s)`` are
 computed by :func:`step_scalars` with the same XLA ops optax uses, so the host
 kernel (``host_kernels.py``) receives bit-identical values. The update handed
 back to the caller is ``u`` for float32 parameters, and
@@ -30,6 +33,8 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 
+from jax_dos import moment_formats
+
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 
 
@@ -43,17 +48,22 @@ class AdamHyper:
   eps: float = 1e-8
   eps_root: float = 0.0
   weight_decay: float = 0.0
+  moments: str = "float32"  # how mu and nu are stored: moment_formats.FORMATS
 
 
 def step_scalars(hyper: AdamHyper, count: jax.Array, grad_scale: Any = 1.0) -> jax.Array:
-  """``[-lr(count), 1 - b1**(count+1), 1 - b2**(count+1), grad_scale]`` as float32[4]."""
+  """``[-lr(count), 1 - b1**(count+1), 1 - b2**(count+1), grad_scale]`` as float32[4].
+
+  With compact moments a fifth: the seed of their rounding (``moment_formats.step_seed``).
+  """
   count_inc = safe_increment(count)
   lr = hyper.learning_rate(count) if callable(hyper.learning_rate) else hyper.learning_rate
   neg_lr = jnp.asarray(-1 * lr, dtype=jnp.float32)
   bc1 = 1 - hyper.b1**count_inc
   bc2 = 1 - hyper.b2**count_inc
   scale = jnp.asarray(grad_scale, jnp.float32)
-  return jnp.stack([neg_lr, bc1.astype(jnp.float32), bc2.astype(jnp.float32), scale])
+  seed = [moment_formats.step_seed(count_inc)] if hyper.moments != "float32" else []
+  return jnp.stack([neg_lr, bc1.astype(jnp.float32), bc2.astype(jnp.float32), scale, *seed])
 
 
 def clip_scale(grad_norm: Any, max_norm: float) -> jax.Array:
@@ -81,7 +91,11 @@ def leaf_update(
   hyper: AdamHyper,
   decay: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """One leaf's AdamW step. Returns ``(update, master, mu, nu)``."""
+  """One leaf's AdamW step. Returns ``(update, master, mu, nu)``, the moments stored as ``hyper.moments`` says."""
+  fmt = hyper.moments
+  if fmt != "float32":
+    mu = moment_formats.decode(mu, master.shape, fmt, 0)
+    nu = moment_formats.decode(nu, master.shape, fmt, 1)
   g = grad.astype(jnp.float32) * scalars[3]
   mu = (1 - hyper.b1) * g + hyper.b1 * mu
   nu = (1 - hyper.b2) * (g**2) + hyper.b2 * nu
@@ -92,6 +106,9 @@ def leaf_update(
     u = u + hyper.weight_decay * master
   u = scalars[0] * u
   master = master + u
+  if fmt != "float32":
+    mu = moment_formats.encode(mu, fmt, scalars[4], 0)
+    nu = moment_formats.encode(nu, fmt, scalars[4], 1)
   return to_param_update(u, master, param), master, mu, nu
 
 

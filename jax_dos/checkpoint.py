@@ -9,7 +9,8 @@ in ``<step>.orbax-checkpoint-tmp`` and renamed when committed)::
                                        "extra": {"0": leaf, ...}}   (extra only if the state has other leaves)
                  master/      PyTree: fp32 master weights (<params tree>); only for jax_dos states
                  meta/        JSON: the caller's ``meta`` (data position, RNG, config, ...)
-                 format/      JSON: {"format": FORMAT, "source": "interleaved" | "optax", "has_master", "num_extra"}
+                 format/      JSON: {"format": FORMAT, "source": "interleaved" | "optax", "has_master", "num_extra",
+                                     "moments": {"format", "block", "version"}}   (checkpoint_moments.py)
                  jax_dos_manifest.json   size and CRC-32 checksums of every file, written last
     <dir>/damaged/<step>-<why>/   steps that failed verification, moved out of Orbax's sight
 
@@ -86,7 +87,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jax_dos import checkpoint_integrity as integrity
-from jax_dos import host_kernels, memory
+from jax_dos import checkpoint_moments, host_kernels, memory
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.state_convert import from_optax_adamw_state, split_adam, to_optax_adamw_state
 
@@ -316,6 +317,7 @@ class CheckpointManager:
       "source": parts.kind,
       "has_master": parts.master is not None,
       "num_extra": len(parts.extra),
+      "moments": checkpoint_moments.record(parts.mu),
     }
 
     self.wait_until_finished()  # one save in flight: bounds the memory of host copies; applies retention
@@ -615,7 +617,12 @@ class CheckpointManager:
         f"checkpoint step {step} has {fmt['num_extra']} optimizer-state leaves besides Adam's, the template has"
         f" {len(parts.extra)}; restore into an optimizer built like the one that was saved (same optax.chain)."
       )
-    canon_t = {"count": parts.count, "mu": parts.mu, "nu": parts.nu}
+    source, target = checkpoint_moments.saved(fmt), checkpoint_moments.tree_format(parts.mu)
+    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params_t)]
+    moments_t = (parts.mu, parts.nu)
+    if source != target:
+      moments_t = tuple(checkpoint_moments.disk_template(t, shapes, *source) for t in moments_t)
+    canon_t = {"count": parts.count, "mu": moments_t[0], "nu": moments_t[1]}
     if parts.extra:
       canon_t["extra"] = {str(i): x for i, x in enumerate(parts.extra)}
     metadata = self._mgr.item_metadata(step)
@@ -640,6 +647,13 @@ class CheckpointManager:
       master = self._mgr.restore(step, args=ocp.args.Composite(params=_restore_item(parts.master)))["params"]
       master = _fill_empties(master, parts.master)
     c = _fill_empties(out["opt_state"], canon_t)
+    if moments_t[0] is not parts.mu:  # stored in another format: converted to the template's
+      count = int(np.asarray(c["count"]))
+      c["mu"], c["nu"] = (
+        checkpoint_moments.convert(c[k], t, shapes, source, count, salt)
+        for salt, (k, t) in enumerate((("mu", parts.mu), ("nu", parts.nu)))
+      )
+      checkpoint_moments.say_converted(step, source, target)
     extra = [c["extra"][str(i)] for i in range(len(parts.extra))] if parts.extra else []
     params = _fill_empties(out["params"], params_t)
     return params, parts.rebuild(c["count"], master, c["mu"], c["nu"], extra), out["meta"]

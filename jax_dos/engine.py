@@ -198,7 +198,7 @@ class Engine:
   def place_state(self, leaves: list[jax.Array]) -> list[jax.Array]:
     """Moves state leaves into the memory kinds this plan wants (after a restore, say)."""
     return [
-      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p])
+      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p], a.dtype)
       for a, p in zip(leaves, self.leaf_placement)
     ]
 

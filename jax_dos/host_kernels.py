@@ -34,6 +34,9 @@ import jax
 import numba
 import numpy as np
 
+from jax_dos import host_compact
+from jax_dos import moment_formats as mf
+
 _layer_chosen = False
 
 
@@ -160,7 +163,69 @@ _PREDICT_KERNELS = {lo: _make_predict_kernel(_STORES[lo]) for lo in _STORES}
 _INTO_KERNELS = {(g, lo): _make_adam_into_kernel(_LOADS[g], _STORES[lo]) for g in _LOADS for lo in _STORES}
 GRAD_DTYPES = tuple(_LOADS)
 LOW_DTYPES = tuple(_STORES)
-_VIEW = {"float32": np.float32, "bfloat16": np.uint16}
+_VIEW = {"float32": np.float32, "bfloat16": np.uint16, "uint8": np.uint8}
+_COMPACT = {
+  (fmt, g, lo): make(_LOADS[g], _STORES[lo])
+  for fmt, make in (("bfloat16", host_compact.make_bf16_kernel), ("int8", host_compact.make_int8_kernels))
+  for g in _LOADS
+  for lo in _STORES
+}
+
+
+def _compact(buffers, decay, hyper: tuple, scalars, write_state: bool, into: bool) -> None:
+  """:func:`adam_many` (``into=False``) or :func:`adam_many_into` for bfloat16 or int8 moments (``host_compact``)."""
+  if len(scalars) != 5:
+    raise ValueError("compact moments need the step's five scalars (adam_math.step_scalars with hyper.moments set).")
+  views = []
+  for bufs in buffers:
+    n_state = 7 if into else 4
+    if len(bufs) not in ((8,) if into else (4, 5)):
+      raise ValueError(
+        "with compact moments the host kernel takes (g, p, m, v[, low]) or (g, p, m, v, p_out, m_out, v_out, low);"
+        f" got {len(bufs)} buffers (no predictions or moment copies: those need float32 moments)."
+      )
+    dtypes = [str(b.dtype) for b in bufs]
+    state_ok = dtypes[1] == "float32" and dtypes[2] in ("bfloat16", "uint8") and dtypes[3] == dtypes[2]
+    if into:
+      state_ok = state_ok and dtypes[4] == "float32" and dtypes[5] == dtypes[6] == dtypes[2]
+    if not state_ok or dtypes[0] not in GRAD_DTYPES or (len(bufs) > n_state and dtypes[-1] not in LOW_DTYPES):
+      raise TypeError(
+        f"host kernel needs float32 masters, moments of one compact format (bfloat16, or uint8 for int8) and"
+        f" {' or '.join(GRAD_DTYPES)} gradients, got {dtypes}."
+      )
+    fmt = "bfloat16" if dtypes[2] == "bfloat16" else "int8"
+    n = bufs[0].size
+    moment_size = np.prod(mf.stored_shape((n,), fmt))
+    if any(b.size != n for b in (bufs[1], *bufs[n_state:])) or any(b.size != moment_size for b in bufs[2:4]):
+      raise ValueError(f"host kernel: buffers of {n} parameters need {fmt} moments of {moment_size} elements each.")
+    flat = [_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)]
+    g, p, m, v = flat[:4]
+    po, mo, vo = flat[4:7] if into else (p, m, v)
+    low = flat[n_state] if len(flat) > n_state else _NO_LOW
+    views.append((g, p, m, v, po, mo, vo, low))
+  f = np.float32
+  step = (f(scalars[0]), f(scalars[1]), f(scalars[2]), f(scalars[3]))
+  keys = (mf.host_key(float(scalars[4]), 0), mf.host_key(float(scalars[4]), 1))
+  for (g, p, m, v, po, mo, vo, low), d in zip(views, decay):
+    if not g.size:
+      continue
+    fmt = "bfloat16" if m.dtype == np.uint16 else "int8"
+    kernel = _COMPACT[fmt, _dtype_name(g), _dtype_name(low)]
+    if fmt == "int8":
+      scales, elementwise = kernel
+      (mc, mw), (vc, vw) = host_compact.int8_views(m), host_compact.int8_views(v)
+      (mc_o, mw_o), (vc_o, vw_o) = host_compact.int8_views(mo), host_compact.int8_views(vo)
+      new_m, new_v = np.empty(mf.blocks(g.size), np.float32), np.empty(mf.blocks(g.size), np.float32)
+      b1, omb1, b2, omb2 = hyper[:4]
+      scales(g, mc, mw, vc, vw, new_m, new_v, b1, omb1, b2, omb2, step[3], mf.MU_TABLE, mf.NU_TABLE)
+      with np.errstate(divide="ignore", invalid="ignore"):
+        inv_m, inv_v = np.float32(1) / new_m, np.float32(1) / new_v
+      elementwise(g, p, mc, mw, vc, vw, po, mc_o, vc_o, low, inv_m, inv_v, *hyper, *step, *keys, bool(d),
+                  low is not _NO_LOW, bool(write_state), mf.MU_TABLE, mf.NU_TABLE)  # fmt: skip
+      if write_state:
+        host_compact.commit_scales(g.size, new_m, new_v, mc_o, mw_o, vc_o, vw_o)
+    else:
+      kernel(g, p, m, v, po, mo, vo, low, *hyper, *step, *keys, bool(d), low is not _NO_LOW, bool(write_state))
 
 
 def adam_many(
@@ -194,6 +259,11 @@ def adam_many(
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
   use_workqueue_layer()
+  if _has_compact(buffers):
+    if next_scalars is not None:
+      raise ValueError("predictions (next_scalars) need float32 moments.")
+    hyper = _hyper(b1, b2, eps, eps_root, weight_decay)
+    return _compact(buffers, decay, hyper, scalars, write_state, into=False)
   views = []
   for bufs in buffers:
     if len(bufs) not in (4, 5, 7) or len({b.size for b in bufs}) != 1:
@@ -249,6 +319,8 @@ def adam_many_into(
   use_workqueue_layer()
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
+  if _has_compact(buffers):
+    return _compact(buffers, decay, _hyper(b1, b2, eps, eps_root, weight_decay), scalars, True, into=True)
   views = []
   for bufs in buffers:
     if len(bufs) != 8 or len({b.size for b in bufs}) != 1:
@@ -287,6 +359,16 @@ def predict_many(
         lo, *(_flat(x, np.float32) for x in (p, m, v)), f(eps), f(eps_root), f(weight_decay),
         f(scalars[0]), f(scalars[1]), f(scalars[2]), bool(d),
       )  # fmt: skip
+
+
+def _has_compact(buffers) -> bool:
+  return any(len(b) > 2 and str(b[2].dtype) != "float32" for b in buffers)
+
+
+def _hyper(b1, b2, eps, eps_root, weight_decay) -> tuple:
+  f = np.float32
+  # (1 - b) is rounded from a Python double, exactly as JAX does for optax.
+  return (f(b1), f(1 - b1), f(b2), f(1 - b2), f(eps), f(eps_root), f(weight_decay))
 
 
 def _dtype_name(view: np.ndarray) -> str:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_dos import memory, partition, traced
+from jax_dos import memory, moment_formats, partition, traced
 from jax_dos.adam_math import AdamHyper
 from jax_dos.engine import Engine
 from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, agreed_across_processes, check_subgroup_size, resolve_plan
@@ -194,6 +194,11 @@ class InterleavedAdam:
       raise ValueError(
         f"delay_predict={delay_predict!r} predicts the parameters a delayed update hands on: it needs delay=1."
       )
+    if hyper.moments != "float32" and delay_predict:
+      raise ValueError(
+        f"delay_predict={delay_predict!r} sends or predicts from float32 moments; with moments={hyper.moments!r} use"
+        " delay_predict=False (the plain delay) or moments='float32'."
+      )
     if isinstance(delay_warmup, bool) or not isinstance(delay_warmup, (int, np.integer)) or delay_warmup < 0:
       raise ValueError(f"delay_warmup must be an integer >= 0 (normal steps before the delay), got {delay_warmup!r}.")
     self.hyper, self.mask, self.subgroup_size, self.plan_spec, self.planner = hyper, mask, subgroup_size, plan, planner
@@ -248,13 +253,14 @@ class InterleavedAdam:
     if not any(memory.is_traced(x) for x in leaves):
       copies = (self.delay and self.delay_predict == "moments") or self.write_behind
       moments = bool(self.delay) and self.delay_predict == "gradient"
-      need = host_state_bytes(plan, leaves, copies, moments)  # this process's
+      need = host_state_bytes(plan, leaves, copies, moments, self.hyper.moments)  # this process's
       # Global arrays: every process of the job calls init, and the host's RAM holds all of theirs (a collective).
       shared = any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
       memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need) if shared else None)
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
-    mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
-    nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
+    fmt = self.hyper.moments
+    mu = [moment_formats.zeros_like_in(x, k, fmt) for x, k in zip(leaves, kinds)]
+    nu = [moment_formats.zeros_like_in(x, k, fmt) for x, k in zip(leaves, kinds)]
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
     return InterleavedAdamState(jnp.zeros([], jnp.int32), unflat(master), unflat(mu), unflat(nu))
 
@@ -295,6 +301,7 @@ class InterleavedAdam:
           f"gradient for {jax.tree_util.keystr(path[0])} has shape {np.shape(g)}, params have {np.shape(p)}."
         )
     grad_scale = _check_grad_scale(grad_scale)
+    self._check_moments(state)
     plan = self.plan_for(params)
     decay = decay_flags(self.mask, params, self.hyper.weight_decay)
     masters, mus, nus = (jax.tree.leaves(t) for t in (state.master, state.mu, state.nu))
@@ -342,6 +349,16 @@ class InterleavedAdam:
       stacklevel=4,
     )
 
+  def _check_moments(self, state: InterleavedAdamState) -> None:
+    want = moment_formats.stored_dtype(self.hyper.moments)
+    found = {jnp.result_type(x) for x in jax.tree.leaves((state.mu, state.nu))}
+    if found - {want}:
+      raise ValueError(
+        f"this optimizer stores its moments as {self.hyper.moments!r} ({want}), but the state's are"
+        f" {sorted(map(str, found))}. Pass the state this optimizer's init made, or restore a checkpoint through"
+        " jax_dos.CheckpointManager into tx.init(params), which converts between formats."
+      )
+
   def _engine(self, plan: Plan, decay: tuple[bool, ...]) -> Engine:
     key = (plan, decay)
     if key not in self._engines:
@@ -381,9 +398,12 @@ def _check_grad_scale(grad_scale: Any) -> Any:
   return grad_scale
 
 
-def host_state_bytes(plan: Plan, leaves: list[Any], float32_copies: bool = False, moment_copies: bool = False) -> int:
-  """Pinned host bytes a plan needs in this process: 12 B per offloaded parameter (master, mu, nu), 4 more per
-  host-updated one, counted over this process's devices (a leaf replicated over them costs a copy each).
+def host_state_bytes(
+  plan: Plan, leaves: list[Any], float32_copies: bool = False, moment_copies: bool = False, moments: str = "float32"
+) -> int:
+  """Pinned host bytes a plan needs in this process: 12 B per offloaded parameter (master, mu, nu; 8 with bfloat16
+  moments, about 6 with int8: ``moment_formats.state_bytes_per_param``), 4 more per host-updated one, counted over
+  this process's devices (a leaf replicated over them costs a copy each).
 
   The 4 are its gradient (float32), or its bfloat16 gradient and the engine's bfloat16 copy of its new weight.
   With ``float32_copies`` (``delay_predict="moments"``, ``write_behind``), float32 parameters' host copies add 4
@@ -391,13 +411,14 @@ def host_state_bytes(plan: Plan, leaves: list[Any], float32_copies: bool = False
   """
   placements = plan.leaf_placements()
   size = memory.process_elements
-  state = sum(12 * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
+  per_param = moment_formats.state_bytes_per_param(moments)
+  state = sum(per_param * size(x) for x, p in zip(leaves, placements) if MEMORY_KIND[p] == "pinned_host")
 
   def extra(x):
     bf16 = jnp.result_type(x) == jnp.bfloat16
     return 4 + (4 if float32_copies and not bf16 else 0) + (4 if moment_copies and bf16 else 0)
 
-  return state + sum(extra(x) * size(x) for x, p in zip(leaves, placements) if p == "host")
+  return int(state) + sum(extra(x) * size(x) for x, p in zip(leaves, placements) if p == "host")
 
 
 class InterleavedAdamTransformation(optax.GradientTransformationExtraArgs):

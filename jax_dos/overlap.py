@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import device_steps, host_kernels, memory, overlap_plan, partition, trace
+from jax_dos import device_steps, host_kernels, memory, moment_formats, overlap_plan, partition, trace
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import JobThread, first_error, result_of
@@ -331,10 +331,12 @@ class OverlappedStep:
     if opt_state is None:
       kinds = [MEMORY_KIND[p] for p in placement]
       masters = [memory.copy_in(a, k) for a, k in zip(leaves, kinds)]
-      mus, nus = ([memory.zeros_like_in(a, k) for a, k in zip(leaves, kinds)] for _ in range(2))
+      fmt = self.hyper.moments
+      mus, nus = ([moment_formats.zeros_like_in(a, k, fmt) for a, k in zip(leaves, kinds)] for _ in range(2))
       return masters, mus, nus, jnp.zeros([], jnp.int32)
     place = lambda xs: [  # noqa: E731
-      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p]) for a, p in zip(xs, placement)
+      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p], a.dtype)
+      for a, p in zip(xs, placement)
     ]
     # A state tx.init partitioned over the mesh ('auto') is gathered back to the parameters' layout.
     state = (opt_state.master, opt_state.mu, opt_state.nu)
@@ -347,12 +349,14 @@ class OverlappedStep:
     return self.routes.stream_speculation
 
   def _check_host_memory(self) -> None:
-    overlap_plan.check_host_memory(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes)
+    overlap_plan.check_host_memory(
+      self.plan, self._layout, self.stream_speculation, self.host_budget_bytes, self.hyper.moments
+    )
 
   def host_bytes(self) -> int:
     """Pinned host bytes the step needs at most (``overlap_plan.host_bytes``): the offloaded state, the host path's
     spare state and copies, and the streamed parameters speculated on (:attr:`stream_speculation` at most)."""
-    return overlap_plan.host_bytes(self.plan, self._layout, self.stream_speculation)
+    return overlap_plan.host_bytes(self.plan, self._layout, self.stream_speculation, self.hyper.moments)
 
   # ----------------------------------------------------------------------------- one step
 

@@ -27,7 +27,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jax_dos import device_steps, host_kernels, memory, trace
 from jax_dos.job_thread import result_of
@@ -97,7 +96,8 @@ class HostPath:
     for i in leaves:
       self.masters[i], self.mus[i], self.nus[i] = state[i]
     self.lows.update(zip(leaves, memory.zeros_like_each([(self.masters[i], self._low_dtypes[i]) for i in leaves])))
-    spares = memory.zeros_like_each([(self.masters[i], jnp.float32) for i in leaves for _ in range(3)])
+    own = lambda i: (self.masters[i], self.mus[i], self.nus[i])  # noqa: E731
+    spares = memory.zeros_like_each([(a, a.dtype) for i in leaves for a in own(i)])  # each in its own format
     self.spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
 
   def give(self, leaves: list[int], routes: Routes) -> dict[int, tuple]:

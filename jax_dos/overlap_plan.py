@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dos import memory
+from jax_dos import memory, moment_formats
 from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
 from jax_dos.plan import PLACEMENTS, RESIDENT_CALL_ELEMENTS, STAGING_BYTES, STATE_BYTES, Plan, partition_groups
 from jax_dos.stages import Stage, StagedModel
@@ -199,8 +199,10 @@ def plan_step(
   )  # fmt: skip
 
 
-def abstract_state(plan: Plan, params: Any) -> InterleavedAdamState:
+def abstract_state(plan: Plan, params: Any, moments: str = "float32") -> InterleavedAdamState:
   """``tx.init(params)``'s shapes, dtypes, shardings and memory kinds under ``plan``, with nothing allocated.
+
+  ``moments``: the optimizer's format (``interleaved_adam(moments=...)``), which sets mu's and nu's.
 
   A template to restore a checkpoint straight into the plan's placements
   (``jax_dos.CheckpointManager.restore(params=..., opt_state=<this>)``), for
@@ -211,18 +213,23 @@ def abstract_state(plan: Plan, params: Any) -> InterleavedAdamState:
   if len(kinds) != len(leaves):
     raise ValueError(f"the plan covers {len(kinds)} leaves, params have {len(leaves)}.")
 
-  def like(x, kind):
+  def like(x, kind, fmt="float32"):
     sharding = getattr(x, "sharding", None)
     sharding = None if sharding is None else sharding.with_memory_kind(kind)
-    return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=sharding)
+    if fmt == "int8" and sharding is not None:
+      sharding = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=kind)
+    shape = moment_formats.stored_shape(x.shape, fmt)
+    return jax.ShapeDtypeStruct(shape, moment_formats.stored_dtype(fmt), sharding=sharding)
 
-  tree = lambda: jax.tree.unflatten(treedef, [like(x, k) for x, k in zip(leaves, kinds)])  # noqa: E731
+  tree = lambda fmt="float32": jax.tree.unflatten(treedef, [like(x, k, fmt) for x, k in zip(leaves, kinds)])  # noqa: E731
   first = getattr(leaves[0], "sharding", None) if leaves else None
   if isinstance(first, jax.sharding.NamedSharding):
     scalar = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
   else:
     scalar = jax.sharding.SingleDeviceSharding(next(iter(first.device_set)) if first else jax.devices()[0])
-  return InterleavedAdamState(jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar), tree(), tree(), tree())
+  moment_formats.check(moments)
+  count = jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)
+  return InterleavedAdamState(count, tree(), tree(moments), tree(moments))
 
 
 def default_host_budget() -> int:
@@ -398,11 +405,17 @@ def room_beside_step(
   return cap, slots
 
 
-def fixed_host_bytes(plan: Plan, layout: StepLayout) -> int:
+def host_bytes_per(moments: str = "float32") -> HostBytes:
+  """:class:`HostBytes` with the state of ``moments`` (``moment_formats.state_bytes_per_param``: 12, 8, about 6)."""
+  state = moment_formats.state_bytes_per_param(moments)
+  return HostBytes(state=state, spare=state, speculation=state)
+
+
+def fixed_host_bytes(plan: Plan, layout: StepLayout, moments: str = "float32") -> int:
   """:func:`host_bytes` before the streamed speculation."""
-  per = HostBytes()
-  return sum(layout.leaf_sizes[i] * per.per_parameter(placement, layout.leaf_bytes[i])
-             for placement, leaves in zip(plan.placements, plan.subgroups) for i in leaves)  # fmt: skip
+  per = host_bytes_per(moments)
+  return int(sum(layout.leaf_sizes[i] * per.per_parameter(placement, layout.leaf_bytes[i])
+                 for placement, leaves in zip(plan.placements, plan.subgroups) for i in leaves))  # fmt: skip
 
 
 def speculation_cap(plan: Plan, layout: StepLayout, budget: int) -> int:
@@ -410,19 +423,22 @@ def speculation_cap(plan: Plan, layout: StepLayout, budget: int) -> int:
   return max(0, (budget - fixed_host_bytes(plan, layout)) // HostBytes().speculation)
 
 
-def host_bytes(plan: Plan, layout: StepLayout, speculation: int | None) -> int:
-  """Pinned host bytes the step needs at most: the offloaded state (12 B a parameter); host subgroups' spare state
-  (12 B), gradient and weight copies (2 B each for bfloat16 parameters, 4 for float32); and the new state of the
-  streamed parameters speculated on, until the decision (12 B; ``speculation`` of them at most, ``None``: all).
+def host_bytes(plan: Plan, layout: StepLayout, speculation: int | None, moments: str = "float32") -> int:
+  """Pinned host bytes the step needs at most: the offloaded state (12 B a parameter; 8 with bfloat16 moments, about
+  6 with int8); host subgroups' spare state (as much), gradient and weight copies (2 B each for bfloat16
+  parameters, 4 for float32); and the new state of the streamed parameters speculated on, until the decision (12 B;
+  ``speculation`` of them at most, ``None``: all).
   """
   streamed = plan.elements("stream")
   cap = streamed if speculation is None else min(streamed, speculation)
-  return fixed_host_bytes(plan, layout) + HostBytes().speculation * cap
+  return fixed_host_bytes(plan, layout, moments) + int(host_bytes_per(moments).speculation * cap)
 
 
-def check_host_memory(plan: Plan, layout: StepLayout, speculation: int | None, budget: int) -> None:
+def check_host_memory(
+  plan: Plan, layout: StepLayout, speculation: int | None, budget: int, moments: str = "float32"
+) -> None:
   """A ``MemoryError`` naming what to change where the plan's host bytes exceed ``budget`` or the machine."""
-  need = host_bytes(plan, layout, speculation)
+  need = host_bytes(plan, layout, speculation, moments)
   try:
     if need > budget:
       raise MemoryError(

@@ -30,9 +30,10 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jax_dos import memory
+from jax_dos import checkpoint_moments, memory, moment_formats
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.plan import MEMORY_KIND, Plan
 from jax_dos.state import InterleavedAdamState
@@ -58,7 +59,8 @@ def to_optax_adamw_state(
 
   Args:
     state: an :class:`InterleavedAdamState` (its ``master`` is dropped: after
-      ``optax.apply_updates`` the params hold the weights).
+      ``optax.apply_updates`` the params hold the weights). Compact moments
+      (``moments="bfloat16" | "int8"``) are decoded to float32.
     schedule: whether the ``optax.adamw`` it is for has a schedule as learning
       rate (then its third element is ``ScaleByScheduleState(count)``).
     masked: whether that ``optax.adamw`` was given a ``mask`` (then its second
@@ -75,11 +77,24 @@ def to_optax_adamw_state(
     raise TypeError(f"to_optax_adamw_state takes an InterleavedAdamState, got {type(state).__name__}.")
   wait_for_host_updates()
   move = (lambda x: memory.copy_in(x, memory_kind)) if memory_kind else (lambda x: x)
-  mu, nu = jax.tree.map(move, state.mu), jax.tree.map(move, state.nu)
+  mu, nu = (jax.tree.map(move, _float32_moments(t, state.master, salt)) for salt, t in enumerate((state.mu, state.nu)))
   decay_state = optax.MaskedState(inner_state=optax.EmptyState()) if masked else optax.EmptyState()
   count = jnp.asarray(state.count, jnp.int32)
   lr_state = optax.ScaleByScheduleState(count=jnp.array(count, copy=True)) if schedule else optax.EmptyState()
   return (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), decay_state, lr_state)
+
+
+def _float32_moments(moments: Any, masters: Any, salt: int) -> Any:
+  """Compact moments (``interleaved_adam(moments=...)``) decoded to float32, placed as the masters; else as they are."""
+  fmt = checkpoint_moments.tree_format(moments)[0]
+  if fmt == "float32":
+    return moments
+
+  def one(x, master):
+    values = moment_formats.host_decode(np.asarray(x), int(np.size(master)), fmt, salt).reshape(np.shape(master))
+    return jax.device_put(values, master.sharding)
+
+  return jax.tree.map(one, moments, masters)
 
 
 def from_optax_adamw_state(

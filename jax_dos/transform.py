@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import optax
 
-from jax_dos import memory, partition
+from jax_dos import memory, moment_formats, partition
 from jax_dos.adam_math import AdamHyper, ScalarOrSchedule
 from jax_dos.interleaved import (
   InterleavedAdam,
@@ -64,6 +64,7 @@ def interleaved_adam(
   delay_predict: Union[bool, str] = False,
   write_behind: bool = False,
   partition_replicated: Union[bool, str] = "auto",
+  moments: str = "float32",
 ) -> InterleavedAdamTransformation:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
@@ -153,6 +154,15 @@ def interleaved_adam(
       nothing changes); ``jax_dos.OverlappedStep`` keeps the parameters'
       layout instead. ``True``: the same, and ``OverlappedStep`` refuses it.
       ``False``: every device keeps a whole copy.
+    moments: how ``mu`` and ``nu`` are stored beside the float32 master
+      (``jax_dos.moment_formats``): ``"float32"`` (default; optax's numbers,
+      12 B of state a parameter), ``"bfloat16"`` (stochastically rounded,
+      8 B) or ``"int8"`` (8-bit codes with a float32 scale per block of 256,
+      square-root companded, about 6 B). The step itself is float32 in
+      optax's order on the decoded moments, and every path (host, stream,
+      device, traced) encodes with the same rounding and random bits.
+      Compact moments take ``delay_predict=False``; ``"int8"`` keeps each
+      leaf's moments on one device (no partitioned or sharded state).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (an
@@ -166,9 +176,10 @@ def interleaved_adam(
     rescaling the gradients on the accelerator first, which lets XLA flush
     host subgroups' gradients during the backward pass (see ``docs/design.md``).
   """
-  hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay)
+  hyper = AdamHyper(learning_rate, b1, b2, eps, eps_root, weight_decay, moment_formats.check(moments))
   if planner is None and isinstance(plan, str) and plan == "auto":
-    planner = auto_planner(ahead_copies=prediction_mode(delay_predict) == "gradient")  # calibrates on first use
+    ahead = prediction_mode(delay_predict) == "gradient"
+    planner = auto_planner(ahead_copies=ahead, moments=moment_formats.check(moments))  # calibrates on first use
   opt = InterleavedAdam(
     hyper, mask=mask, subgroup_size=subgroup_size, plan=plan, planner=planner, delay=delay, delay_warmup=delay_warmup,
     delay_predict=delay_predict, write_behind=write_behind, partition_replicated=partition_replicated,

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument(
     "--delay-warmup", type=int, default=jax_dos.DEFAULT_DELAY_WARMUP, help="normal steps before --delay 1 starts"
   )
+  x.add_argument("--moments", choices=jax_dos.MOMENT_FORMATS, default="float32",
+                 help="how AdamW's mu and nu are stored beside the float32 master: float32 (12 bytes of host state"
+                      " a parameter), bfloat16 (8) or int8 (about 6; blocks of 256, a float32 scale each)")  # fmt: skip
   x.add_argument("--write-behind", action="store_true",
                  help="optax's exact numbers; host subgroups' state is written during the next step")  # fmt: skip
   x.add_argument("--delay-predict", nargs="?", const="moments", default=None, choices=jax_dos.DELAY_PREDICTIONS,
@@ -245,6 +248,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   elif args.grad_accum > 1 and args.grad_flush != "none":
     err(f"--grad-accum {args.grad_accum} sums the gradients on the accelerator, so there is nothing to flush during"
         f" the backward pass; drop --grad-flush {args.grad_flush} (or use --grad-accum 1).")  # fmt: skip
+  if args.moments != "float32" and args.offload == "none":
+    err(f"--moments {args.moments} stores jax_dos's moments compactly; --offload none trains with optax.adamw. Pick"
+        " an offload mode or drop --moments.")  # fmt: skip
+  if args.moments != "float32" and args.delay_predict:
+    err(f"--delay-predict works from float32 moments; drop it or use --moments float32 (not {args.moments}).")
   if args.delay_predict and not args.delay:
     err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
   if args.overlap == "on" and overlapped.refusal(args):

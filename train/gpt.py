@@ -338,7 +338,9 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   if overlapped:
     start_step, opt_state = 0, None
     if restore_from is not None:
-      template = overlapped_lib.abstract_state(staged, overlap_plan, params)  # restored straight into its placements
+      template = overlapped_lib.abstract_state(
+        staged, overlap_plan, params, args.moments
+      )  # restored straight into its placements
       params, opt_state, start_step = _restore(restore_from, cfg, params, template, args)
     try:
       step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)

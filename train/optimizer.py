@@ -65,12 +65,15 @@ def make_optimizer(
     step_memory=step_memory,
     params_in_place=True,
     ahead_copies=args.delay == 1 and args.delay_predict == "gradient",
+    moments=args.moments,
   )
   offload = dict(subgroup_size=args.subgroup_size, plan=args.offload, delay=args.delay, delay_warmup=args.delay_warmup)
   if args.delay:
     offload["delay_predict"] = args.delay_predict or False
   if args.write_behind:
     offload["write_behind"] = True
+  if args.moments != "float32":
+    offload["moments"] = args.moments
   tx = jax_dos.interleaved_adam(schedule, **kw, **offload, planner=planner)
   return tx, schedule
 

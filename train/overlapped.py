@@ -79,9 +79,11 @@ def plan(args: argparse.Namespace, tx, staged: jax_dos.NNXStages, params: dict, 
   )
 
 
-def abstract_state(staged: jax_dos.NNXStages, step_plan: jax_dos.Plan, params: dict) -> jax_dos.InterleavedAdamState:
+def abstract_state(
+  staged: jax_dos.NNXStages, step_plan: jax_dos.Plan, params: dict, moments: str = "float32"
+) -> jax_dos.InterleavedAdamState:
   """The optimizer state's shapes in the plan's placements, in the model's layout: a template to restore into."""
-  return _in_model_layout(staged, jax_dos.abstract_state(step_plan, staged.split(params)))
+  return _in_model_layout(staged, jax_dos.abstract_state(step_plan, staged.split(params), moments))
 
 
 class OverlappedTraining:

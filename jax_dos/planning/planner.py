@@ -14,8 +14,9 @@ from typing import Any
 
 import jax
 
+from jax_dos import moment_formats
 from jax_dos.memory import device_elements
-from jax_dos.plan import Plan, partition_leaves
+from jax_dos.plan import STAGING_BYTES, STATE_BYTES, Plan, partition_leaves
 from jax_dos.planning.budgets import (
   DEFAULT_RESIDENT_FRACTION,
   DEFAULT_STAGING_FRACTION,
@@ -41,13 +42,16 @@ def make_plan(
   step_memory: StepMemory | None = None,
   params_in_place: bool = False,
   ahead_copies: bool = False,
+  moments: str = "float32",
 ) -> Plan:
   """The model's :class:`~jax_dos.plan.Plan` for ``params``.
 
   Budgets as :func:`~jax_dos.planning.budgets.resolve_budgets` sizes them (explicit
   ones win), placements as :func:`~jax_dos.planning.search.plan_sizes` chooses them.
+  ``moments``: the optimizer's format; its state takes ``moment_formats.state_bytes_per_param`` bytes a
+  parameter (12, 8, about 6) resident or in flight, and the rates are ``Calibration.for_moments``'.
   """
-  cal = as_calibration(calibration)
+  cal = as_calibration(calibration).for_moments(moment_formats.check(moments))
   subgroups, sizes = partition_leaves(params, subgroup_size)
   per_leaf = [device_elements(x) for x in jax.tree.leaves(params)]
   dev_sizes = [sum(per_leaf[i] for i in g) for g in subgroups]
@@ -65,11 +69,17 @@ def make_plan(
     staging_fraction=staging_fraction,
   )
   budgets = resolve_budgets(inputs, cal)
+  # The search counts float32 state (STATE_BYTES, STAGING_BYTES a parameter): compact state fits more parameters.
+  state = moment_formats.state_bytes_per_param(moments)
+  resident = int(budgets.resident * STATE_BYTES / state)
+  staging = (
+    None if budgets.staging is None else int(budgets.staging * STAGING_BYTES / (STAGING_BYTES - STATE_BYTES + state))
+  )
   choice = plan_sizes(
     sizes,
     cal,
-    resident_budget_bytes=budgets.resident,
-    staging_budget_bytes=budgets.staging,
+    resident_budget_bytes=resident,
+    staging_budget_bytes=staging,
     device_sizes=dev_sizes,
     max_stream_slots=max_stream_slots,
   )
@@ -93,7 +103,8 @@ def auto_planner(calibration: CalibrationSpec = None, **plan_kwargs) -> Callable
   ``$JAX_DOS_CALIBRATION``, else the cache, else measured now: a few seconds)
   and kept. ``plan_kwargs`` go to :func:`make_plan` (budgets, fractions,
   ``max_stream_slots``, ``step_memory``, ``params_in_place``, ``ahead_copies``: set it for
-  ``delay_predict="gradient"``); budgets left out are read from free
+  ``delay_predict="gradient"``; ``moments``: the optimizer's, which ``interleaved_adam`` passes to its own
+  planner); budgets left out are read from free
   memory at plan time, exactly when ``step_memory`` says what the training
   step needs (``StepMemory.of(jax.jit(grad_fn).lower(params, batch).compile())``).
   """
