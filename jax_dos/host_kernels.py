@@ -27,7 +27,9 @@ the accelerator, say) before it writes them again. Gradients are only read.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -38,6 +40,7 @@ from jax_dos import host_compact
 from jax_dos import moment_formats as mf
 
 _layer_chosen = False
+_LAUNCH = threading.RLock()  # held by the one thread whose parallel kernel runs
 
 
 def use_workqueue_layer() -> None:
@@ -45,17 +48,34 @@ def use_workqueue_layer() -> None:
 
   numba's OpenMP layer waits at its barriers for every thread of the team: with
   any core busy (XLA's threads, the engine's dispatch thread) a launch took
-  4-8 ms, against about 50 us for the workqueue layer, which the engine's single
-  calling thread can use safely. A user's ``NUMBA_THREADING_LAYER`` wins, and
-  importing this module changes nothing: numba reads the setting when it first
-  starts its threads, so it is set at first use. Every function here that
-  launches a parallel kernel calls this first.
+  4-8 ms, against about 50 us for the workqueue layer. A user's
+  ``NUMBA_THREADING_LAYER`` wins, and importing this module changes nothing:
+  numba reads the setting when it first starts its threads, so it is set at
+  first use.
   """
   global _layer_chosen
   if not _layer_chosen:
     if "NUMBA_THREADING_LAYER" not in os.environ:
       numba.config.THREADING_LAYER = "workqueue"
     _layer_chosen = True
+
+
+def one_launch_at_a_time(fn):
+  """``fn`` runs its parallel kernels while no other thread runs one.
+
+  The workqueue layer aborts the process when two threads launch parallel
+  kernels at once (two optimizers' host workers, a checkpoint's snapshot beside
+  an update). A launch takes about 50 us beside kernels of milliseconds, so
+  waiting for the other thread's launch costs nothing that running both at
+  once on the same cores would have saved.
+  """
+
+  @functools.wraps(fn)
+  def launch(*args, **kwargs):
+    with _LAUNCH:
+      return fn(*args, **kwargs)
+
+  return launch
 
 
 @numba.njit(inline="always")
@@ -228,6 +248,7 @@ def _compact(buffers, decay, hyper: tuple, scalars, write_state: bool, into: boo
       kernel(g, p, m, v, po, mo, vo, low, *hyper, *step, *keys, bool(d), low is not _NO_LOW, bool(write_state))
 
 
+@one_launch_at_a_time
 def adam_many(
   buffers: Sequence[tuple],
   decay: Sequence[bool],
@@ -258,7 +279,6 @@ def adam_many(
   """
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
-  use_workqueue_layer()
   if _has_compact(buffers):
     if next_scalars is not None:
       raise ValueError("predictions (next_scalars) need float32 moments.")
@@ -297,6 +317,7 @@ def adam_many(
              bool(write_state), moments)  # fmt: skip
 
 
+@one_launch_at_a_time
 def adam_many_into(
   buffers: Sequence[tuple],
   decay: Sequence[bool],
@@ -316,7 +337,6 @@ def adam_many_into(
   28 bytes of DRAM traffic a parameter as in place (30 with ``low``), and the
   old state stays intact, so a step can be taken again from it.
   """
-  use_workqueue_layer()
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
   if _has_compact(buffers):
@@ -340,6 +360,7 @@ def adam_many_into(
       _INTO_KERNELS[_dtype_name(g), _dtype_name(low)](g, *state, low, *hyper, *step, bool(d))
 
 
+@one_launch_at_a_time
 def predict_many(
   buffers: Sequence[tuple], decay: Sequence[bool], *, eps: float, eps_root: float, weight_decay: float, scalars
 ) -> None:
@@ -348,7 +369,6 @@ def predict_many(
   ``low`` is bfloat16 or float32; ``p, m, v`` float32 and only read. Used where
   no kernel pass has written the prediction (the first delayed step).
   """
-  use_workqueue_layer()
   f = np.float32
   for (low, p, m, v), d in zip(buffers, decay):
     if str(low.dtype) not in LOW_DTYPES or {str(x.dtype) for x in (p, m, v)} != {"float32"}:
@@ -394,6 +414,7 @@ def _to_bf16(dst, src):
     dst[i] = _bf16_bits(src[i])
 
 
+@one_launch_at_a_time
 def round_to_bf16(dst, src) -> None:
   """Writes ``src`` (float32) rounded to bfloat16 into ``dst`` (bfloat16), by all cores; both host buffers of one size.
 
@@ -402,7 +423,6 @@ def round_to_bf16(dst, src) -> None:
   if dst.size != src.size or str(dst.dtype) != "bfloat16" or str(src.dtype) != "float32":
     raise TypeError(f"round_to_bf16 needs float32 -> bfloat16 of one size, got {src.dtype} -> {dst.dtype}.")
   if src.size:
-    use_workqueue_layer()
     _to_bf16(_flat(dst, np.uint16), _flat(src, np.float32))
 
 
@@ -412,11 +432,11 @@ def _copy(dst, src):
     dst[i] = src[i]
 
 
+@one_launch_at_a_time
 def _copy_of(src: np.ndarray) -> np.ndarray:
   """A copy of ``src`` in ordinary memory, made by all cores."""
   out = np.empty(src.shape, src.dtype)
   if src.size:
-    use_workqueue_layer()
     _copy(out.reshape(-1).view(np.uint8), np.ascontiguousarray(src).reshape(-1).view(np.uint8))
   return out
 
@@ -455,6 +475,7 @@ def writable_view(array_shard, dtype=np.float32) -> np.ndarray:
   return np.frombuffer(raw, dtype=dtype)
 
 
+@one_launch_at_a_time
 def set_num_threads(n: int | None = None, leave: int = 0) -> int:
   """Sets the host kernel's thread count for kernels launched from the calling thread. Returns it.
 
@@ -462,7 +483,6 @@ def set_num_threads(n: int | None = None, leave: int = 0) -> int:
   ``leave`` where there are at least four times as many. numba's setting is
   per launching thread.
   """
-  use_workqueue_layer()  # numba starts its threads here
   cores = numba.config.NUMBA_NUM_THREADS
   n = n or int(os.environ.get("JAX_DOS_HOST_THREADS", 0)) or (cores - leave if cores >= 4 * leave else cores)
   numba.set_num_threads(min(n, cores))

@@ -1,5 +1,7 @@
 """The fused host kernel computes adam_math's step on many buffers at once."""
 
+import concurrent.futures
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -129,3 +131,30 @@ def test_the_moment_copies_are_the_new_moments_in_the_copies_dtype(dtype):
     np.testing.assert_array_equal(np.asarray(copy, np.float32), np.asarray(want, np.float32))  # (nan == nan here)
   with pytest.raises(TypeError, match="same dtype"):
     host_kernels.adam_many([seven[:5] + [np.zeros(n, np.float32), np.zeros(n, jnp.bfloat16)]], [True], **kw)
+
+
+def test_two_threads_launching_at_once_both_finish_with_one_threads_numbers():
+  """Two optimizers' host workers step at the same time: numba's workqueue layer would abort the process."""
+  rng = np.random.default_rng()
+  hyper = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.1)
+  scalars = np.asarray([-1e-3, 0.1, 0.001], np.float32)
+  state = lambda: [rng.standard_normal(100_003).astype(np.float32) for _ in range(4)]  # noqa: E731
+  inputs = [state() for _ in range(2)]
+  alone = [[x.copy() for x in s] for s in inputs]
+  for g, p, m, v in alone:
+    v[:] = np.abs(v)
+    for _ in range(20):
+      host_kernels.adam_many([(g, p, m, v)], [True], scalars=scalars, **hyper)
+  for _, _, _, v in inputs:
+    v[:] = np.abs(v)
+
+  def run(bufs):
+    for _ in range(20):
+      host_kernels.adam_many([tuple(bufs)], [True], scalars=scalars, **hyper)
+
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for done in [pool.submit(run, s) for s in inputs]:
+      done.result()
+  for got, want in zip(inputs, alone):
+    for x, y in zip(got, want):
+      np.testing.assert_array_equal(x, y)
