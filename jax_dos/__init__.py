@@ -22,6 +22,7 @@ Importing it changes one thing outside itself: XLA's pinned host pool cap
 (``memory.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
 """
 
+from jax_dos import cpu_client as _cpu_client
 from jax_dos import memory as _memory
 from jax_dos import timeline, trace
 from jax_dos.accumulate import multi_steps
@@ -101,3 +102,6 @@ __version__ = "0.1.0"
 # XLA reads its pinned-host pool cap once, when the GPU client starts, which is usually before any jax_dos call:
 # import time is the last moment it can be raised. A value the user set is kept (docs/api.md).
 _memory.raise_pinned_pool_limit()
+# Several CPU devices in a process: XLA's CPU client needs more pool threads than devices, or a multi-device program
+# can hang in dispatch (cpu_client.py). Also read once, when the backend starts.
+_cpu_client.size_pool()
