@@ -30,6 +30,7 @@ from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
+from jax_dos.host_plan import HostMemory, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state
@@ -66,6 +67,7 @@ __all__ = [
   "DEFAULT_SUBGROUP_SIZE",
   "DELAY_PREDICTIONS",
   "GRADIENT_FLUSHES",
+  "HostMemory",
   "InterleavedAdamState",
   "InterleavedAdamTransformation",
   "NO_COMMAND_BUFFERS",
@@ -94,6 +96,7 @@ __all__ = [
   "timeline",
   "TracedUpdateWarning",
   "trace",
+  "share_pinned_pool",
   "update_params",
   "wait_for_host_updates",
 ]

@@ -131,9 +131,19 @@ def raise_pinned_pool_limit(fraction: float = DEFAULT_POOL_FRACTION) -> None:
   so this only acts before the first computation; a value the user set is kept.
   ``import jax_dos`` calls it.
   """
+  global _pool_limit_ours
   if POOL_LIMIT_ENV in os.environ or _backends_started():
     return
   os.environ[POOL_LIMIT_ENV] = str(max(XLA_DEFAULT_POOL_GIB, int(fraction * host_memory_total() / 2**30)))
+  _pool_limit_ours = True
+
+
+_pool_limit_ours = False  # POOL_LIMIT_ENV was set by raise_pinned_pool_limit, not by the user
+
+
+def pool_limit_is_ours() -> bool:
+  """Whether jax_dos may still set XLA's pinned pool cap: the user has not set it and the backend has not started."""
+  return (_pool_limit_ours or POOL_LIMIT_ENV not in os.environ) and not _backends_started()
 
 
 def pinned_pool_limit() -> int | None:

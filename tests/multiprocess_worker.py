@@ -12,6 +12,7 @@ Every process draws the same numbers from ``SEED``, so replicas agree.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import jax
@@ -55,6 +56,8 @@ def run_checks(seed: int) -> None:
   import jax_dos
 
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
+  # XLA's CPU client got enough pool threads for this process's devices (jax_dos/cpu_client.py), or it can hang.
+  assert int(os.environ["PJRT_NPROC"]) >= jax_dos.cpu_client.pool_threads(LOCAL_DEVICES, 1), os.environ["PJRT_NPROC"]
   # Both processes run on this host: its RAM must hold what both need.
   assert jax_dos.memory.bytes_on_this_host(2**20 * (1 + jax.process_index())) == (3 * 2**20, NUM_PROCESSES)
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
@@ -140,6 +143,26 @@ def run_checks(seed: int) -> None:
   mixed = ["host", "stream", "device"]
   check("data_parallel", "copies update_params", copies(plan=mixed), update_params=True)
   check("fsdp", "copies", copies(plan=mixed))
+  refuse_together(mesh)
+
+
+def refuse_together(mesh) -> None:
+  """Processes told different things about their host (process 0: no RAM) refuse the plan together, from shapes:
+  one refusing alone would leave the other waiting in the next collective."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jax_dos
+
+  params = {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))}
+  host = jax_dos.HostMemory(ram_bytes=1 if jax.process_index() == 0 else 1 << 40, processes=NUM_PROCESSES)
+  try:
+    jax_dos.get_plan(jax_dos.interleaved_adam(1e-2, plan="host", host_memory=host), params)
+  except MemoryError as e:
+    print("ok refused together:", e, flush=True)
+  else:
+    raise AssertionError("this process planned while another refused its plan")
 
 
 if __name__ == "__main__":
