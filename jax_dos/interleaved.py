@@ -268,7 +268,14 @@ class InterleavedAdam:
       need = host_state_bytes(plan, leaves, copies, moments)  # this process's
       # Global arrays: every process of the job calls init, and the host's RAM holds all of theirs (a collective).
       shared = any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
-      memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need) if shared else None)
+      try:
+        memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need) if shared else None)
+        refusal = None
+      except MemoryError as e:
+        refusal = str(e)
+      refusal = host_plan.agreed_refusal(refusal) if shared else refusal  # all processes refuse, or none
+      if refusal is not None:
+        raise MemoryError(refusal)
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     mu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
     nu = [memory.zeros_like_in(x, k) for x, k in zip(leaves, kinds)]
