@@ -45,9 +45,10 @@ class HostMemory(NamedTuple):
   processes: int = 1
 
   @classmethod
-  def here(cls) -> HostMemory:
-    """This machine's RAM (``MemTotal``) and the job's processes on it."""
-    return cls(memory.host_memory_total(), processes_on_this_host())
+  def here(cls, count_processes: bool = True) -> HostMemory:
+    """This machine's RAM (``MemTotal``) and the job's processes on it (1 without ``count_processes``: a tree
+    of this process alone, such as the calibration's, whose planning must not wait for the other processes)."""
+    return cls(memory.host_memory_total(), processes_on_this_host() if count_processes else 1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -187,6 +188,12 @@ def host_plan(leaves: Sequence, placements: Sequence[str], host: HostMemory, flo
   return HostPlan(host, tuple(state + [extra(x) * size(x) for x in host_leaves]))
 
 
+def spans_processes(leaves: Sequence) -> bool:
+  """Whether some leaf (an array or a ``ShapeDtypeStruct``) is laid out over devices of other processes too."""
+  shardings = [getattr(x, "sharding", None) for x in leaves if not memory.is_traced(x)]
+  return any(s is not None and not s.is_fully_addressable for s in shardings)
+
+
 def agreed_refusal(message: str | None) -> str | None:
   """``message``, or the first process's refusal if another process of the job has one; ``None`` if none has.
 
@@ -203,8 +210,9 @@ def agreed_refusal(message: str | None) -> str | None:
   return f"process {int(np.argmax(every))} of the job refused its layout (see its message); so does this one"
 
 
-def check(plan: HostPlan) -> None:
-  """Raises ``MemoryError`` on every process if ``plan`` does not fit its host on some process."""
-  message = agreed_refusal(plan.refusal())
+def check(plan: HostPlan, agree: bool = True) -> None:
+  """Raises ``MemoryError`` if ``plan`` does not fit its host; with ``agree`` (a collective: a tree that spans the
+  processes), on every process if it does not fit on some process."""
+  message = agreed_refusal(plan.refusal()) if agree else plan.refusal()
   if message is not None:
     raise MemoryError(message)

@@ -237,18 +237,18 @@ class InterleavedAdam:
     return self._plans[key]
 
   def _check_host(self, plan: Plan, params: Any) -> None:
-    """Refuses, on every process, a plan whose pinned state does not fit its host's RAM (``host_plan.py``).
-
-    From shapes, before anything is allocated. Plans agree across processes, so every process takes this
-    check's collective or none does.
+    """Refuses a plan whose pinned state does not fit its host's RAM (``host_plan.py``), from shapes, before
+    anything is allocated. For a tree laid out over every process the refusal is agreed (a collective): plans agree
+    across processes, so every process takes it or none does.
     """
     if all(p == "device" for p in plan.placements):
       return
     leaves = jax.tree.leaves(partition.state_layout(params) if self.partitions else params)
     copies = (self.delay and self.delay_predict == "moments") or self.write_behind
     moments = bool(self.delay) and self.delay_predict == "gradient"
-    host = self.host_memory if self.host_memory is not None else host_plan.HostMemory.here()
-    host_plan.check(host_plan.host_plan(leaves, plan.leaf_placements(), host, bool(copies), moments))
+    spans = host_plan.spans_processes(leaves)  # else this process's own tree (the calibration's): no collective
+    host = self.host_memory if self.host_memory is not None else host_plan.HostMemory.here(count_processes=spans)
+    host_plan.check(host_plan.host_plan(leaves, plan.leaf_placements(), host, bool(copies), moments), agree=spans)
 
   def init(self, params: optax.Params) -> InterleavedAdamState:
     """Master weights (float32 copies of ``params``) and zero moments, each leaf in its plan's memory kind."""

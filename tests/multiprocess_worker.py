@@ -148,13 +148,16 @@ def run_checks(seed: int) -> None:
 
 def refuse_together(mesh) -> None:
   """Processes told different things about their host (process 0: no RAM) refuse the plan together, from shapes:
-  one refusing alone would leave the other waiting in the next collective."""
+  one refusing alone would leave the other waiting in the next collective. A tree of one process alone is checked
+  without the others (no collective), or process 0 would take the others' next collective for its own."""
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import jax_dos
 
+  if jax.process_index() == 0:  # a tree of this process alone (as the calibration's) is planned without the others
+    jax_dos.get_plan(jax_dos.interleaved_adam(1e-2, plan="host"), {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)})
   params = {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))}
   host = jax_dos.HostMemory(ram_bytes=1 if jax.process_index() == 0 else 1 << 40, processes=NUM_PROCESSES)
   try:
