@@ -144,6 +144,7 @@ def run_checks(seed: int) -> None:
   check("data_parallel", "copies update_params", copies(plan=mixed), update_params=True)
   check("fsdp", "copies", copies(plan=mixed))
   refuse_together(mesh)
+  worker_programs_have_no_collectives(mesh)
 
 
 def refuse_together(mesh) -> None:
@@ -166,6 +167,38 @@ def refuse_together(mesh) -> None:
     print("ok refused together:", e, flush=True)
   else:
     raise AssertionError("this process planned while another refused its plan")
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def worker_programs_have_no_collectives(mesh) -> None:
+  """The engine's host worker dispatches, beside the caller's programs and in an order that timing decides, only
+  programs without collectives: the new masters' send and their cast into the parameters, on the state's own
+  (partitioned) layout. The caller's gather back to the parameters' layout is where the collective is."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_dos import device_steps, partition
+
+  param = jax.ShapeDtypeStruct((8, 6), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "model")))
+  state = partition.state_sharding(param)
+  host = jax.ShapeDtypeStruct(param.shape, jnp.bfloat16, sharding=state.with_memory_kind("pinned_host"))
+  on_state = jax.ShapeDtypeStruct(param.shape, jnp.bfloat16, sharding=state)
+
+  def collectives(lowered) -> list[str]:
+    text = lowered.compile().as_text()
+    return [c for c in COLLECTIVES if c in text]
+
+  send = jax.jit(lambda x: x, out_shardings=state.with_memory_kind("device"))  # jax's device_put of the send
+  assert collectives(send.lower(host)) == [], "the send"
+  assert collectives(device_steps.assign.lower([on_state], [on_state])) == [], "the assign"
+  master = jax.ShapeDtypeStruct(param.shape, jnp.float32, sharding=state)
+  assert collectives(device_steps.updates_from_masters.lower([master], [on_state])) == [], "the update"
+  gather = jax.jit(lambda x: x, out_shardings=param.sharding)  # the caller's relaid back: the collective
+  assert "all-gather" in collectives(gather.lower(on_state)), "the gather back"
+  print("ok worker programs without collectives", flush=True)
 
 
 if __name__ == "__main__":
