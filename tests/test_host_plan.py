@@ -113,3 +113,24 @@ def test_the_cpu_clients_pool_leaves_a_thread_for_every_devices_part():
   assert cpu_client.pool_threads(1, cores) == cores
   flags = f"--xla_cpu_foo=1 --xla_force_host_platform_device_count={devices} --bar"
   assert cpu_client.forced_cpu_devices(flags) == devices and cpu_client.forced_cpu_devices("") == 1
+
+
+def test_each_process_pool_is_capped_at_its_share_unless_the_user_set_it():
+  """``share_pinned_pool`` (before the backend starts) replaces import's whole-host cap by the process's share; a
+  cap the user set stays."""
+  import os
+  import subprocess
+  import sys
+
+  from jax_dos.memory import POOL_LIMIT_ENV
+
+  rng = np.random.default_rng()
+  host = jax_dos.HostMemory(int(rng.integers(64, 2048)) * GIB, int(rng.integers(2, 9)))
+  call = f"jax_dos.share_pinned_pool(jax_dos.HostMemory({host.ram_bytes}, {host.processes}))"
+  code = f"import os, jax_dos; {call}; print(os.environ['{POOL_LIMIT_ENV}'])"
+  env = {k: v for k, v in os.environ.items() if k != POOL_LIMIT_ENV}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert out.stdout.split() == [str(host_plan.pool_share(host) // GIB)], out.stdout + out.stderr
+  out = subprocess.run([sys.executable, "-c", code], env=env | {POOL_LIMIT_ENV: "7"}, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+  assert out.stdout.split() == ["7"], out.stdout + out.stderr
