@@ -23,6 +23,7 @@ Importing it changes one thing outside itself: XLA's pinned host pool cap
 (``memory.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
 """
 
+from jax_dos import cpu_client as _cpu_client
 from jax_dos import memory as _memory
 from jax_dos import timeline, trace
 from jax_dos.accumulate import multi_steps
@@ -30,6 +31,7 @@ from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
+from jax_dos.host_plan import HostMemory, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.memory import cap_pinned_pool
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
@@ -73,6 +75,7 @@ __all__ = [
   "DELAY_PREDICTIONS",
   "MOMENT_FORMATS",
   "GRADIENT_FLUSHES",
+  "HostMemory",
   "InterleavedAdamState",
   "InterleavedAdamTransformation",
   "NNXStages",
@@ -112,6 +115,7 @@ __all__ = [
   "timeline",
   "TracedUpdateWarning",
   "trace",
+  "share_pinned_pool",
   "update_params",
   "wait_for_host_updates",
 ]
@@ -120,3 +124,6 @@ __version__ = "0.1.0"
 # XLA reads its pinned-host pool cap once, when the GPU client starts, which is usually before any jax_dos call:
 # import time is the last moment it can be raised. A value the user set is kept (docs/api.md).
 _memory.raise_pinned_pool_limit()
+# Several CPU devices in a process: XLA's CPU client needs more pool threads than devices, or a multi-device program
+# can hang in dispatch (cpu_client.py). Also read once, when the backend starts.
+_cpu_client.size_pool()

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_dos import memory, moment_formats, partition, traced
+from jax_dos import host_plan, memory, moment_formats, partition, traced
 from jax_dos.adam_math import AdamHyper
 from jax_dos.engine import Engine
 from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, agreed_across_processes, check_subgroup_size, resolve_plan
@@ -175,6 +175,7 @@ class InterleavedAdam:
     delay_predict: Union[bool, str, None],
     write_behind: bool,
     partition_replicated: Union[bool, str],
+    host_memory: Optional[host_plan.HostMemory] = None,
   ):
     check_subgroup_size(subgroup_size)
     if not (isinstance(partition_replicated, bool) or partition_replicated == "auto"):
@@ -205,6 +206,7 @@ class InterleavedAdam:
     self.delay, self.delay_warmup, self.delay_predict = int(delay), int(delay_warmup), delay_predict
     self.write_behind = bool(write_behind)
     self.partition_replicated = partition_replicated
+    self.host_memory = host_memory  # None: this machine's (host_plan.HostMemory.here())
     self._plans: dict[Any, Plan] = {}
     self._engines: dict[Any, Engine] = {}
     self._warned_traced = False  # TracedUpdateWarning said (once per optimizer)
@@ -236,7 +238,23 @@ class InterleavedAdam:
         self._plans[key] = plan
       else:
         self._plans[key] = resolve_plan(self.plan_spec, params, self.subgroup_size)
+      self._check_host(self._plans[key], params)
     return self._plans[key]
+
+  def _check_host(self, plan: Plan, params: Any) -> None:
+    """Refuses a plan whose pinned state does not fit its host's RAM (``host_plan.py``), from shapes, before
+    anything is allocated. For a tree laid out over every process the refusal is agreed (a collective): plans agree
+    across processes, so every process takes it or none does.
+    """
+    if all(p == "device" for p in plan.placements):
+      return
+    leaves = jax.tree.leaves(partition.state_layout(params) if self.partitions else params)
+    copies = (self.delay and self.delay_predict == "moments") or self.write_behind
+    moments = bool(self.delay) and self.delay_predict == "gradient"
+    spans = host_plan.spans_processes(leaves)  # else this process's own tree (the calibration's): no collective
+    host = self.host_memory if self.host_memory is not None else host_plan.HostMemory.here(count_processes=spans)
+    layout = host_plan.host_plan(leaves, plan.leaf_placements(), host, bool(copies), moments, self.hyper.moments)
+    host_plan.check(layout, agree=spans)
 
   def init(self, params: optax.Params) -> InterleavedAdamState:
     """Master weights (float32 copies of ``params``) and zero moments, each leaf in its plan's memory kind."""
@@ -256,7 +274,14 @@ class InterleavedAdam:
       need = host_state_bytes(plan, leaves, copies, moments, self.hyper.moments)  # this process's
       # Global arrays: every process of the job calls init, and the host's RAM holds all of theirs (a collective).
       shared = any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
-      memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need) if shared else None)
+      try:
+        memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need) if shared else None)
+        refusal = None
+      except MemoryError as e:
+        refusal = str(e)
+      refusal = host_plan.agreed_refusal(refusal) if shared else refusal  # all processes refuse, or none
+      if refusal is not None:
+        raise MemoryError(refusal)
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     fmt = self.hyper.moments
     mu = [moment_formats.zeros_like_in(x, k, fmt) for x, k in zip(leaves, kinds)]

@@ -121,7 +121,8 @@ DEFAULT_POOL_FRACTION = 0.9
 HOST_HEADROOM_BYTES = 5 * 2**30
 # XLA's pinned pool beyond the planned need (cap_pinned_pool): what the plan does not count (transfer staging).
 POOL_MARGIN_BYTES = 2 * 2**30
-_import_pool_limit: str | None = None  # the cap raise_pinned_pool_limit set at import, which cap_pinned_pool may lower
+_plan_pool_gib: int | None = None
+_our_pool_limit: str | None = None  # the cap jax_dos set last (at import, from a plan), which a plan may lower
 
 
 def _backends_started() -> bool:
@@ -137,10 +138,10 @@ def raise_pinned_pool_limit(fraction: float = DEFAULT_POOL_FRACTION) -> None:
   so this only acts before the first computation; a value the user set is kept.
   ``import jax_dos`` calls it.
   """
-  global _import_pool_limit
+  global _our_pool_limit
   if POOL_LIMIT_ENV in os.environ or _backends_started():
     return
-  os.environ[POOL_LIMIT_ENV] = _import_pool_limit = str(
+  os.environ[POOL_LIMIT_ENV] = _our_pool_limit = str(
     max(XLA_DEFAULT_POOL_GIB, int(fraction * host_memory_total() / 2**30))
   )
 
@@ -179,11 +180,30 @@ def cap_pinned_pool(
     )
   gib = math.ceil((need_bytes + POOL_MARGIN_BYTES) / 2**30)
   gib = max(XLA_DEFAULT_POOL_GIB, min(gib, (total - HOST_HEADROOM_BYTES) // 2**30))
-  current = os.environ.get(POOL_LIMIT_ENV)
-  if _backends_started() or (current is not None and current != _import_pool_limit):
+  if not pool_limit_is_ours():
     return None
-  os.environ[POOL_LIMIT_ENV] = str(gib)
+  set_pool_limit(gib, from_plan=True)
   return gib * 2**30
+
+
+def pool_limit_is_ours() -> bool:
+  """Whether jax_dos may still set XLA's pinned pool cap: the user has not set it and the backend has not started."""
+  current = os.environ.get(POOL_LIMIT_ENV)
+  return not _backends_started() and (current is None or current == _our_pool_limit)
+
+
+def set_pool_limit(gib: int, from_plan: bool = False) -> None:
+  """Sets XLA's pinned pool cap to ``gib`` GiB (callers check :func:`pool_limit_is_ours` first); ``from_plan``: the
+  cap is a run's need (:func:`cap_pinned_pool`), which a later cap (a process's share of its host) keeps if lower."""
+  global _our_pool_limit, _plan_pool_gib
+  os.environ[POOL_LIMIT_ENV] = _our_pool_limit = str(gib)
+  if from_plan:
+    _plan_pool_gib = gib
+
+
+def plan_pool_gib() -> int | None:
+  """The cap :func:`cap_pinned_pool` set from a run's need, in GiB; ``None`` if none was set."""
+  return _plan_pool_gib
 
 
 def pinned_pool_limit() -> int | None:

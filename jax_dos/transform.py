@@ -31,6 +31,7 @@ import optax
 
 from jax_dos import memory, moment_formats, partition
 from jax_dos.adam_math import AdamHyper, ScalarOrSchedule
+from jax_dos.host_plan import HostMemory
 from jax_dos.interleaved import (
   InterleavedAdam,
   InterleavedAdamTransformation,
@@ -65,6 +66,7 @@ def interleaved_adam(
   write_behind: bool = False,
   partition_replicated: Union[bool, str] = "auto",
   moments: str = "float32",
+  host_memory: Optional[HostMemory] = None,
 ) -> InterleavedAdamTransformation:
   r"""AdamW whose fp32 master weights and moments live in host memory.
 
@@ -163,6 +165,11 @@ def interleaved_adam(
       device, traced) encodes with the same rounding and random bits.
       Compact moments take ``delay_predict=False``; ``"int8"`` keeps each
       leaf's moments on one device (no partitioned or sharded state).
+    host_memory: the host's RAM and the job's processes on it
+      (``jax_dos.HostMemory``), against which the plan's pinned state is
+      checked before anything is allocated; ``None`` (default): this
+      machine's. A plan whose state does not fit each process's share of the
+      RAM is refused with a ``MemoryError`` on every process.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (an
@@ -183,6 +190,7 @@ def interleaved_adam(
   opt = InterleavedAdam(
     hyper, mask=mask, subgroup_size=subgroup_size, plan=plan, planner=planner, delay=delay, delay_warmup=delay_warmup,
     delay_predict=delay_predict, write_behind=write_behind, partition_replicated=partition_replicated,
+    host_memory=host_memory,
   )  # fmt: skip
   return InterleavedAdamTransformation.of(opt)
 

@@ -12,6 +12,7 @@ Every process draws the same numbers from ``SEED``, so replicas agree.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import jax
@@ -55,6 +56,8 @@ def run_checks(seed: int) -> None:
   import jax_dos
 
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
+  # XLA's CPU client got enough pool threads for this process's devices (jax_dos/cpu_client.py), or it can hang.
+  assert int(os.environ["PJRT_NPROC"]) >= jax_dos.cpu_client.pool_threads(LOCAL_DEVICES, 1), os.environ["PJRT_NPROC"]
   # Both processes run on this host: its RAM must hold what both need.
   assert jax_dos.memory.bytes_on_this_host(2**20 * (1 + jax.process_index())) == (3 * 2**20, NUM_PROCESSES)
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
@@ -140,6 +143,62 @@ def run_checks(seed: int) -> None:
   mixed = ["host", "stream", "device"]
   check("data_parallel", "copies update_params", copies(plan=mixed), update_params=True)
   check("fsdp", "copies", copies(plan=mixed))
+  refuse_together(mesh)
+  worker_programs_have_no_collectives(mesh)
+
+
+def refuse_together(mesh) -> None:
+  """Processes told different things about their host (process 0: no RAM) refuse the plan together, from shapes:
+  one refusing alone would leave the other waiting in the next collective. A tree of one process alone is checked
+  without the others (no collective), or process 0 would take the others' next collective for its own."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jax_dos
+
+  if jax.process_index() == 0:  # a tree of this process alone (as the calibration's) is planned without the others
+    jax_dos.get_plan(jax_dos.interleaved_adam(1e-2, plan="host"), {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)})
+  params = {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))}
+  host = jax_dos.HostMemory(ram_bytes=1 if jax.process_index() == 0 else 1 << 40, processes=NUM_PROCESSES)
+  try:
+    jax_dos.get_plan(jax_dos.interleaved_adam(1e-2, plan="host", host_memory=host), params)
+  except MemoryError as e:
+    print("ok refused together:", e, flush=True)
+  else:
+    raise AssertionError("this process planned while another refused its plan")
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def worker_programs_have_no_collectives(mesh) -> None:
+  """The engine's host worker dispatches, beside the caller's programs and in an order that timing decides, only
+  programs without collectives: the new masters' send and their cast into the parameters, on the state's own
+  (partitioned) layout. The caller's gather back to the parameters' layout is where the collective is."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_dos import device_steps, partition
+
+  param = jax.ShapeDtypeStruct((8, 6), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "model")))
+  state = partition.state_sharding(param)
+  host = jax.ShapeDtypeStruct(param.shape, jnp.bfloat16, sharding=state.with_memory_kind("pinned_host"))
+  on_state = jax.ShapeDtypeStruct(param.shape, jnp.bfloat16, sharding=state)
+
+  def collectives(lowered) -> list[str]:
+    text = lowered.compile().as_text()
+    return [c for c in COLLECTIVES if c in text]
+
+  send = jax.jit(lambda x: x, out_shardings=state.with_memory_kind("device"))  # jax's device_put of the send
+  assert collectives(send.lower(host)) == [], "the send"
+  assert collectives(device_steps.assign.lower([on_state], [on_state])) == [], "the assign"
+  master = jax.ShapeDtypeStruct(param.shape, jnp.float32, sharding=state)
+  assert collectives(device_steps.updates_from_masters.lower([master], [on_state])) == [], "the update"
+  gather = jax.jit(lambda x: x, out_shardings=param.sharding)  # the caller's relaid back: the collective
+  assert "all-gather" in collectives(gather.lower(on_state)), "the gather back"
+  print("ok worker programs without collectives", flush=True)
 
 
 if __name__ == "__main__":

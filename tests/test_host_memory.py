@@ -29,10 +29,10 @@ CAP = textwrap.dedent(
 
     need, ram = int(sys.argv[1]), int(sys.argv[2])
     env = memory.POOL_LIMIT_ENV
-    assert os.environ[env] == memory._import_pool_limit  # import's cap: 90% of RAM
+    assert os.environ[env] == memory._our_pool_limit  # import's cap: 90% of RAM
     os.environ[env] = "50"  # a value the user set is kept
     assert jax_dos.cap_pinned_pool(need, host_memory_bytes=ram) is None and os.environ[env] == "50"
-    os.environ[env] = memory._import_pool_limit
+    os.environ[env] = memory._our_pool_limit
     cap = jax_dos.cap_pinned_pool(need, host_memory_bytes=ram)
     assert not memory._backends_started()
     print(cap, os.environ[env])

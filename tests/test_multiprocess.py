@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
 CHECKPOINT_WORKER = Path(__file__).resolve().parent / "multiprocess_checkpoint_worker.py"
 TIMEOUT_S = 240
-CHECKS = 22  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 whole copies
+CHECKS = 24  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 whole copies,
+# the refusal both processes share, the worker's programs without collectives
 
 
 def _free_port() -> int:

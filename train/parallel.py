@@ -5,7 +5,8 @@
   (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; and
   ``JAX_LOCAL_DEVICE_IDS`` to give a process some of this host's GPUs), or a
   SLURM step of several tasks (which ``jax.distributed.initialize`` reads
-  itself, one GPU per task).
+  itself, one GPU per task); then caps each process's pinned pool at its share
+  of the host's RAM (``jax_dos.share_pinned_pool``).
 * ``--mesh data=D,fsdp=F`` (:func:`parse_mesh`) lays all devices of the job on
   a ``(data, fsdp)`` mesh: parameters are replicated over ``data`` and sharded
   over ``fsdp`` (:func:`param_shardings`), batch rows over both
@@ -26,6 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+import jax_dos
 
 MESH_AXES = ("data", "fsdp")
 COORDINATOR_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -57,6 +60,7 @@ def join_from_environment(environ: dict[str, str] | None = None) -> bool:
     )
   else:
     jax.distributed.initialize()
+  jax_dos.share_pinned_pool()  # each process's pinned pool capped at its share of this host's RAM
   return True
 
 
