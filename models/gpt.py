@@ -229,11 +229,13 @@ def init_params(cfg: GPTConfig, seed: int = 0, shardings: Any = None) -> tuple[n
 
   Initialisation is one jitted call (compiled once per config), not one dispatch per initializer.
   ``shardings`` (a tree like :func:`abstract_params`, or one sharding) lays the parameters out on a mesh as they
-  are made: each device computes its own shards, the same values as unsharded.
+  are made: each device computes its own shards, the same values as unsharded. Without it they are committed to
+  the first local device, where an update leaves them: a training step's first call compiles the programs of
+  every later one.
   """
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   if shardings is None:
-    return graphdef, _init(cfg, jnp.asarray(seed, jnp.uint32))
+    return graphdef, jax.device_put(_init(cfg, jnp.asarray(seed, jnp.uint32)), jax.local_devices()[0])
   return graphdef, jax.jit(_init_tree, static_argnums=0, out_shardings=shardings)(cfg, np.uint32(seed))
 
 

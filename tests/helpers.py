@@ -57,6 +57,12 @@ def run_pair(tx, ref, params, steps: int, rng: np.random.Generator, *, jit: bool
   return params, state, ref_params, ref_state
 
 
+def jitted(ref: optax.GradientTransformation) -> optax.GradientTransformation:
+  """A reference optimizer with its update jitted: ``optax.MultiSteps`` called eagerly compiles its ``lax.cond`` of
+  fresh branches on every call, jitted once."""
+  return optax.GradientTransformation(ref.init, jax.jit(ref.update))
+
+
 _WARNED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose TracedUpdateWarning a jit_traced call has seen
 
 

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import pytest
 
 SCRIPT = textwrap.dedent(
@@ -38,7 +39,7 @@ SCRIPT = textwrap.dedent(
         for jit in (False, True):
             tx = jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan,
                                           partition_replicated=False)  # a whole copy per shard
-            p, state, ref_p, _ = run_pair(tx, optax.adamw(1e-2, weight_decay=0.1), params, 20, rng, jit=jit)
+            p, state, ref_p, _ = run_pair(tx, optax.adamw(1e-2, weight_decay=0.1), params, 6, rng, jit=jit)
             err = max_rel_diff(p, ref_p)
             assert err <= 1e-6, (plan, jit, err)
             for k in shapes:
@@ -84,9 +85,7 @@ def test_sharded_params_match_optax():
 
 
 def _accelerators() -> int:
-  code = "import jax; print(0 if jax.default_backend() == 'cpu' else jax.device_count())"
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout.split()
-  return int(out[-1]) if out else 0
+  return 0 if jax.default_backend() == "cpu" else jax.device_count()  # this process's backend: the script's too
 
 
 def test_sharded_params_match_optax_on_accelerators():

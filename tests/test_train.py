@@ -250,16 +250,39 @@ def test_help_names_the_optimizer_defaults():
   assert stated == {name: F.parse_args(["--arch", arch[name], "--preset", name]).lr for name in arch}
 
 
-def test_progress_off_a_terminal_is_plain_lines(tmp_path, monkeypatch, capsys):
-  """stderr to a file or pipe (captured here): a line per log interval, no carriage returns; jax_dos's notes plain."""
+# python -m train.gpt with a stand-in calibration: the notice is due (no cached one) and nothing is measured
+# (test_calibration.py tests the measuring).
+_STAND_IN_CALIBRATION = textwrap.dedent("""
+    import sys
+    from jax_dos.planning import calibration
+    from train import gpt
+    calibration.measure = lambda **kw: calibration.Calibration(1e9, 1e9, 1e9, 5e8, 5e8)
+    gpt.main(sys.argv[1:])
+""")
+
+
+def test_progress_off_a_terminal_is_plain_lines_and_the_script_ends_soon_after_its_last_step(tmp_path):
+  """The script's output to a pipe: a line per log interval, no carriage returns; jax_dos's notes plain. The
+  overlapped step settles and closes with the run: the process ends within seconds of its last line."""
   from jax_dos.planning import calibration
 
-  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no cached calibration: the notice is due
-  monkeypatch.delenv(calibration.ENV_OVERRIDE, raising=False)
-  monkeypatch.setattr(calibration, "measure", lambda **kw: calibration.Calibration(1e9, 1e9, 1e9, 5e8, 5e8))
+  env = {k: v for k, v in os.environ.items() if k != calibration.ENV_OVERRIDE}
+  env |= dict(PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path / "cache"))  # no calibration
   flags = [f for f in TINY if f != "--quiet"]
-  T.main([*flags, "--out", str(tmp_path / "run"), "--steps", "4", "--log-every", "2", "--eval-every", "0", "--no-ckpt"])
-  err = capsys.readouterr().err
+  argv = [sys.executable, "-c", _STAND_IN_CALIBRATION, *flags, "--steps", "4", "--log-every", "2", "--eval-every", "0",
+          "--no-ckpt", "--overlap", "on", "--grad-accum", "2", "--batch", "2", "--clip", "1e-3",
+          "--out", str(tmp_path / "run")]  # fmt: skip
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines, last = [], None
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("done: step 4"):
+      last = time.monotonic()
+  proc.wait(timeout=300)
+  err = "".join(lines)
+  assert proc.returncode == 0 and last is not None, err[-3000:]
+  assert time.monotonic() - last < 15
   assert "\r" not in err and "WARNING" not in err
   assert "jax_dos: measuring this machine for the performance model (plan='auto'); a few seconds, then cached." in (
     err.splitlines()
@@ -615,13 +638,24 @@ def test_a_first_save_killed_midway_is_taken_over_by_a_plain_run_and_by_resume(t
     assert sorted(os.listdir(tmp_path / name / "ckpt")) == ["2", "3", "damaged"]
 
 
+DIVERGING = ["--offload", "host", "--decay-steps", "100", "--warmup", "0", "--eval-every", "0", "--log-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+  """A run of 4 steps with checkpoints at steps 2 and 4, to be copied and resumed with a diverging learning rate."""
+  root = tmp_path_factory.mktemp("diverging")
+  _run(root, "run", *DIVERGING, "--steps", "4", "--ckpt-every", "2")
+  return root / "run"
+
+
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the learning rate, in float32
 @pytest.mark.parametrize("ckpt_every, match", [("1", "parameters after step 5's update are not finite"),
                                                ("4", "training loss of step 6 is nan")])  # fmt: skip
-def test_a_diverging_run_stops_and_saves_nothing(tmp_path, ckpt_every, match):
-  common = ["--offload", "host", "--decay-steps", "100", "--warmup", "0", "--eval-every", "0", "--log-every", "10"]
-  _run(tmp_path, "run", *common, "--steps", "4", "--ckpt-every", "2")
+def test_a_diverging_run_stops_and_saves_nothing(tmp_path, checkpointed_run, ckpt_every, match):
+  common = DIVERGING
+  shutil.copytree(checkpointed_run, tmp_path / "run")
   before = {n: os.path.getmtime(tmp_path / "run" / "ckpt" / n) for n in os.listdir(tmp_path / "run" / "ckpt")}
   with pytest.raises(SystemExit, match=match) as e:  # an overflowing learning rate: inf parameters after step 5
     _run(tmp_path, "run", *common, "--steps", "12", "--ckpt-every", ckpt_every, "--resume", "--lr", "1e39")
@@ -752,19 +786,3 @@ def test_the_overlapped_steps_losses_and_norms_equal_the_plain_steps(tmp_path, c
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["clipped"] == (r["grad_norm"] >= float(clip)) for r in steps)
     assert out["clip_fired"] == sum(r["clipped"] for r in steps) == (4 if clip == "1e-3" else 0)
-
-
-def test_the_script_ends_soon_after_its_last_step(tmp_path):
-  """The overlapped step settles and closes with the run: the process ends within seconds of its last line."""
-  env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
-  argv = [sys.executable, "-m", "train.gpt", *TINY[:-1], "--steps", "3", "--eval-every", "0", "--no-ckpt", "--overlap",
-          "on", "--grad-accum", "2", "--batch", "2", "--clip", "1e-3", "--out", str(tmp_path / "run")]  # fmt: skip
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  proc = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  last = None
-  for line in proc.stdout:
-    if line.startswith("done: step 3"):
-      last = time.monotonic()
-  proc.wait(timeout=300)
-  assert proc.returncode == 0 and last is not None
-  assert time.monotonic() - last < 15
