@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace, mesh: str, result: str) -> None:
   targs = train_flags_lib.parse_args(train_flags(args, mesh, gpus))
   cfg = gpt_model.get_config(
     targs.preset, **train_flags_lib.model_overrides(targs), vocab_size=targs.vocab_size, dtype=targs.compute_dtype,
-    param_dtype=targs.param_dtype, remat=targs.remat,
+    param_dtype=targs.param_dtype, remat="full" if targs.remat == "auto" else targs.remat,  # the plain step's
   )  # fmt: skip
   grid = parallel.make_mesh(targs.mesh) if targs.mesh else None
   shardings = None if grid is None else parallel.param_shardings(grid, gpt_model.abstract_params(cfg))
