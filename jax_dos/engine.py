@@ -50,6 +50,7 @@ turns accidental reuse of a consumed state into a clear error.
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 from collections import deque
@@ -66,14 +67,22 @@ from jax_dos.step_ahead import StepAhead
 
 
 class _WriteRegistry:
-  """Remembers, per host state buffer, the step count it now holds."""
+  """Remembers, per host state buffer, the step count it now holds.
+
+  A buffer's finalizer only queues its id (``SimpleQueue.put`` is reentrant): a collection that an allocation under
+  the lock triggers may run finalizers in the thread holding it. The next check drops the queued ids first, before
+  a new buffer could reuse one.
+  """
 
   def __init__(self):
     self._step: dict[int, int] = {}
     self._lock = threading.Lock()
+    self._gone: queue.SimpleQueue[int] = queue.SimpleQueue()
 
   def check_and_mark(self, arrays: Sequence[jax.Array], count: int) -> None:
     with self._lock:
+      while not self._gone.empty():
+        self._step.pop(self._gone.get_nowait(), None)
       for a in arrays:
         held = self._step.get(id(a))
         if held is not None and held != count:
@@ -84,12 +93,8 @@ class _WriteRegistry:
           )
       for a in arrays:
         if id(a) not in self._step:
-          weakref.finalize(a, self._forget, id(a))
+          weakref.finalize(a, self._gone.put, id(a))
         self._step[id(a)] = count + 1
-
-  def _forget(self, key: int) -> None:
-    with self._lock:
-      self._step.pop(key, None)
 
 
 _REGISTRY = _WriteRegistry()

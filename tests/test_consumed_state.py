@@ -39,3 +39,30 @@ def test_reusing_params_consumed_by_update_params_is_a_clear_error(plan):
   with pytest.raises(ValueError, match="params were already consumed .* Pass the params it returned"):
     jax_dos.update_params(tx, random_tree(rng), state, params)
   jax_dos.update_params(tx, random_tree(rng), state, new_params)
+
+
+def test_a_buffer_dying_inside_the_check_does_not_deadlock_it():
+  """A state buffer whose last reference goes while the registry holds its lock (as in a collection that the
+  check's own allocations trigger: its finalizer then runs in that thread): the check finishes, and the dead
+  buffer's entry is dropped."""
+  import concurrent.futures
+  import threading
+
+  from jax_dos import engine
+
+  registry = engine._WriteRegistry()
+  holder = [jax.numpy.zeros(4)]
+  dead = id(holder[0])
+  registry.check_and_mark([holder[0]], 0)
+
+  class DropsOnIteration(list):
+    def __iter__(self):
+      holder.clear()  # the registered buffer's last reference: its finalizer runs here, under the lock
+      return super().__iter__()
+
+  fresh = DropsOnIteration(jax.numpy.ones(4) for _ in range(3))
+  checked = concurrent.futures.Future()
+  threading.Thread(target=lambda: checked.set_result(registry.check_and_mark(fresh, 0)), daemon=True).start()
+  checked.result(timeout=60)  # a deadlocked check times out here (a daemon thread: the run still ends)
+  registry.check_and_mark(list(fresh), 1)  # drops what died
+  assert dead not in registry._step and all(registry._step[id(a)] == 2 for a in fresh)
