@@ -178,10 +178,6 @@ class Block(nnx.Module):
     return x + self.mlp(self.ln2(x))
 
 
-def _apply_block(block: Block, x: jax.Array) -> jax.Array:
-  return block(x)
-
-
 class GPT(nnx.Module):
   """``GPT(config, rngs)(tokens[b, t]) -> logits[b, t, vocab]`` in float32."""
 
@@ -206,12 +202,7 @@ class GPT(nnx.Module):
     return x @ self.wte.embedding[...].astype(jnp.float32).T
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    x = self.embed(tokens)
-    remat = self.cfg.remat
-    apply = _apply_block if remat == "none" else nnx.remat(_apply_block, policy=jax_dos.checkpoint_policy(remat))
-    for block in self.blocks:
-      x = apply(block, x)
-    return self.logits(x)
+    return self.logits(lm.run_blocks(self.blocks, self.embed(tokens), self.cfg.remat))
 
 
 # ----------------------------------------------------------------------------- parameters, loss

@@ -202,10 +202,6 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
-def _apply_block(block: Block, x: jax.Array) -> jax.Array:
-  return block(x)
-
-
 class Llama(nnx.Module):
   """``Llama(config, rngs)(tokens[b, t]) -> logits[b, t, vocab]`` in float32."""
 
@@ -229,12 +225,7 @@ class Llama(nnx.Module):
     return x @ self.head.kernel[...].astype(jnp.float32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    x = self.embed(tokens)
-    remat = self.cfg.remat
-    apply = _apply_block if remat == "none" else nnx.remat(_apply_block, policy=jax_dos.checkpoint_policy(remat))
-    for block in self.blocks:
-      x = apply(block, x)
-    return self.logits(x)
+    return self.logits(lm.run_blocks(self.blocks, self.embed(tokens), self.cfg.remat))
 
 
 # ----------------------------------------------------------------------------- parameters, counts, stages
@@ -250,11 +241,12 @@ _init = jax.jit(_init_tree, static_argnums=0)
 def init_params(cfg: LlamaConfig, seed: int = 0, shardings: Any = None) -> tuple[nnx.GraphDef, dict]:
   """Builds the model; returns ``(graphdef, params)`` with ``params`` a plain nested dict of arrays.
 
-  One jitted call (compiled once per config); ``shardings`` as ``models.gpt.init_params``'.
+  One jitted call (compiled once per config); ``shardings``, and the parameters committed without it, as
+  ``models.gpt.init_params``'.
   """
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   if shardings is None:
-    return graphdef, _init(cfg, jnp.asarray(seed, jnp.uint32))
+    return graphdef, jax.device_put(_init(cfg, jnp.asarray(seed, jnp.uint32)), jax.local_devices()[0])
   return graphdef, jax.jit(_init_tree, static_argnums=0, out_shardings=shardings)(cfg, np.uint32(seed))
 
 

@@ -29,6 +29,18 @@ def attention_impl(q: jax.Array) -> str | None:
   return "cudnn" if fused and q.shape[-1] <= 128 else None
 
 
+def _apply_block(block: nnx.Module, x: jax.Array) -> jax.Array:
+  return block(x)
+
+
+def run_blocks(blocks: nnx.List, x: jax.Array, remat: str) -> jax.Array:
+  """The residual stream through ``blocks`` in order, each under the rematerialisation policy ``remat``."""
+  apply = _apply_block if remat == "none" else nnx.remat(_apply_block, policy=jax_dos.checkpoint_policy(remat))
+  for block in blocks:
+    x = apply(block, x)
+  return x
+
+
 def tree_size(tree: Any) -> int:
   """Number of elements in a tree of arrays (or ``ShapeDtypeStruct`` s)."""
   return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
