@@ -207,11 +207,17 @@ class HostPath:
         leaves = self.routes.plan.subgroups[s]
         state = [[d[i] for i in leaves] for d in (self.masters, self.mus, self.nus)]
         share[s] = ShareInput(state, [st.grads[s][i] for i in leaves], st.params.pop(s), st.futures.pop(s))
+        for i in leaves:  # its spare (a wasted speculation, or nothing) goes: the stream path's new state takes its
+          for a in self.spares[i]:  # place, so that the state is never held three times (host_bytes counts two)
+            a.delete()
       record.host_share.set_result(share)  # the stream worker may step its share now
       for s in self.routes.by_forward_rank(set(st.speculated + st.deferred) - on_stream):
         with trace.span("host.redo" if s in st.speculated else "host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)
+      for s in st.grads.keys() - on_stream:  # the kernel is done with them: freed before the next step's land
+        for a in st.grads[s].values():
+          a.delete()
       if share:  # committed below, after the swap
         with trace.span("host.wait_stream_redo"):
           shared = result_of(record.share_done, self._check, WAIT_POLL_S)
@@ -230,11 +236,8 @@ class HostPath:
       for i in self.routes.plan.subgroups[s]:
         current = (self.masters[i], self.mus[i], self.nus[i])
         (self.masters[i], self.mus[i], self.nus[i]), self.spares[i] = self.spares[i], current
-    for s, back in shared.items():  # the stream path's new state; the old one is the spare (the speculated freed)
+    for s, back in shared.items():  # the stream path's new state; the old one is the spare (the last one deleted)
       for j, i in enumerate(self.routes.plan.subgroups[s]):
-        speculated = self.spares[i]
         self.spares[i] = (self.masters[i], self.mus[i], self.nus[i])
         self.masters[i], self.mus[i], self.nus[i] = back[0][j], back[1][j], back[2][j]
-        for a in speculated:
-          a.delete()
     st.grads.clear()

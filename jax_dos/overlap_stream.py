@@ -217,6 +217,10 @@ class StreamPath:
       self._wait_for_slot()
     with trace.span("stream.dispatch"):
       old = earlier.old if earlier else self._state(s)
+      if earlier:  # a wasted speculation's new state goes before the redo's comes (host_bytes counts one of them)
+        jax.block_until_ready(earlier.new)  # its copies out must land before the host buffers are freed
+        for a in (a for group in earlier.new for a in group):
+          a.delete()
       if state is None:
         state = memory.put_groups(old, "device")
       self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
@@ -224,10 +228,6 @@ class StreamPath:
       outs = device_steps.update_params(g, *state, params, scalars, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
       back = memory.put_groups(list(outs[1:]), "pinned_host")
-    if earlier:
-      jax.block_until_ready(earlier.new)  # their copies out must land before the host buffers are freed
-      for a in (a for group in earlier.new for a in group):
-        a.delete()
     st.end = time.perf_counter()
     self._in_flight.append(back)
     if final:
@@ -293,6 +293,8 @@ class StreamPath:
       state = memory.put_groups(old, "device")
       grads = memory.put(share.grads, "device")
       self._wait_landed([state, grads])
+      for a in share.grads:  # their host copies, freed before the next step's land
+        a.delete()
       g = memory.like_states(grads, old[0])
       outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip

@@ -344,7 +344,8 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       params, opt_state, start_step = _restore(restore_from, cfg, params, template, args)
     try:
       step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)
-      return _Built(step, schedule, start_step, [*notes, str(step.plan)])
+      host = f"host    the step's pinned host memory: {step.host_bytes() / 2**30:.2f} GiB at most"
+      return _Built(step, schedule, start_step, [*notes, host, str(step.plan)])
     except MemoryError as e:
       if args.overlap == "on":
         raise SystemExit(f"--overlap on: {e}") from None

@@ -121,6 +121,10 @@ class OverlappedTraining:
     """The last step's global norm of the mean gradient, before the clip."""
     return self.step.grad_norm
 
+  def host_bytes(self) -> int:
+    """Pinned host bytes the step needs at most (``jax_dos.OverlappedStep.host_bytes``)."""
+    return self.step.host_bytes()
+
   def close(self) -> None:
     self.step.close()
 

@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=3, help="timed steps per system")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps per system")
   p.add_argument("--jaxdos-variants", default="peak,auto", help="bench/train_step.py --variants")
+  p.add_argument("--jaxdos-args", default="", help="extra arguments for train_step.py (e.g. '--clip 1e6')")
   p.add_argument("--ratio", type=float, default=0.75, help="zero3's offload_optimizer.ratio")
   p.add_argument("--peer-args", default="", help="extra arguments for every peers.py (e.g. '--torchao-clip host')")
   p.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="wheels to install for the peers")
@@ -165,7 +166,8 @@ def command(args: argparse.Namespace, system: str) -> list[str]:
   if system == "jaxdos":
     script = os.path.join("bench", "train_step.py")
     out = os.path.join(args.out, "jaxdos.json")
-    return [sys.executable, script, *shape, "--variants", args.jaxdos_variants, "--fb-reps", "1", "--out", out]
+    return [sys.executable, script, *shape, "--variants", args.jaxdos_variants, "--fb-reps", "1", "--out", out,
+            *shlex.split(args.jaxdos_args)]  # fmt: skip
   cmd = [sys.executable, os.path.join("bench", "peers", "peers.py"), "--system", system, *shape]
   cmd += ["--out", os.path.join(args.out, f"{system}.json"), "--ratio", str(args.ratio), *shlex.split(args.peer_args)]
   peak = peak_tflops(args.out)

@@ -8,7 +8,9 @@ the start. ``--json`` gets: the exit status, the wall time, when the last
 line matching ``--mark`` came, how long the process took to end after it
 (``exit_after_mark_s``), and the peak resident set of the command's process
 tree and the peak of the machine's used memory, sampled every 0.5 s
-(``psutil``).
+(``psutil``). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
+30 s later) and records ``stopped_at_deadline``, so that a run sized to a time
+limit still leaves its JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -43,6 +46,7 @@ def main() -> None:
   p.add_argument("--json", required=True)
   p.add_argument("--log", required=True)
   p.add_argument("--mark", default="done: step", help="regex of the line after which the process should end")
+  p.add_argument("--deadline-s", type=float, default=None, help="stop the command after this many seconds")
   p.add_argument("command", nargs=argparse.REMAINDER)
   args = p.parse_args()
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -69,9 +73,17 @@ def main() -> None:
   reader.start()
   peak_rss = peak_used = 0
   ps = psutil.Process(proc.pid)
+  stopped_at = None
   while proc.poll() is None:
     peak_rss = max(peak_rss, _tree_rss(ps))
     peak_used = max(peak_used, psutil.virtual_memory().used)
+    now = time.perf_counter() - t0
+    if args.deadline_s is not None and now > args.deadline_s:
+      if stopped_at is None:
+        stopped_at = now
+        proc.send_signal(signal.SIGINT)
+      elif now > stopped_at + 30:
+        proc.kill()
     time.sleep(0.5)
   wall = time.perf_counter() - t0
   reader.join(timeout=10)
@@ -81,6 +93,7 @@ def main() -> None:
     "wall_s": wall,
     "mark_s": marked[-1] if marked else None,
     "exit_after_mark_s": wall - marked[-1] if marked else None,
+    "stopped_at_deadline": stopped_at,
     "peak_rss_gib": peak_rss / 2**30,
     "peak_machine_used_gib": peak_used / 2**30,
     "machine_total_gib": psutil.virtual_memory().total / 2**30,
