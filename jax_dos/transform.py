@@ -112,50 +112,31 @@ def interleaved_adam(
       are given, on the host):
 
       - ``"moments"`` (or ``True``): a prediction of step ``t``'s masters, one
-        more AdamW step that leaves the moments as they are, ``p - lr_t (m /
-        (1 - b1^t') / (sqrt(v / (1 - b2^t') + eps_root) + eps) + wd p)``
-        (``adam_math.predict_next``; ``t'`` the step's bias-correction count),
-        written by the host kernel in the same pass: no accelerator memory,
-        4 B of host memory per float32 parameter. Recovers most, not all, of
-        what the plain delay loses in convergence.
-      - ``"gradient"``: step ``t``'s masters themselves. The host sends copies
-        of master, mu and nu after step ``t - 1`` (in the parameters' dtype)
-        to the accelerator during step ``t``'s forward/backward pass, and
-        ``update`` takes step ``t``'s AdamW step there with step ``t``'s
-        gradients: the trajectory of undelayed AdamW (float32 parameters:
-        the same numbers to float32 rounding; bfloat16: ``cast(master)`` up
-        to the copies' rounding, mostly equal), while the exact float32
-        step still runs on the host, hidden behind the next forward/backward
-        pass. Copies are sent ahead (held through that pass: 3 x the
-        parameter's bytes per host-updated parameter) for the host subgroups
-        that fit in the memory the plan leaves free (``Plan.ahead_budget_bytes``;
-        give your own planner ``auto_planner(ahead_copies=True)``), and in
-        ``update`` for the others: their PCIe time (6 B for a bfloat16
-        parameter: the kernel writes bfloat16 copies of mu and nu in the same
-        pass, 4 B of host memory) is then part of the step, as is the
-        gradients' return to the accelerator if they were flushed to the host.
+        more AdamW step that leaves the moments as they are
+        (``adam_math.predict_next``), written by the host kernel in the same
+        pass (4 B of host memory per float32 parameter).
+      - ``"gradient"``: step ``t``'s masters themselves: copies of master, mu
+        and nu after step ``t - 1`` go to the accelerator during step ``t``'s
+        forward/backward pass, and ``update`` takes step ``t``'s AdamW step
+        there: the trajectory of undelayed AdamW (float32 parameters: the same
+        numbers to float32 rounding), while the exact float32 step still runs
+        on the host, hidden behind the next pass. Memory and PCIe costs:
+        ``docs/api.md``, "The delayed update and write-behind".
 
       Stale momentum is what makes the plain delay converge worse (docs/design.md, BENCHMARKS.md).
     write_behind: keep optax's numbers exactly and hide part of the host
-      update: the host kernel first computes each host subgroup's new weights
-      without storing master, mu and nu (16 of its 28 bytes a parameter),
-      ``update`` returns once those are sent, and a second pass writes the
-      state in the background during the caller's next forward/backward
-      pass (the next ``update`` and ``wait_for_host_updates`` wait for it).
-      With ``plan="auto"`` streamed subgroups become host ones. Not with ``delay``.
+      update: the kernel computes the new weights first, ``update`` returns
+      once they are sent, and a second pass writes master, mu and nu during
+      the caller's next forward/backward pass (``docs/api.md``). With
+      ``plan="auto"`` streamed subgroups become host ones. Not with ``delay``.
     partition_replicated: on a mesh, a parameter replicated over some of its
       axes (data parallelism) keeps its Adam state partitioned over them
-      (ZeRO-1/2 style): each device holds and updates ``1/N`` of master, mu
-      and nu, along the first dimension those axes divide, and the new
-      parameters are gathered back to their replicated layout; its gradients
-      are sliced (or, flushed through ``gradient_shardings``, reduced and
-      scattered by XLA) to the state's layout. Leaves sharded over every axis
-      (FSDP), scalars, and leaves no dimension of which the axes divide keep
-      their own layout. ``"auto"`` (default): so wherever a parameter is
-      replicated over mesh axes of more than one device (on one device
-      nothing changes); ``jax_dos.OverlappedStep`` keeps the parameters'
-      layout instead. ``True``: the same, and ``OverlappedStep`` refuses it.
-      ``False``: every device keeps a whole copy.
+      (ZeRO-1/2 style: each device updates ``1/N`` of it, the new parameters
+      gathered back; ``docs/api.md``, "Accumulation, sharding,
+      checkpoints"). ``"auto"`` (default): so wherever a parameter is
+      replicated over more than one device; ``jax_dos.OverlappedStep`` keeps
+      the parameters' layout instead. ``True``: the same, and
+      ``OverlappedStep`` refuses it. ``False``: every device keeps a whole copy.
     moments: how ``mu`` and ``nu`` are stored beside the float32 master
       (``jax_dos.moment_formats``): ``"float32"`` (default; optax's numbers,
       12 B of state a parameter), ``"bfloat16"`` (stochastically rounded,
