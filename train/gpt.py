@@ -512,6 +512,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     record.add(step_no, loss, step.grad_norm)
     if it == start_step:  # the first step compiles: start the clocks after it
       step.settle()
+      host_memory.release_freed_heap()  # what compiling left in the C heap
       rate.start(step_no)
       eta.start(step_no, rate.t_mark)
     last = step_no == args.steps

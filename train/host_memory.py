@@ -13,6 +13,8 @@ saying what to change, before anything moves.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 
 import jax_dos
 from train import overlapped
@@ -59,3 +61,23 @@ def cap_host_memory(args: argparse.Namespace, host_memory_bytes: int | None = No
     )
   except MemoryError as e:
     raise SystemExit(f"error: {e}") from None
+
+
+def release_freed_heap() -> bool:
+  """Hands the C heap's freed pages back to the system (glibc's ``malloc_trim(0)``); ``False`` where the C library
+  has no such call.
+
+  Compiling a large model's programs leaves hundreds of MiB to GiBs of freed
+  memory in glibc's per-thread arenas, which it keeps: the process's resident
+  set would carry them through training beside the pinned state. Called once
+  the first step has compiled and allocated everything.
+  """
+  name = ctypes.util.find_library("c")
+  try:
+    trim = ctypes.CDLL(name).malloc_trim if name else None
+  except (OSError, AttributeError):
+    trim = None
+  if trim is None:
+    return False
+  trim(0)
+  return True
