@@ -1,7 +1,10 @@
-"""Benchmark of whole training steps: GPT with AdamW state offloaded, jax_dos against the baselines, side by side.
+"""Benchmark of whole training steps: a GPT or Llama with AdamW state offloaded, jax_dos against the baselines.
 
 Each variant runs in its own subprocess (so each starts with empty GPU and
-pinned memory), on the same model, batch and data (the embedded corpus):
+pinned memory), on the same model, batch and data (the embedded corpus). ``--arch``
+picks the model as ``python -m train.gpt --arch`` does (``train.flags.model_module``:
+``models/gpt.py`` or ``models/llama.py``); every variant runs either, and MFU
+counts the model's own ``flops_per_token``:
 
   ``peak``   bf16 matmul FLOP/s of this GPU (the MFU denominator, measured in the same run);
   ``idiom``  (1) the JAX idiom: AdamW state in ``pinned_host``, the whole step (forward/backward, clip,
@@ -36,6 +39,7 @@ Usage (GPU machine)::
     python bench/train_step.py --preset gpt-6.7b --batch 8 --grad-accum 2 --variants peak,host,auto,ahead
     python bench/train_step.py --preset gpt-1.3b --param-dtype float32 --variants none,auto --out $OUT/fit.json
     python bench/train_step.py --preset gpt-6.7b --batch 8 --grad-accum 2 --variants overlap --remat auto  # per block
+    python bench/train_step.py --arch llama --preset llama-7b --batch 8 --grad-accum 2 --variants peak,auto,overlap
     python bench/train_step.py --smoke          # a tiny model on the CPU: checks the script runs
 """
 
@@ -59,6 +63,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402  (sets nothing until setup_env is called)
 
+from train.flags import ARCHS, model_module  # noqa: E402  (imports jax; starts no backend)
+
 VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", "ahead", "hostdelay", "none", "overlap",
             "overlapfire", "overlapbatch")  # fmt: skip
 OVERLAPPED = ("overlap", "overlapfire", "overlapbatch")
@@ -67,13 +73,14 @@ GIB = 2**30
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--preset", default="gpt-6.7b")
+  p.add_argument("--arch", default="gpt", choices=tuple(ARCHS), help="the model, as train.gpt's --arch")
+  p.add_argument("--preset", default=None, help="a preset of --arch's model (default gpt-6.7b, llama-7b)")
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq-len", type=int, default=2048)
   p.add_argument("--grad-accum", type=int, default=1,
                  help="micro-batches of --batch rows per step (train.gpt's --grad-accum; no gradient flush;"
                       " not for the idiom)")  # fmt: skip
-  p.add_argument("--vocab-size", type=int, default=50304)
+  p.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (llama-7b: 32000), else 50304")
   p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
   p.add_argument("--remat", default="full", choices=("auto", "full", "minimal", "none", "offload"),
                  help="block rematerialisation policy (jax_dos.remat); auto: overlap variants let the plan choose per"
@@ -129,6 +136,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.smoke:
     args.preset, args.batch, args.seq_len, args.vocab_size = "tiny", 4, 64, 256
     args.steps, args.warmup, args.fb_reps = 2, 2, 1
+  presets = model_module(args).PRESETS
+  args.preset = args.preset or {"gpt": "gpt-6.7b", "llama": "llama-7b"}[args.arch]
+  if args.preset not in presets:
+    p.error(f"--preset {args.preset} is not a preset of --arch {args.arch}; choose one of {', '.join(presets)}.")
+  args.vocab_size = args.vocab_size or presets[args.preset].get("vocab_size", 50304)
   if args.grad_accum < 1:
     p.error(f"--grad-accum must be >= 1, got {args.grad_accum}.")
   if args.grad_flush is None:
@@ -166,16 +178,21 @@ def _peak(jax, jnp) -> dict:
   return {"peak_flops": max(best.values()), "by_size": best}
 
 
+def model_config(args: argparse.Namespace, **fields):
+  """``--arch``'s config of ``--preset`` at ``--vocab-size``, its block at least ``--seq-len`` long, with ``fields``."""
+  arch = model_module(args)
+  block = max(args.seq_len, arch.PRESETS[args.preset]["block_size"])
+  return arch.get_config(args.preset, vocab_size=args.vocab_size, block_size=block, **fields)
+
+
 def _cap_pinned_pool(args: argparse.Namespace) -> None:
   """XLA's pinned pool capped at the variant's most need before jax starts (``jax_dos.cap_pinned_pool``): the pool
   grows by doubling regions up to its cap, so the cap bounds the process's resident set (docs/overlap.md, "Memory")."""
   if args.variant in ("peak", "idiom", "none"):
     return
   import jax_dos
-  from models import gpt
 
-  shape = dict(vocab_size=args.vocab_size, block_size=max(args.seq_len, gpt.PRESETS[args.preset]["block_size"]))
-  n = gpt.param_count(gpt.get_config(args.preset, **shape))
+  n = model_module(args).param_count(model_config(args))
   param_bytes = 4 if args.param_dtype == "float32" else 2
   predict = args.variant == "ahead"  # delay_predict="gradient": copies of the moments
   most = jax_dos.host_need_bound(n, param_bytes, overlapped=args.variant in OVERLAPPED, moment_copies=predict)
@@ -190,7 +207,6 @@ def run_variant(args: argparse.Namespace) -> dict:
   import optax
 
   import jax_dos
-  from models import gpt
   from train import data, gradients
   from train.optimizer import decay_mask
 
@@ -198,15 +214,14 @@ def run_variant(args: argparse.Namespace) -> dict:
   if args.variant == "peak":
     return {**out, **_peak(jax, jnp)}
 
-  cfg = gpt.get_config(
-    args.preset,
-    vocab_size=args.vocab_size,
-    block_size=max(args.seq_len, gpt.PRESETS[args.preset]["block_size"]),
+  arch = model_module(args)
+  cfg = model_config(
+    args,
     dtype="bfloat16" if jax.default_backend() == "gpu" else "float32",
     param_dtype=args.param_dtype,
     remat="full" if args.remat == "auto" else args.remat,
   )
-  graphdef, params = gpt.init_params(cfg, seed=0)
+  graphdef, params = arch.init_params(cfg, seed=0)
   tokens = data.load_tokens(None)[0]
   rows = args.batch * args.grad_accum
   batches = [jax.device_put(data.get_batch(tokens, rows, args.seq_len, 0, i)) for i in range(2)]
@@ -214,7 +229,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   lr = 1e-5
 
   def loss_and_grads(params, batch):  # raw gradients and the factor of a global-norm clip at 1.0 (grad_scale)
-    loss, grads = jax.value_and_grad(gpt.loss, argnums=1)(graphdef, params, batch)
+    loss, grads = jax.value_and_grad(arch.loss, argnums=1)(graphdef, params, batch)
     return loss, grads, jax_dos.clip_scale(optax.global_norm(grads), args.clip)
 
   def gradient_function(tx, flush: str):  # train.gpt's gradient step: flushed by `flush`, or accumulated
@@ -224,7 +239,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   apply = jax.jit(optax.apply_updates, donate_argnums=0)
   t0 = time.perf_counter()
   if args.variant in OVERLAPPED:
-    return {**out, **run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef, params, batches)}
+    return {**out, **run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphdef, params, batches)}
   if args.variant == "idiom":
     if args.grad_accum > 1:
       raise SystemExit("the idiom runs the whole step in one jit: --grad-accum is not implemented for it")
@@ -313,8 +328,8 @@ def run_variant(args: argparse.Namespace) -> dict:
   step_s = statistics.median(step_times)
   fb_s = statistics.median(fb_times)
   out.update(
-    num_params=gpt.tree_size(params),
-    flops_per_token=gpt.flops_per_token(cfg, args.seq_len),
+    num_params=arch.tree_size(params),
+    flops_per_token=arch.flops_per_token(cfg, args.seq_len),
     tokens_per_step=tokens_per_step,
     step_s=step_s,
     step_times_s=step_times,
@@ -330,8 +345,8 @@ def run_variant(args: argparse.Namespace) -> dict:
   return out
 
 
-def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef, params, batches) -> dict:
-  """The ``overlap`` variants: ``jax_dos.OverlappedStep`` on the GPT's stages, timed step by step.
+def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphdef, params, batches) -> dict:
+  """The ``overlap`` variants: ``jax_dos.OverlappedStep`` on the model's stages (``arch.staged``), timed step by step.
 
   Forward/backward alone is the same stage programs with no optimizer, in the
   step's order (``StagedModel.loss_and_grads``, sums in place), so
@@ -352,7 +367,7 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   t0 = time.perf_counter()
   planner = jax_dos.auto_planner(**budgets, params_in_place=True)
   tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask, planner=planner)
-  staged = gpt.staged(cfg)
+  staged = arch.staged(cfg)
   groups = staged.split(params)
   del params
   stages = list(staged.stages)
@@ -424,7 +439,7 @@ def run_overlapped(args, jax, jax_dos, gpt, gradients, decay_mask, cfg, graphdef
   fb_s = statistics.median(fb_times)
   out.update(
     num_params=sum(x.size for x in jax.tree.leaves(step.params)),
-    flops_per_token=gpt.flops_per_token(cfg, args.seq_len),
+    flops_per_token=arch.flops_per_token(cfg, args.seq_len),
     tokens_per_step=rows * args.seq_len,
     step_s=step_s,
     step_times_s=step_times,

@@ -113,6 +113,22 @@ def test_train_step_smoke_overlapped_and_accumulated(tmp_path):
     assert r["host_bytes_planned"] <= r["host_budget_bytes"]
 
 
+@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
+def test_train_step_smoke_llama(tmp_path):
+  """``--arch llama``: the overlapped step and the plain auto one on the Llama, its size and FLOPs its module's."""
+  from models import llama
+
+  path = tmp_path / "train_step.json"
+  run(tmp_path, "train_step.py", "--arch", "llama", "--smoke", "--grad-accum", "2", "--variants", "overlap,auto",
+      "--steps", "2", "--out", str(path))  # fmt: skip
+  doc = json.loads(path.read_text())
+  cfg = llama.get_config("tiny", vocab_size=256)
+  assert [r["variant"] for r in doc["results"]] == ["overlap", "auto"]
+  for r in doc["results"]:
+    assert "error" not in r and r["tokens_per_s"] > 0, r.get("stderr_tail")
+    assert (r["num_params"], r["flops_per_token"]) == (llama.param_count(cfg), llama.flops_per_token(cfg, 64))
+
+
 def test_replay_timeline_reproduces_a_runs_recorded_prediction(tmp_path):
   """The replay rebuilds a committed 6.7B run's subgroups and stages: without the cap it predicts what the run's plan
   recorded (same model, same inputs); with it, its own choice is predicted no slower than the recorded placements."""

@@ -1,7 +1,7 @@
 """Replays the timeline model on a measured overlapped step: predicted step times against the measured one.
 
-From a ``bench/train_step.py`` JSON (an ``overlap`` variant run with ``--timeline``) it rebuilds the GPT's subgroups
-and the stages that complete them, takes the measured stage times, and prints:
+From a ``bench/train_step.py`` JSON (an ``overlap`` variant run with ``--timeline``) it rebuilds the model's subgroups
+(its ``--arch``) and the stages that complete them, takes the measured stage times, and prints:
 
 * the model without the stream path's cap during the backward pass, on the placements it chooses (for runs planned
   before the cap, this should equal the run's recorded ``plan_predicted``; later runs record the capped model's own
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import jax_dos  # noqa: E402
 from jax_dos import timeline  # noqa: E402
-from models import gpt  # noqa: E402
+from train.flags import ARCHS  # noqa: E402
 
 
 def parse_rates(text: str) -> list[float]:
@@ -57,9 +57,10 @@ def main(argv=None) -> dict:
     raise SystemExit(f"error: no {args.variant!r} run with stage times in {args.result}.")
   rates = parse_rates(args.rates or doc.get("calibration") or "")
   config = doc["config"]
-  cfg = gpt.get_config(config["preset"], vocab_size=config["vocab_size"], param_dtype=config["param_dtype"])
-  stages = gpt.staged(cfg)
-  groups = stages.split(gpt.abstract_params(cfg))
+  arch = ARCHS[config.get("arch", "gpt")]  # runs made before --arch ran the GPT
+  cfg = arch.get_config(config["preset"], vocab_size=config["vocab_size"], param_dtype=config["param_dtype"])
+  stages = arch.staged(cfg)
+  groups = stages.split(arch.abstract_params(cfg))
   staged = jax_dos.StagedModel(stages.stages, len(groups))
   width = 2 if config["param_dtype"] == "bfloat16" else 4
   subgroups = []
