@@ -465,6 +465,18 @@ SHARDED = textwrap.dedent(
             # tx.init partitioned the vectors' state (the default); the overlapped step keeps the parameters' layout.
             for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
                 assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
+    # Data-parallel: parameters replicated over "data" (sharded over "model"), batch rows over "data". Each stage's
+    # backward program reduces its gradients over "data"; the norm is the whole batch's, so the clip is exact.
+    rows = NamedSharding(mesh, P("data"))
+    replicated = lambda x: P(None, "model") if x.ndim == 2 else P("model")
+    groups = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, replicated(x))), t.make_groups(rng))
+    batches = [jax.device_put(t.make_batch(rng), rows) for _ in range(3)]
+    for clip in (t.FIRES, t.NEVER):
+        step, _ = t.overlapped_run(groups, batches, clip, 2, t.MIXED[: t._subgroup_count(groups)])
+        assert bool(step.grad_norm > clip) == (clip == t.FIRES)
+        t.check_against_reference(step, groups, batches, clip, 2)
+        for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
+            assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
     # plan="auto": the step sizes its placements from the plan tx.init made (partitioned), and plans nothing again.
     calls = []
     planner = jax_dos.auto_planner(jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9))

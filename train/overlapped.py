@@ -42,8 +42,6 @@ def refusal(args: argparse.Namespace) -> str | None:
     return "--delay 1 is a mode of the plain path (its update runs a step late by design)"
   if args.write_behind:
     return "--write-behind is a mode of the plain path (the overlapped step already writes behind)"
-  if getattr(args, "mesh", None) is not None:
-    return "--mesh lays the model over several devices, and the overlapped step runs on one"
   return None
 
 
