@@ -61,6 +61,7 @@ import numpy as np
 
 from jax_dos import device_steps, host_kernels, memory, moment_formats, overlap_plan, partition, trace
 from jax_dos.engine import host_gradients
+from jax_dos.host_plan import agreed_refusal
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import JobThread, first_error, result_of
 from jax_dos.overlap_clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
@@ -251,6 +252,11 @@ class OverlappedStep:
     self.speculation = speculation
     self.micro_batch_order, self.run_ahead_stages = options.micro_batch_order, options.run_ahead_stages
     self.host_budget_bytes = options.host_budget_bytes
+    if rebalance and jax.process_count() > 1:
+      raise ValueError(
+        "rebalance=True moves subgroups by this process's own timing, and the processes of a job must run one plan;"
+        " pass rebalance=False in a job of several processes."
+      )
     self._rebalance_left = REBALANCE_STEPS if rebalance else 0
     self._last_move: str | None = None
     self._last_record: StepRecord | None = None
@@ -340,7 +346,10 @@ class OverlappedStep:
     ]
     # A state tx.init partitioned over the mesh ('auto') is gathered back to the parameters' layout.
     state = (opt_state.master, opt_state.mu, opt_state.nu)
-    return (*(place(partition.relaid(jax.tree.leaves(t), leaves)) for t in state), opt_state.count)
+    # The count as an uncommitted scalar (as a fresh one is): a restored count is committed to one device, and the
+    # step's scalars live on the mesh of the gradient scale.
+    count = jnp.asarray(int(opt_state.count), jnp.int32)
+    return (*(place(partition.relaid(jax.tree.leaves(t), leaves)) for t in state), count)
 
   @property
   def stream_speculation(self) -> int:
@@ -349,9 +358,17 @@ class OverlappedStep:
     return self.routes.stream_speculation
 
   def _check_host_memory(self) -> None:
-    overlap_plan.check_host_memory(
-      self.plan, self._layout, self.stream_speculation, self.host_budget_bytes, self.hyper.moments
-    )
+    """A ``MemoryError`` where the step does not fit its host, on every process of the job if on one."""
+    try:
+      overlap_plan.check_host_memory(
+        self.plan, self._layout, self.stream_speculation, self.host_budget_bytes, self.hyper.moments
+      )
+      message = None
+    except MemoryError as e:
+      message = str(e)
+    message = agreed_refusal(message)
+    if message is not None:
+      raise MemoryError(message)
 
   def host_bytes(self) -> int:
     """Pinned host bytes the step needs at most (``overlap_plan.host_bytes``): the offloaded state, the host path's
@@ -438,6 +455,8 @@ class OverlappedStep:
       if last:
         squares += sq
         if record.speculate is None:  # set before the step's first job is queued: the workers only read it
+          if previous is not None and jax.process_count() > 1:  # every process speculates alike: waits for the
+            result_of(previous.decision, self._raise_errors, _WAIT_POLL_S)  # decision (long known by now)
           record.speculate = speculates(self.speculation, previous)
         for g in self.model.groups_completing(i):
           self._hand_over(record, g, sums[g])

@@ -38,7 +38,15 @@ import jax.numpy as jnp
 
 from jax_dos import memory, moment_formats
 from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
-from jax_dos.plan import PLACEMENTS, RESIDENT_CALL_ELEMENTS, STAGING_BYTES, STATE_BYTES, Plan, partition_groups
+from jax_dos.plan import (
+  PLACEMENTS,
+  RESIDENT_CALL_ELEMENTS,
+  STAGING_BYTES,
+  STATE_BYTES,
+  Plan,
+  agreed_step_plan,
+  partition_groups,
+)
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
@@ -191,12 +199,14 @@ def plan_step(
   if stage_times is not None and len(stage_times.forward) != len(model.stages):
     raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(model.stages)}.")
   layout = step_layout(model, groups, owner.subgroup_size)
-  return make_plan(
-    plan if plan is not None else owner.plan_spec, owner, groups, layout, stage_times=stage_times,
+  spec = plan if plan is not None else owner.plan_spec
+  made = make_plan(
+    spec, owner, groups, layout, stage_times=stage_times,
     micro_batches=options.micro_batches, micro_batch_order=options.micro_batch_order,
     run_ahead_stages=options.run_ahead_stages, max_stream_slots=options.stream_slots,
     host_budget_bytes=options.host_budget_bytes, stage_policies=tuple(st.remat for st in model.stages),
   )  # fmt: skip
+  return agreed_step_plan(made) if isinstance(spec, str) and spec == "auto" else made
 
 
 def abstract_state(plan: Plan, params: Any, moments: str = "float32") -> InterleavedAdamState:

@@ -29,6 +29,7 @@ from typing import Any, Literal, Union
 import jax
 import numpy as np
 
+from jax_dos.remat import REMAT_POLICIES
 from jax_dos.remat import describe as describe_remat
 
 Placement = Literal["device", "stream", "host"]
@@ -173,6 +174,44 @@ def agreed_across_processes(plan: Plan) -> Plan:
     plan, placements=placements, stream_slots=slots, ahead_budget_bytes=ahead_bytes,
     predicted={} if changed else plan.predicted, source=plan.source + ("+processes" if changed else ""),
   )  # fmt: skip
+
+
+# The calibrated rates a plan's fixed split of a fired clip's redo reads (stream_share_of_host).
+SHARE_RATES = ("host_rate_concurrent", "stream_rate_concurrent")
+
+
+def agreed_step_plan(plan: Plan) -> Plan:
+  """The overlapped step's ``plan`` as every process of a ``jax.distributed`` job runs it (``plan`` itself in one).
+
+  Each process makes its plan from its own measured stage times and calibration; a data-parallel step runs the same
+  stage programs and the same updates of one replicated state everywhere, so they must run one plan:
+  ``plan.agreed_across_processes``'s placements, stream slots and ahead budget (the leanest), the
+  rematerialisation policies where all processes chose the same (else ``full`` on every stage: the fewest saved
+  activations, which fits wherever the others do), and process 0's rates for the fixed split of a fired clip's redo
+  (so each subgroup is redone by the same path, with the same bits, on every process). The predictions are dropped
+  on every process where any of this changed on any. A collective: every process calls it at the same point.
+  """
+  if jax.process_count() == 1:
+    return plan
+  from jax.experimental import multihost_utils
+
+  agreed = agreed_across_processes(plan)
+  remat = [] if plan.remat is None else [REMAT_POLICIES.index(p) for p in plan.remat]
+  cal = plan.calibration or {}
+  rates = [float(cal.get(k) or 0.0) for k in SHARE_RATES]
+  mine = np.array([len(remat), *remat, *rates, agreed.placements != plan.placements], np.float64)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+  same = bool((every == every[0]).all())
+  if not same and plan.remat is not None:
+    remat_rows = every[:, : 1 + len(remat)]
+    if not (remat_rows == remat_rows[0]).all():
+      agreed = dataclasses.replace(agreed, remat=("full",) * len(plan.remat))
+  if cal:
+    first = dict(zip(SHARE_RATES, every[0, 1 + len(remat) : 3 + len(remat)].tolist()))
+    agreed = dataclasses.replace(agreed, calibration={**cal, **{k: v for k, v in first.items() if v}})
+  if not same:
+    agreed = dataclasses.replace(agreed, predicted={}, source=agreed.source.split("+processes")[0] + "+processes")
+  return agreed
 
 
 def _leaf_size(x) -> int:

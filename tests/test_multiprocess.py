@@ -24,6 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
 CHECKPOINT_WORKER = Path(__file__).resolve().parent / "multiprocess_checkpoint_worker.py"
+OVERLAP_WORKER = Path(__file__).resolve().parent / "multiprocess_overlap_worker.py"
 TIMEOUT_S = 240
 CHECKS = 24  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 whole copies,
 # the refusal both processes share, the worker's programs without collectives
@@ -99,6 +100,15 @@ def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(tmp_path):
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok restored in one process") == 2, result.stdout
+
+
+def test_overlapped_step_on_two_processes_matches_optax_agrees_on_one_plan_and_resumes(tmp_path):
+  """``OverlappedStep`` data-parallel over 2 processes x 2 devices: optax's chain with the clip firing and silent,
+  one plan from processes that measured apart, and a checkpoint both wrote resumed bit-exact."""
+  seed = str(np.random.default_rng().integers(2**31))
+  for out in run_processes(OVERLAP_WORKER, seed, str(tmp_path)):
+    for check in ("equals optax, clip fires", "equals optax, clip silent", "one plan", "resumed bit-exact"):
+      assert f"ok {check}" in out, out
 
 
 # A GPT small enough that a run takes seconds; 8 rows a step (2 micro-batches of 4: one per device of the mesh).

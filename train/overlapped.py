@@ -153,4 +153,5 @@ def stage_times(
   rows = batch[0].shape[0] // micro_batches
   model = jax_dos.StagedModel(stages(staged, remat), staged.num_groups)
   policies = jax_dos.PLANNED_REMAT_POLICIES if remat == "auto" else ()
-  return model.measure_times(staged.split(params), tuple(x[:rows] for x in batch), policies)
+  part = batch if micro_batches == 1 else tuple(x[:rows] for x in batch)
+  return model.measure_times(staged.split(params), part, policies)
