@@ -143,3 +143,21 @@ def test_train_gpt_on_two_processes_matches_one_and_resumes(tmp_path):
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
   assert sorted(one) == sorted(two) == list(range(1, 7)), (one, two)
   np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=1e-5)
+
+
+def test_train_gpt_overlapped_on_two_processes_matches_the_plain_step(tmp_path):
+  """``python -m train.gpt --mesh data=2 --overlap on`` as 2 processes x 1 device trains as ``--overlap off`` does
+  (1 process x 2 devices), with the clip firing: float32 parameters, so the losses agree to rounding."""
+  flags = [*TINY_GPT[:-2], "--mesh", "data=2", "--param-dtype", "float32", "--steps", "4", "--no-ckpt"]
+
+  def gpt(port: str, i: int) -> tuple[list[str], dict]:
+    coordinator = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+    return [sys.executable, "-m", "train.gpt", *flags, "--overlap", "on", "--out", str(tmp_path / "on")], coordinator
+
+  launch(lambda port, i: ([sys.executable, "-m", "train.gpt", *flags, "--overlap", "off", "--quiet", "--out",
+                           str(tmp_path / "off")], {}), processes=1, devices=2)  # fmt: skip
+  outputs = launch(gpt, processes=2, devices=1)
+  assert "step    overlapped (--overlap on)" in outputs[0], outputs[0]
+  on, off = _losses(tmp_path / "on"), _losses(tmp_path / "off")
+  assert sorted(on) == sorted(off) == [1, 2, 3, 4], (on, off)
+  np.testing.assert_allclose([on[s] for s in off], [off[s] for s in off], rtol=1e-5)
