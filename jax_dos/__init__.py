@@ -66,6 +66,7 @@ from jax_dos.transform import (
 __all__ = [
   "AdamHyper",
   "abstract_state",
+  "agreed_refusal",
   "Calibration",
   "CheckpointManager",
   "DAMAGED_DIR",
@@ -115,7 +116,6 @@ __all__ = [
   "timeline",
   "TracedUpdateWarning",
   "trace",
-  "agreed_refusal",
   "share_pinned_pool",
   "update_params",
   "wait_for_host_updates",

@@ -185,11 +185,11 @@ def agreed_step_plan(plan: Plan) -> Plan:
 
   Each process makes its plan from its own measured stage times and calibration; a data-parallel step runs the same
   stage programs and the same updates of one replicated state everywhere, so they must run one plan:
-  ``plan.agreed_across_processes``'s placements, stream slots and ahead budget (the leanest), the
-  rematerialisation policies where all processes chose the same (else ``full`` on every stage: the fewest saved
-  activations, which fits wherever the others do), and process 0's rates for the fixed split of a fired clip's redo
-  (so each subgroup is redone by the same path, with the same bits, on every process). The predictions are dropped
-  on every process where any of this changed on any. A collective: every process calls it at the same point.
+  :func:`agreed_across_processes`'s placements, stream slots and ahead budget (the leanest; a process whose
+  placements changed drops its predictions), the rematerialisation policies where all processes chose the same
+  (else ``full`` on every stage, the fewest saved activations, which fits wherever the others do, and no
+  predictions), and process 0's rates for the fixed split of a fired clip's redo, so that each subgroup is redone
+  by the same path, with the same bits, on every process. A collective: every process calls it at the same point.
   """
   if jax.process_count() == 1:
     return plan
@@ -198,19 +198,14 @@ def agreed_step_plan(plan: Plan) -> Plan:
   agreed = agreed_across_processes(plan)
   remat = [] if plan.remat is None else [REMAT_POLICIES.index(p) for p in plan.remat]
   cal = plan.calibration or {}
-  rates = [float(cal.get(k) or 0.0) for k in SHARE_RATES]
-  mine = np.array([len(remat), *remat, *rates, agreed.placements != plan.placements], np.float64)
+  mine = np.array([*remat, *(float(cal.get(k) or 0.0) for k in SHARE_RATES)], np.float64)
   every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
-  same = bool((every == every[0]).all())
-  if not same and plan.remat is not None:
-    remat_rows = every[:, : 1 + len(remat)]
-    if not (remat_rows == remat_rows[0]).all():
-      agreed = dataclasses.replace(agreed, remat=("full",) * len(plan.remat))
+  if remat and not (every[:, : len(remat)] == every[0, : len(remat)]).all():
+    source = agreed.source.split("+processes")[0] + "+processes"
+    agreed = dataclasses.replace(agreed, remat=("full",) * len(remat), predicted={}, source=source)
   if cal:
-    first = dict(zip(SHARE_RATES, every[0, 1 + len(remat) : 3 + len(remat)].tolist()))
-    agreed = dataclasses.replace(agreed, calibration={**cal, **{k: v for k, v in first.items() if v}})
-  if not same:
-    agreed = dataclasses.replace(agreed, predicted={}, source=agreed.source.split("+processes")[0] + "+processes")
+    first = {k: v for k, v in zip(SHARE_RATES, every[0, len(remat) :].tolist()) if v}
+    agreed = dataclasses.replace(agreed, calibration={**cal, **first})
   return agreed
 
 

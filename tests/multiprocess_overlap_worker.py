@@ -91,7 +91,9 @@ def run(seed: int, directory: str) -> None:
   assert (every == every[0]).all(), every
   share = [own.calibration[k] for k in ("host_rate_concurrent", "stream_rate_concurrent")]
   assert share == [fast, slow], share  # process 0's rates split a fired clip's redo on every process
-  assert own.source.endswith("+processes") and not own.predicted, own
+  changed = own.source.endswith("+processes")
+  assert changed == (not own.predicted), own  # a process whose plan changed keeps no prediction
+  assert np.asarray(multihost_utils.process_allgather(np.array([changed]))).any()  # the plans alone differed
   step = jax_dos.OverlappedStep(tx, t.STAGES, groups, None, clip_norm=t.FIRES, micro_batches=2, plan=own)
   for batch in batches[:2]:
     step(batch)

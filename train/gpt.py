@@ -339,9 +339,9 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     overlap_plan = overlapped_lib.plan(args, tx, staged, params, times)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.
-  plain_somewhere = jax_dos.agreed_refusal(None if overlapped else line)
-  if overlapped and plain_somewhere is not None:
-    overlapped, line = False, f"step    plain: {plain_somewhere}"
+  plain_elsewhere = jax_dos.agreed_refusal(None if overlapped else line) is not None
+  if overlapped and plain_elsewhere:
+    overlapped, line = False, "step    plain: another process of the job chose the plain step from its own plans"
   notes.append(line)
   if overlapped:
     start_step, opt_state = 0, None
