@@ -144,12 +144,6 @@ def overlappable(tx: Any, params: Any) -> InterleavedAdam:
       " loss, grads = jax.value_and_grad(loss_fn)(params, batch), then"
       " tx.update(grads, opt_state, params)."
     )
-  if owner.partition_replicated is True:
-    raise ValueError(
-      "OverlappedStep keeps each parameter's state in the parameter's own layout; build the optimizer without"
-      " partition_replicated=True (the default, 'auto', keeps that layout here), or train on the plain path"
-      " (jax_dos.update_params after jax.grad)."
-    )
   if owner.delay or owner.write_behind:
     raise ValueError(
       "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"

@@ -202,10 +202,11 @@ class Collectives:
   ``link``: bytes a second each device's link moves each way (the collective's bus bandwidth). ``partitioned``:
   each rank holds and updates ``1/ranks`` of the state; each stage's gradient sum is reduce-scattered after its
   backward pass (``(ranks - 1) / ranks`` of its ``grad_bytes`` a parameter on the link), and the new weights are
-  all-gathered (``(ranks - 1) / ranks`` of ``param_bytes``) before the next forward pass reaches the stage. Not
-  partitioned (the state in the parameters' layout, as ``OverlappedStep`` runs now): each gradient sum is
-  all-reduced (twice a reduce-scatter's bytes), every rank updates the whole state, and nothing is gathered. The
-  host path's rate is the host's, shared by its processes: each gets ``1 / processes_per_host`` of it.
+  all-gathered (``(ranks - 1) / ranks`` of ``param_bytes``) before the next forward pass reaches the stage
+  (``OverlappedStep`` all-reduces the sums, then slices them: ``grad_bytes`` twice the gradient's prices that). Not
+  partitioned (``partition_replicated=False``): each gradient sum is all-reduced (twice a reduce-scatter's bytes),
+  every rank updates the whole state, and nothing is gathered. The host path's rate is the host's, shared by its
+  processes: each gets ``1 / processes_per_host`` of it.
   """
 
   ranks: int
