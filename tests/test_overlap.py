@@ -87,8 +87,8 @@ def reference_run(groups, batches, clip_norm, micro_batches, order="stage"):
   return masters, state
 
 
-def overlapped_run(groups, batches, clip_norm, micro_batches, plan, **step_kw):
-  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
+def overlapped_run(groups, batches, clip_norm, micro_batches, plan, tx_kw=None, **step_kw):
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan, **(tx_kw or {}))
   step = jax_dos.OverlappedStep(
     tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=clip_norm, micro_batches=micro_batches,
     **step_kw,
@@ -479,6 +479,11 @@ SHARDED = textwrap.dedent(
             want = partition.state_sharding(p)
             assert want is not None, p.sharding
             assert m.sharding.is_equivalent_to(want.with_memory_kind(m.sharding.memory_kind), p.ndim), m
+    # partition_replicated=False: a whole copy of the state per device, in the parameters' layout.
+    step, _ = t.overlapped_run(groups, batches, t.FIRES, 2, "host", tx_kw={"partition_replicated": False})
+    t.check_against_reference(step, groups, batches, t.FIRES, 2)
+    for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
+        assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
     # plan="auto": the step sizes its placements from the plan tx.init made (partitioned), and plans nothing again.
     calls = []
     planner = jax_dos.auto_planner(jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9))
