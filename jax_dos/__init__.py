@@ -31,7 +31,7 @@ from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
-from jax_dos.host_plan import HostMemory, share_pinned_pool
+from jax_dos.host_plan import HostMemory, agreed_refusal, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.memory import cap_pinned_pool
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
@@ -66,6 +66,7 @@ from jax_dos.transform import (
 __all__ = [
   "AdamHyper",
   "abstract_state",
+  "agreed_refusal",
   "Calibration",
   "CheckpointManager",
   "DAMAGED_DIR",

@@ -61,6 +61,7 @@ import numpy as np
 
 from jax_dos import device_steps, host_kernels, memory, moment_formats, overlap_plan, partition, trace
 from jax_dos.engine import host_gradients
+from jax_dos.host_plan import agreed_refusal
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import JobThread, first_error, result_of
 from jax_dos.overlap_clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
@@ -251,6 +252,11 @@ class OverlappedStep:
     self.speculation = speculation
     self.micro_batch_order, self.run_ahead_stages = options.micro_batch_order, options.run_ahead_stages
     self.host_budget_bytes = options.host_budget_bytes
+    if rebalance and jax.process_count() > 1:
+      raise ValueError(
+        "rebalance=True moves subgroups by this process's own timing, and the processes of a job must run one plan;"
+        " pass rebalance=False in a job of several processes."
+      )
     self._rebalance_left = REBALANCE_STEPS if rebalance else 0
     self._last_move: str | None = None
     self._last_record: StepRecord | None = None
@@ -288,6 +294,9 @@ class OverlappedStep:
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
     self._params = memory.committed(list(leaves))
+    # (training thread) The state partitioned over the axes a parameter is replicated over, as tx.init's (the
+    # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
+    self._layouts = partition.StepLayouts(self._params, owner.partition_replicated is not False)
     self._check_host_memory()  # before any state moves or spare buffer is allocated
     masters, mus, nus, self._count = self._initial_state(leaves, opt_state)
     placement = self.plan.leaf_placements()
@@ -330,6 +339,7 @@ class OverlappedStep:
     placement = self.plan.leaf_placements()
     if opt_state is None:
       kinds = [MEMORY_KIND[p] for p in placement]
+      leaves = self._layouts.to_state(leaves, range(len(leaves)))
       masters = [memory.copy_in(a, k) for a, k in zip(leaves, kinds)]
       fmt = self.hyper.moments
       mus, nus = ([moment_formats.zeros_like_in(a, k, fmt) for a, k in zip(leaves, kinds)] for _ in range(2))
@@ -338,9 +348,13 @@ class OverlappedStep:
       a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p], a.dtype)
       for a, p in zip(xs, placement)
     ]
-    # A state tx.init partitioned over the mesh ('auto') is gathered back to the parameters' layout.
+    # A state in another layout (the parameters', or partitioned where the step keeps the parameters') moves to the
+    # step's own.
     state = (opt_state.master, opt_state.mu, opt_state.nu)
-    return (*(place(partition.relaid(jax.tree.leaves(t), leaves)) for t in state), opt_state.count)
+    # The count as an uncommitted scalar (as a fresh one is): a restored count is committed to one device, and the
+    # step's scalars live on the mesh of the gradient scale.
+    count = jnp.asarray(int(opt_state.count), jnp.int32)
+    return (*(place(partition.relaid(jax.tree.leaves(t), self._layouts.state)) for t in state), count)
 
   @property
   def stream_speculation(self) -> int:
@@ -349,9 +363,17 @@ class OverlappedStep:
     return self.routes.stream_speculation
 
   def _check_host_memory(self) -> None:
-    overlap_plan.check_host_memory(
-      self.plan, self._layout, self.stream_speculation, self.host_budget_bytes, self.hyper.moments
-    )
+    """A ``MemoryError`` where the step does not fit its host, on every process of the job if on one."""
+    try:
+      overlap_plan.check_host_memory(
+        self.plan, self._layout, self.stream_speculation, self.host_budget_bytes, self.hyper.moments
+      )
+      message = None
+    except MemoryError as e:
+      message = str(e)
+    message = agreed_refusal(message)
+    if message is not None:
+      raise MemoryError(message)
 
   def host_bytes(self) -> int:
     """Pinned host bytes the step needs at most (``overlap_plan.host_bytes``): the offloaded state, the host path's
@@ -438,6 +460,8 @@ class OverlappedStep:
       if last:
         squares += sq
         if record.speculate is None:  # set before the step's first job is queued: the workers only read it
+          if previous is not None and jax.process_count() > 1:  # every process speculates alike: waits for the
+            result_of(previous.decision, self._raise_errors, _WAIT_POLL_S)  # decision (long known by now)
           record.speculate = speculates(self.speculation, previous)
         for g in self.model.groups_completing(i):
           self._hand_over(record, g, sums[g])
@@ -470,7 +494,7 @@ class OverlappedStep:
     for s in self.group_subgroups[g]:
       leaves = self.plan.subgroups[s]
       placement = self.plan.placements[s]
-      subgroup_grads = [grads[i - lo] for i in leaves]
+      subgroup_grads = self._layouts.to_state([grads[i - lo] for i in leaves], leaves)  # a slice: no collective
       if placement == "device":
         record.resident_grads.update(zip(leaves, subgroup_grads))
         continue
@@ -478,11 +502,12 @@ class OverlappedStep:
       if placement == "host":
         with trace.span("overlap.grads_d2h"):
           full = dict(zip(leaves, subgroup_grads))
-          on_host = host_gradients([full.get(i) for i in range(max(leaves) + 1)], self._params, list(leaves))
+          laid = [full.get(i) for i in range(max(leaves) + 1)]
+          on_host = host_gradients(laid, laid, list(leaves))
         job = (self._host, self._host_path.update, record, s, on_host)
       else:
         job = (self._streamer, self._stream_path.update, record, s, subgroup_grads)
-      params = [self._params[i] for i in leaves]
+      params = self._layouts.to_state([self._params[i] for i in leaves], leaves)
       for i in leaves:  # the worker owns them until it hands the new ones back
         self._params[i] = None
       self._submit(*job, params, future)
@@ -511,13 +536,15 @@ class OverlappedStep:
       leaves = [i for s in subs for i in self.plan.subgroups[s]]
       with trace.span("overlap.resident"):
         masters, mus, nus = ([self._resident[i][j] for i in leaves] for j in range(3))
+        params = self._layouts.to_state([self._params[i] for i in leaves], leaves)
         grads = memory.like_states([record.resident_grads.pop(i) for i in leaves], masters)
         outs = device_steps.update_params(
-          grads, masters, mus, nus, [self._params[i] for i in leaves], scalars, self.hyper,
+          grads, masters, mus, nus, params, scalars, self.hyper,
           tuple(self.decay[i] for i in leaves),
         )  # fmt: skip
+      new = self._layouts.to_params(outs[0], leaves)  # the all-gather of a partitioned state's new weights
       for j, i in enumerate(leaves):
-        self._params[i] = outs[0][j]
+        self._params[i] = new[j]
         self._resident[i] = (outs[1][j], outs[2][j], outs[3][j])
 
   # ----------------------------------------------------------------------------- rebalancing: a new plan
@@ -558,7 +585,9 @@ class OverlappedStep:
         for s in self.group_subgroups[g]:
           future = self._pending.pop(s, None)
           if future is not None:
-            for i, x in zip(self.plan.subgroups[s], result_of(future, self._raise_errors, _WAIT_POLL_S)):
+            leaves = self.plan.subgroups[s]  # gathered here: collectives from this thread, in stage order
+            new = self._layouts.to_params(result_of(future, self._raise_errors, _WAIT_POLL_S), leaves)
+            for i, x in zip(leaves, new):
               self._params[i] = x
     self._raise_errors()
 

@@ -38,7 +38,15 @@ import jax.numpy as jnp
 
 from jax_dos import memory, moment_formats
 from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
-from jax_dos.plan import PLACEMENTS, RESIDENT_CALL_ELEMENTS, STAGING_BYTES, STATE_BYTES, Plan, partition_groups
+from jax_dos.plan import (
+  PLACEMENTS,
+  RESIDENT_CALL_ELEMENTS,
+  STAGING_BYTES,
+  STATE_BYTES,
+  Plan,
+  agreed_step_plan,
+  partition_groups,
+)
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
@@ -136,12 +144,6 @@ def overlappable(tx: Any, params: Any) -> InterleavedAdam:
       " loss, grads = jax.value_and_grad(loss_fn)(params, batch), then"
       " tx.update(grads, opt_state, params)."
     )
-  if owner.partition_replicated is True:
-    raise ValueError(
-      "OverlappedStep keeps each parameter's state in the parameter's own layout; build the optimizer without"
-      " partition_replicated=True (the default, 'auto', keeps that layout here), or train on the plain path"
-      " (jax_dos.update_params after jax.grad)."
-    )
   if owner.delay or owner.write_behind:
     raise ValueError(
       "OverlappedStep keeps optax's numbers with no delay and does its own write-behind; build the optimizer"
@@ -191,12 +193,14 @@ def plan_step(
   if stage_times is not None and len(stage_times.forward) != len(model.stages):
     raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(model.stages)}.")
   layout = step_layout(model, groups, owner.subgroup_size)
-  return make_plan(
-    plan if plan is not None else owner.plan_spec, owner, groups, layout, stage_times=stage_times,
+  spec = plan if plan is not None else owner.plan_spec
+  made = make_plan(
+    spec, owner, groups, layout, stage_times=stage_times,
     micro_batches=options.micro_batches, micro_batch_order=options.micro_batch_order,
     run_ahead_stages=options.run_ahead_stages, max_stream_slots=options.stream_slots,
     host_budget_bytes=options.host_budget_bytes, stage_policies=tuple(st.remat for st in model.stages),
   )  # fmt: skip
+  return agreed_step_plan(made) if isinstance(spec, str) and spec == "auto" else made
 
 
 def abstract_state(plan: Plan, params: Any, moments: str = "float32") -> InterleavedAdamState:

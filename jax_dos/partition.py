@@ -85,3 +85,26 @@ def relaid(xs: list[jax.Array], likes: list[jax.Array]) -> list[jax.Array]:
   for j, y in zip(move, jax.device_put([xs[j] for j in move], targets)):
     out[j] = y
   return out
+
+
+class StepLayouts:
+  """Each leaf's parameter layout and its state's, and the moves between them (``OverlappedStep``'s training thread).
+
+  The state is partitioned (:func:`state_sharding`) where ``partition`` and the parameter is replicated over mesh
+  axes, else in the parameter's own layout. :meth:`to_state` slices what each device holds (no collective);
+  :meth:`to_params` gathers it back (an all-gather, across processes too).
+  """
+
+  def __init__(self, params: list[jax.Array], partition: bool):
+    self.params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in params]
+    layout = state_layout(list(params)) if partition else params
+    self.state = [s if isinstance(s, jax.ShapeDtypeStruct) else p for s, p in zip(layout, self.params)]
+    self.partitioned = any(a is not b for a, b in zip(self.state, self.params))
+
+  def to_state(self, xs: list[jax.Array], leaves: Any) -> list[jax.Array]:
+    """``xs``, the arrays of ``leaves``, in their state's layout."""
+    return relaid(list(xs), [self.state[i] for i in leaves]) if self.partitioned else list(xs)
+
+  def to_params(self, xs: list[jax.Array], leaves: Any) -> list[jax.Array]:
+    """``xs``, the arrays of ``leaves``, in their parameters' layout."""
+    return relaid(list(xs), [self.params[i] for i in leaves]) if self.partitioned else list(xs)

@@ -29,6 +29,7 @@ from typing import Any, Literal, Union
 import jax
 import numpy as np
 
+from jax_dos.remat import REMAT_POLICIES
 from jax_dos.remat import describe as describe_remat
 
 Placement = Literal["device", "stream", "host"]
@@ -173,6 +174,39 @@ def agreed_across_processes(plan: Plan) -> Plan:
     plan, placements=placements, stream_slots=slots, ahead_budget_bytes=ahead_bytes,
     predicted={} if changed else plan.predicted, source=plan.source + ("+processes" if changed else ""),
   )  # fmt: skip
+
+
+# The calibrated rates a plan's fixed split of a fired clip's redo reads (stream_share_of_host).
+SHARE_RATES = ("host_rate_concurrent", "stream_rate_concurrent")
+
+
+def agreed_step_plan(plan: Plan) -> Plan:
+  """The overlapped step's ``plan`` as every process of a ``jax.distributed`` job runs it (``plan`` itself in one).
+
+  Each process makes its plan from its own measured stage times and calibration; a data-parallel step runs the same
+  stage programs and the same updates of one replicated state everywhere, so they must run one plan:
+  :func:`agreed_across_processes`'s placements, stream slots and ahead budget (the leanest; a process whose
+  placements changed drops its predictions), the rematerialisation policies where all processes chose the same
+  (else ``full`` on every stage, the fewest saved activations, which fits wherever the others do, and no
+  predictions), and process 0's rates for the fixed split of a fired clip's redo, so that each subgroup is redone
+  by the same path, with the same bits, on every process. A collective: every process calls it at the same point.
+  """
+  if jax.process_count() == 1:
+    return plan
+  from jax.experimental import multihost_utils
+
+  agreed = agreed_across_processes(plan)
+  remat = [] if plan.remat is None else [REMAT_POLICIES.index(p) for p in plan.remat]
+  cal = plan.calibration or {}
+  mine = np.array([*remat, *(float(cal.get(k) or 0.0) for k in SHARE_RATES)], np.float64)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+  if remat and not (every[:, : len(remat)] == every[0, : len(remat)]).all():
+    source = agreed.source.split("+processes")[0] + "+processes"
+    agreed = dataclasses.replace(agreed, remat=("full",) * len(remat), predicted={}, source=source)
+  if cal:
+    first = {k: v for k, v in zip(SHARE_RATES, every[0, len(remat) :].tolist()) if v}
+    agreed = dataclasses.replace(agreed, calibration={**cal, **first})
+  return agreed
 
 
 def _leaf_size(x) -> int:

@@ -192,11 +192,22 @@ def schedule(stages: int, micro_batches: int, order: str) -> list[tuple[str, int
 
 
 def micro_batch(batch: Any, m: int, micro_batches: int) -> Any:
-  """Micro-batch ``m`` of ``micro_batches`` equal consecutive parts of ``batch`` along its leading axis."""
+  """Micro-batch ``m`` of ``micro_batches`` equal consecutive parts of ``batch`` along its leading axis.
+
+  On a mesh (a leaf with a ``NamedSharding``) each part is laid out as the
+  whole batch is, its rows over every device, as the plain accumulated step
+  lays out its parts: each device computes on its rows of every micro-batch.
+  """
   if micro_batches == 1:
     return batch
   n = jax.tree.leaves(batch)[0].shape[0] // micro_batches
-  return jax.tree.map(lambda x: x[m * n : (m + 1) * n], batch)
+
+  def part(x):
+    y = x[m * n : (m + 1) * n]
+    sharding = getattr(x, "sharding", None)
+    return jax.device_put(y, sharding) if isinstance(sharding, jax.sharding.NamedSharding) else y
+
+  return jax.tree.map(part, batch)
 
 
 # One jitted wrapper per program kind, the stage function a static argument: every StagedModel of the same stages

@@ -195,6 +195,51 @@ class Subgroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class Collectives:
+  """The collectives of a data-parallel step over ``ranks`` devices, one process each, ``processes_per_host`` of them
+  sharing a host (``docs/scaling.md``).
+
+  ``link``: bytes a second each device's link moves each way (the collective's bus bandwidth). ``partitioned``:
+  each rank holds and updates ``1/ranks`` of the state; each stage's gradient sum is reduce-scattered after its
+  backward pass (``(ranks - 1) / ranks`` of its ``grad_bytes`` a parameter on the link), and the new weights are
+  all-gathered (``(ranks - 1) / ranks`` of ``param_bytes``) before the next forward pass reaches the stage
+  (``OverlappedStep`` all-reduces the sums, then slices them: ``grad_bytes`` twice the gradient's prices that). Not
+  partitioned (``partition_replicated=False``): each gradient sum is all-reduced (twice a reduce-scatter's bytes),
+  every rank updates the whole state, and nothing is gathered. The host path's rate is the host's, shared by its
+  processes: each gets ``1 / processes_per_host`` of it.
+  """
+
+  ranks: int
+  link: float
+  grad_bytes: int = 2
+  param_bytes: int = 2
+  partitioned: bool = True
+  processes_per_host: int = 1
+
+  def __post_init__(self):
+    if self.ranks < 1 or self.processes_per_host < 1 or not self.link > 0:
+      raise ValueError("Collectives needs ranks >= 1, processes_per_host >= 1 and a link rate > 0 bytes/s.")
+
+  def reduce_s(self, size: int) -> float:
+    """Seconds on the link to reduce the gradient sums of ``size`` parameters (a reduce-scatter or an all-reduce)."""
+    share = (self.ranks - 1) / self.ranks * (1 if self.partitioned else 2)
+    return size * self.grad_bytes * share / self.link
+
+  def gather_s(self, size: int) -> float:
+    """Seconds on the link to all-gather the new weights of ``size`` parameters (none unless partitioned)."""
+    return size * self.param_bytes * (self.ranks - 1) / self.ranks / self.link if self.partitioned else 0.0
+
+  def updated(self, size: int) -> float:
+    """Parameters of a ``size``-parameter subgroup this rank updates."""
+    return size / self.ranks if self.partitioned else size
+
+  def host_rates(self, rates: Rates) -> Rates:
+    """``rates`` with the host path's shared by the host's processes."""
+    n = self.processes_per_host
+    return dataclasses.replace(rates, host=rates.host / n, host_concurrent=rates.host_concurrent / n)
+
+
+@dataclasses.dataclass(frozen=True)
 class HostBytes:
   """Pinned host bytes a placement needs, per parameter: ``OverlappedStep.host_bytes``'s terms.
 
@@ -227,16 +272,33 @@ class HostBytes:
 
 def simulate(
   times: StageTimes, subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates,
-  stream_speculation: int | None = None,
+  stream_speculation: int | None = None, collectives: Collectives | None = None,
 ) -> dict:  # fmt: skip
   """The timeline of one step: ``{"exposed_s", "backward_end_s", "forward_end_s", "host_end_s", "stream_end_s"}``.
 
   ``times`` as the window sees them (:meth:`StageTimes.per_window`);
   ``stream_speculation``: streamed parameters speculated on at most (``None``:
-  no limit).
+  no limit). ``collectives``: the step of one rank of a data-parallel job
+  (:class:`Collectives`); ``times`` are one rank's stage programs without
+  them. One link carries them in order: stage ``i``'s reduction starts when
+  its backward pass ends and the link is free, and its subgroups are handed
+  over when it ends; the clip is decided once every reduction has ended
+  (``backward_end_s``); stage ``j``'s all-gather starts once its groups are
+  final and the link is free, and the next forward pass's stage ``j`` waits
+  for it (:func:`_next_forward`). With ``collectives`` the result also holds
+  ``"reduce_end_s"`` (the last reduction's end) and ``"gather_end_s"``.
   """
   n = len(times.forward)
   ends = [sum(times.backward[i:]) for i in range(n)]
+  gathers = None
+  if collectives is not None:
+    stage_sizes = [sum(g.size for g in subgroups if g.stage == i) for i in range(n)]
+    gathers = [collectives.gather_s(z) for z in stage_sizes]
+    rates = collectives.host_rates(rates)
+    subgroups = [dataclasses.replace(g, size=collectives.updated(g.size)) for g in subgroups]
+    link = 0.0
+    for i in reversed(range(n)):  # the backward pass's order: each stage's reduction after its programs
+      link = ends[i] = max(link, ends[i]) + collectives.reduce_s(stage_sizes[i])
   backward_end = ends[0]
   both = {"host", "stream"} <= set(placements)
   rate = {
@@ -258,7 +320,7 @@ def simulate(
         else:
           speculation -= subgroups[s].size
       free[path] = done[s] = _finish(start, subgroups[s].size, backward_end, during_backward[path], rate[path])
-  return _next_forward(times, subgroups, placements, rates, done, backward_end, free)
+  return _next_forward(times, subgroups, placements, rates, done, backward_end, free, gathers)
 
 
 def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> set[int]:
@@ -314,22 +376,33 @@ def simulate_fired(times: StageTimes, subgroups: Sequence[Subgroup], placements:
   return _next_forward(times, subgroups, placements, rates, done, backward_end, ends)
 
 
-def _next_forward(times, subgroups, placements, rates, done, backward_end, path_ends) -> dict:
+def _next_forward(times, subgroups, placements, rates, done, backward_end, path_ends, gathers=None) -> dict:
   """The step's result once each offloaded subgroup's update ends at ``done[s]``: resident subgroups are updated at
-  ``backward_end``, and the next forward pass runs stage by stage, each waiting for its groups' final weights."""
+  ``backward_end``, and the next forward pass runs stage by stage, each waiting for its groups' final weights and,
+  with ``gathers`` (seconds per stage), for their all-gather, in stage order on the link after the last reduction.
+  The exposed time counts from the end of the backward pass's programs, so a reduction that ends later is exposed
+  too."""
   resident = sum(g.size for g, p in zip(subgroups, placements) if p == "device") / max(rates.device, 1e-30)
   ready = [backward_end + resident] * len(times.forward)
   for s, g in enumerate(subgroups):
     ready[g.stage] = max(ready[g.stage], done[s] if placements[s] != "device" else backward_end + resident)
+  extra = {}
+  if gathers is not None:
+    link = backward_end  # every reduction has ended by the decision
+    for j, gather in enumerate(gathers):
+      if gather:
+        link = ready[j] = max(link, ready[j]) + gather
+    extra = {"reduce_end_s": backward_end, "gather_end_s": link}
   t = backward_end + resident
   for j, forward in enumerate(times.forward):
     t = max(t, ready[j]) + forward
   return {
-    "exposed_s": t - (backward_end + sum(times.forward)),
+    "exposed_s": t - (sum(times.backward) + sum(times.forward)),
     "backward_end_s": backward_end,
     "forward_end_s": t,
     "host_end_s": path_ends["host"],
     "stream_end_s": path_ends["stream"],
+    **extra,
   }
 
 

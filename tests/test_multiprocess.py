@@ -24,6 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
 CHECKPOINT_WORKER = Path(__file__).resolve().parent / "multiprocess_checkpoint_worker.py"
+OVERLAP_WORKER = Path(__file__).resolve().parent / "multiprocess_overlap_worker.py"
 TIMEOUT_S = 240
 CHECKS = 24  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 whole copies,
 # the refusal both processes share, the worker's programs without collectives
@@ -101,6 +102,15 @@ def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(tmp_path):
   assert result.stdout.count("ok restored in one process") == 2, result.stdout
 
 
+def test_overlapped_step_on_two_processes_matches_optax_agrees_on_one_plan_and_resumes(tmp_path):
+  """``OverlappedStep`` data-parallel over 2 processes x 2 devices: optax's chain with the clip firing and silent,
+  one plan from processes that measured apart, and a checkpoint both wrote resumed bit-exact."""
+  seed = str(np.random.default_rng().integers(2**31))
+  for out in run_processes(OVERLAP_WORKER, seed, str(tmp_path)):
+    for check in ("equals optax, clip fires", "equals optax, clip silent", "one plan", "resumed bit-exact"):
+      assert f"ok {check}" in out, out
+
+
 # A GPT small enough that a run takes seconds; 8 rows a step (2 micro-batches of 4: one per device of the mesh).
 TINY_GPT = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "16", "--batch", "4", "--grad-accum",
             "2", "--eval-batches", "1", "--eval-every", "0", "--log-every", "1", "--offload", "host",
@@ -133,3 +143,21 @@ def test_train_gpt_on_two_processes_matches_one_and_resumes(tmp_path):
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
   assert sorted(one) == sorted(two) == list(range(1, 7)), (one, two)
   np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=1e-5)
+
+
+def test_train_gpt_overlapped_on_two_processes_matches_the_plain_step(tmp_path):
+  """``python -m train.gpt --mesh data=2 --overlap on`` as 2 processes x 1 device trains as ``--overlap off`` does
+  (1 process x 2 devices), with the clip firing: float32 parameters, so the losses agree to rounding."""
+  flags = [*TINY_GPT[:-2], "--mesh", "data=2", "--param-dtype", "float32", "--steps", "4", "--no-ckpt"]
+
+  def gpt(port: str, i: int) -> tuple[list[str], dict]:
+    coordinator = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+    return [sys.executable, "-m", "train.gpt", *flags, "--overlap", "on", "--out", str(tmp_path / "on")], coordinator
+
+  launch(lambda port, i: ([sys.executable, "-m", "train.gpt", *flags, "--overlap", "off", "--quiet", "--out",
+                           str(tmp_path / "off")], {}), processes=1, devices=2)  # fmt: skip
+  outputs = launch(gpt, processes=2, devices=1)
+  assert "step    overlapped (--overlap on)" in outputs[0], outputs[0]
+  on, off = _losses(tmp_path / "on"), _losses(tmp_path / "off")
+  assert sorted(on) == sorted(off) == [1, 2, 3, 4], (on, off)
+  np.testing.assert_allclose([on[s] for s in off], [off[s] for s in off], rtol=1e-5)

@@ -87,8 +87,8 @@ def reference_run(groups, batches, clip_norm, micro_batches, order="stage"):
   return masters, state
 
 
-def overlapped_run(groups, batches, clip_norm, micro_batches, plan, **step_kw):
-  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
+def overlapped_run(groups, batches, clip_norm, micro_batches, plan, tx_kw=None, **step_kw):
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan, **(tx_kw or {}))
   step = jax_dos.OverlappedStep(
     tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=clip_norm, micro_batches=micro_batches,
     **step_kw,
@@ -419,9 +419,6 @@ def test_refuses_what_it_cannot_do():
   delayed = jax_dos.interleaved_adam(1e-3, delay=1)
   with pytest.raises(ValueError, match="plain path"):
     jax_dos.OverlappedStep(delayed, STAGES, groups, delayed.init(groups))
-  partitioned = jax_dos.interleaved_adam(1e-3, partition_replicated=True)
-  with pytest.raises(ValueError, match="plain path"):
-    jax_dos.OverlappedStep(partitioned, STAGES, groups, partitioned.init(groups))
   tx = jax_dos.interleaved_adam(1e-3, plan="host")
   with pytest.raises(TypeError, match="list of parameter groups"):
     jax_dos.OverlappedStep(tx, STAGES, {"a": groups[0]}, tx.init({"a": groups[0]}))
@@ -451,6 +448,7 @@ SHARDED = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     sys.path.insert(0, "tests")
     import jax_dos
+    from jax_dos import partition
     import test_overlap as t
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
@@ -462,9 +460,30 @@ SHARDED = textwrap.dedent(
         for clip in (t.FIRES, t.NEVER):
             step, _ = t.overlapped_run(groups, batches, clip, 2, t.MIXED[: t._subgroup_count(groups)])
             t.check_against_reference(step, groups, batches, clip, 2, tol=1e-5 if dtype == jnp.float32 else 1e-3)
-            # tx.init partitioned the vectors' state (the default); the overlapped step keeps the parameters' layout.
+            # The vectors (replicated over "data") have their state partitioned over it (the default), as tx.init's.
             for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
-                assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
+                want = partition.state_sharding(p) or p.sharding
+                assert m.sharding.is_equivalent_to(want.with_memory_kind(m.sharding.memory_kind), p.ndim), m
+    # Data-parallel: parameters replicated over "data" (sharded over "model"), batch rows over "data". Each stage's
+    # backward program reduces its gradients over "data"; the norm is the whole batch's, so the clip is exact. The
+    # state is partitioned over "data": each device holds and updates half of it.
+    rows = NamedSharding(mesh, P("data"))
+    replicated = lambda x: P(None, "model") if x.ndim == 2 else P("model")
+    groups = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, replicated(x))), t.make_groups(rng))
+    batches = [jax.device_put(t.make_batch(rng), rows) for _ in range(3)]
+    for clip in (t.FIRES, t.NEVER):
+        step, _ = t.overlapped_run(groups, batches, clip, 2, t.MIXED[: t._subgroup_count(groups)])
+        assert bool(step.grad_norm > clip) == (clip == t.FIRES)
+        t.check_against_reference(step, groups, batches, clip, 2)
+        for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
+            want = partition.state_sharding(p)
+            assert want is not None, p.sharding
+            assert m.sharding.is_equivalent_to(want.with_memory_kind(m.sharding.memory_kind), p.ndim), m
+    # partition_replicated=False: a whole copy of the state per device, in the parameters' layout.
+    step, _ = t.overlapped_run(groups, batches, t.FIRES, 2, "host", tx_kw={"partition_replicated": False})
+    t.check_against_reference(step, groups, batches, t.FIRES, 2)
+    for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
+        assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
     # plan="auto": the step sizes its placements from the plan tx.init made (partitioned), and plans nothing again.
     calls = []
     planner = jax_dos.auto_planner(jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9))

@@ -3,6 +3,7 @@
 import pytest
 
 from jax_dos.timeline import (
+  Collectives,
   HostBytes,
   Rates,
   StageTimes,
@@ -154,3 +155,36 @@ def test_a_fired_step_starts_every_offloaded_update_at_the_decision_and_shares_t
   assert silent["exposed_s"] < fired["exposed_s"]  # a silent step hides the host work under the backward pass
   # Resident subgroups need no decision to wait for beyond their own update.
   assert simulate_fired(TIMES, [Subgroup(100, 0)], ["device"], RATES)["exposed_s"] == pytest.approx(1.0)
+
+
+def test_data_parallel_collectives_partitioned():
+  # 2 ranks of one host, 4 B/s a link, 2 B a gradient and a weight: a stage of z parameters reduce-scatters z x 2 x 1/2
+  # bytes (z / 4 s) and all-gathers as much; each rank updates z / 2 of them at the host's 2/s shared by 2 processes.
+  dp = Collectives(ranks=2, link=4.0, partitioned=True, processes_per_host=2)
+  result = simulate(TIMES, [Subgroup(4, 2), Subgroup(2, 0)], ["host", "host"], RATES, collectives=dp)
+  # Reductions on the link: stage 2's 1 s after its backward (2 s) ends at 3 s, stage 0's 0.5 s after 6 s at 6.5 s.
+  assert result["reduce_end_s"] == result["backward_end_s"] == pytest.approx(6.5)
+  # Host at 1/s: stage 2's 2 parameters from 3 s to 5 s, stage 0's 1 from the decision (6.5 s) to 7.5 s.
+  assert result["host_end_s"] == pytest.approx(7.5)
+  # All-gathers in stage order: stage 0's 0.5 s after its update (8 s), stage 2's 1 s after it (9 s).
+  assert result["gather_end_s"] == pytest.approx(9.0)
+  # Forward: stage 0 at 8 s, stages 1 and 2 after it, ending at 11 s: 2 s later than the 9 s of compute.
+  assert result["forward_end_s"] == pytest.approx(11.0)
+  assert result["exposed_s"] == pytest.approx(2.0)
+
+
+def test_data_parallel_collectives_replicated_and_one_rank():
+  # The state in the parameters' layout: each stage's gradient all-reduced (twice a reduce-scatter's bytes: z / 2 s),
+  # every rank updating whole subgroups, nothing gathered.
+  dp = Collectives(ranks=2, link=4.0, partitioned=False)
+  result = simulate(TIMES, [Subgroup(4, 2), Subgroup(2, 0)], ["host", "host"], RATES, collectives=dp)
+  assert result["backward_end_s"] == pytest.approx(7.0)  # stage 0's 1 s all-reduce after 6 s
+  assert result["host_end_s"] == pytest.approx(8.0)  # 4 at 2/s from 4 s to 6 s, then 2 from 7 s to 8 s
+  assert result["gather_end_s"] == pytest.approx(7.0)
+  assert result["exposed_s"] == pytest.approx(2.0)  # stage 0 waits until 8 s: forward ends at 11 s
+  # One rank: no link time, the whole state, the host's whole rate: the single-device timeline.
+  alone = simulate(TIMES, [Subgroup(4, 2), Subgroup(2, 0)], ["host", "stream"], RATES)
+  one = simulate(TIMES, [Subgroup(4, 2), Subgroup(2, 0)], ["host", "stream"], RATES, collectives=Collectives(1, 1.0))
+  assert {k: one[k] for k in alone} == pytest.approx(alone)
+  with pytest.raises(ValueError, match="ranks >= 1"):
+    Collectives(0, 1.0)

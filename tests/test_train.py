@@ -191,7 +191,6 @@ def test_data_too_short_for_any_sequence_says_so():
     (["--mesh", "data=2"], "this job has 1"),
     (["--mesh", "dp=1"], "give axis sizes as data=D,fsdp=F"),
     (["--mesh", "data=1,data=1"], "each once"),
-    (["--mesh", "data=1", "--overlap", "on"], "drop --overlap on"),
     (["--remat", "some"], "invalid choice"),
     (["--arch", "llama", "--preset", "gpt2-124m"], "not a preset of --arch llama"),
     (["--arch", "llama", "--n-head", "2", "--preset", "llama-1.1b"], "multiple of n_kv_head=4"),

@@ -273,8 +273,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
           " product is that.")  # fmt: skip
     if args.batch % devices:
       err(f"--batch {args.batch} rows do not split over the mesh's {devices} devices; give a multiple of {devices}.")
-    if args.overlap == "on":
-      err("--overlap on: the overlapped step runs on one device; drop --mesh (or --overlap on).")
   if args.out is None:
     name = args.preset if args.arch == "gpt" or args.preset.startswith(args.arch) else f"{args.arch}-{args.preset}"
     args.out = os.path.join("runs", name)

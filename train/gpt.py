@@ -331,9 +331,17 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   if refusal is None and args.overlap != "off":
     staged = model_module(args).staged(cfg)  # the model's own modules as stages
     if args.offload == "auto" and sized:
-      times = overlapped_lib.stage_times(staged, params, first_batch, args.grad_accum, args.remat)
+      rows = first_batch[0].shape[0] // args.grad_accum
+      part = tuple(x[:rows] for x in first_batch)  # one micro-batch, laid out as the step lays it out
+      if batch_layout is not None:
+        part = parallel.global_batch(lambda mine: tuple(x[mine] for x in part), batch_layout, rows)
+      times = overlapped_lib.stage_times(staged, params, part, 1, args.remat)
     overlap_plan = overlapped_lib.plan(args, tx, staged, params, times)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
+  # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.
+  plain_elsewhere = jax_dos.agreed_refusal(None if overlapped else line) is not None
+  if overlapped and plain_elsewhere:
+    overlapped, line = False, "step    plain: another process of the job chose the plain step from its own plans"
   notes.append(line)
   if overlapped:
     start_step, opt_state = 0, None

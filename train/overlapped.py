@@ -42,8 +42,6 @@ def refusal(args: argparse.Namespace) -> str | None:
     return "--delay 1 is a mode of the plain path (its update runs a step late by design)"
   if args.write_behind:
     return "--write-behind is a mode of the plain path (the overlapped step already writes behind)"
-  if getattr(args, "mesh", None) is not None:
-    return "--mesh lays the model over several devices, and the overlapped step runs on one"
   return None
 
 
@@ -155,4 +153,5 @@ def stage_times(
   rows = batch[0].shape[0] // micro_batches
   model = jax_dos.StagedModel(stages(staged, remat), staged.num_groups)
   policies = jax_dos.PLANNED_REMAT_POLICIES if remat == "auto" else ()
-  return model.measure_times(staged.split(params), tuple(x[:rows] for x in batch), policies)
+  part = batch if micro_batches == 1 else tuple(x[:rows] for x in batch)
+  return model.measure_times(staged.split(params), part, policies)
