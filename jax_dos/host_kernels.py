@@ -186,7 +186,7 @@ LOW_DTYPES = tuple(_STORES)
 _VIEW = {"float32": np.float32, "bfloat16": np.uint16, "uint8": np.uint8}
 _COMPACT = {
   (fmt, g, lo): make(_LOADS[g], _STORES[lo])
-  for fmt, make in (("bfloat16", host_compact.make_bf16_kernel), ("int8", host_compact.make_int8_kernels))
+  for fmt, make in (("bfloat16", host_compact.make_bf16_kernel), ("int8", host_compact.make_int8_kernel))
   for g in _LOADS
   for lo in _STORES
 }
@@ -232,18 +232,10 @@ def _compact(buffers, decay, hyper: tuple, scalars, write_state: bool, into: boo
     fmt = "bfloat16" if m.dtype == np.uint16 else "int8"
     kernel = _COMPACT[fmt, _dtype_name(g), _dtype_name(low)]
     if fmt == "int8":
-      scales, elementwise = kernel
       (mc, mw), (vc, vw) = host_compact.int8_views(m), host_compact.int8_views(v)
       (mc_o, mw_o), (vc_o, vw_o) = host_compact.int8_views(mo), host_compact.int8_views(vo)
-      new_m, new_v = np.empty(mf.blocks(g.size), np.float32), np.empty(mf.blocks(g.size), np.float32)
-      b1, omb1, b2, omb2 = hyper[:4]
-      scales(g, mc, mw, vc, vw, new_m, new_v, b1, omb1, b2, omb2, step[3], mf.MU_TABLE, mf.NU_TABLE)
-      with np.errstate(divide="ignore", invalid="ignore"):
-        inv_m, inv_v = np.float32(1) / new_m, np.float32(1) / new_v
-      elementwise(g, p, mc, mw, vc, vw, po, mc_o, vc_o, low, inv_m, inv_v, *hyper, *step, *keys, bool(d),
-                  low is not _NO_LOW, bool(write_state), mf.MU_TABLE, mf.NU_TABLE)  # fmt: skip
-      if write_state:
-        host_compact.commit_scales(g.size, new_m, new_v, mc_o, mw_o, vc_o, vw_o)
+      kernel(g, p, mc, mw, vc, vw, po, mc_o, mw_o, vc_o, vw_o, low, *hyper, *step, *keys, bool(d),
+             low is not _NO_LOW, bool(write_state))  # fmt: skip
     else:
       kernel(g, p, m, v, po, mo, vo, low, *hyper, *step, *keys, bool(d), low is not _NO_LOW, bool(write_state))
 

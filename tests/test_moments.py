@@ -44,6 +44,56 @@ def test_host_and_jnp_encode_and_decode_to_the_same_bits(moments):
     assert np.all((back == 0) == (x == 0)) if salt == 1 else True  # a nonzero nu never decodes to 0
 
 
+def test_the_host_kernel_decodes_every_code_as_the_tables_do():
+  """The host kernel computes the decode tables (a division, rounded once); the jnp paths look them up."""
+  stored = np.zeros((1, mf.BLOCK + 4), np.uint8)
+  stored[0, :256] = np.arange(256)
+  scale = np.float32(np.random.default_rng().uniform(0.5, 2))
+  stored[0, mf.BLOCK :] = np.frombuffer(scale.tobytes(), np.uint8)
+  for salt in (0, 1):
+    host = mf.host_decode(stored, 256, "int8", salt)
+    np.testing.assert_array_equal(
+      host.view(np.uint32), np.asarray(mf.decode(jnp.asarray(stored), (256,), "int8", salt)).view(np.uint32)
+    )
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "int8"])
+@pytest.mark.parametrize("into", [False, True], ids=["in_place", "into"])
+def test_the_host_kernel_is_decode_float32_adam_encode(moments, into):
+  """Bit for bit: the fused kernel equals host_decode, AdamW in numpy float32 (optax's order), host_encode."""
+  from jax_dos import adam_math, host_kernels
+
+  rng = np.random.default_rng()
+  n, f = 5 * mf.BLOCK + 37, np.float32
+  hyper = adam_math.AdamHyper(1e-2, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-10, weight_decay=0.1, moments=moments)
+  sc = np.asarray(adam_math.step_scalars(hyper, jnp.asarray(int(rng.integers(0, 10**6)), jnp.int32), 0.7))
+  g, p = (rng.standard_normal(n).astype(f) for _ in range(2))
+  g[: mf.BLOCK] = 0  # a zero block: scale 0
+  m, v = _moment_samples(rng, n, 0), _moment_samples(rng, n, 1)
+  seed = float(rng.integers(1, mf.SEED_PERIOD))
+  mm, vv = mf.host_encode(m, moments, seed, 0), mf.host_encode(v, moments, seed, 1)
+  m_old, v_old = mf.host_decode(mm, n, moments, 0), mf.host_decode(vv, n, moments, 1)
+  gs = g * sc[3]
+  m_new = f(1 - hyper.b1) * gs + f(hyper.b1) * m_old
+  v_new = f(1 - hyper.b2) * (gs * gs) + f(hyper.b2) * v_old
+  u = (m_new / sc[1]) / (np.sqrt(v_new / sc[2] + f(hyper.eps_root)) + f(hyper.eps)) + f(hyper.weight_decay) * p
+  p_new = p + sc[0] * u
+  kw = dict(
+    b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root, weight_decay=hyper.weight_decay, scalars=sc
+  )
+  low = np.zeros(n, jnp.bfloat16)
+  if into:
+    out = (np.zeros_like(p), np.zeros_like(mm), np.full_like(vv, 7))
+    host_kernels.adam_many_into([(g, p, mm, vv, *out, low)], [True], **kw)
+  else:
+    out = (p, mm, vv)
+    host_kernels.adam_many([(g, p, mm, vv, low)], [True], **kw)
+  np.testing.assert_array_equal(out[0], p_new)
+  np.testing.assert_array_equal(low, p_new.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(_bytes(out[1]), _bytes(mf.host_encode(m_new, moments, float(sc[4]), 0)))
+  np.testing.assert_array_equal(_bytes(out[2]), _bytes(mf.host_encode(v_new, moments, float(sc[4]), 1)))
+
+
 def test_stochastic_rounding_is_unbiased():
   """b2 * nu must decay in bfloat16: the mean of many roundings of x is x, not its nearest bfloat16."""
   x = np.full(200_000, 1.0 + 2**-10, np.float32)  # a quarter of a bfloat16 ulp above 1
