@@ -63,8 +63,8 @@ _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
 _MASK = 0xFFFFFFFF
 _Q = np.arange(256, dtype=np.uint8)
 # The decoded values of a code at scale 1, rounded once to float32 (indexed by the code's byte). The jnp paths look
-# them up (XLA would turn a division by 127**2 into a multiply); the host kernel divides in float32, which gives the
-# table's bits for every code (a correctly rounded q |q| / 127**2, tested) and vectorizes where a lookup does not.
+# them up (XLA would turn a division by 127**2 into a multiply); the host kernel computes them (a float64 multiply
+# rounded to float32: the tables' bits for every code, tested), which vectorizes where a lookup does not.
 MU_TABLE = (np.sign(_Q.view(np.int8)) * (_Q.view(np.int8).astype(np.float64) / 127) ** 2).astype(np.float32)
 NU_TABLE = ((_Q.astype(np.float64) / 255) ** 2).astype(np.float32)
 
