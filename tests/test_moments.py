@@ -1,5 +1,7 @@
 """Compact moments (``moments="bfloat16" | "int8"``): one rounding on every path, close to float32 Adam."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -248,3 +250,28 @@ def test_write_behind_and_the_plain_delay_keep_the_rounding():
   for other in runs[1:]:
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(other)):
       np.testing.assert_array_equal(_bytes(a), _bytes(b))
+
+
+def test_the_overlapped_plan_counts_each_formats_host_bytes():
+  """One host budget holds more of the host path with compact state: the timeline planner counts its bytes."""
+  from test_overlap import B1, B2, STAGES, WD, make_groups
+  from test_overlap import LR as OVERLAP_LR
+
+  from jax_dos import overlap_plan
+
+  groups = make_groups(np.random.default_rng())
+  sizes = jax_dos.plan.partition_groups(groups, 40)[1]
+  budget, times = 16 * sum(sizes), jax_dos.StageTimes((1.0,) * len(STAGES), (2.0,) * len(STAGES))
+  layout = overlap_plan.step_layout(jax_dos.StagedModel(STAGES, len(groups)), groups, 40)
+  host = {}
+  for moments in ("float32", "int8"):
+    planner = jax_dos.auto_planner(jax_dos.Calibration(100.0, 10.0, 1e6, 100.0, 10.0))  # the host path is faster
+    tx = jax_dos.interleaved_adamw(OVERLAP_LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, moments=moments,
+                                   planner=planner)  # fmt: skip
+    plan = jax_dos.overlapped_plan(tx, STAGES, groups, stage_times=times, host_budget_bytes=budget)
+    cap = overlap_plan.speculation_cap(plan, layout, budget, moments)
+    assert overlap_plan.host_bytes(plan, layout, cap, moments) <= budget
+    host[moments] = plan.elements("host")
+    n = sum(sizes)
+    assert jax_dos.host_need_bound(n, moments=moments) == math.ceil((mf.state_bytes_per_param(moments) + 4) * n)
+  assert 0 < host["float32"] < host["int8"]
