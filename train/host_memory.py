@@ -13,6 +13,7 @@ saying what to change, before anything moves.
 from __future__ import annotations
 
 import argparse
+import math
 
 import jax_dos
 from train import overlapped
@@ -39,9 +40,9 @@ def pinned_need(args: argparse.Namespace, host_memory_bytes: int | None = None) 
   may_overlap = args.overlap != "off" and overlapped.refusal(args) is None
   most = jax_dos.host_need_bound(
     n, param_bytes, overlapped=may_overlap, moment_copies=args.delay_predict == "gradient",
-    host_memory_bytes=host_memory_bytes,
+    host_memory_bytes=host_memory_bytes, moments=args.moments,
   )  # fmt: skip
-  certain = 12 * n if args.offload in ("host", "stream") else 0
+  certain = math.ceil(jax_dos.state_bytes_per_param(args.moments) * n) if args.offload in ("host", "stream") else 0
   return certain, most
 
 
