@@ -10,8 +10,9 @@ int8) and reads ``g``: 20 B a parameter with float32 gradients against
 
 int8 takes one launch: a ``prange`` over chunks of ``CHUNK`` blocks. For each
 block it decodes the old moments at the block's (hoisted) scales, takes the
-step's new moments into a scratch block (L1-resident: the 256 elements' loops
-vectorize), takes their maxima as the new scales (integer maxima of the float
+step's new moments into a scratch block (L1-resident; the 256 elements' loops
+vectorize, indexed with unsigned integers: numba's negative-index wraparound
+of a signed ``lo + j`` keeps LLVM from vectorizing), takes their maxima as the new scales (integer maxima of the float
 bits: a float max with NaN kept does not vectorize), then encodes the new
 moments and writes the weights. Each block's codes and scale are read before
 they are written, so the output buffers may be the input ones (in place).
