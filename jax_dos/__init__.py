@@ -35,6 +35,7 @@ from jax_dos.host_plan import HostMemory, agreed_refusal, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.memory import cap_pinned_pool
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
+from jax_dos.moment_formats import state_bytes_per_param
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state, host_need_bound
@@ -104,6 +105,7 @@ __all__ = [
   "gradient_memory_kinds",
   "gradient_shardings",
   "host_need_bound",
+  "state_bytes_per_param",
   "interleaved_adam",
   "interleaved_adamw",
   "make_plan",

@@ -32,6 +32,8 @@ from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
+import numba
+import numpy as np
 
 from jax_dos import moment_formats
 
@@ -126,6 +128,27 @@ def predict_next(
   if decay:
     u = u + hyper.weight_decay * master
   return master + scalars[0] * u
+
+
+# ----------------------------------------------------------------------------- numba (every host kernel)
+# The same two steps on float32 scalars, inlined into every host kernel (host_kernels.py, host_compact.py), so the
+# arithmetic is written once for the host. Every argument is float32: nothing is promoted to float64.
+
+
+@numba.njit(inline="always")
+def nb_moments(g, m, v, b1, one_minus_b1, b2, one_minus_b2):
+  """The new ``(m, v)`` from the scaled gradient ``g`` and the old (decoded) moments."""
+  return one_minus_b1 * g + b1 * m, one_minus_b2 * (g * g) + b2 * v
+
+
+@numba.njit(inline="always")
+def nb_weight(p, m, v, eps, eps_root, wd, neg_lr, bc1, bc2, decay):
+  """``p + neg_lr (m / bc1 / (sqrt(v / bc2 + eps_root) + eps) + wd p)``: the new weight, or with the next step's
+  scalars :func:`predict_next`'s."""
+  u = (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
+  if decay:
+    u = u + wd * p
+  return p + neg_lr * u
 
 
 def update_from_master(master: jax.Array, param: Any) -> jax.Array:

@@ -8,14 +8,16 @@ the host and the accelerator give identical bits. It reads and writes
 int8) and reads ``g``: 20 B a parameter with float32 gradients against
 ``host_kernels``' 28 for float32 moments (16 with int8).
 
-int8 takes three launches: a ``prange`` over blocks finds the new moments'
-block maxima (the new scales, into small scratch arrays), a ``prange`` over
-elements recomputes each new moment (same inputs, same bits), encodes it and
-writes the weights, and a last one writes the scales. Each element's code is
-read before it is written and the old scales are overwritten last, so the
-output buffers may be the input ones (in place). Kernels use
-``error_model="numpy"``: a zero scale gives ``1 / 0 = inf`` and ``0 inf =
-NaN``, encoded as 0.
+int8 takes one launch: a ``prange`` over chunks of ``CHUNK`` blocks. For each
+block it decodes the old moments at the block's (hoisted) scales, takes the
+step's new moments into a scratch block (L1-resident; the 256 elements' loops
+vectorize, indexed with unsigned integers: numba's negative-index wraparound
+of a signed ``lo + j`` keeps LLVM from vectorizing), takes their maxima as the new scales (integer maxima of the float
+bits: a float max with NaN kept does not vectorize), then encodes the new
+moments and writes the weights. Each block's codes and scale are read before
+they are written, so the output buffers may be the input ones (in place).
+Kernels use ``error_model="numpy"``: a zero scale gives ``1 / 0 = inf`` and
+``0 inf = NaN``, encoded as 0.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from jax_dos import adam_math
 from jax_dos import moment_formats as mf
 
 B = mf.BLOCK
+CHUNK = 16  # blocks a prange iteration takes: 4096 elements, against one scratch allocation
 _OPTS = dict(parallel=True, nogil=True, cache=True, boundscheck=False, error_model="numpy")
+_ABS, _INF = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)
 
 
 def make_bf16_kernel(load_grad, store_low):
@@ -34,14 +39,9 @@ def make_bf16_kernel(load_grad, store_low):
   def adam_bf16(g, p, m, v, p_out, m_out, v_out, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr,
                 bc1, bc2, gs, key_m, key_v, decay, write_low, write_state):  # fmt: skip
     for i in numba.prange(g.shape[0]):
-      gi = load_grad(g[i]) * gs
-      mi = one_minus_b1 * gi + b1 * mf.nb_bf16_load(m[i])
-      vi = one_minus_b2 * (gi * gi) + b2 * mf.nb_bf16_load(v[i])
-      u = (mi / bc1) / (np.sqrt(vi / bc2 + eps_root) + eps)
-      pi = p[i]
-      if decay:
-        u = u + wd * pi
-      pn = pi + neg_lr * u
+      mi, vi = adam_math.nb_moments(load_grad(g[i]) * gs, mf.nb_bf16_load(m[i]), mf.nb_bf16_load(v[i]), b1,
+                                    one_minus_b1, b2, one_minus_b2)  # fmt: skip
+      pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, decay)
       if write_state:
         m_out[i] = mf.nb_bf16_store(mi, mf.nb_hash(i, key_m))
         v_out[i] = mf.nb_bf16_store(vi, mf.nb_hash(i, key_v))
@@ -52,62 +52,55 @@ def make_bf16_kernel(load_grad, store_low):
   return adam_bf16
 
 
-def make_int8_kernels(load_grad, store_low):
-  """The int8 step as three launches: the blocks' new scales, the element-wise step, the scales written."""
+@numba.njit(inline="always")
+def _abs_bits(x):
+  return np.float32(x).view(np.uint32) & _ABS
+
+
+@numba.njit(inline="always")
+def _max_of_bits(top):  # the float of the largest |x| bits of a block; NaN (quiet) if any x was NaN
+  return np.float32(np.nan) if top > _INF else np.uint32(top).view(np.float32)
+
+
+def make_int8_kernel(load_grad, store_low):
+  """The int8 step (module docstring): new moments, new scales, codes and weights, one block at a time."""
 
   @numba.njit(**_OPTS)
-  def scales(g, mc, mw, vc, vw, new_m, new_v, b1, one_minus_b1, b2, one_minus_b2, gs, mu_t, nu_t):
+  def adam_int8(g, p, mc, mw, vc, vw, p_out, mc_out, mw_out, vc_out, vw_out, low, b1, one_minus_b1, b2, one_minus_b2,
+                eps, eps_root, wd, neg_lr, bc1, bc2, gs, key_m, key_v, decay, write_low, write_state):  # fmt: skip
     n = g.shape[0]
-    nb = new_m.shape[0]
-    for b in numba.prange(nb):  # max |m| and sqrt(max v) of the new moments, NaN propagating (as jnp.max)
-      old_m, old_v = mw[nb * (B // 4) + b], vw[nb * (B // 4) + b]
-      sm, sv2, bad_m, bad_v = np.float32(0), np.float32(0), False, False
-      for i in range(b * B, min(n, (b + 1) * B)):
-        gi = load_grad(g[i]) * gs
-        mi = one_minus_b1 * gi + b1 * mf.nb_mu_decode(mc[i], old_m, mu_t)
-        vi = one_minus_b2 * (gi * gi) + b2 * mf.nb_nu_decode(vc[i], old_v, nu_t)
-        sm = max(sm, abs(mi))  # a plain max; NaN is tracked beside it
-        sv2 = max(sv2, vi)
-        bad_m |= mi != mi
-        bad_v |= vi != vi
-      new_m[b] = np.float32(np.nan) if bad_m else sm
-      new_v[b] = np.float32(np.nan) if bad_v else np.sqrt(sv2)
+    nb = (n + B - 1) // B
+    base = nb * (B // 4)  # the word of block 0's scale
+    for c in numba.prange((nb + CHUNK - 1) // CHUNK):
+      new_m, new_v = np.empty(B, np.float32), np.empty(B, np.float32)
+      for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
+        lo, k = b * B, min(B, n - b * B)
+        old_m, old_v = mw[base + b], vw[base + b]
+        top_m, top_v = np.uint32(0), np.uint32(0)
+        for j in range(k):
+          i = np.uint64(lo + j)  # unsigned: no negative-index wraparound, which keeps LLVM from vectorizing
+          m_old, v_old = mf.nb_mu_decode(mc[i], old_m), mf.nb_nu_decode(vc[i], old_v)
+          mi, vi = adam_math.nb_moments(load_grad(g[i]) * gs, m_old, v_old, b1, one_minus_b1, b2, one_minus_b2)
+          new_m[j], new_v[j] = mi, vi
+          top_m, top_v = max(top_m, _abs_bits(mi)), max(top_v, _abs_bits(vi))  # v >= 0: |v| = v
+        s_m, s_v = _max_of_bits(top_m), np.sqrt(_max_of_bits(top_v))  # as jnp.max: NaN if any is NaN
+        inv_m, inv_v = np.float32(1) / s_m, np.float32(1) / s_v
+        for j in range(k):
+          i = np.uint64(lo + j)
+          pn = adam_math.nb_weight(p[i], new_m[j], new_v[j], eps, eps_root, wd, neg_lr, bc1, bc2, decay)
+          if write_state:
+            mc_out[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_hash(i, key_m)))
+            vc_out[i] = mf.nb_nu_code(new_v[j], inv_v, mf.nb_unit(mf.nb_hash(i, key_v)))
+            p_out[i] = pn
+          if write_low:
+            low[i] = store_low(pn)
+        if write_state:
+          for j in range(k, B):  # the padding of the last block
+            mc_out[lo + j] = 0
+            vc_out[lo + j] = 0
+          mw_out[base + b], vw_out[base + b] = s_m, s_v
 
-  @numba.njit(**_OPTS)
-  def step(g, p, mc, mw, vc, vw, p_out, mc_out, vc_out, low, inv_m, inv_v, b1, one_minus_b1, b2, one_minus_b2, eps,
-           eps_root, wd, neg_lr, bc1, bc2, gs, key_m, key_v, decay, write_low, write_state, mu_t, nu_t):  # fmt: skip
-    # One prange over elements (numba's parfor lowering is what vectorizes): element i's code is byte i.
-    base = inv_m.shape[0] * (B // 4)
-    for i in numba.prange(g.shape[0]):
-      b = i // B
-      gi = load_grad(g[i]) * gs
-      mi = one_minus_b1 * gi + b1 * mf.nb_mu_decode(mc[i], mw[base + b], mu_t)
-      vi = one_minus_b2 * (gi * gi) + b2 * mf.nb_nu_decode(vc[i], vw[base + b], nu_t)
-      u = (mi / bc1) / (np.sqrt(vi / bc2 + eps_root) + eps)
-      pi = p[i]
-      if decay:
-        u = u + wd * pi
-      pn = pi + neg_lr * u
-      if write_state:
-        mc_out[i] = mf.nb_mu_code(mi, inv_m[b], mf.nb_unit(mf.nb_hash(i, key_m)))
-        vc_out[i] = mf.nb_nu_code(vi, inv_v[b], mf.nb_unit(mf.nb_hash(i, key_v)))
-        p_out[i] = pn
-      if write_low:
-        low[i] = store_low(pn)
-
-  return scales, step
-
-
-@numba.njit(**_OPTS)
-def commit_scales(n, new_m, new_v, mc_out, mw_out, vc_out, vw_out):
-  """Writes the new scales, and zero codes for the padding after element ``n``."""
-  nb = new_m.shape[0]
-  for b in numba.prange(nb):
-    mw_out[nb * (B // 4) + b] = new_m[b]
-    vw_out[nb * (B // 4) + b] = new_v[b]
-  for i in range(n, nb * B):
-    mc_out[i] = 0
-    vc_out[i] = 0
+  return adam_int8
 
 
 def moments_of(dtype: str) -> str:

@@ -9,8 +9,9 @@ update there, so no update buffer is written. For bfloat16 parameters the
 kernel also writes the new master rounded to bfloat16 (``low``, round to
 nearest even, as XLA's convert) in the same pass: 2 more bytes written here
 save 2 of the 4 that would cross PCIe. The arithmetic is IEEE float32
-in optax's order (see ``adam_math.py``): every constant is a float32
-argument, so nothing is promoted to float64, and there is no ``fastmath``.
+in optax's order, written once for every kernel (``adam_math.nb_moments``
+and ``nb_weight``): every constant is a float32 argument, so nothing is
+promoted to float64, and there is no ``fastmath``.
 
 Each buffer is one ``prange`` over all cores, launched on numba's workqueue
 layer (about 50 us a launch; OpenMP's took milliseconds whenever a core was
@@ -36,7 +37,7 @@ import jax
 import numba
 import numpy as np
 
-from jax_dos import host_compact
+from jax_dos import adam_math, host_compact
 from jax_dos import moment_formats as mf
 
 _layer_chosen = False
@@ -111,24 +112,14 @@ def _make_adam_kernel(load_grad, store_low):
     # Keep this a prange over whole arrays: numba's parfor lowering is what lets LLVM vectorize the loop
     # (a plain range loop, or a loop over pointer-made arrays, stayed scalar and ran 6x slower).
     for i in numba.prange(g.shape[0]):
-      gi = load_grad(g[i]) * gs
-      mi = one_minus_b1 * gi + b1 * m[i]
-      vi = one_minus_b2 * (gi * gi) + b2 * v[i]
-      u = (mi / bc1) / (np.sqrt(vi / bc2 + eps_root) + eps)
-      pi = p[i]
-      if decay:
-        u = u + wd * pi
-      u = neg_lr * u
-      pn = pi + u
+      mi, vi = adam_math.nb_moments(load_grad(g[i]) * gs, m[i], v[i], b1, one_minus_b1, b2, one_minus_b2)
+      pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, decay)
       if write_state:
         m[i] = mi
         v[i] = vi
         p[i] = pn
       if predict:  # adam_math.predict_next, in its order
-        un = (mi / next_bc1) / (np.sqrt(vi / next_bc2 + eps_root) + eps)
-        if decay:
-          un = un + wd * pn
-        low[i] = store_low(pn + next_neg_lr * un)
+        low[i] = store_low(adam_math.nb_weight(pn, mi, vi, eps, eps_root, wd, next_neg_lr, next_bc1, next_bc2, decay))
       elif write_low:
         low[i] = store_low(pn)
       if write_moments:
@@ -144,15 +135,8 @@ def _make_adam_into_kernel(load_grad, store_low):
                 bc1, bc2, gs, decay):  # fmt: skip
     # adam_inplace's arithmetic, in its order, writing the new state into other buffers.
     for i in numba.prange(g.shape[0]):
-      gi = load_grad(g[i]) * gs
-      mi = one_minus_b1 * gi + b1 * m[i]
-      vi = one_minus_b2 * (gi * gi) + b2 * v[i]
-      u = (mi / bc1) / (np.sqrt(vi / bc2 + eps_root) + eps)
-      pi = p[i]
-      if decay:
-        u = u + wd * pi
-      u = neg_lr * u
-      pn = pi + u
+      mi, vi = adam_math.nb_moments(load_grad(g[i]) * gs, m[i], v[i], b1, one_minus_b1, b2, one_minus_b2)
+      pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, decay)
       m_out[i] = mi
       v_out[i] = vi
       p_out[i] = pn
@@ -165,11 +149,7 @@ def _make_predict_kernel(store_low):
   @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
   def predict(low, p, m, v, eps, eps_root, wd, neg_lr, bc1, bc2, decay):
     for i in numba.prange(p.shape[0]):
-      u = (m[i] / bc1) / (np.sqrt(v[i] / bc2 + eps_root) + eps)
-      pi = p[i]
-      if decay:
-        u = u + wd * pi
-      low[i] = store_low(pi + neg_lr * u)
+      low[i] = store_low(adam_math.nb_weight(p[i], m[i], v[i], eps, eps_root, wd, neg_lr, bc1, bc2, decay))
 
   return predict
 
@@ -186,7 +166,7 @@ LOW_DTYPES = tuple(_STORES)
 _VIEW = {"float32": np.float32, "bfloat16": np.uint16, "uint8": np.uint8}
 _COMPACT = {
   (fmt, g, lo): make(_LOADS[g], _STORES[lo])
-  for fmt, make in (("bfloat16", host_compact.make_bf16_kernel), ("int8", host_compact.make_int8_kernels))
+  for fmt, make in (("bfloat16", host_compact.make_bf16_kernel), ("int8", host_compact.make_int8_kernel))
   for g in _LOADS
   for lo in _STORES
 }
@@ -232,18 +212,10 @@ def _compact(buffers, decay, hyper: tuple, scalars, write_state: bool, into: boo
     fmt = "bfloat16" if m.dtype == np.uint16 else "int8"
     kernel = _COMPACT[fmt, _dtype_name(g), _dtype_name(low)]
     if fmt == "int8":
-      scales, elementwise = kernel
       (mc, mw), (vc, vw) = host_compact.int8_views(m), host_compact.int8_views(v)
       (mc_o, mw_o), (vc_o, vw_o) = host_compact.int8_views(mo), host_compact.int8_views(vo)
-      new_m, new_v = np.empty(mf.blocks(g.size), np.float32), np.empty(mf.blocks(g.size), np.float32)
-      b1, omb1, b2, omb2 = hyper[:4]
-      scales(g, mc, mw, vc, vw, new_m, new_v, b1, omb1, b2, omb2, step[3], mf.MU_TABLE, mf.NU_TABLE)
-      with np.errstate(divide="ignore", invalid="ignore"):
-        inv_m, inv_v = np.float32(1) / new_m, np.float32(1) / new_v
-      elementwise(g, p, mc, mw, vc, vw, po, mc_o, vc_o, low, inv_m, inv_v, *hyper, *step, *keys, bool(d),
-                  low is not _NO_LOW, bool(write_state), mf.MU_TABLE, mf.NU_TABLE)  # fmt: skip
-      if write_state:
-        host_compact.commit_scales(g.size, new_m, new_v, mc_o, mw_o, vc_o, vw_o)
+      kernel(g, p, mc, mw, vc, vw, po, mc_o, mw_o, vc_o, vw_o, low, *hyper, *step, *keys, bool(d),
+             low is not _NO_LOW, bool(write_state))  # fmt: skip
     else:
       kernel(g, p, m, v, po, mo, vo, low, *hyper, *step, *keys, bool(d), low is not _NO_LOW, bool(write_state))
 

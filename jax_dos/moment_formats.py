@@ -62,8 +62,9 @@ _C_IDX, _C_SEED, _C_SALT = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
 _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
 _MASK = 0xFFFFFFFF
 _Q = np.arange(256, dtype=np.uint8)
-# The decoded values of a code at scale 1, rounded once to float32 (indexed by the code's byte), shared by every path:
-# a table lookup and one multiply cannot be rearranged (XLA turns a division by 127 into a multiply).
+# The decoded values of a code at scale 1, rounded once to float32 (indexed by the code's byte). The jnp paths look
+# them up (XLA would turn a division by 127**2 into a multiply); the host kernel computes them (a float64 multiply
+# rounded to float32: the tables' bits for every code, tested), which vectorizes where a lookup does not.
 MU_TABLE = (np.sign(_Q.view(np.int8)) * (_Q.view(np.int8).astype(np.float64) / 127) ** 2).astype(np.float32)
 NU_TABLE = ((_Q.astype(np.float64) / 255) ** 2).astype(np.float32)
 
@@ -247,8 +248,9 @@ def nb_round(x, u, top):
 
 
 @numba.njit(inline="always")
-def nb_mu_decode(byte, s, table):  # byte: the code's uint8 bits; table: MU_TABLE
-  return table[byte] * s
+def nb_mu_decode(byte, s):  # byte: the code's uint8 bits
+  q = np.int32(np.int8(byte))
+  return np.float32(np.float64(q * abs(q)) * (1 / 127**2)) * s  # MU_TABLE[byte] * s (tests/test_moments.py)
 
 
 @numba.njit(inline="always")
@@ -258,8 +260,9 @@ def nb_mu_code(m, inv, u):  # inv: 1 / the block's scale
 
 
 @numba.njit(inline="always")
-def nb_nu_decode(code, s, table):  # table: NU_TABLE
-  t = table[code] * s
+def nb_nu_decode(code, s):
+  q = np.int32(code)
+  t = np.float32(np.float64(q * q) * (1 / 255**2)) * s  # NU_TABLE[code] * s (tests/test_moments.py)
   return t * t
 
 
@@ -309,14 +312,14 @@ def host_encode(x: np.ndarray, moments: str, seed: float, salt: int) -> np.ndarr
 
 
 @numba.njit(cache=True, error_model="numpy")
-def _nb_decode(n, salt, fmt_int8, bits16, codes8, words, out, mu_table, nu_table, block):
+def _nb_decode(n, salt, fmt_int8, bits16, codes8, words, out, block):
   nb = (n + block - 1) // block if fmt_int8 else 0
   for i in range(n):
     if not fmt_int8:
       out[i] = nb_bf16_load(bits16[i])
     else:
       s = words[nb * (block // 4) + i // block]
-      out[i] = nb_mu_decode(codes8[i], s, mu_table) if salt == 0 else nb_nu_decode(codes8[i], s, nu_table)
+      out[i] = nb_mu_decode(codes8[i], s) if salt == 0 else nb_nu_decode(codes8[i], s)
 
 
 def host_decode(stored: np.ndarray, n: int, moments: str, salt: int) -> np.ndarray:
@@ -332,7 +335,7 @@ def host_decode(stored: np.ndarray, n: int, moments: str, salt: int) -> np.ndarr
   out = np.empty(n, np.float32)
   none16, none8, none32 = np.zeros(0, np.uint16), np.zeros(0, np.uint8), np.zeros(0, np.float32)
   _nb_decode(n, salt, not bf16, flat if bf16 else none16, none8 if bf16 else flat,
-             none32 if bf16 else flat.view(np.float32), out, MU_TABLE, NU_TABLE, block)  # fmt: skip
+             none32 if bf16 else flat.view(np.float32), out, block)  # fmt: skip
   return out
 
 

@@ -290,7 +290,7 @@ class OverlappedStep:
         raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
       self.model = StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)],
                                len(params))  # fmt: skip
-    self.routes = overlap_plan.routes(self.plan, self._layout, self.host_budget_bytes)
+    self.routes = overlap_plan.routes(self.plan, self._layout, self.host_budget_bytes, self.hyper.moments)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
     self._params = memory.committed(list(leaves))
@@ -559,14 +559,16 @@ class OverlappedStep:
   def _move_boundary(self, ends: dict[str, float]) -> None:
     """One subgroup across the boundary, toward the path whose end (``ends``: seconds) came first: the plan
     ``overlap_plan.rebalanced`` makes, handed to both paths with the moved state (the step is settled)."""
-    plan, to, stop = overlap_plan.rebalanced(self.plan, self._layout, ends, self._last_move, self.host_budget_bytes)
+    plan, to, stop = overlap_plan.rebalanced(
+      self.plan, self._layout, ends, self._last_move, self.host_budget_bytes, self.hyper.moments
+    )
     if stop:
       self._rebalance_left = 0
     if plan is None:
       return
     moved = [i for s, (a, b) in enumerate(zip(self.plan.placements, plan.placements)) if a != b
              for i in plan.subgroups[s]]  # fmt: skip
-    self.plan, self.routes = plan, overlap_plan.routes(plan, self._layout, self.host_budget_bytes)
+    self.plan, self.routes = plan, overlap_plan.routes(plan, self._layout, self.host_budget_bytes, self.hyper.moments)
     (giver, frm), (taker, into) = (
       ((self._streamer, self._stream_path), (self._host, self._host_path)) if to == "host"
       else ((self._host, self._host_path), (self._streamer, self._stream_path))

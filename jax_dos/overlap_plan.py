@@ -31,6 +31,7 @@ step never edits a plan, it asks for a new one.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -245,7 +246,7 @@ def default_host_budget() -> int:
 
 def host_need_bound(
   num_params: int, param_bytes: int = 2, *, overlapped: bool = False, moment_copies: bool = False,
-  host_memory_bytes: int | None = None,
+  host_memory_bytes: int | None = None, moments: str = "float32",
 ) -> int:  # fmt: skip
   """The most pinned host bytes a step of ``num_params`` parameters plans, from the count alone.
 
@@ -258,11 +259,13 @@ def host_need_bound(
   more than its default host budget, ``HOST_SHARE`` of the host's RAM
   (``host_memory_bytes``, default the machine's). The larger of the two.
   """
-  plain = (STATE_BYTES + 4 + (4 if moment_copies else 0)) * num_params
+  state = moment_formats.state_bytes_per_param(moment_formats.check(moments))
+  plain = math.ceil((state + 4 + (4 if moment_copies else 0)) * num_params)
   if not overlapped:
     return plain
   total = memory.host_memory_total() if host_memory_bytes is None else host_memory_bytes
-  return max(plain, min(HostBytes().per_parameter("host", param_bytes) * num_params, int(HOST_SHARE * total)))
+  per = host_bytes_per(moments).per_parameter("host", param_bytes)
+  return max(plain, min(math.ceil(per * num_params), int(HOST_SHARE * total)))
 
 
 def make_plan(
@@ -296,13 +299,15 @@ def make_plan(
     if micro_batch_order == "stage" and stage_times is not None:
       boundaries = (micro_batches - 1) * stage_times.boundary_bytes
     if stage_times is None or whole.calibration is None:
-      resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries)
+      resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries,
+                                         owner.hyper.moments)  # fmt: skip
       stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
       placements = stage_ordered_placements(forward_order, sizes, resident, stream)
       return Plan(subgroups, tuple(placements), sizes, slots, source="model+stages", calibration=whole.calibration,
                   step_room_bytes=whole.step_room_bytes)  # fmt: skip
     return _timeline_plan(whole, groups, layout, stage_times, boundaries, stage_policies, micro_batches,
-                          micro_batch_order, run_ahead_stages, max_stream_slots, host_budget_bytes)  # fmt: skip
+                          micro_batch_order, run_ahead_stages, max_stream_slots, host_budget_bytes,
+                          owner.hyper.moments)  # fmt: skip
   if isinstance(spec, str):
     if spec not in PLACEMENTS:
       raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
@@ -319,7 +324,7 @@ def make_plan(
 def _timeline_plan(
   whole: Plan, groups: list, layout: StepLayout, stage_times: StageTimes, boundaries: int,
   stage_policies: tuple[str, ...] | None, micro_batches: int, micro_batch_order: str, run_ahead_stages: int,
-  max_stream_slots: int, host_budget_bytes: int,
+  max_stream_slots: int, host_budget_bytes: int, moments: str = "float32",
 ) -> Plan:  # fmt: skip
   """Placements and rematerialisation chosen together: the predicted fastest step that fits.
 
@@ -344,7 +349,8 @@ def _timeline_plan(
   else:
     candidates = [stage_policies if stage_times.remat and stage_policies else None]
   per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / (sum(sizes) or 1)
-  least = STAGING_BYTES * max(sizes, default=0) * per_device  # one streaming slot of the largest subgroup
+  state, staging = _device_bytes(moments)
+  least = staging * max(sizes, default=0) * per_device  # one streaming slot of the largest subgroup
   cal = whole.calibration
   best = None
   for policies in candidates:
@@ -355,13 +361,15 @@ def _timeline_plan(
       room = None if whole.step_room_bytes is None else whole.step_room_bytes - boundaries - extra
       if policies != full and stage_times.remat_choices and (room is None or room < least):
         continue
-    resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries + extra)
+    resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries + extra,
+                                       moments)  # fmt: skip
     backward = stream_rate_during_backward(times, sum(sizes) / len(sizes), run_ahead_stages)
     rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
                   cal["stream_rate_concurrent"], backward)  # fmt: skip
     window = times.per_window(k, micro_batch_order)
     placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
-                                              host_budget_bytes=host_budget_bytes)  # fmt: skip
+                                              host_budget_bytes=host_budget_bytes,
+                                              host_bytes=host_bytes_per(moments))  # fmt: skip
     step = times.compute_s(k) + predicted["exposed_s"]
     if best is None or step < best[0] * (1 - 1e-9):
       best = (step, policies, times, window, placements, predicted, rates, slots)
@@ -373,15 +381,29 @@ def _timeline_plan(
               step_room_bytes=whole.step_room_bytes, remat=policies if stage_times.remat_choices else None)  # fmt: skip
 
 
+def _device_bytes(moments: str) -> tuple[float, float]:
+  """Accelerator bytes a parameter of ``moments`` takes resident and streamed in flight (``STATE_BYTES`` and
+  ``STAGING_BYTES`` with float32 moments; the plain planner counts the same)."""
+  state = moment_formats.state_bytes_per_param(moments)
+  return state, STAGING_BYTES - STATE_BYTES + state
+
+
 def room_beside_step(
-  whole: Plan, groups: list, sizes: tuple[int, ...], forward_order: list[int], max_slots: int, boundary_bytes: int = 0
+  whole: Plan,
+  groups: list,
+  sizes: tuple[int, ...],
+  forward_order: list[int],
+  max_slots: int,
+  boundary_bytes: int = 0,
+  moments: str = "float32",
 ) -> tuple[int, int]:
   """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
 
   The plain plan holds its streaming slots only in the update phase, after
   the activations are gone; here they are in flight during the backward
   pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
-  the largest subgroup that is not resident (per device) must fit the room
+  the largest subgroup that is not resident (per device; both with the bytes
+  of ``moments``' state) must fit the room
   beside that peak (``whole.step_room_bytes``, less ``boundary_bytes``: the
   stage inputs the plain step's peak does not hold): the resident share
   shrinks, and the slots only where the room cannot hold them all (down to
@@ -393,16 +415,17 @@ def room_beside_step(
   resident, total, slots = whole.elements("device"), sum(sizes), max_slots
   if whole.step_room_bytes is None:
     return resident, slots
+  state, staging = _device_bytes(moments)
   per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / total
   room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
-  if resident >= total and STATE_BYTES * total * per_device <= room:
+  if resident >= total and state * total * per_device <= room:
     return resident, slots
   for _ in range(len(sizes)):
     kept = stage_ordered_placements(forward_order, sizes, cap, 0)
     largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)
-    slot = STAGING_BYTES * largest * per_device
+    slot = staging * largest * per_device
     slots = max(1, min(max_slots, int(room // slot))) if slot else max_slots
-    smaller = int(min(resident, max(0.0, (room - slots * slot) / STATE_BYTES) / per_device))
+    smaller = int(min(resident, max(0.0, (room - slots * slot) / state) / per_device))
     if smaller >= cap:
       break
     cap = smaller
@@ -422,9 +445,9 @@ def fixed_host_bytes(plan: Plan, layout: StepLayout, moments: str = "float32") -
                  for placement, leaves in zip(plan.placements, plan.subgroups) for i in leaves))  # fmt: skip
 
 
-def speculation_cap(plan: Plan, layout: StepLayout, budget: int) -> int:
+def speculation_cap(plan: Plan, layout: StepLayout, budget: int, moments: str = "float32") -> int:
   """Streamed parameters a step may speculate on: as many as ``budget`` holds beside the fixed bytes."""
-  return max(0, (budget - fixed_host_bytes(plan, layout)) // HostBytes().speculation)
+  return max(0, int((budget - fixed_host_bytes(plan, layout, moments)) // host_bytes_per(moments).speculation))
 
 
 def host_bytes(plan: Plan, layout: StepLayout, speculation: int | None, moments: str = "float32") -> int:
@@ -501,13 +524,13 @@ class Routes:
     return sorted(subgroups, key=self.forward_rank.__getitem__)
 
 
-def routes(plan: Plan, layout: StepLayout, host_budget_bytes: int) -> Routes:
-  """The :class:`Routes` of ``plan``."""
+def routes(plan: Plan, layout: StepLayout, host_budget_bytes: int, moments: str = "float32") -> Routes:
+  """The :class:`Routes` of ``plan`` (``moments``: the optimizer's format, which sizes its host bytes)."""
   stream_order = tuple(s for s in layout.hand_over if plan.placements[s] == "stream")
   return Routes(
     plan, {s: r for r, s in enumerate(layout.forward_order)}, stream_order,
     {s: r for r, s in enumerate(stream_order)}, frozenset(stream_share_of_host(plan, layout)),
-    speculation_cap(plan, layout, host_budget_bytes), _resident_calls(plan),
+    speculation_cap(plan, layout, host_budget_bytes, moments), _resident_calls(plan),
   )  # fmt: skip
 
 
@@ -523,7 +546,12 @@ def _resident_calls(plan: Plan) -> tuple[tuple[int, ...], ...]:
 
 
 def rebalanced(
-  plan: Plan, layout: StepLayout, ends: dict[str, float], last_move: str | None, host_budget_bytes: int
+  plan: Plan,
+  layout: StepLayout,
+  ends: dict[str, float],
+  last_move: str | None,
+  host_budget_bytes: int,
+  moments: str = "float32",
 ) -> tuple[Plan | None, str | None, bool]:
   """``(new plan, the path it moved a subgroup to, stop)``: one subgroup across the stream/host boundary.
 
@@ -549,7 +577,8 @@ def rebalanced(
   new = plan.with_placements(placements, predicted={}, source=plan.source.split("+rebalanced")[0] + "+rebalanced")
   if to == "host":
     try:
-      check_host_memory(new, layout, speculation_cap(new, layout, host_budget_bytes), host_budget_bytes)
+      cap = speculation_cap(new, layout, host_budget_bytes, moments)
+      check_host_memory(new, layout, cap, host_budget_bytes, moments)
     except MemoryError:
       return None, None, True
   return new, to, False

@@ -64,7 +64,8 @@ def test_the_pinned_pool_is_capped_from_the_need_before_jax_starts():
 def test_a_run_that_cannot_fit_the_hosts_ram_stops_before_anything_moves():
   """``--offload host`` puts the whole state on the host: a host whose RAM cannot hold it and the process's headroom
   stops the run before jax starts, with the numbers and what to change; a larger host takes it."""
-  args = build_parser().parse_args(["--preset", "gpt-6.7b", "--offload", "host", "--overlap", "off"])
+  args_list = ["--preset", "gpt-6.7b", "--offload", "host", "--overlap", "off"]
+  args = build_parser().parse_args(args_list)
   n = gpt_model.param_count(gpt_model.get_config("gpt-6.7b"))
   certain, most = host_memory.pinned_need(args)
   assert certain == 12 * n and most == 16 * n  # the state; and a gradient or weight copy each, on the plain step
@@ -77,6 +78,9 @@ def test_a_run_that_cannot_fit_the_hosts_ram_stops_before_anything_moves():
   assert host_memory.cap_host_memory(args, host_memory_bytes=4 * small) is None  # fits; jax has started here
   auto = build_parser().parse_args(["--preset", "gpt-6.7b"])  # a plan may keep state resident: nothing is certain
   assert host_memory.pinned_need(auto, small)[0] == 0
+  int8 = build_parser().parse_args([*args_list, "--moments", "int8"])
+  state = jax_dos.state_bytes_per_param("int8")  # about 6 B a parameter: the float32 master and two 8-bit moments
+  assert host_memory.pinned_need(int8) == (math.ceil(state * n), math.ceil((state + 4) * n))
 
 
 def test_the_need_bound_is_an_all_host_overlapped_plans_need():

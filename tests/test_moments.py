@@ -1,5 +1,7 @@
 """Compact moments (``moments="bfloat16" | "int8"``): one rounding on every path, close to float32 Adam."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,56 @@ def test_host_and_jnp_encode_and_decode_to_the_same_bits(moments):
     big = np.abs(x) >= 0.25 * block_max if moments == "int8" else x != 0
     np.testing.assert_allclose(back[big], x[big], rtol=2**-7 if moments == "bfloat16" else 2 / 63)
     assert np.all((back == 0) == (x == 0)) if salt == 1 else True  # a nonzero nu never decodes to 0
+
+
+def test_the_host_kernel_decodes_every_code_as_the_tables_do():
+  """The host kernel computes the decode tables (a division, rounded once); the jnp paths look them up."""
+  stored = np.zeros((1, mf.BLOCK + 4), np.uint8)
+  stored[0, :256] = np.arange(256)
+  scale = np.float32(np.random.default_rng().uniform(0.5, 2))
+  stored[0, mf.BLOCK :] = np.frombuffer(scale.tobytes(), np.uint8)
+  for salt in (0, 1):
+    host = mf.host_decode(stored, 256, "int8", salt)
+    np.testing.assert_array_equal(
+      host.view(np.uint32), np.asarray(mf.decode(jnp.asarray(stored), (256,), "int8", salt)).view(np.uint32)
+    )
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "int8"])
+@pytest.mark.parametrize("into", [False, True], ids=["in_place", "into"])
+def test_the_host_kernel_is_decode_float32_adam_encode(moments, into):
+  """Bit for bit: the fused kernel equals host_decode, AdamW in numpy float32 (optax's order), host_encode."""
+  from jax_dos import adam_math, host_kernels
+
+  rng = np.random.default_rng()
+  n, f = 5 * mf.BLOCK + 37, np.float32
+  hyper = adam_math.AdamHyper(1e-2, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-10, weight_decay=0.1, moments=moments)
+  sc = np.asarray(adam_math.step_scalars(hyper, jnp.asarray(int(rng.integers(0, 10**6)), jnp.int32), 0.7))
+  g, p = (rng.standard_normal(n).astype(f) for _ in range(2))
+  g[: mf.BLOCK] = 0  # a zero block: scale 0
+  m, v = _moment_samples(rng, n, 0), _moment_samples(rng, n, 1)
+  seed = float(rng.integers(1, mf.SEED_PERIOD))
+  mm, vv = mf.host_encode(m, moments, seed, 0), mf.host_encode(v, moments, seed, 1)
+  m_old, v_old = mf.host_decode(mm, n, moments, 0), mf.host_decode(vv, n, moments, 1)
+  gs = g * sc[3]
+  m_new = f(1 - hyper.b1) * gs + f(hyper.b1) * m_old
+  v_new = f(1 - hyper.b2) * (gs * gs) + f(hyper.b2) * v_old
+  u = (m_new / sc[1]) / (np.sqrt(v_new / sc[2] + f(hyper.eps_root)) + f(hyper.eps)) + f(hyper.weight_decay) * p
+  p_new = p + sc[0] * u
+  kw = dict(
+    b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root, weight_decay=hyper.weight_decay, scalars=sc
+  )
+  low = np.zeros(n, jnp.bfloat16)
+  if into:
+    out = (np.zeros_like(p), np.zeros_like(mm), np.full_like(vv, 7))
+    host_kernels.adam_many_into([(g, p, mm, vv, *out, low)], [True], **kw)
+  else:
+    out = (p, mm, vv)
+    host_kernels.adam_many([(g, p, mm, vv, low)], [True], **kw)
+  np.testing.assert_array_equal(out[0], p_new)
+  np.testing.assert_array_equal(low, p_new.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(_bytes(out[1]), _bytes(mf.host_encode(m_new, moments, float(sc[4]), 0)))
+  np.testing.assert_array_equal(_bytes(out[2]), _bytes(mf.host_encode(v_new, moments, float(sc[4]), 1)))
 
 
 def test_stochastic_rounding_is_unbiased():
@@ -198,3 +250,28 @@ def test_write_behind_and_the_plain_delay_keep_the_rounding():
   for other in runs[1:]:
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(other)):
       np.testing.assert_array_equal(_bytes(a), _bytes(b))
+
+
+def test_the_overlapped_plan_counts_each_formats_host_bytes():
+  """One host budget holds more of the host path with compact state: the timeline planner counts its bytes."""
+  from test_overlap import B1, B2, STAGES, WD, make_groups
+  from test_overlap import LR as OVERLAP_LR
+
+  from jax_dos import overlap_plan
+
+  groups = make_groups(np.random.default_rng())
+  sizes = jax_dos.plan.partition_groups(groups, 40)[1]
+  budget, times = 16 * sum(sizes), jax_dos.StageTimes((1.0,) * len(STAGES), (2.0,) * len(STAGES))
+  layout = overlap_plan.step_layout(jax_dos.StagedModel(STAGES, len(groups)), groups, 40)
+  host = {}
+  for moments in ("float32", "int8"):
+    planner = jax_dos.auto_planner(jax_dos.Calibration(100.0, 10.0, 1e6, 100.0, 10.0))  # the host path is faster
+    tx = jax_dos.interleaved_adamw(OVERLAP_LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, moments=moments,
+                                   planner=planner)  # fmt: skip
+    plan = jax_dos.overlapped_plan(tx, STAGES, groups, stage_times=times, host_budget_bytes=budget)
+    cap = overlap_plan.speculation_cap(plan, layout, budget, moments)
+    assert overlap_plan.host_bytes(plan, layout, cap, moments) <= budget
+    host[moments] = plan.elements("host")
+    n = sum(sizes)
+    assert jax_dos.host_need_bound(n, moments=moments) == math.ceil((mf.state_bytes_per_param(moments) + 4) * n)
+  assert 0 < host["float32"] < host["int8"]

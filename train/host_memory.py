@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import math
 
 import jax_dos
 from train import overlapped
@@ -41,9 +42,9 @@ def pinned_need(args: argparse.Namespace, host_memory_bytes: int | None = None) 
   may_overlap = args.overlap != "off" and overlapped.refusal(args) is None
   most = jax_dos.host_need_bound(
     n, param_bytes, overlapped=may_overlap, moment_copies=args.delay_predict == "gradient",
-    host_memory_bytes=host_memory_bytes,
+    host_memory_bytes=host_memory_bytes, moments=args.moments,
   )  # fmt: skip
-  certain = 12 * n if args.offload in ("host", "stream") else 0
+  certain = math.ceil(jax_dos.state_bytes_per_param(args.moments) * n) if args.offload in ("host", "stream") else 0
   return certain, most
 
 
