@@ -78,16 +78,30 @@ def one_launch_at_a_time(fn):
   return launch
 
 
+def _same_in_every_process(helper):
+  """``helper`` (a jitted function that kernels below close over) pickled alike in every process.
+
+  numba finds a cached closure by its code and the pickled bytes of its cells, and a jitted function pickles with
+  an id drawn at random per process: the kernels below were compiled again in every process (1-2 s each). The id
+  is named after the function instead.
+  """
+  helper._set_uuid(f"{helper.py_func.__module__}.{helper.py_func.__qualname__}")
+  return helper
+
+
+@_same_in_every_process
 @numba.njit(inline="always")
 def _load_f32(x):
   return x
 
 
+@_same_in_every_process
 @numba.njit(inline="always")
 def _load_bf16(x):  # x: the uint16 bits of a bfloat16; widening is exact
   return np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
 
 
+@_same_in_every_process
 @numba.njit(inline="always")
 def _bf16_bits(x):  # float32 -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN
   bits = np.float32(x).view(np.uint32)
@@ -97,6 +111,7 @@ def _bf16_bits(x):  # float32 -> bfloat16 bits, round to nearest even; NaN stays
   return np.uint16((bits + rounding) >> np.uint32(16))
 
 
+@_same_in_every_process
 @numba.njit(inline="always")
 def _store_f32(x):
   return x
