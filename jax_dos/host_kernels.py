@@ -81,11 +81,12 @@ def one_launch_at_a_time(fn):
 def _same_in_every_process(helper):
   """``helper`` (a jitted function that kernels below close over) pickled alike in every process.
 
-  numba finds a cached closure by its code and the pickled bytes of its cells, and a jitted function pickles with
-  an id drawn at random per process: the kernels below were compiled again in every process (1-2 s each). The id
-  is named after the function instead.
+  numba finds a cached closure by its code and the pickled bytes of its cells. A jitted function pickles with an id
+  drawn at random per process, which would make every process compile the kernels again (1-2 s each); the id is
+  the function's name instead (a numba without ``_set_uuid`` compiles them in every process).
   """
-  helper._set_uuid(f"{helper.py_func.__module__}.{helper.py_func.__qualname__}")
+  if hasattr(helper, "_set_uuid"):
+    helper._set_uuid(f"{helper.py_func.__module__}.{helper.py_func.__qualname__}")
   return helper
 
 
