@@ -252,7 +252,7 @@ def main(argv=None) -> dict:
     return {}
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
   if args.smoke:
-    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"}
   processes = args.processes or gpu_count()
   if processes < 2:
     raise SystemExit(f"error: scaling out needs 2 or more GPUs (found {processes}); pass --processes or --smoke.")

@@ -79,16 +79,31 @@ def one_launch_at_a_time(fn):
   return launch
 
 
+def _same_in_every_process(helper):
+  """``helper`` (a jitted function that kernels below close over) pickled alike in every process.
+
+  numba finds a cached closure by its code and the pickled bytes of its cells. A jitted function pickles with an id
+  drawn at random per process, which would make every process compile the kernels again (1-2 s each); the id is
+  the function's name instead (a numba without ``_set_uuid`` compiles them in every process).
+  """
+  if hasattr(helper, "_set_uuid"):
+    helper._set_uuid(f"{helper.py_func.__module__}.{helper.py_func.__qualname__}")
+  return helper
+
+
+@_same_in_every_process
 @numba.njit(inline="always")
 def _load_f32(x):
   return x
 
 
+@_same_in_every_process
 @numba.njit(inline="always")
 def _load_bf16(x):  # x: the uint16 bits of a bfloat16; widening is exact
   return np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
 
 
+@_same_in_every_process
 @numba.njit(inline="always")
 def _bf16_bits(x):  # float32 -> bfloat16 bits, round to nearest even; NaN stays a (quiet) NaN
   bits = np.float32(x).view(np.uint32)
@@ -98,6 +113,7 @@ def _bf16_bits(x):  # float32 -> bfloat16 bits, round to nearest even; NaN stays
   return np.uint16((bits + rounding) >> np.uint32(16))
 
 
+@_same_in_every_process
 @numba.njit(inline="always")
 def _store_f32(x):
   return x

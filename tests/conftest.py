@@ -6,6 +6,11 @@ inherits it through the environment): the tests build the same small programs ag
 removed at the end, so a run never reads programs compiled by an earlier one; a ``JAX_COMPILATION_CACHE_DIR``
 given by the caller is used as it is.
 
+XLA compiles the tests' programs at backend optimization level 0 (``COMPILE_FLAGS``, added to ``XLA_FLAGS`` for
+the run and every interpreter it starts): the programs are tiny and compiling them is most of the suite's time.
+Unoptimized programs fuse no multiply-adds: a result may differ from an optimized build's in its last bits, which no
+test compares against (tests compare programs compiled alike, or within tolerances).
+
 The longest tests run first (``RUN_FIRST``), so that pytest-xdist's workers (``-n 2`` in pyproject.toml) share out
 the short ones after them instead of one worker finishing a long test alone at the end.
 """
@@ -20,6 +25,7 @@ import pytest
 
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 OWNED_ENV = "JAX_DOS_TESTS_OWN_CACHE"  # set when this test run made the directory (and removes it)
+COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 
 # Node id prefixes of the longest tests (each runs for tens of seconds: subprocesses, whole training runs), longest
 # first. Only the order depends on it: a test missing here runs all the same, after these.
@@ -49,6 +55,9 @@ def pytest_configure(config):
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="jax-dos-tests-compilation-cache-")
     os.environ[OWNED_ENV] = "1"
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tests' programs compile quickly
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_backend_optimization_level" not in flags:  # a level given by the caller is kept
+    os.environ["XLA_FLAGS"] = f"{flags} {COMPILE_FLAGS}".strip()
   import jax
 
   jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 
@@ -19,6 +20,13 @@ SHAPES = {
   "scale": (),
   "empty": (0, 3),
 }
+
+
+def cpu_devices_env(devices: int, **extra: str) -> dict[str, str]:
+  """This process's environment for an interpreter of ``devices`` CPU devices: ``XLA_FLAGS`` keeps the run's flags
+  (``conftest.COMPILE_FLAGS``) and adds the device count."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
 
 
 def random_tree(rng: np.random.Generator, shapes=SHAPES, dtype=jnp.float32, scale: float = 1.0):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import cpu_devices_env
 
 import jax_dos
 from jax_dos.checkpoint import MANIFEST, CheckpointManager, from_optax_adamw_state, to_optax_adamw_state
@@ -498,7 +499,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_restore_4_devices(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(4)
   proc = subprocess.run(
     [sys.executable, "-c", _SHARDED_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
   )

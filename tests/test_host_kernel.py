@@ -1,6 +1,9 @@
 """The fused host kernel computes adam_math's step on many buffers at once."""
 
 import concurrent.futures
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -158,3 +161,24 @@ def test_two_threads_launching_at_once_both_finish_with_one_threads_numbers():
   for got, want in zip(inputs, alone):
     for x, y in zip(got, want):
       np.testing.assert_array_equal(x, y)
+
+
+_STEP_ONCE = """
+import numpy as np
+from jax_dos import host_kernels
+g, p, m, v = (np.ones(64, np.float32) for _ in range(4))
+host_kernels.adam_many([(g, p, m, v)], [True], b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.1,
+                       scalars=np.array([-1e-3, 0.1, 0.001], np.float32))
+"""
+
+
+def test_a_new_interpreter_loads_the_kernel_compiled_here_from_numbas_cache():
+  """The kernels are closures over jitted helpers; numba's cache finds them in every process (not compiled again)."""
+  exec(_STEP_ONCE, {})  # compiled (or loaded) and cached here
+  env = dict(os.environ, NUMBA_DEBUG_CACHE="1")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  command = [sys.executable, "-c", _STEP_ONCE]
+  out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = [line for line in out.stdout.splitlines() if "adam_inplace" in line and "data" in line]
+  assert lines and all("data loaded" in line for line in lines), out.stdout[-3000:]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from helpers import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
@@ -47,8 +48,7 @@ def launch(command: Callable[[str, int], tuple[list[str], dict]], processes: int
 
   A process that fails ends the others (they would wait for it in a collective); none outlives ``TIMEOUT_S``.
   """
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             PYTHONFAULTHANDLER="1")  # fmt: skip
+  env = cpu_devices_env(devices, PYTHONFAULTHANDLER="1")
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   port = str(_free_port())
   with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +94,7 @@ def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(tmp_path):
   seed = str(np.random.default_rng().integers(2**31))
   for out in run_processes(CHECKPOINT_WORKER, seed, str(tmp_path)):
     assert "ok restored in 2 processes" in out, out
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = cpu_devices_env(4)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   command = [sys.executable, str(CHECKPOINT_WORKER), "single", str(tmp_path)]
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_rel_diff
+from helpers import cpu_devices_env, max_rel_diff
 
 import jax_dos
 from jax_dos.job_thread import JobThread
@@ -500,7 +499,7 @@ SHARDED = textwrap.dedent(
 
 
 def test_sharded_on_four_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(4)
   root = Path(__file__).resolve().parent.parent
   out = subprocess.run([sys.executable, "-c", SHARDED], cwd=root, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -7,11 +7,12 @@ the parameters must come back replicated, and the numbers must be optax's.
 Runs in a fresh interpreter with 4 host devices (set before jax starts).
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from helpers import cpu_devices_env
 
 SCRIPT = textwrap.dedent(
   """
@@ -80,7 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_partitioned_state_matches_optax_and_holds_shares():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = cpu_devices_env(4)
   command = [sys.executable, "-c", SCRIPT]
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from helpers import cpu_devices_env
 
 SCRIPT = textwrap.dedent(
   """
@@ -81,7 +82,7 @@ def _run(env: dict, *args: str) -> str:
 
 
 def test_sharded_params_match_optax():
-  _run(dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"))
+  _run(cpu_devices_env(4))
 
 
 def _accelerators() -> int:

@@ -585,6 +585,7 @@ def recovery_runs(tmp_path_factory):
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+@pytest.mark.xdist_group("recovery_runs")  # one worker makes the module's runs
 @pytest.mark.parametrize(
   "kind", ["truncated", "bit_flipped_in_metadata", "master_removed", "4k_overwritten", "manifest_missing"]
 )
@@ -649,6 +650,7 @@ def checkpointed_run(tmp_path_factory):
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
+@pytest.mark.xdist_group("checkpointed_run")  # one worker makes the module's run
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the learning rate, in float32
 @pytest.mark.parametrize("ckpt_every, match", [("1", "parameters after step 5's update are not finite"),
                                                ("4", "training loss of step 6 is nan")])  # fmt: skip
