@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import threading
 from collections.abc import Sequence
@@ -79,15 +80,29 @@ def one_launch_at_a_time(fn):
   return launch
 
 
+def _sources_digest() -> str:
+  """A digest of the sources the kernels inline (this module, ``adam_math``, ``moment_formats``, ``host_compact``)."""
+  digest = hashlib.sha256()
+  for path in sorted({__file__, adam_math.__file__, mf.__file__, host_compact.__file__}):
+    with open(path, "rb") as f:
+      digest.update(f.read())
+  return digest.hexdigest()[:16]
+
+
+_SOURCES = _sources_digest()
+
+
 def _same_in_every_process(helper):
   """``helper`` (a jitted function that kernels below close over) pickled alike in every process.
 
   numba finds a cached closure by its code and the pickled bytes of its cells. A jitted function pickles with an id
   drawn at random per process, which would make every process compile the kernels again (1-2 s each); the id is
-  the function's name instead (a numba without ``_set_uuid`` compiles them in every process).
+  the function's name and a digest of the sources the kernels inline instead, so that an edit to ``adam_math`` or
+  ``moment_formats`` (files numba's cache does not watch) compiles them again (a numba without ``_set_uuid``
+  compiles them in every process).
   """
   if hasattr(helper, "_set_uuid"):
-    helper._set_uuid(f"{helper.py_func.__module__}.{helper.py_func.__qualname__}")
+    helper._set_uuid(f"{helper.py_func.__module__}.{helper.py_func.__qualname__}.{_SOURCES}")
   return helper
 
 
