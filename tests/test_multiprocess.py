@@ -122,42 +122,26 @@ def _losses(out: Path) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_train_gpt_on_two_processes_matches_one_and_resumes(tmp_path):
+def test_train_gpt_on_two_processes_matches_one_and_resumes_on_the_overlapped_step(tmp_path):
   """``python -m train.gpt --mesh data=2,fsdp=2`` as 2 processes x 2 devices (explicit coordinator) trains as 1 process
-  of 4 devices does, and resumes from the checkpoint the 2 processes wrote."""
+  of 4 devices does, and resumes from the checkpoint the 2 processes wrote on the overlapped step (``--overlap on``):
+  the same losses, to rounding (float32 parameters)."""
+  flags = [*TINY_GPT, "--param-dtype", "float32"]
 
-  def gpt(*flags: str):
+  def gpt(*more: str):
     def command(port: str, i: int) -> tuple[list[str], dict]:
       coordinator = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
-      return [sys.executable, "-m", "train.gpt", *TINY_GPT, *flags], coordinator
+      return [sys.executable, "-m", "train.gpt", *flags, *more], coordinator
 
     return command
 
-  launch(lambda port, i: ([sys.executable, "-m", "train.gpt", *TINY_GPT, "--steps", "6", "--quiet", "--no-ckpt",
+  launch(lambda port, i: ([sys.executable, "-m", "train.gpt", *flags, "--steps", "6", "--quiet", "--no-ckpt",
                            "--out", str(tmp_path / "one")], {}), processes=1, devices=4)  # fmt: skip
   outputs = launch(gpt("--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "two")))
   assert "done: step 4" in outputs[0] and "done:" not in outputs[1], outputs  # messages from process 0 only
   assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["2", "4"]
-  outputs = launch(gpt("--steps", "6", "--resume", "--out", str(tmp_path / "two")))
-  assert "resumed from step 4" in outputs[0], outputs[0]
+  outputs = launch(gpt("--steps", "6", "--resume", "--overlap", "on", "--out", str(tmp_path / "two")))
+  assert "resumed from step 4" in outputs[0] and "step    overlapped (--overlap on)" in outputs[0], outputs[0]
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
   assert sorted(one) == sorted(two) == list(range(1, 7)), (one, two)
   np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=1e-5)
-
-
-def test_train_gpt_overlapped_on_two_processes_matches_the_plain_step(tmp_path):
-  """``python -m train.gpt --mesh data=2 --overlap on`` as 2 processes x 1 device trains as ``--overlap off`` does
-  (1 process x 2 devices), with the clip firing: float32 parameters, so the losses agree to rounding."""
-  flags = [*TINY_GPT[:-2], "--mesh", "data=2", "--param-dtype", "float32", "--steps", "4", "--no-ckpt"]
-
-  def gpt(port: str, i: int) -> tuple[list[str], dict]:
-    coordinator = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
-    return [sys.executable, "-m", "train.gpt", *flags, "--overlap", "on", "--out", str(tmp_path / "on")], coordinator
-
-  launch(lambda port, i: ([sys.executable, "-m", "train.gpt", *flags, "--overlap", "off", "--quiet", "--out",
-                           str(tmp_path / "off")], {}), processes=1, devices=2)  # fmt: skip
-  outputs = launch(gpt, processes=2, devices=1)
-  assert "step    overlapped (--overlap on)" in outputs[0], outputs[0]
-  on, off = _losses(tmp_path / "on"), _losses(tmp_path / "off")
-  assert sorted(on) == sorted(off) == [1, 2, 3, 4], (on, off)
-  np.testing.assert_allclose([on[s] for s in off], [off[s] for s in off], rtol=1e-5)
