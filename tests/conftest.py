@@ -17,6 +17,7 @@ the short ones after them instead of one worker finishing a long test alone at t
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -95,3 +96,16 @@ def calibrated_cache(tmp_path, calibration):
   home = tmp_path / "cache"
   C.save(calibration, home / "jax_dos" / C.cache_path(calibration.key).name)
   return home
+
+
+@pytest.fixture(autouse=True)
+def library_logging_as_it_was():
+  """A test that runs ``train.gpt`` in-process routes ``jax_dos``'s records to the script's own handler
+  (``train.progress.show_library_notes``: no longer propagated to the root logger, where ``caplog`` listens); each
+  test leaves the ``jax_dos`` logger as it found it, whichever tests ran before it on its worker."""
+  logger = logging.getLogger("jax_dos")
+  level, propagate, handlers = logger.level, logger.propagate, list(logger.handlers)
+  yield
+  logger.setLevel(level)
+  logger.propagate = propagate
+  logger.handlers[:] = handlers
