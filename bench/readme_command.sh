@@ -4,7 +4,8 @@
 #   readme_6p7b        python -m train.gpt --preset gpt-6.7b --batch 8 --grad-accum 2 --no-ckpt  (+ --steps, --out)
 #   readme_6p7b_plain  the same with --overlap off, stopped at the call's deadline (its metrics.jsonl keeps its steps)
 # Each writes OUT/<name>.json (exit status, peak RSS, exit after the last line), .log (time-stamped output) and
-# _metrics.jsonl (every step: loss, gradient norm, clip fired, tokens/s). EXTRA is added to both commands.
+# _metrics.jsonl (every step: loss, gradient norm, clip fired, tokens/s). EXTRA is added to both commands; NAME
+# (default readme_6p7b) names the files.
 # Usage: OUT=/some/dir STEPS=60 DEADLINE_S=585 [PLAIN=0: the first command only] [PLAIN_STEPS=20] bash \
 #   bench/readme_command.sh. Both in one 600 s call: STEPS=30 PLAIN_STEPS=20 (about 360 s and 210 s at 6.7B).
 set -uo pipefail
@@ -22,7 +23,8 @@ run() {  # name, extra flags...
     python3 -m train.gpt --preset gpt-6.7b --batch 8 --grad-accum 2 --no-ckpt --steps "$STEPS" --log-every 5 \
     --out "/tmp/$name" --overwrite ${EXTRA:-} "$@" | tail -1  # a later --steps in "$@" wins
   cp "/tmp/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
-  grep -h "^ *[0-9.]* \(step    \|calibration\|memory  \|host    \|  predicted\|clip \|done\)" "$OUT/$name.log" | head -8
+  grep -h "^ *[0-9.]* \(step    \|calibration\|memory  \|host    \|  predicted\|  rematerialisation\|clip \|done\)" "$OUT/$name.log" | head -8
 }
-run readme_6p7b
-[[ ${PLAIN:-1} == 1 ]] && run readme_6p7b_plain --overlap off --steps "${PLAIN_STEPS:-$STEPS}"
+name=${NAME:-readme_6p7b}
+run "$name"
+[[ ${PLAIN:-1} == 1 ]] && run "${name}_plain" --overlap off --steps "${PLAIN_STEPS:-$STEPS}"

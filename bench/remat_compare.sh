@@ -18,10 +18,7 @@ if [[ $part == bench || $part == all ]]; then
   done
 fi
 if [[ $part == train || $part == all ]]; then
-  for remat in full auto; do
-    python3 bench/tools/run_timed.py --json "$OUT/train_gpt_remat_$remat.json" --log "$OUT/train_gpt_remat_$remat.log" -- \
-      python3 -m train.gpt --preset gpt-6.7b --batch 8 --grad-accum 2 --remat "$remat" --no-ckpt --steps 30 \
-      --log-every 5 --out "/tmp/remat_run_$remat" --overwrite
-    grep -h "step    \|rematerialisation" "$OUT/train_gpt_remat_$remat.log" | head -3
+  for remat in full auto; do  # the README's command (bench/readme_command.sh), overlapped step only
+    NAME=train_gpt_remat_$remat EXTRA="--remat $remat" PLAIN=0 STEPS=30 bash bench/readme_command.sh
   done
 fi
