@@ -7,7 +7,8 @@
 # _metrics.jsonl (every step: loss, gradient norm, clip fired, tokens/s). EXTRA is added to both commands; NAME
 # (default readme_6p7b) names the files.
 # Usage: OUT=/some/dir STEPS=60 DEADLINE_S=585 [PLAIN=0: the first command only] [PLAIN_STEPS=20] bash \
-#   bench/readme_command.sh. Both in one 600 s call: STEPS=30 PLAIN_STEPS=20 (about 360 s and 210 s at 6.7B).
+#   bench/readme_command.sh. Both in one 600 s call: STEPS=25 PLAIN_STEPS=15 DEADLINE_S=570 (STEPS=30 PLAIN_STEPS=20
+#   took 376 s and more than 215 s at 6.7B: the plain run was cut in its last validation).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results/train_gpt} STEPS=${STEPS:-60}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-dos-compile-cache}

@@ -56,6 +56,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -402,6 +403,7 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
   out["plan_predicted"] = dict(step.plan.predicted)
   out["plan_elements"] = {k: step.plan.elements(k) for k in ("device", "stream", "host")}
   out["init_s"] = time.perf_counter() - t0
+  print(f"overlap: planned and initialised in {out['init_s']:.0f} s", file=sys.stderr, flush=True)
 
   losses, norms = [], []
   t0 = time.perf_counter()
@@ -410,6 +412,7 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
     norms.append(float(step.grad_norm))
   step.settle()
   out["warmup_s"] = time.perf_counter() - t0
+  print(f"overlap: {args.warmup} warm-up steps in {out['warmup_s']:.0f} s", file=sys.stderr, flush=True)
 
   fb_times = []
   for i in range(args.fb_reps + 1):  # the first call may compile (no running sums in the first micro-batch)
@@ -464,10 +467,14 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
 def _child(args: argparse.Namespace, variant: str, result: str) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--variant", variant, "--result", result]
   t = time.perf_counter()
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-  except subprocess.TimeoutExpired as e:
-    return {"variant": variant, "error": f"timed out after {args.timeout} s", "stderr_tail": str(e.stderr)[-3000:]}
+  with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: a variant stopped at its timeout still tells where
+    try:
+      proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+      err.seek(0)
+      return {"variant": variant, "error": f"timed out after {args.timeout} s", "stderr_tail": err.read()[-3000:]}
+    err.seek(0)
+    proc.stderr = err.read()
   tail = (proc.stderr or "")[-12000:]  # a crash: every thread's Python stack, then the native one
   if proc.returncode != 0 and os.path.exists(result):  # it measured, then crashed (faulthandler's trace in the tail)
     with open(result) as f:

@@ -8,7 +8,9 @@ the start. ``--json`` gets: the exit status, the wall time, when the last
 line matching ``--mark`` came, how long the process took to end after it
 (``exit_after_mark_s``), and the peak resident set of the command's process
 tree and the peak of the machine's used memory, sampled every 0.5 s
-(``psutil``). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
+(``psutil``), with what the peak held: the command's resident set by mapping
+(``peak_rss_by_mapping``, from ``/proc/PID/smaps``: each file or device by
+name, anonymous memory by mapping size). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
 30 s later) and records ``stopped_at_deadline``, so that a run sized to a time
 limit still leaves its JSON.
 """
@@ -39,6 +41,29 @@ def _tree_rss(proc: psutil.Process) -> int:
     except psutil.Error:
       pass
   return total
+
+
+def _rss_by_mapping(pid: int, top: int = 12) -> dict[str, float]:
+  """GiB of resident memory a process holds, grouped: a mapped file or device by its path, anonymous memory as
+  ``[anon >=1GiB]``, ``[anon 64MiB-1GiB]`` or ``[anon <64MiB]`` by the mapping's size, the heap and stacks by name."""
+  groups: dict[str, int] = {}
+  name, size = "", 0
+  try:
+    with open(f"/proc/{pid}/smaps") as f:
+      for line in f:
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: range perms offset dev inode [path]
+          lo, hi = (int(x, 16) for x in head.split("-"))
+          parts = line.split(None, 5)
+          name, size = (parts[5].strip() if len(parts) > 5 else ""), hi - lo
+          if not name:
+            name = "[anon >=1GiB]" if size >= 2**30 else "[anon 64MiB-1GiB]" if size >= 2**26 else "[anon <64MiB]"
+        elif head == "Rss:":
+          groups[name] = groups.get(name, 0) + int(line.split()[1]) * 1024
+  except (OSError, ValueError):
+    return {}
+  biggest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+  return {k: round(v / 2**30, 3) for k, v in biggest if v >= 2**24}
 
 
 def main() -> None:
@@ -74,8 +99,15 @@ def main() -> None:
   peak_rss = peak_used = 0
   ps = psutil.Process(proc.pid)
   stopped_at = None
+  breakdown: dict[str, float] = {}
+  breakdown_rss = breakdown_at = 0.0
   while proc.poll() is None:
-    peak_rss = max(peak_rss, _tree_rss(ps))
+    rss = _tree_rss(ps)
+    peak_rss = max(peak_rss, rss)
+    now = time.perf_counter() - t0
+    if rss > breakdown_rss + 2**29 and now > breakdown_at + 5:  # a new peak: what holds it (at most every 5 s)
+      breakdown = _rss_by_mapping(proc.pid) or breakdown
+      breakdown_rss, breakdown_at = rss, now
     peak_used = max(peak_used, psutil.virtual_memory().used)
     now = time.perf_counter() - t0
     if args.deadline_s is not None and now > args.deadline_s:
@@ -95,6 +127,7 @@ def main() -> None:
     "exit_after_mark_s": wall - marked[-1] if marked else None,
     "stopped_at_deadline": stopped_at,
     "peak_rss_gib": peak_rss / 2**30,
+    "peak_rss_by_mapping": {"at_rss_gib": breakdown_rss / 2**30, "gib": breakdown},
     "peak_machine_used_gib": peak_used / 2**30,
     "machine_total_gib": psutil.virtual_memory().total / 2**30,
   }
