@@ -87,20 +87,18 @@ import numpy as np
 
 from jax_dos import checkpoint_integrity as integrity
 from jax_dos import checkpoint_moments, host_kernels, memory
+from jax_dos.checkpoint_processes import any_process, barrier, from_primary
+from jax_dos.checkpoint_template import (
+  TemplateMismatchError,
+  check_tree,
+  disk_template,
+  fill_empties,
+  ocp,
+  restore_item,
+  stand_in_empties,
+)
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.state_convert import from_optax_adamw_state, split_adam, to_optax_adamw_state
-
-
-class _Orbax:
-  """``orbax.checkpoint``, imported at first use: importing it adds about 0.2 s to every ``import jax_dos``."""
-
-  def __getattr__(self, name: str) -> Any:
-    import orbax.checkpoint
-
-    return getattr(orbax.checkpoint, name)
-
-
-ocp = _Orbax()
 
 __all__ = [
   "FORMAT",
@@ -144,102 +142,6 @@ def _process_bytes(x: Any) -> int:
   if isinstance(x, jax.Array):
     return sum(s.data.nbytes for s in x.addressable_shards)
   return int(getattr(x, "nbytes", 0))
-
-
-def _from_primary(value: int) -> int:
-  """Process 0's ``value`` in every process (``value`` itself in a single process); a collective."""
-  if jax.process_count() == 1:
-    return value
-  from jax.experimental import multihost_utils
-
-  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
-
-
-def _any_process(flag: bool) -> bool:
-  """Whether ``flag`` holds in some process (``flag`` itself in a single process); a collective."""
-  if jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-
-  return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
-
-
-def _barrier(name: str) -> None:
-  """Every process waits here for the others (nothing in a single process)."""
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)
-
-
-def _key_str(key: tuple) -> str:
-  return "/".join(str(k) for k in key) or "<root>"
-
-
-def _array_keys(tree: Any) -> dict[tuple, tuple]:
-  """Flat {path: shape} of the array leaves of a template or an Orbax metadata tree."""
-  flat = ocp.tree.to_flat_dict(tree)
-  return {k: tuple(v.shape) for k, v in flat.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
-
-
-def _check_tree(what: str, step: int, template: Any, on_disk: Any) -> None:
-  want = _array_keys(ocp.tree.serialize_tree(template, keep_empty_nodes=True))
-  have = _array_keys(on_disk)
-  missing = sorted(_key_str(k) for k in want.keys() - have.keys())
-  unexpected = sorted(_key_str(k) for k in have.keys() - want.keys())
-  shapes = sorted(
-    f"{_key_str(k)}: checkpoint {have[k]}, template {want[k]}" for k in want.keys() & have.keys() if want[k] != have[k]
-  )
-  if missing or unexpected or shapes:
-    lines = [f"checkpoint step {step}: the {what} do not match the template you passed to restore."]
-    if missing:
-      lines.append(f"  in the template but not in the checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-    if unexpected:
-      lines.append(
-        f"  in the checkpoint but not in the template: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
-      )
-    if shapes:
-      lines.append(f"  shape mismatches: {shapes[:10]}{' ...' if len(shapes) > 10 else ''}")
-    lines.append("Build the template from the same model configuration the checkpoint was saved with.")
-    raise TemplateMismatchError("\n".join(lines))
-
-
-class TemplateMismatchError(ValueError):
-  """The restore template's tree does not match the checkpoint's."""
-
-
-def _is_empty(x: Any) -> bool:
-  return hasattr(x, "shape") and hasattr(x, "dtype") and 0 in tuple(x.shape)
-
-
-# Orbax refuses zero-size arrays. Each is saved as a one-element stand-in; its real shape comes from the template.
-def _stand_in_empties(tree: Any) -> Any:
-  return jax.tree.map(lambda x: np.zeros((1,), x.dtype) if _is_empty(x) else x, tree)
-
-
-def _disk_template(template: Any) -> Any:
-  """The template as it is on disk: zero-size leaves as their one-element stand-ins."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,), x.dtype) if _is_empty(x) else x, template)
-
-
-def _restore_item(template: Any) -> ocp.args.PyTreeRestore:
-  """Restores ``template``'s tree in its shardings and memory kinds (stand-ins of empty leaves as numpy)."""
-  args = ocp.checkpoint_utils.construct_restore_args(template)
-  args = jax.tree.map(lambda t, a: ocp.RestoreArgs(restore_type=np.ndarray) if _is_empty(t) else a, template, args)
-  return ocp.args.PyTreeRestore(_disk_template(template), restore_args=args)
-
-
-def _fill_empties(restored: Any, template: Any) -> Any:
-  """Replaces the stand-ins with zero-size arrays shaped, typed and placed like the template's."""
-
-  def fill(x, t):
-    if not _is_empty(t):
-      return x
-    empty = np.zeros(t.shape, t.dtype)
-    sharding = getattr(t, "sharding", None)
-    return jax.device_put(empty, sharding) if sharding is not None else empty
-
-  return jax.tree.map(fill, restored, template)
 
 
 class DamagedCheckpointWarning(UserWarning):
@@ -322,7 +224,7 @@ class CheckpointManager:
     trees = {"params": params, "opt_state": canon}
     if parts.master is not None:
       trees["master"] = parts.master
-    trees = _stand_in_empties(trees)
+    trees = stand_in_empties(trees)
     fmt = {
       "format": FORMAT,
       "source": parts.kind,
@@ -414,7 +316,7 @@ class CheckpointManager:
     mode = "none" if host_bytes == 0 else "block" if too_much else self.host_copy.replace("auto", "copy")
     if too_much:
       log.warning("checkpoint: %.2f GiB of host state is too much to copy; saving synchronously.", host_bytes / 2**30)
-    return "block" if _any_process(mode == "block") else mode
+    return "block" if any_process(mode == "block") else mode
 
   def _write_pending_manifests(self) -> None:
     """Writes the manifest of every committed step saved by this manager (process 0 only; the others mark them)."""
@@ -442,7 +344,7 @@ class CheckpointManager:
     self._write_pending_manifests()
     self._apply_retention()
     if self._unsynced:  # every process waits for process 0's manifests and retention
-      _barrier("jax_dos_checkpoint_finished")
+      barrier("jax_dos_checkpoint_finished")
       self._unsynced = False
       self._write_pending_manifests()  # the other processes: their steps are committed, with manifests, by now
 
@@ -496,7 +398,7 @@ class CheckpointManager:
     if not _is_local(self.directory):
       return None
     damage = integrity.verify(self._step_dir(step)) if jax.process_index() == 0 else None
-    if _from_primary(damage is not None) and damage is None:
+    if from_primary(damage is not None) and damage is None:
       damage = integrity.Damage(OTHER_PROCESS, "process 0 found it damaged (its warning or error says how)")
     if damage is None:
       self._verified.add(step)
@@ -505,7 +407,7 @@ class CheckpointManager:
   def _set_aside(self, step: int, damage: integrity.Damage, *, warn: bool = True) -> str:
     """:meth:`_set_aside_here`, then every process waits until the step is moved (a collective)."""
     line = self._set_aside_here(step, damage, warn=warn)
-    _barrier("jax_dos_checkpoint_set_aside")
+    barrier("jax_dos_checkpoint_set_aside")
     return line
 
   def _set_aside_here(self, step: int, damage: integrity.Damage, *, warn: bool = True) -> str:
@@ -548,7 +450,7 @@ class CheckpointManager:
     processes, process 0 searches and the others take its answer.
     """
     found = self._search_latest() if jax.process_index() == 0 else -1
-    found = _from_primary(-1 if found is None else found)  # sent once process 0 has moved what it found damaged
+    found = from_primary(-1 if found is None else found)  # sent once process 0 has moved what it found damaged
     if found >= 0:
       self._verified.add(found)
     return None if found < 0 else found
@@ -638,26 +540,26 @@ class CheckpointManager:
       canon_t["extra"] = {str(i): x for i, x in enumerate(parts.extra)}
     metadata = self._mgr.item_metadata(step)
     tree_of = lambda m: getattr(m, "tree", m)  # noqa: E731
-    _check_tree("params", step, _disk_template(params_t), tree_of(metadata["params"]))
-    _check_tree("optimizer state (count, mu, nu)", step, _disk_template(canon_t), tree_of(metadata["opt_state"]))
+    check_tree("params", step, disk_template(params_t), tree_of(metadata["params"]))
+    check_tree("optimizer state (count, mu, nu)", step, disk_template(canon_t), tree_of(metadata["opt_state"]))
 
     want_master = parts.kind == "interleaved"
     items = {
-      "params": _restore_item(params_t),
-      "opt_state": _restore_item(canon_t),
+      "params": restore_item(params_t),
+      "opt_state": restore_item(canon_t),
       "meta": ocp.args.JsonRestore(),
     }
     if want_master and fmt["has_master"]:
-      _check_tree("master weights", step, _disk_template(parts.master), tree_of(metadata["master"]))
-      items["master"] = _restore_item(parts.master)
+      check_tree("master weights", step, disk_template(parts.master), tree_of(metadata["master"]))
+      items["master"] = restore_item(parts.master)
     out = self._mgr.restore(step, args=ocp.args.Composite(**items))
-    master = _fill_empties(out["master"], parts.master) if "master" in items else None
+    master = fill_empties(out["master"], parts.master) if "master" in items else None
     if want_master and not fmt["has_master"]:
       # An optax checkpoint: master = float32(saved params), read straight into the master's memory kind.
-      _check_tree("params (as master weights)", step, _disk_template(parts.master), tree_of(metadata["params"]))
-      master = self._mgr.restore(step, args=ocp.args.Composite(params=_restore_item(parts.master)))["params"]
-      master = _fill_empties(master, parts.master)
-    c = _fill_empties(out["opt_state"], canon_t)
+      check_tree("params (as master weights)", step, disk_template(parts.master), tree_of(metadata["params"]))
+      master = self._mgr.restore(step, args=ocp.args.Composite(params=restore_item(parts.master)))["params"]
+      master = fill_empties(master, parts.master)
+    c = fill_empties(out["opt_state"], canon_t)
     if moments_t[0] is not parts.mu:  # stored in another format: converted to the template's
       count = int(np.asarray(c["count"]))
       c["mu"], c["nu"] = (
@@ -666,5 +568,5 @@ class CheckpointManager:
       )
       checkpoint_moments.say_converted(step, source, target)
     extra = [c["extra"][str(i)] for i in range(len(parts.extra))] if parts.extra else []
-    params = _fill_empties(out["params"], params_t)
+    params = fill_empties(out["params"], params_t)
     return params, parts.rebuild(c["count"], master, c["mu"], c["nu"], extra), out["meta"]
