@@ -200,6 +200,15 @@ def _cap_pinned_pool(args: argparse.Namespace) -> None:
   jax_dos.cap_pinned_pool(most, certain_bytes=0)  # the plan says what fits (it may keep state resident)
 
 
+_STARTED = time.perf_counter()
+
+
+def _mark(what: str) -> None:
+  """A variant's phase on stderr, with the seconds since its process started (a timed-out variant's tail says where
+  the time went)."""
+  print(f"[{time.perf_counter() - _STARTED:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def run_variant(args: argparse.Namespace) -> dict:
   _cap_pinned_pool(args)
   env = common.setup_env(pinned_fraction=0.9, gpu_mem_fraction=args.mem_fraction)
@@ -222,7 +231,9 @@ def run_variant(args: argparse.Namespace) -> dict:
     param_dtype=args.param_dtype,
     remat="full" if args.remat == "auto" else args.remat,
   )
+  _mark("jax started")
   graphdef, params = arch.init_params(cfg, seed=0)
+  _mark("parameters initialised")
   tokens = data.load_tokens(None)[0]
   rows = args.batch * args.grad_accum
   batches = [jax.device_put(data.get_batch(tokens, rows, args.seq_len, 0, i)) for i in range(2)]
@@ -363,6 +374,7 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
     budgets["staging_budget_bytes"] = int(args.staging_gb * GIB)
   if len(budgets) < 2 and jax.devices()[0].memory_stats():
     need = gradients.gradient_step_memory(graphdef, params, (rows, args.seq_len), clip, "none", args.grad_accum)
+    _mark("the gradient step's memory measured (compiled)")
     budgets["step_memory"] = need
     out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
   t0 = time.perf_counter()
@@ -380,6 +392,7 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
     micro = tuple(x[: args.batch] for x in batches[0])
     policies = jax_dos.PLANNED_REMAT_POLICIES if args.remat == "auto" else ()
     times = jax_dos.StagedModel(stages, len(groups)).measure_times(groups, micro, policies)
+    _mark("stages measured")
     out["stage_times"] = {"forward_s": times.forward, "backward_s": times.backward,
                           "boundary_bytes": times.boundary_bytes, "measure_s": time.perf_counter() - t1,
                           "remat": {p: dataclasses.asdict(c) for p, c in times.remat.items()}}  # fmt: skip
@@ -403,7 +416,7 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
   out["plan_predicted"] = dict(step.plan.predicted)
   out["plan_elements"] = {k: step.plan.elements(k) for k in ("device", "stream", "host")}
   out["init_s"] = time.perf_counter() - t0
-  print(f"overlap: planned and initialised in {out['init_s']:.0f} s", file=sys.stderr, flush=True)
+  _mark(f"overlap: planned and initialised in {out['init_s']:.0f} s")
 
   losses, norms = [], []
   t0 = time.perf_counter()
@@ -412,7 +425,7 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
     norms.append(float(step.grad_norm))
   step.settle()
   out["warmup_s"] = time.perf_counter() - t0
-  print(f"overlap: {args.warmup} warm-up steps in {out['warmup_s']:.0f} s", file=sys.stderr, flush=True)
+  _mark(f"overlap: {args.warmup} warm-up steps in {out['warmup_s']:.0f} s")
 
   fb_times = []
   for i in range(args.fb_reps + 1):  # the first call may compile (no running sums in the first micro-batch)
