@@ -10,7 +10,8 @@ line matching ``--mark`` came, how long the process took to end after it
 tree and the peak of the machine's used memory, sampled every 0.5 s
 (``psutil``), with what the peak held: the command's resident set by mapping
 (``peak_rss_by_mapping``, from ``/proc/PID/smaps``: each file or device by
-name, anonymous memory by mapping size). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
+name, anonymous memory by mapping size, and each anonymous mapping of 1 GiB
+or more with its kernel flags). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
 30 s later) and records ``stopped_at_deadline``, so that a run sized to a time
 limit still leaves its JSON.
 """
@@ -43,11 +44,14 @@ def _tree_rss(proc: psutil.Process) -> int:
   return total
 
 
-def _rss_by_mapping(pid: int, top: int = 12) -> dict[str, float]:
-  """GiB of resident memory a process holds, grouped: a mapped file or device by its path, anonymous memory as
-  ``[anon >=1GiB]``, ``[anon 64MiB-1GiB]`` or ``[anon <64MiB]`` by the mapping's size, the heap and stacks by name."""
+def _rss_by_mapping(pid: int, top: int = 12) -> dict:
+  """What a process's resident memory is, from ``/proc/PID/smaps``: ``gib``, GiB grouped (a mapped file or device by
+  its path, anonymous memory as ``[anon >=1GiB]``, ``[anon 64MiB-1GiB]`` or ``[anon <64MiB]`` by the mapping's size,
+  the heap and stacks by name), and ``large_anon``, each anonymous mapping of 1 GiB or more (its range, size, resident
+  GiB and kernel flags: who made it shows in them, e.g. ``lo`` locked, ``dd`` not dumped)."""
   groups: dict[str, int] = {}
-  name, size = "", 0
+  large: list[dict] = []
+  name, size, current = "", 0, None
   try:
     with open(f"/proc/{pid}/smaps") as f:
       for line in f:
@@ -56,14 +60,26 @@ def _rss_by_mapping(pid: int, top: int = 12) -> dict[str, float]:
           lo, hi = (int(x, 16) for x in head.split("-"))
           parts = line.split(None, 5)
           name, size = (parts[5].strip() if len(parts) > 5 else ""), hi - lo
+          current = None
           if not name:
             name = "[anon >=1GiB]" if size >= 2**30 else "[anon 64MiB-1GiB]" if size >= 2**26 else "[anon <64MiB]"
+            if size >= 2**30:
+              current = {"range": head, "perms": parts[1], "size_gib": round(size / 2**30, 3)}
+              large.append(current)
         elif head == "Rss:":
-          groups[name] = groups.get(name, 0) + int(line.split()[1]) * 1024
+          rss = int(line.split()[1]) * 1024
+          groups[name] = groups.get(name, 0) + rss
+          if current is not None:
+            current["rss_gib"] = round(rss / 2**30, 3)
+        elif head == "VmFlags:" and current is not None:
+          current["flags"] = line.split(None, 1)[1].strip()
   except (OSError, ValueError):
     return {}
   biggest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
-  return {k: round(v / 2**30, 3) for k, v in biggest if v >= 2**24}
+  return {
+    "gib": {k: round(v / 2**30, 3) for k, v in biggest if v >= 2**24},
+    "large_anon": sorted(large, key=lambda m: -m.get("rss_gib", 0))[:16],
+  }
 
 
 def main() -> None:
@@ -99,7 +115,7 @@ def main() -> None:
   peak_rss = peak_used = 0
   ps = psutil.Process(proc.pid)
   stopped_at = None
-  breakdown: dict[str, float] = {}
+  breakdown: dict = {}
   breakdown_rss = breakdown_at = 0.0
   while proc.poll() is None:
     rss = _tree_rss(ps)
@@ -127,7 +143,7 @@ def main() -> None:
     "exit_after_mark_s": wall - marked[-1] if marked else None,
     "stopped_at_deadline": stopped_at,
     "peak_rss_gib": peak_rss / 2**30,
-    "peak_rss_by_mapping": {"at_rss_gib": breakdown_rss / 2**30, "gib": breakdown},
+    "peak_rss_by_mapping": {"at_rss_gib": breakdown_rss / 2**30, **breakdown},
     "peak_machine_used_gib": peak_used / 2**30,
     "machine_total_gib": psutil.virtual_memory().total / 2**30,
   }
