@@ -169,7 +169,7 @@ class OverlappedStep:
     plan: overrides ``tx``'s plan (same forms). ``jax_dos.overlapped_plan``
       makes the step's plan from shapes before any state exists (to compare
       it with the plain step's, and to restore a checkpoint straight into its
-      placements with ``jax_dos.abstract_state``); pass it here.
+      placements and layout with ``jax_dos.abstract_state``); pass it here.
     stage_times: the stages' measured times (``StagedModel.measure_times``).
       With them, ``"auto"`` places subgroups by the step's timeline
       (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner

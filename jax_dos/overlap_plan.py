@@ -230,16 +230,20 @@ def plan_step(
   return agreed_step_plan(made) if isinstance(spec, str) and spec == "auto" else made
 
 
-def abstract_state(plan: Plan, params: Any, moments: str = "float32") -> InterleavedAdamState:
+def abstract_state(
+  plan: Plan, params: Any, moments: str = "float32", partition_replicated: bool | str = "auto"
+) -> InterleavedAdamState:
   """``tx.init(params)``'s shapes, dtypes, shardings and memory kinds under ``plan``, with nothing allocated.
 
-  ``moments``: the optimizer's format (``interleaved_adam(moments=...)``), which sets mu's and nu's.
+  ``moments`` and ``partition_replicated``: the optimizer's (``interleaved_adam``'s arguments of those names), which
+  set mu's and nu's format and the state's layout: a parameter replicated over mesh axes has its state partitioned
+  over them (``partition.state_layout``), as ``tx.init`` and ``OverlappedStep`` keep it, unless
+  ``partition_replicated=False``.
 
-  A template to restore a checkpoint straight into the plan's placements
-  (``jax_dos.CheckpointManager.restore(params=..., opt_state=<this>)``), for
-  parameters laid out on one device or replicated (not partitioned state).
+  A template to restore a checkpoint straight into the plan's placements and the state's layout
+  (``jax_dos.CheckpointManager.restore(params=..., opt_state=<this>)``): each device reads only its shards.
   """
-  leaves, treedef = jax.tree.flatten(params)
+  leaves, treedef = jax.tree.flatten(partition.state_layout(params) if partition_replicated is not False else params)
   kinds = plan.leaf_memory_kinds()
   if len(kinds) != len(leaves):
     raise ValueError(f"the plan covers {len(kinds)} leaves, params have {len(leaves)}.")
