@@ -59,9 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import device_steps, host_kernels, memory, moment_formats, overlap_plan, partition, trace
+from jax_dos import device_steps, host_kernels, host_plan, memory, moment_formats, overlap_plan, partition, trace
 from jax_dos.engine import host_gradients
-from jax_dos.host_plan import agreed_refusal
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import JobThread, first_error, result_of
 from jax_dos.overlap_clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
@@ -170,7 +169,7 @@ class OverlappedStep:
     plan: overrides ``tx``'s plan (same forms). ``jax_dos.overlapped_plan``
       makes the step's plan from shapes before any state exists (to compare
       it with the plain step's, and to restore a checkpoint straight into its
-      placements with ``jax_dos.abstract_state``); pass it here.
+      placements and layout with ``jax_dos.abstract_state``); pass it here.
     stage_times: the stages' measured times (``StagedModel.measure_times``).
       With them, ``"auto"`` places subgroups by the step's timeline
       (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner
@@ -189,12 +188,16 @@ class OverlappedStep:
       away from the path that finished later (``overlap_plan.rebalanced``),
       after ``REBALANCE_AFTER_STEPS`` steps; a step that rebalances first
       waits for the last one's update to end. The numbers do not change.
-    host_budget_bytes: pinned host bytes the step may use at most
+    host_budget_bytes: pinned host bytes this process's step may use at most
       (:meth:`host_bytes`); ``None``: ``overlap_plan.HOST_SHARE`` of RAM, and
-      no more than XLA's pinned pool. The stream path speculates on what the
-      rest holds (:attr:`stream_speculation`). Where the step does not fit, a
-      ``MemoryError`` before anything moves: ``params`` and ``opt_state`` stay
-      usable on the plain path.
+      no more than XLA's pinned pool. Nor more than the process's share of
+      its host's pinned pool (``host_plan.pool_share`` of ``tx``'s
+      ``host_memory``, else of this machine's RAM and the job's processes on
+      it). The stream path speculates on what the rest holds
+      (:attr:`stream_speculation`). Where the step does not fit, a
+      ``MemoryError`` with the numbers before anything moves, on every
+      process of the job: ``params`` and ``opt_state`` stay usable on the
+      plain path.
     speculation: ``"silent"`` (the default): the workers speculate that the
       clip stays silent only where the last step's clip was silent; after a
       fired step they wait for the decision and step every subgroup once,
@@ -252,6 +255,11 @@ class OverlappedStep:
     self.speculation = speculation
     self.micro_batch_order, self.run_ahead_stages = options.micro_batch_order, options.run_ahead_stages
     self.host_budget_bytes = options.host_budget_bytes
+    spans = host_plan.spans_processes(jax.tree.leaves(list(params)))  # a job's tree: its checks are collectives
+    # The host's RAM and the job's processes on it, whose share of the pinned pool the step plans into.
+    here = owner.host_memory is None
+    self.host_memory = host_plan.HostMemory.here(count_processes=spans) if here else owner.host_memory
+    self._host_room = min(self.host_budget_bytes, host_plan.pool_share(self.host_memory))
     if rebalance and jax.process_count() > 1:
       raise ValueError(
         "rebalance=True moves subgroups by this process's own timing, and the processes of a job must run one plan;"
@@ -279,7 +287,7 @@ class OverlappedStep:
           )
     self.decay = decay_flags(owner.mask, list(params), self.hyper.weight_decay)
     self.stage_times = stage_times
-    self._layout = step_layout(self.model, list(params), owner.subgroup_size)
+    self._layout = step_layout(self.model, list(params), owner.subgroup_size, owner.partitions)
     self.subgroup_group = partition_groups(params, owner.subgroup_size)[2]
     self._forward_order = self._layout.forward_order  # subgroups in the order the forward pass needs them
     self.plan = overlap_plan.plan_step(
@@ -290,14 +298,14 @@ class OverlappedStep:
         raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
       self.model = StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)],
                                len(params))  # fmt: skip
-    self.routes = overlap_plan.routes(self.plan, self._layout, self.host_budget_bytes, self.hyper.moments)
+    self.routes = overlap_plan.routes(self.plan, self._layout, self._host_room, self.hyper.moments)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
     self._params = memory.committed(list(leaves))
     # (training thread) The state partitioned over the axes a parameter is replicated over, as tx.init's (the
     # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
     self._layouts = partition.StepLayouts(self._params, owner.partition_replicated is not False)
-    self._check_host_memory()  # before any state moves or spare buffer is allocated
+    self._check_host_memory(spans)  # before any state moves or spare buffer is allocated
     masters, mus, nus, self._count = self._initial_state(leaves, opt_state)
     placement = self.plan.leaf_placements()
     by = lambda where: {i: (masters[i], mus[i], nus[i]) for i, p in enumerate(placement) if p == where}  # noqa: E731
@@ -362,22 +370,27 @@ class OverlappedStep:
     clip decision."""
     return self.routes.stream_speculation
 
-  def _check_host_memory(self) -> None:
-    """A ``MemoryError`` where the step does not fit its host, on every process of the job if on one."""
+  def _check_host_memory(self, spans: bool) -> None:
+    """A ``MemoryError`` where the step does not fit its budget or its host; with ``spans`` (a tree laid out over
+    the job's processes) the host's processes are counted together and the refusal is agreed: on every process of
+    the job if on one (collectives, which every process reaches here)."""
+    need = self.host_bytes()
+    on_host = memory.bytes_on_this_host(need) if spans else None
     try:
-      overlap_plan.check_host_memory(
-        self.plan, self._layout, self.stream_speculation, self.host_budget_bytes, self.hyper.moments
-      )
+      overlap_plan.check_host_memory(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes,
+                                     self.hyper.moments, self.host_memory, on_host)  # fmt: skip
       message = None
     except MemoryError as e:
       message = str(e)
-    message = agreed_refusal(message)
+    message = host_plan.agreed_refusal(message) if spans else message
     if message is not None:
       raise MemoryError(message)
 
   def host_bytes(self) -> int:
-    """Pinned host bytes the step needs at most (``overlap_plan.host_bytes``): the offloaded state, the host path's
-    spare state and copies, and the streamed parameters speculated on (:attr:`stream_speculation` at most)."""
+    """Pinned host bytes this process's step needs at most (``overlap_plan.host_bytes``), counted in the elements of
+    the state it holds (its devices' shards: ``1/N`` of a state partitioned over ``N`` processes): the offloaded
+    state, the host path's spare state and copies, and the streamed parameters speculated on
+    (:attr:`stream_speculation` at most)."""
     return overlap_plan.host_bytes(self.plan, self._layout, self.stream_speculation, self.hyper.moments)
 
   # ----------------------------------------------------------------------------- one step
@@ -560,7 +573,7 @@ class OverlappedStep:
     """One subgroup across the boundary, toward the path whose end (``ends``: seconds) came first: the plan
     ``overlap_plan.rebalanced`` makes, handed to both paths with the moved state (the step is settled)."""
     plan, to, stop = overlap_plan.rebalanced(
-      self.plan, self._layout, ends, self._last_move, self.host_budget_bytes, self.hyper.moments
+      self.plan, self._layout, ends, self._last_move, self._host_room, self.hyper.moments
     )
     if stop:
       self._rebalance_left = 0
@@ -568,7 +581,7 @@ class OverlappedStep:
       return
     moved = [i for s, (a, b) in enumerate(zip(self.plan.placements, plan.placements)) if a != b
              for i in plan.subgroups[s]]  # fmt: skip
-    self.plan, self.routes = plan, overlap_plan.routes(plan, self._layout, self.host_budget_bytes, self.hyper.moments)
+    self.plan, self.routes = plan, overlap_plan.routes(plan, self._layout, self._host_room, self.hyper.moments)
     (giver, frm), (taker, into) = (
       ((self._streamer, self._stream_path), (self._host, self._host_path)) if to == "host"
       else ((self._host, self._host_path), (self._streamer, self._stream_path))

@@ -13,11 +13,10 @@ optimizer's own plan and the measured stage times, for ``jax_dos.overlap``:
   in flight (:func:`room_beside_step`), and with stage times the split of the
   rest between the host and stream paths that the timeline model predicts
   fastest within the host budget (``jax_dos.timeline``);
-* :func:`host_bytes`: the pinned host bytes a plan needs, ``12 B`` a parameter
-  of offloaded state, ``12 B`` of spare state plus a gradient and a weight copy
-  a host parameter, and ``12 B`` a streamed parameter speculated on;
-  :func:`speculation_cap`: how many streamed parameters the budget lets a step
-  speculate on; :func:`check_host_memory`;
+* :func:`host_bytes`, :func:`speculation_cap`, :func:`check_host_memory`
+  (from ``jax_dos.overlap_memory``): the pinned host bytes a plan needs in
+  this process, how many streamed parameters the budget lets a step
+  speculate on, and the refusal where they do not fit;
 * :func:`stream_share_of_host`: the host subgroups the stream path steps when
   the clip fires, so that both paths end their redo together;
 * :func:`routes`: what the step's threads read of a plan (:class:`Routes`), one
@@ -37,8 +36,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dos import memory, moment_formats
+from jax_dos import memory, moment_formats, partition
 from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
+from jax_dos.overlap_memory import (
+  HOST_SHARE,
+  check_host_memory,
+  fixed_host_bytes,  # noqa: F401  (the plan's host bytes, read through this module by the step and the tests)
+  host_bytes,  # noqa: F401
+  host_bytes_per,
+  speculation_cap,
+)
 from jax_dos.plan import (
   PLACEMENTS,
   RESIDENT_CALL_ELEMENTS,
@@ -52,7 +59,6 @@ from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
   MICRO_BATCH_ORDERS,
-  HostBytes,
   Rates,
   StageTimes,
   Subgroup,
@@ -64,10 +70,6 @@ from jax_dos.timeline import (
   stream_rate_during_backward,
 )
 
-# The share of RAM the step plans its pinned host memory into where no host_budget_bytes is given (the state, spare
-# host state, streamed speculation): at 6.7B on a 125.9 GiB H100 host the process's resident set reached 97% of RAM
-# with 79% planned, XLA's pinned pool growing by doubling regions (docs/overlap.md).
-HOST_SHARE = 0.85
 # How many stage programs the training thread may have dispatched beyond the one the accelerator is running. The
 # workers' programs (streamed updates, the host path's copies) queue behind whatever the training thread dispatched
 # before them, and a launch into a full CUDA queue blocks the launching thread (docs/overlap.md, "Pacing").
@@ -92,7 +94,10 @@ class StepLayout:
   ``jax_dos.plan.partition_groups``'; ``stages`` gives each subgroup's stage,
   the one whose backward pass completes its gradient; ``leaf_sizes`` and
   ``leaf_bytes`` each leaf's elements and bytes per element; ``hand_over``
-  every subgroup in the order the backward pass hands them over.
+  every subgroup in the order the backward pass hands them over;
+  ``leaf_held`` the elements of each leaf's state this process holds (its
+  devices' shards, summed: ``memory.process_elements``), the leaf's size
+  where not given.
   """
 
   subgroups: tuple[tuple[int, ...], ...]
@@ -101,6 +106,23 @@ class StepLayout:
   leaf_sizes: tuple[int, ...]
   leaf_bytes: tuple[int, ...]
   hand_over: tuple[int, ...] = ()
+  leaf_held: tuple[int, ...] = ()
+
+  @property
+  def held(self) -> tuple[int, ...]:
+    """Elements of each leaf's state this process holds."""
+    return self.leaf_held or self.leaf_sizes
+
+  @property
+  def held_sizes(self) -> tuple[int, ...]:
+    """Elements of each subgroup's state this process holds."""
+    held = self.held
+    return tuple(sum(held[i] for i in leaves) for leaves in self.subgroups)
+
+  @property
+  def held_share(self) -> float:
+    """Elements this process holds a parameter of the model (``1/N`` partitioned over ``N`` processes)."""
+    return sum(self.held) / (sum(self.leaf_sizes) or 1)
 
   @property
   def forward_order(self) -> list[int]:
@@ -153,15 +175,19 @@ def overlappable(tx: Any, params: Any) -> InterleavedAdam:
   return owner
 
 
-def step_layout(model: StagedModel, groups: list, subgroup_size: int) -> StepLayout:
-  """The parameter groups as the plan sees them: subgroups within groups, each one's stage, each leaf's size."""
+def step_layout(model: StagedModel, groups: list, subgroup_size: int, partitioned: bool = True) -> StepLayout:
+  """The parameter groups as the plan sees them: subgroups within groups, each one's stage, each leaf's size, and
+  the elements of each leaf's state this process holds (partitioned over the mesh axes a parameter is replicated
+  over where ``partitioned``, as ``partition.state_layout``; else in the parameter's layout)."""
   leaves, _ = leaves_with_paths(list(groups), "params")
+  state = partition.state_layout(list(leaves)) if partitioned else leaves
   subgroups, sizes, group_of = partition_groups(groups, subgroup_size)
   of_group = [[s for s, g in enumerate(group_of) if g == gi] for gi in range(len(groups))]
   hand_over = [s for i in reversed(range(len(model.stages))) for g in model.groups_completing(i) for s in of_group[g]]
   return StepLayout(
     tuple(subgroups), tuple(sizes), tuple(model.completion[g] for g in group_of),
     tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves), tuple(hand_over),
+    tuple(memory.process_elements(x) for x in state),
   )  # fmt: skip
 
 
@@ -193,7 +219,7 @@ def plan_step(
   model = StagedModel(stages, len(groups))
   if stage_times is not None and len(stage_times.forward) != len(model.stages):
     raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(model.stages)}.")
-  layout = step_layout(model, groups, owner.subgroup_size)
+  layout = step_layout(model, groups, owner.subgroup_size, owner.partitions)
   spec = plan if plan is not None else owner.plan_spec
   made = make_plan(
     spec, owner, groups, layout, stage_times=stage_times,
@@ -204,16 +230,20 @@ def plan_step(
   return agreed_step_plan(made) if isinstance(spec, str) and spec == "auto" else made
 
 
-def abstract_state(plan: Plan, params: Any, moments: str = "float32") -> InterleavedAdamState:
+def abstract_state(
+  plan: Plan, params: Any, moments: str = "float32", partition_replicated: bool | str = "auto"
+) -> InterleavedAdamState:
   """``tx.init(params)``'s shapes, dtypes, shardings and memory kinds under ``plan``, with nothing allocated.
 
-  ``moments``: the optimizer's format (``interleaved_adam(moments=...)``), which sets mu's and nu's.
+  ``moments`` and ``partition_replicated``: the optimizer's (``interleaved_adam``'s arguments of those names), which
+  set mu's and nu's format and the state's layout: a parameter replicated over mesh axes has its state partitioned
+  over them (``partition.state_layout``), as ``tx.init`` and ``OverlappedStep`` keep it, unless
+  ``partition_replicated=False``.
 
-  A template to restore a checkpoint straight into the plan's placements
-  (``jax_dos.CheckpointManager.restore(params=..., opt_state=<this>)``), for
-  parameters laid out on one device or replicated (not partitioned state).
+  A template to restore a checkpoint straight into the plan's placements and the state's layout
+  (``jax_dos.CheckpointManager.restore(params=..., opt_state=<this>)``): each device reads only its shards.
   """
-  leaves, treedef = jax.tree.flatten(params)
+  leaves, treedef = jax.tree.flatten(partition.state_layout(params) if partition_replicated is not False else params)
   kinds = plan.leaf_memory_kinds()
   if len(kinds) != len(leaves):
     raise ValueError(f"the plan covers {len(kinds)} leaves, params have {len(leaves)}.")
@@ -369,7 +399,7 @@ def _timeline_plan(
     window = times.per_window(k, micro_batch_order)
     placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
                                               host_budget_bytes=host_budget_bytes,
-                                              host_bytes=host_bytes_per(moments))  # fmt: skip
+                                              host_bytes=host_bytes_per(moments, layout.held_share))  # fmt: skip
     step = times.compute_s(k) + predicted["exposed_s"]
     if best is None or step < best[0] * (1 - 1e-9):
       best = (step, policies, times, window, placements, predicted, rates, slots)
@@ -432,53 +462,6 @@ def room_beside_step(
   return cap, slots
 
 
-def host_bytes_per(moments: str = "float32") -> HostBytes:
-  """:class:`HostBytes` with the state of ``moments`` (``moment_formats.state_bytes_per_param``: 12, 8, about 6)."""
-  state = moment_formats.state_bytes_per_param(moments)
-  return HostBytes(state=state, spare=state, speculation=state)
-
-
-def fixed_host_bytes(plan: Plan, layout: StepLayout, moments: str = "float32") -> int:
-  """:func:`host_bytes` before the streamed speculation."""
-  per = host_bytes_per(moments)
-  return int(sum(layout.leaf_sizes[i] * per.per_parameter(placement, layout.leaf_bytes[i])
-                 for placement, leaves in zip(plan.placements, plan.subgroups) for i in leaves))  # fmt: skip
-
-
-def speculation_cap(plan: Plan, layout: StepLayout, budget: int, moments: str = "float32") -> int:
-  """Streamed parameters a step may speculate on: as many as ``budget`` holds beside the fixed bytes."""
-  return max(0, int((budget - fixed_host_bytes(plan, layout, moments)) // host_bytes_per(moments).speculation))
-
-
-def host_bytes(plan: Plan, layout: StepLayout, speculation: int | None, moments: str = "float32") -> int:
-  """Pinned host bytes the step needs at most: the offloaded state (12 B a parameter; 8 with bfloat16 moments, about
-  6 with int8); host subgroups' spare state (as much), gradient and weight copies (2 B each for bfloat16
-  parameters, 4 for float32); and the new state of the streamed parameters speculated on, until the decision (12 B;
-  ``speculation`` of them at most, ``None``: all).
-  """
-  streamed = plan.elements("stream")
-  cap = streamed if speculation is None else min(streamed, speculation)
-  return fixed_host_bytes(plan, layout, moments) + int(host_bytes_per(moments).speculation * cap)
-
-
-def check_host_memory(
-  plan: Plan, layout: StepLayout, speculation: int | None, budget: int, moments: str = "float32"
-) -> None:
-  """A ``MemoryError`` naming what to change where the plan's host bytes exceed ``budget`` or the machine."""
-  need = host_bytes(plan, layout, speculation, moments)
-  try:
-    if need > budget:
-      raise MemoryError(
-        f"the overlapped step's host memory needs {need / 2**30:.2f} GiB of pinned host memory, above the"
-        f" {budget / 2**30:.2f} GiB of its budget (host_budget_bytes, or {HOST_SHARE:.0%} of RAM). Raise the"
-        " budget, keep more subgroups on the device, or train on the plain path (tx.update after jax.grad),"
-        " which needs no spare host state."
-      )
-    memory.check_host_capacity(need, "the overlapped step's host memory")
-  except MemoryError as e:
-    raise MemoryError(f"{e}\nThe overlapped step's plan:\n{plan}") from None
-
-
 def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
   """The host subgroups the stream path steps when the clip fires: the last ones in forward order (needed last).
 
@@ -508,8 +491,9 @@ class Routes:
   them; ``stream_order``: the streamed subgroups in hand-over order, and
   ``stream_rank`` their places in it; ``redo_on_stream``: the host subgroups
   the stream path steps when the clip fires (:func:`stream_share_of_host`);
-  ``stream_speculation``: streamed parameters a step may speculate on
-  (:func:`speculation_cap`).
+  ``stream_speculation``: streamed elements (of those this process holds) a
+  step may speculate on (:func:`speculation_cap`), ``held_sizes`` each
+  subgroup's (``StepLayout.held_sizes``).
   """
 
   plan: Plan
@@ -519,6 +503,7 @@ class Routes:
   redo_on_stream: frozenset[int]
   stream_speculation: int
   resident_calls: tuple[tuple[int, ...], ...]  # resident subgroups, per jitted update of at most RESIDENT_CALL_ELEMENTS
+  held_sizes: tuple[int, ...] = ()
 
   def by_forward_rank(self, subgroups: Any) -> list[int]:
     return sorted(subgroups, key=self.forward_rank.__getitem__)
@@ -530,7 +515,7 @@ def routes(plan: Plan, layout: StepLayout, host_budget_bytes: int, moments: str 
   return Routes(
     plan, {s: r for r, s in enumerate(layout.forward_order)}, stream_order,
     {s: r for r, s in enumerate(stream_order)}, frozenset(stream_share_of_host(plan, layout)),
-    speculation_cap(plan, layout, host_budget_bytes, moments), _resident_calls(plan),
+    speculation_cap(plan, layout, host_budget_bytes, moments), _resident_calls(plan), layout.held_sizes,
   )  # fmt: skip
 
 

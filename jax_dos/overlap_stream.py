@@ -186,7 +186,7 @@ class StreamPath:
     if not record.speculate:
       return False
     st: StreamStep = record.stream
-    size, cap = self.routes.plan.sizes[s], self.routes.stream_speculation
+    size, cap = self.routes.held_sizes[s], self.routes.stream_speculation
     if cap is not None and st.speculated_elements + size > cap:
       return False
     st.speculated_elements += size

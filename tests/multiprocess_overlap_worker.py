@@ -5,12 +5,15 @@ gloo) that train ``test_overlap``'s staged model with ``jax_dos.OverlappedStep``
 parameters replicated over ``data`` (which spans the processes) and sharded over ``model``, batch rows over
 ``data``, every placement (``test_overlap.MIXED``). Each process compares what it holds against
 ``optax.chain(clip_by_global_norm, adamw)`` run on whole arrays on its own first device, with the clip firing and
-silent; then a checkpoint both processes wrote after 2 steps resumes, bit-exact against the run that went on.
-Every process draws the same numbers from ``SEED``.
+silent, and counts its pinned host bytes (half of the state, as it holds); a layout one process's host cannot hold
+is refused on both before anything is allocated; then a checkpoint both processes wrote after 2 steps resumes,
+bit-exact against the run that went on. Every process draws the same numbers from ``SEED``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import sys
 
@@ -40,6 +43,27 @@ def check_equal(ours, theirs, label: str) -> None:
     assert a.sharding.is_equivalent_to(b.sharding.with_memory_kind(a.sharding.memory_kind), a.ndim), label
     for x, y in zip(a.addressable_shards, b.addressable_shards):
       np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data), err_msg=label)
+
+
+def pinned(tree) -> list[jax.Array]:
+  return [a for a in jax.tree.leaves(tree) if a.sharding.memory_kind == "pinned_host"]
+
+
+def check_host_bytes(step) -> None:
+  """The step's host bytes count the half of the state this process holds (the mesh's "data" axis spans the two
+  processes): the pinned state it addresses is half the whole arrays', and is what ``host_bytes`` plans for it."""
+  from jax_dos import overlap_plan
+
+  state = step.opt_state
+  arrays = pinned((state.master, state.mu, state.nu))
+  here = sum(shard.data.nbytes for a in arrays for shard in a.addressable_shards)
+  assert arrays and 2 * here == sum(a.nbytes for a in arrays), (here, [a.nbytes for a in arrays])
+  plan, layout = step.plan, step._layout
+  offloaded = [i for leaves, p in zip(plan.subgroups, plan.placements) if p != "device" for i in leaves]
+  assert here == 12 * sum(layout.held[i] for i in offloaded), here  # float32 master, mu and nu
+  whole = dataclasses.replace(layout, leaf_held=())  # every leaf counted whole, as one process of it all would
+  assert 2 * overlap_plan.fixed_host_bytes(plan, layout) == overlap_plan.fixed_host_bytes(plan, whole)
+  assert here <= step.host_bytes() <= overlap_plan.host_bytes(plan, whole, None) // 2
 
 
 def run(seed: int, directory: str) -> None:
@@ -76,6 +100,7 @@ def run(seed: int, directory: str) -> None:
     for m, p in zip(jax.tree.leaves(state.master), jax.tree.leaves(step.params)):  # the state partitioned over data
       want = partition.state_sharding(p)
       assert want is not None and m.sharding.is_equivalent_to(want.with_memory_kind(m.sharding.memory_kind), m.ndim)
+    check_host_bytes(step)
     step.close()
     print(f"ok equals optax, clip {'fires' if clip == t.FIRES else 'silent'}", flush=True)
 
@@ -98,6 +123,24 @@ def run(seed: int, directory: str) -> None:
   changed = own.source.endswith("+processes")
   assert changed == (not own.predicted), own  # a process whose plan changed keeps no prediction
   assert np.asarray(multihost_utils.process_allgather(np.array([changed]))).any()  # the plans alone differed
+  # A host whose RAM cannot hold process 1's share of the state (a small host_memory on that process): both refuse
+  # before anything is allocated, process 1 with its numbers; the parameters then train below.
+  small = jax_dos.HostMemory(1000, processes=2) if jax.process_index() == 1 else jax_dos.HostMemory(2**50, 2)
+  cramped = jax_dos.interleaved_adamw(t.LR, b1=t.B1, b2=t.B2, weight_decay=t.WD, subgroup_size=40, host_memory=small)
+  gc.collect()
+  before = len(pinned(jax.live_arrays()))
+  try:
+    jax_dos.OverlappedStep(cramped, t.STAGES, groups, None, clip_norm=t.FIRES, micro_batches=2, plan=own)
+    raise AssertionError("a layout that does not fit the host was not refused")
+  except MemoryError as e:
+    message = str(e)
+  if jax.process_index() == 1:
+    assert "does not fit this host's RAM" in message and "450 bytes (90% of 1,000 bytes RAM shared by 2" in message
+    assert "needs " in message and "--moments" in message and "fewer processes" in message, message
+  else:
+    assert "process 1 of the job refused" in message, message
+  assert len(pinned(jax.live_arrays())) <= before  # no state, no spare buffer
+  print("ok refused before allocation", flush=True)
   step = jax_dos.OverlappedStep(tx, t.STAGES, groups, None, clip_norm=t.FIRES, micro_batches=2, plan=own)
   for batch in batches[:2]:
     step(batch)

@@ -104,10 +104,13 @@ def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(tmp_path):
 
 def test_overlapped_step_on_two_processes_matches_optax_agrees_on_one_plan_and_resumes(tmp_path):
   """``OverlappedStep`` data-parallel over 2 processes x 2 devices: optax's chain with the clip firing and silent,
-  one plan from processes that measured apart, and a checkpoint both wrote resumed bit-exact."""
+  each process's pinned bytes (its half of the state), one plan from processes that measured apart, a layout one
+  host cannot hold refused on both before allocation, and a checkpoint both wrote resumed bit-exact."""
   seed = str(np.random.default_rng().integers(2**31))
+  checks = ("equals optax, clip fires", "equals optax, clip silent", "refused before allocation", "one plan",
+            "resumed bit-exact")  # fmt: skip
   for out in run_processes(OVERLAP_WORKER, seed, str(tmp_path)):
-    for check in ("equals optax, clip fires", "equals optax, clip silent", "one plan", "resumed bit-exact"):
+    for check in checks:
       assert f"ok {check}" in out, out
 
 

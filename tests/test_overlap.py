@@ -446,8 +446,9 @@ SHARDED = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, sys
     from jax.sharding import NamedSharding, PartitionSpec as P
     sys.path.insert(0, "tests")
+    import dataclasses
     import jax_dos
-    from jax_dos import partition
+    from jax_dos import overlap_plan, partition
     import test_overlap as t
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
@@ -478,11 +479,25 @@ SHARDED = textwrap.dedent(
             want = partition.state_sharding(p)
             assert want is not None, p.sharding
             assert m.sharding.is_equivalent_to(want.with_memory_kind(m.sharding.memory_kind), p.ndim), m
+        # The restore template is the state's layout: partitioned, in the plan's memory kinds.
+        for tree, want in zip(step.opt_state[1:], jax_dos.abstract_state(step.plan, groups)[1:]):
+            for x, a in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
+                assert (x.shape, x.dtype) == (a.shape, a.dtype) and x.sharding.is_equivalent_to(a.sharding, x.ndim), a
     # partition_replicated=False: a whole copy of the state per device, in the parameters' layout.
     step, _ = t.overlapped_run(groups, batches, t.FIRES, 2, "host", tx_kw={"partition_replicated": False})
     t.check_against_reference(step, groups, batches, t.FIRES, 2)
     for m, p in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(groups)):
         assert m.sharding.is_equivalent_to(p.sharding.with_memory_kind(m.sharding.memory_kind), p.ndim), m
+    # Its host bytes count both copies this process holds (the pinned state's shards on its 4 devices: twice the
+    # arrays), where partitioned it holds each element once.
+    state = [a for a in jax.tree.leaves(step.opt_state) if a.sharding.memory_kind == "pinned_host"]
+    held = sum(shard.data.nbytes for a in state for shard in a.addressable_shards)
+    assert held == 2 * sum(a.nbytes for a in state) == 12 * sum(step._layout.held), held
+    whole = dataclasses.replace(step._layout, leaf_held=())  # each element once
+    assert step.host_bytes() == 2 * overlap_plan.host_bytes(step.plan, whole, 0)
+    template = jax_dos.abstract_state(step.plan, groups, partition_replicated=False)
+    for x, a in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(template.master)):
+        assert x.sharding.is_equivalent_to(a.sharding, x.ndim), a
     # plan="auto": the step sizes its placements from the plan tx.init made (partitioned), and plans nothing again.
     calls = []
     planner = jax_dos.auto_planner(jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9))

@@ -1,0 +1,115 @@
+"""The overlapped step's pinned host memory: what this process pins, against its budget and its share of the host.
+
+Counted from shapes, before anything is allocated, in the elements of each
+leaf's state that this process holds (``StepLayout.leaf_held``: its devices'
+shards, summed). A state partitioned over a data-parallel mesh of ``N``
+processes is ``1/N`` of each leaf a process; one kept whole per device is a
+copy a device. The terms, a parameter held: its offloaded state (12 B; 8 with
+bfloat16 moments, about 6 with int8); on the host path a spare state (as
+much) and its gradient and weight copies (2 B each for bfloat16 parameters, 4
+for float32); a streamed parameter speculated on, its new state until the
+clip decision (:func:`host_bytes`).
+
+:func:`check_host_memory` refuses a plan, with the numbers and what to
+change, where those bytes exceed the step's budget (``host_budget_bytes``),
+this process's share of its host's pinned pool (``host_plan.pool_share``: the
+host's RAM shared by the job's processes on it), or what the host's
+processes need together against its RAM (``memory.check_host_capacity``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax_dos import host_plan, memory, moment_formats
+from jax_dos.plan import Plan
+from jax_dos.timeline import HostBytes
+
+# The share of RAM the step plans its pinned host memory into where no host_budget_bytes is given (the state, spare
+# host state, streamed speculation): at 6.7B on a 125.9 GiB H100 host the process's resident set reached 97% of RAM
+# with 79% planned, XLA's pinned pool growing by doubling regions (docs/overlap.md).
+HOST_SHARE = 0.85
+
+
+def host_bytes_per(moments: str = "float32", held_share: float = 1.0) -> HostBytes:
+  """:class:`HostBytes` with the state of ``moments`` (``moment_formats.state_bytes_per_param``: 12, 8, about 6), a
+  parameter of the whole model; ``held_share``: the elements this process holds a parameter of the model (the
+  timeline places whole subgroups)."""
+  state = moment_formats.state_bytes_per_param(moments) * held_share
+  return HostBytes(state=state, spare=state, speculation=state)
+
+
+def fixed_host_bytes(plan: Plan, layout: Any, moments: str = "float32") -> int:
+  """:func:`host_bytes` before the streamed speculation (``layout``: the plan's ``overlap_plan.StepLayout``)."""
+  per = host_bytes_per(moments)
+  held = layout.held
+  return int(sum(held[i] * per.per_parameter(placement, layout.leaf_bytes[i])
+                 for placement, leaves in zip(plan.placements, plan.subgroups) for i in leaves))  # fmt: skip
+
+
+def speculation_cap(plan: Plan, layout: Any, budget: int, moments: str = "float32") -> int:
+  """Streamed elements (of those this process holds) a step may speculate on: as many as ``budget`` holds beside the
+  fixed bytes."""
+  return max(0, int((budget - fixed_host_bytes(plan, layout, moments)) // host_bytes_per(moments).speculation))
+
+
+def host_bytes(plan: Plan, layout: Any, speculation: int | None, moments: str = "float32") -> int:
+  """Pinned host bytes this process needs at most: the fixed bytes and the new state of the streamed elements
+  speculated on (``speculation`` of them at most, ``None``: all it holds)."""
+  held = layout.held_sizes
+  streamed = sum(held[s] for s in plan.indices("stream"))
+  cap = streamed if speculation is None else min(streamed, speculation)
+  return fixed_host_bytes(plan, layout, moments) + int(host_bytes_per(moments).speculation * cap)
+
+
+def _gib(nbytes: float) -> str:
+  """``nbytes`` in GiB, or in bytes below 1 MiB (a small layout's figures would read 0.00 GiB)."""
+  return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**20 else f"{int(nbytes):,} bytes"
+
+
+def host_refusal(need: int, host: host_plan.HostMemory, moments: str = "float32") -> str | None:
+  """Why ``need`` pinned bytes a process do not fit its share of ``host``'s pinned pool, or ``None`` if they do."""
+  share = host_plan.pool_share(host)
+  if need <= share:
+    return None
+  shared = f" shared by {host.processes} processes" if host.processes > 1 else ""
+  per = "each of the processes on this host" if host.processes > 1 else "this process"
+  return (
+    f"the overlapped step's host memory does not fit this host's RAM: {per} needs {_gib(need)} of pinned host"
+    f" memory (its offloaded state at {moment_formats.state_bytes_per_param(moments):.3g} B a parameter it holds"
+    f" with {moments} moments, the host path's spare state and copies, the streamed speculation), and its pinned"
+    f" pool may hold {_gib(share)} ({memory.DEFAULT_POOL_FRACTION:.0%} of {_gib(host.ram_bytes)} RAM{shared})."
+    " Change one of: "
+    + ("moments='bfloat16' or 'int8' (--moments: 8 or about 6 B a parameter, not 12), " if moments == "float32" else "")
+    + "fewer processes on this host (spread them over more hosts), a smaller model, more subgroups on the device"
+    " (a resident budget, --offload auto), or the plain step (tx.update after jax.grad; --overlap off), which needs"
+    " no spare host state."
+  )
+
+
+def check_host_memory(
+  plan: Plan,
+  layout: Any,
+  speculation: int | None,
+  budget: int,
+  moments: str = "float32",
+  host: host_plan.HostMemory | None = None,
+  on_host: tuple[int, int] | None = None,
+) -> None:
+  """A ``MemoryError`` naming what to change where the plan's host bytes exceed ``budget``, this process's share of
+  ``host`` (if given), or the machine (``on_host``: ``memory.bytes_on_this_host``'s figures for the host's
+  processes together)."""
+  need = host_bytes(plan, layout, speculation, moments)
+  try:
+    if need > budget:
+      raise MemoryError(
+        f"the overlapped step's host memory needs {_gib(need)} of pinned host memory, above the {_gib(budget)} of"
+        f" its budget (host_budget_bytes, or {HOST_SHARE:.0%} of RAM). Raise the budget, keep more subgroups on the"
+        " device, or train on the plain path (tx.update after jax.grad), which needs no spare host state."
+      )
+    refusal = None if host is None else host_refusal(need, host, moments)
+    if refusal is not None:
+      raise MemoryError(refusal)
+    memory.check_host_capacity(need, "the overlapped step's host memory", on_host)
+  except MemoryError as e:
+    raise MemoryError(f"{e}\nThe overlapped step's plan:\n{plan}") from None
