@@ -44,10 +44,7 @@ kernel leaves ``TRAINING_CORES`` cores to the threads that launch programs.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import os
-import sys
 import threading
 import weakref
 from collections import deque
@@ -59,7 +56,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import device_steps, host_kernels, host_plan, memory, moment_formats, overlap_plan, partition, trace
+from jax_dos import (
+  device_steps,
+  host_kernels,
+  host_plan,
+  memory,
+  overlap_plan,
+  overlap_process,
+  overlap_state,
+  partition,
+  trace,
+)
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import JobThread, first_error, result_of
@@ -75,68 +82,17 @@ from jax_dos.overlap_plan import (  # noqa: F401
   overlappable,
   step_layout,
 )
+from jax_dos.overlap_process import NO_COMMAND_BUFFERS  # noqa: F401  (jax_dos exports it from here)
 from jax_dos.overlap_stream import IDLE_POLL_S, StreamPath, StreamStep
-from jax_dos.plan import MEMORY_KIND, partition_groups
+from jax_dos.plan import partition_groups
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
-# Several threads launch accelerator work at once here, and XLA's GPU command buffers (CUDA graphs) fail a capture that
-# another thread launches into (docs/measurements.md). This flag, set before jax starts, turns them off.
-NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 # Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
 # launches are the training thread's work, and the accelerator idles while they wait for a core.
 TRAINING_CORES = 2
-# How long the exit handler waits for an open step to settle before it leaves it (a worker stuck after a fault).
-EXIT_SETTLE_S = 120.0
-
-
-def _check_no_command_buffers() -> None:
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  if jax.default_backend() == "gpu" and NO_COMMAND_BUFFERS not in flags:
-    raise RuntimeError(
-      f"OverlappedStep on a GPU needs XLA's command buffers off: set XLA_FLAGS='{NO_COMMAND_BUFFERS}' (with any"
-      " other flags) before jax starts. Its optimizer threads launch work while the training thread does, which"
-      " fails a CUDA-graph capture. Or train on the plain path (jax_dos.update_params after jax.grad)."
-    )
-
-
-_OPEN_STEPS: weakref.WeakSet = weakref.WeakSet()  # steps not yet closed, settled when Python exits
-
-
-def _close_open_steps() -> None:
-  """Settles and closes every open step before the interpreter finalizes.
-
-  Its workers are daemon threads: left mid-update (a step returns before its
-  update is done), they were stopped inside XLA's C++ code as Python shut
-  down, and the process aborted. Each new step registers this exit handler
-  again, so that it runs before the handlers JAX registered when its
-  backends started (exit handlers run last registered first). A worker's
-  error is not raised here: the program is ending. A step that has not
-  settled within ``EXIT_SETTLE_S`` (a worker stuck after an accelerator
-  fault) is left, said on stderr, so that the program ends instead of
-  hanging.
-  """
-  for step in list(_OPEN_STEPS):
-    closer = threading.Thread(target=_close_quietly, args=(step,), daemon=True)
-    closer.start()
-    closer.join(EXIT_SETTLE_S)
-    if closer.is_alive():
-      print(
-        f"jax_dos: an OverlappedStep did not settle within {EXIT_SETTLE_S:g} s at exit (a worker is stuck, most"
-        " likely after an accelerator fault); its last update is incomplete. Resume from the last checkpoint.",
-        file=sys.stderr,
-        flush=True,
-      )
-      return
-
-
-def _close_quietly(step: OverlappedStep) -> None:
-  try:
-    step.close()
-  except Exception:  # noqa: BLE001
-    pass
 
 
 class OverlappedStep:
@@ -248,7 +204,7 @@ class OverlappedStep:
         f" {type(params).__name__}."
       )
     owner = overlappable(tx, list(params))
-    _check_no_command_buffers()
+    overlap_process.check_no_command_buffers()
     options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
     if speculation not in SPECULATION_MODES:
       raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}.")
@@ -306,7 +262,9 @@ class OverlappedStep:
     # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
     self._layouts = partition.StepLayouts(self._params, owner.partition_replicated is not False)
     self._check_host_memory(spans)  # before any state moves or spare buffer is allocated
-    masters, mus, nus, self._count = self._initial_state(leaves, opt_state)
+    masters, mus, nus, self._count = overlap_state.initial_state(
+      self.plan, self._layouts, self.hyper.moments, leaves, opt_state
+    )
     placement = self.plan.leaf_placements()
     by = lambda where: {i: (masters[i], mus[i], nus[i]) for i, p in enumerate(placement) if p == where}  # noqa: E731
     # (training thread) The resident state: leaf -> (master, mu, nu).
@@ -335,34 +293,9 @@ class OverlappedStep:
     self._streamer = JobThread("jax_dos-overlap-stream", self._wake, top_up, IDLE_POLL_S, skip, errors["stream"])
     self._decider = JobThread("jax_dos-overlap-decide", self._wake, failed=skip, errors=errors["decide"])
     self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES)
-    _OPEN_STEPS.add(self)
-    atexit.unregister(_close_open_steps)
-    atexit.register(_close_open_steps)
+    overlap_process.register(self)
 
   # ----------------------------------------------------------------------------- the plan and the state
-
-  def _initial_state(self, leaves: list, opt_state: InterleavedAdamState | None) -> tuple:
-    """``(masters, mus, nus, count)`` in the plan's placements: a fresh state (``tx.init``'s), allocated once, or
-    ``opt_state`` moved there where it is not."""
-    placement = self.plan.leaf_placements()
-    if opt_state is None:
-      kinds = [MEMORY_KIND[p] for p in placement]
-      leaves = self._layouts.to_state(leaves, range(len(leaves)))
-      masters = [memory.copy_in(a, k) for a, k in zip(leaves, kinds)]
-      fmt = self.hyper.moments
-      mus, nus = ([moment_formats.zeros_like_in(a, k, fmt) for a, k in zip(leaves, kinds)] for _ in range(2))
-      return masters, mus, nus, jnp.zeros([], jnp.int32)
-    place = lambda xs: [  # noqa: E731
-      a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p], a.dtype)
-      for a, p in zip(xs, placement)
-    ]
-    # A state in another layout (the parameters', or partitioned where the step keeps the parameters') moves to the
-    # step's own.
-    state = (opt_state.master, opt_state.mu, opt_state.nu)
-    # The count as an uncommitted scalar (as a fresh one is): a restored count is committed to one device, and the
-    # step's scalars live on the mesh of the gradient scale.
-    count = jnp.asarray(int(opt_state.count), jnp.int32)
-    return (*(place(partition.relaid(jax.tree.leaves(t), self._layouts.state)) for t in state), count)
 
   @property
   def stream_speculation(self) -> int:
@@ -631,7 +564,7 @@ class OverlappedStep:
       for worker in (self._decider, self._host, self._streamer):
         worker.wait_stopped()  # no thread of a closed step is left to be stopped as Python exits
       self._closed = True
-      _OPEN_STEPS.discard(self)
+      overlap_process.unregister(self)
 
   def __enter__(self) -> OverlappedStep:
     return self

@@ -549,10 +549,10 @@ EXIT_STUCK = textwrap.dedent(
     import sys, threading
     import numpy as np
     sys.path.insert(0, "tests")
-    import jax_dos.overlap
+    import jax_dos.overlap_process
     import test_overlap as t
 
-    jax_dos.overlap.EXIT_SETTLE_S = 1.0
+    jax_dos.overlap_process.EXIT_SETTLE_S = 1.0
     rng = np.random.default_rng()
     groups = t.make_groups(rng)
     step, _ = t.overlapped_run(groups, [t.make_batch(rng)], t.NEVER, 2, "host")
