@@ -127,8 +127,9 @@ def _losses(out: Path) -> dict[int, float]:
 
 def test_train_gpt_on_two_processes_matches_one_and_resumes_on_the_overlapped_step(tmp_path):
   """``python -m train.gpt --mesh data=2,fsdp=2`` as 2 processes x 2 devices (explicit coordinator) trains as 1 process
-  of 4 devices does, and resumes from the checkpoint the 2 processes wrote on the overlapped step (``--overlap on``):
-  the same losses, to rounding (float32 parameters)."""
+  of 4 devices does (``--overlap`` off, as ``auto`` is on a CPU), and resumes from the checkpoint the 2 processes wrote
+  as 2 processes x 1 device on the overlapped step (``--mesh data=2 --overlap on``): the same losses, to rounding
+  (float32 parameters)."""
   flags = [*TINY_GPT, "--param-dtype", "float32"]
 
   def gpt(*more: str):
@@ -143,7 +144,9 @@ def test_train_gpt_on_two_processes_matches_one_and_resumes_on_the_overlapped_st
   outputs = launch(gpt("--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "two")))
   assert "done: step 4" in outputs[0] and "done:" not in outputs[1], outputs  # messages from process 0 only
   assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["2", "4"]
-  outputs = launch(gpt("--steps", "6", "--resume", "--overlap", "on", "--out", str(tmp_path / "two")))
+  # The resumed steps: `--mesh data=2 --overlap on`, one device a process (the checkpoint restores into any mesh).
+  resumed = gpt("--steps", "6", "--resume", "--overlap", "on", "--mesh", "data=2", "--out", str(tmp_path / "two"))
+  outputs = launch(resumed, devices=1)
   assert "resumed from step 4" in outputs[0] and "step    overlapped (--overlap on)" in outputs[0], outputs[0]
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
   assert sorted(one) == sorted(two) == list(range(1, 7)), (one, two)
