@@ -787,3 +787,15 @@ def test_the_overlapped_steps_losses_and_norms_equal_the_plain_steps(tmp_path, c
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["clipped"] == (r["grad_norm"] >= float(clip)) for r in steps)
     assert out["clip_fired"] == sum(r["clipped"] for r in steps) == (4 if clip == "1e-3" else 0)
+
+
+def test_slow_setup_phases_say_where_the_time_goes(tmp_path, monkeypatch, capsys):
+  """Before a large model's first step a GPU spends minutes compiling, measuring and allocating: each phase that takes
+  ``SLOW_SETUP_S`` says so as it ends (here every phase, the threshold at 0)."""
+  monkeypatch.setattr(T, "SLOW_SETUP_S", 0.0)
+  flags = [f for f in TINY if f != "--quiet"]
+  T.main([*flags, "--out", str(tmp_path / "run"), "--steps", "1", "--eval-every", "0", "--no-ckpt"])
+  err = capsys.readouterr().err
+  assert "setup   the parameters initialised (" in err
+  assert "setup   the optimizer state allocated in the plain step's placements (" in err
+  assert err.index("setup   the parameters initialised") < err.index("model   gpt")

@@ -239,6 +239,20 @@ def _say(args: argparse.Namespace, msg: str) -> None:
     tqdm.write(msg, file=sys.stderr)
 
 
+SLOW_SETUP_S = 5.0  # a setup phase that takes this long says so as it ends (a 6.7B model's take minutes on a GPU)
+
+
+@contextlib.contextmanager
+def _setup_phase(args: argparse.Namespace, what: str):
+  """Says ``setup   <what> (N s)`` when the phase took at least ``SLOW_SETUP_S``: on a GPU, a large model's
+  compilations, measurements and allocations come before its first step, and the user sees where the time goes."""
+  t = time.perf_counter()
+  yield
+  elapsed = time.perf_counter() - t
+  if elapsed >= SLOW_SETUP_S:
+    _say(args, f"setup   {what} ({elapsed:.0f} s)")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   """Runs training. Returns a dict of results when given ``argv`` (tests, notebooks); ``None`` from the command line.
 
@@ -315,9 +329,10 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   step_memory = None
   sized = jax.local_devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
   if args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized:
-    step_memory = gradient_step_memory(
-      graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum, batch_sharding=batch_layout
-    )
+    with _setup_phase(args, "the gradient step compiled, for its memory"):
+      step_memory = gradient_step_memory(
+        graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum, batch_sharding=batch_layout
+      )
   notes = []
   if step_memory is not None:
     notes.append(f"memory  the gradient step needs {step_memory.peak_bytes / 2**30:.1f} GiB at its peak,"
@@ -335,7 +350,9 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       part = tuple(x[:rows] for x in first_batch)  # one micro-batch, laid out as the step lays it out
       if batch_layout is not None:
         part = parallel.global_batch(lambda mine: tuple(x[mine] for x in part), batch_layout, rows)
-      times = overlapped_lib.stage_times(staged, params, part, 1, args.remat)
+      measured = "the stages measured" + (", each under its remat choices" if args.remat == "auto" else "")
+      with _setup_phase(args, measured):
+        times = overlapped_lib.stage_times(staged, params, part, 1, args.remat)
     overlap_plan = overlapped_lib.plan(args, tx, staged, params, times)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.
@@ -351,7 +368,8 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       )  # restored straight into its placements
       params, opt_state, start_step = _restore(restore_from, cfg, params, template, args)
     try:
-      step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)
+      with _setup_phase(args, "the overlapped step built: its state allocated in its placements"):
+        step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)
       host = f"host    the step's pinned host memory: {step.host_bytes() / 2**30:.2f} GiB at most"
       return _Built(step, schedule, start_step, [*notes, host, str(step.plan)])
     except MemoryError as e:
@@ -362,7 +380,8 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   if step_memory is not None and args.grad_flush == "host":  # the split's own program, now that the plan exists
     batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32, sharding=batch_layout),) * 2
     check_split_flush(grad_step.lower(graphdef, params, batch, args.clip).compile(), step_memory)
-  opt_state, start_step = tx.init(params), 0
+  with _setup_phase(args, "the optimizer state allocated in the plain step's placements"):
+    opt_state, start_step = tx.init(params), 0
   if restore_from is not None:
     params, opt_state, start_step = _restore(restore_from, cfg, params, opt_state, args)
   if plain_plan is not None:
@@ -451,7 +470,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
   shardings = None if mesh is None else parallel.param_shardings(mesh, arch.abstract_params(cfg))
   batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
-  graphdef, params = arch.init_params(cfg, seed=args.seed, shardings=shardings)
+  with _setup_phase(args, "the parameters initialised"):
+    graphdef, params = arch.init_params(cfg, seed=args.seed, shardings=shardings)
   num_params = arch.tree_size(params)
   first = data_lib.get_batch(splits.train, args.batch * args.grad_accum, args.seq_len, args.seed, 0)
   built = _build_step(args, cfg, graphdef, params, first, batch_layout, manager if resume else None)
