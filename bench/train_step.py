@@ -33,6 +33,10 @@ variant's gradient function alone; for (2)-(4) it includes the gradient flush),
 exposed update = step - forward/backward, peak GPU memory, host memory. The
 plan (with its predicted update time) is recorded for jax_dos variants.
 
+Variants of one model in one call compile their shared programs once: each
+runs with XLA's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``,
+default ``/tmp/jax-dos-compile-cache``; recorded in each result's ``env``).
+
 Usage (GPU machine)::
 
     python bench/train_step.py --preset gpt-6.7b --batch 16 --variants peak,idiom,host --out $OUT/a.json
@@ -209,9 +213,18 @@ def _mark(what: str) -> None:
   print(f"[{time.perf_counter() - _STARTED:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
+# Variants of one model in one call share their programs (the gradient step compiled for its memory, the stages):
+# XLA's persistent cache compiles each once (not with --smoke, whose CPU tests run side by side).
+COMPILE_CACHE = "/tmp/jax-dos-compile-cache"
+
+
 def run_variant(args: argparse.Namespace) -> dict:
+  if not args.smoke:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
   _cap_pinned_pool(args)
   env = common.setup_env(pinned_fraction=0.9, gpu_mem_fraction=args.mem_fraction)
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    env["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
   import jax
   import jax.numpy as jnp
   import optax
