@@ -247,12 +247,18 @@ def test_speculation_follows_the_last_steps_clip(clip_norm):
       step.settle()
     names = {s.name for s in spans}
     waited = mode == "never" or (mode == "silent" and clip_norm == FIRES)
+    (decided,) = [s.end for s in spans if s.name == "decide.read"]
     if waited:  # every host kernel after the decision (a subgroup whose gradients came after it never waited)
-      (decided,) = [s.end for s in spans if s.name == "decide.read"]
       assert min(s.start for s in spans if s.name == "host.kernel") >= decided
     else:
       assert "host.kernel_after_decision" not in names
-    assert ("host.redo" in names) == (not waited and clip_norm == FIRES)
+    # A kernel that ran before the decision speculated; a fired clip redoes it, on the host or in the stream path's
+    # share. (A host worker that comes to its subgroups after the decision steps them once, with the true scale.)
+    speculated = any(s.name == "host.kernel" and s.start < decided for s in spans)
+    if clip_norm == FIRES and speculated:
+      assert {"host.redo", "stream.redo_host"} & names, names
+    if waited or clip_norm != FIRES:
+      assert "host.redo" not in names
     check_against_reference(step, groups, batches, clip_norm, 2)
     runs.append(jax.tree.leaves((step.params, step.opt_state)))
     step.close()
