@@ -146,3 +146,20 @@ def test_replay_timeline_reproduces_a_runs_recorded_prediction(tmp_path):
     result = os.path.join(ROOT, "bench", "results", "train_step-h100", name)
     out = replay_timeline.main([result, "--rates", "2.02,2.93,47.9,1.68,1.89"])  # that machine's calibration
     assert abs(out["capped_choice_step_s"] - out["recorded_prediction_s"]) < 5e-3 * out["recorded_prediction_s"]
+
+
+def test_run_timed_records_the_end_and_what_the_peak_resident_set_holds(tmp_path):
+  """``bench/tools/run_timed.py`` (the README command's timer): the exit status, the time from the last marked line to
+  the process's end, the peak resident set, and at that peak each anonymous mapping of 1 GiB or more."""
+  child = "import numpy as np, time; a = np.ones(2**27 + 2**20); print('done: step 1', flush=True); time.sleep(1.5)"
+  out = tmp_path / "timed.json"
+  run(tmp_path, "tools/run_timed.py", "--json", str(out), "--log", str(tmp_path / "timed.log"), "--",
+      sys.executable, "-c", child)  # fmt: skip
+  row = json.loads(out.read_text())
+  assert row["returncode"] == 0 and row["stopped_at_deadline"] is None
+  assert 1.0 <= row["exit_after_mark_s"] < 30 and row["peak_rss_gib"] >= 1.0
+  large = row["peak_rss_by_mapping"]["large_anon"]
+  # the breakdown is read again at each peak 1 % above the last one read: the array's mapping within 1 % of full
+  assert any(m["rss_gib"] >= 0.9 and m["size_gib"] >= 1.0 and "rd" in m["flags"] for m in large), large
+  assert row["peak_rss_by_mapping"]["gib"]["[anon >=1GiB]"] >= 0.9
+  assert "done: step 1" in (tmp_path / "timed.log").read_text()

@@ -8,7 +8,8 @@ the start. ``--json`` gets: the exit status, the wall time, when the last
 line matching ``--mark`` came, how long the process took to end after it
 (``exit_after_mark_s``), and the peak resident set of the command's process
 tree and the peak of the machine's used memory, sampled every 0.5 s
-(``psutil``), with what the peak held: the command's resident set by mapping
+(``psutil``), with what the peak held (read again at each new peak 1 % above
+the last one read): the command's resident set by mapping
 (``peak_rss_by_mapping``, from ``/proc/PID/smaps``: each file or device by
 name, anonymous memory by mapping size, and each anonymous mapping of 1 GiB
 or more with its kernel flags). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
@@ -116,14 +117,13 @@ def main() -> None:
   ps = psutil.Process(proc.pid)
   stopped_at = None
   breakdown: dict = {}
-  breakdown_rss = breakdown_at = 0.0
+  breakdown_rss = 0.0
   while proc.poll() is None:
     rss = _tree_rss(ps)
     peak_rss = max(peak_rss, rss)
-    now = time.perf_counter() - t0
-    if rss > breakdown_rss + 2**29 and now > breakdown_at + 5:  # a new peak: what holds it (at most every 5 s)
+    if rss > breakdown_rss * 1.01 + 2**26:  # a new peak, 1 % above the last one read: what holds it
       breakdown = _rss_by_mapping(proc.pid) or breakdown
-      breakdown_rss, breakdown_at = rss, now
+      breakdown_rss = rss
     peak_used = max(peak_used, psutil.virtual_memory().used)
     now = time.perf_counter() - t0
     if args.deadline_s is not None and now > args.deadline_s:
