@@ -352,7 +352,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
         part = parallel.global_batch(lambda mine: tuple(x[mine] for x in part), batch_layout, rows)
       measured = "the stages measured" + (", each under its remat choices" if args.remat == "auto" else "")
       with _setup_phase(args, measured):
-        times = overlapped_lib.stage_times(staged, params, part, 1, args.remat)
+        times = overlapped_lib.stage_times(staged, params, part, args.remat)
     overlap_plan = overlapped_lib.plan(args, tx, staged, params, times)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.

@@ -145,13 +145,10 @@ class OverlappedTraining:
     return _in_model_layout(self.staged, self.step.opt_state)
 
 
-def stage_times(
-  staged: jax_dos.NNXStages, params: dict, batch: tuple, micro_batches: int, remat: str = "full"
-) -> jax_dos.StageTimes:
-  """Each stage's measured forward and backward time on one micro-batch of ``batch``; with ``remat="auto"`` also
-  each stage's costs under the policies the plan chooses among (``jax_dos.remat.PLANNED_POLICIES``)."""
-  rows = batch[0].shape[0] // micro_batches
+def stage_times(staged: jax_dos.NNXStages, params: dict, micro: tuple, remat: str = "full") -> jax_dos.StageTimes:
+  """Each stage's measured forward and backward time on ``micro``, one micro-batch laid out as the step lays it out;
+  with ``remat="auto"`` also each stage's costs under the policies the plan chooses among
+  (``jax_dos.remat.PLANNED_POLICIES``)."""
   model = jax_dos.StagedModel(stages(staged, remat), staged.num_groups)
   policies = jax_dos.PLANNED_REMAT_POLICIES if remat == "auto" else ()
-  part = batch if micro_batches == 1 else tuple(x[:rows] for x in batch)
-  return model.measure_times(staged.split(params), part, policies)
+  return model.measure_times(staged.split(params), micro, policies)
