@@ -55,6 +55,7 @@ import faulthandler
 import json
 import os
 import platform
+import re
 import resource
 import socket
 import statistics
@@ -129,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="overlap variants: move subgroups between host and stream by each step's measured ends (warm up longer)",
   )
   p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
+  p.add_argument("--moments", default="float32", choices=("float32", "bfloat16", "int8"),
+                 help="how the jax_dos variants store mu and nu (interleaved_adam(moments=...))")  # fmt: skip
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
   p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
   p.add_argument("--mem-fraction", default="0.94", help="XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -200,7 +203,9 @@ def _cap_pinned_pool(args: argparse.Namespace) -> None:
   n = model_module(args).param_count(model_config(args))
   param_bytes = 4 if args.param_dtype == "float32" else 2
   predict = args.variant == "ahead"  # delay_predict="gradient": copies of the moments
-  most = jax_dos.host_need_bound(n, param_bytes, overlapped=args.variant in OVERLAPPED, moment_copies=predict)
+  most = jax_dos.host_need_bound(
+    n, param_bytes, overlapped=args.variant in OVERLAPPED, moment_copies=predict, moments=args.moments
+  )
   jax_dos.cap_pinned_pool(most, certain_bytes=0)  # the plan says what fits (it may keep state resident)
 
 
@@ -268,7 +273,7 @@ def run_variant(args: argparse.Namespace) -> dict:
   if args.variant == "idiom":
     if args.grad_accum > 1:
       raise SystemExit("the idiom runs the whole step in one jit: --grad-accum is not implemented for it")
-    tx = jax_dos.interleaved_adam(lr, **hyper, plan="stream")
+    tx = jax_dos.interleaved_adam(lr, **hyper, plan="stream", moments=args.moments)
     fb = jax.jit(loss_and_grads)
 
     def _step(params, state, batch):
@@ -307,7 +312,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     if args.variant == "writebehind":
       delay["write_behind"] = True
     planner = jax_dos.auto_planner(**budgets, params_in_place=True, ahead_copies=args.variant == "ahead")
-    tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=planner, **delay)
+    tx = jax_dos.interleaved_adam(lr, **hyper, plan=plan, planner=planner, moments=args.moments, **delay)
     fb = gradient_function(tx, args.grad_flush)
 
     def step_fn(params, state, batch):
@@ -392,7 +397,9 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
     out["step_memory"] = {"peak_bytes": need.peak_bytes, "live_bytes": need.live_bytes}
   t0 = time.perf_counter()
   planner = jax_dos.auto_planner(**budgets, params_in_place=True)
-  tx = jax_dos.interleaved_adam(1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask, planner=planner)
+  tx = jax_dos.interleaved_adam(
+    1e-5, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask, planner=planner, moments=args.moments
+  )
   staged = arch.staged(cfg)
   groups = staged.split(params)
   del params
@@ -512,6 +519,8 @@ def _child(args: argparse.Namespace, variant: str, result: str) -> dict:
   with open(result) as f:
     res = json.load(f)
   res["wall_s"] = time.perf_counter() - t
+  res["exit_after_result_s"] = time.time() - res.pop("written_at")
+  res["phases"] = [[float(m[1]), m[2]] for m in re.finditer(r"^\[ *([0-9.]+) s\] (.*)$", proc.stderr, re.M)]
   return res
 
 
@@ -554,6 +563,7 @@ def main(argv=None) -> None:
     faulthandler.enable()  # a crash leaves its threads' stacks in the stderr tail the driver keeps
     faulthandler.dump_traceback_later(max(1, args.timeout - 10), exit=True)  # and so does a hang, before the kill
     res = run_variant(args)
+    res["written_at"] = time.time()  # the driver measures the exit from here
     with open(args.result, "w") as f:
       json.dump(res, f)
     return

@@ -287,7 +287,12 @@ def host_need_bound(
   (``overlapped``): the host path's ``timeline.HostBytes`` a parameter (state,
   spare state, gradient and weight copies of ``param_bytes`` each), and no
   more than its default host budget, ``HOST_SHARE`` of the host's RAM
-  (``host_memory_bytes``, default the machine's). The larger of the two.
+  (``host_memory_bytes``, default the machine's); and the plain step's, which
+  a refused overlapped step falls back to, where that fits the host beside
+  ``memory.HOST_HEADROOM_BYTES`` (13B with int8 moments on a 125.9 GiB host:
+  the plain step's 120 GiB does not, and would cap XLA's pool, which takes its
+  whole cap once the need passes 64 GiB, 13 GiB above the overlapped step's
+  budget).
   """
   state = moment_formats.state_bytes_per_param(moment_formats.check(moments))
   plain = math.ceil((state + 4 + (4 if moment_copies else 0)) * num_params)
@@ -295,7 +300,9 @@ def host_need_bound(
     return plain
   total = memory.host_memory_total() if host_memory_bytes is None else host_memory_bytes
   per = host_bytes_per(moments).per_parameter("host", param_bytes)
-  return max(plain, min(math.ceil(per * num_params), int(HOST_SHARE * total)))
+  overlapped_need = min(math.ceil(per * num_params), int(HOST_SHARE * total))
+  plain_fits = plain + memory.HOST_HEADROOM_BYTES <= total
+  return max(plain, overlapped_need) if plain_fits else overlapped_need
 
 
 def make_plan(

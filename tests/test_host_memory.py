@@ -85,7 +85,8 @@ def test_a_run_that_cannot_fit_the_hosts_ram_stops_before_anything_moves():
 
 def test_the_need_bound_is_an_all_host_overlapped_plans_need():
   """``host_need_bound`` for the overlapped step is what ``OverlappedStep.host_bytes`` counts for an all-host plan
-  (the most per parameter), held to the host budget; for the plain step, 16 B a parameter."""
+  (the most per parameter), held to the host budget; for the plain step, 16 B a parameter, counted beside the
+  overlapped step's only where the plain step fits the host."""
   rng = np.random.default_rng()
   sizes = [(int(rng.integers(2, 9)), int(rng.integers(2, 9))) for _ in range(3)]
   groups = [{"w": jnp.zeros(s, jnp.bfloat16)} for s in sizes]
@@ -98,7 +99,10 @@ def test_the_need_bound_is_an_all_host_overlapped_plans_need():
     plan, layout, 0
   )
   ram = 100 * GiB
-  assert jax_dos.host_need_bound(10**10, 2, overlapped=True, host_memory_bytes=ram) == max(
-    16 * 10**10, int(overlap_plan.HOST_SHARE * ram)
+  assert jax_dos.host_need_bound(5 * 10**9, 2, overlapped=True, host_memory_bytes=ram) == max(
+    16 * 5 * 10**9, int(overlap_plan.HOST_SHARE * ram)
   )
   assert jax_dos.host_need_bound(n) == 16 * n
+  big = int(ram / 16)  # the plain step's 16 B a parameter fill the RAM: only the overlapped step can run
+  assert jax_dos.host_need_bound(big, 2, overlapped=True, host_memory_bytes=ram) == int(overlap_plan.HOST_SHARE * ram)
+  assert jax_dos.host_need_bound(big, 2, overlapped=False, host_memory_bytes=ram) == 16 * big
