@@ -75,6 +75,7 @@ VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", 
             "overlapfire", "overlapbatch")  # fmt: skip
 OVERLAPPED = ("overlap", "overlapfire", "overlapbatch")
 GIB = 2**30
+POOL_MARGIN_BYTES = 2 * GIB  # what jax_dos.cap_pinned_pool adds to a need
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
   p.add_argument("--moments", default="float32", choices=("float32", "bfloat16", "int8"),
                  help="how the jax_dos variants store mu and nu (interleaved_adam(moments=...))")  # fmt: skip
+  p.add_argument("--host-gb", type=float, default=None,
+                 help="pinned host memory a variant may take, in GiB: XLA's pool capped there (never below its own"
+                      " 64), the overlap variants' host budget 2 GiB below it (default: the plan's bound)")  # fmt: skip
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
   p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
   p.add_argument("--mem-fraction", default="0.94", help="XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -206,6 +210,8 @@ def _cap_pinned_pool(args: argparse.Namespace) -> None:
   most = jax_dos.host_need_bound(
     n, param_bytes, overlapped=args.variant in OVERLAPPED, moment_copies=predict, moments=args.moments
   )
+  if args.host_gb is not None:  # the pool at --host-gb (the margin inside it), the overlapped plan within it
+    most = min(most, int(args.host_gb * GIB) - POOL_MARGIN_BYTES)
   jax_dos.cap_pinned_pool(most, certain_bytes=0)  # the plan says what fits (it may keep state resident)
 
 
@@ -423,6 +429,8 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
     step_kw["stream_slots"] = args.overlap_stream_slots
   if args.overlap_rebalance:
     step_kw["rebalance"] = True
+  if args.host_gb is not None:
+    step_kw["host_budget_bytes"] = int(args.host_gb * GIB) - POOL_MARGIN_BYTES
   step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum,
                                 stage_times=times, **step_kw)  # fmt: skip
   out["run_ahead_stages"] = step.run_ahead_stages
