@@ -64,6 +64,10 @@ import sys
 import tempfile
 import time
 
+# XLA's pinned pool cap as the user set it, read before `train.flags` imports jax_dos, whose import sets one: a
+# variant's process must not inherit the driver's as if the user had set it (it would keep it, uncapped by the plan).
+POOL_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+USER_POOL_LIMIT = os.environ.get(POOL_LIMIT_ENV)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
@@ -510,7 +514,8 @@ def _child(args: argparse.Namespace, variant: str, result: str) -> dict:
   t = time.perf_counter()
   with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: a variant stopped at its timeout still tells where
     try:
-      proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, timeout=args.timeout)
+      env = {k: v for k, v in os.environ.items() if k != POOL_LIMIT_ENV or USER_POOL_LIMIT is not None}
+      proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
       err.seek(0)
       return {"variant": variant, "error": f"timed out after {args.timeout} s", "stderr_tail": err.read()[-3000:]}
