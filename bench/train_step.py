@@ -79,7 +79,7 @@ VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", 
             "overlapfire", "overlapbatch")  # fmt: skip
 OVERLAPPED = ("overlap", "overlapfire", "overlapbatch")
 GIB = 2**30
-POOL_MARGIN_BYTES = 2 * GIB  # what jax_dos.cap_pinned_pool adds to a need
+POOL_MARGIN_BYTES = 4 * GIB  # what jax_dos.cap_pinned_pool adds to a need
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="how the jax_dos variants store mu and nu (interleaved_adam(moments=...))")  # fmt: skip
   p.add_argument("--host-gb", type=float, default=None,
                  help="pinned host memory a variant may take, in GiB: XLA's pool capped there (never below its own"
-                      " 64), the overlap variants' host budget 2 GiB below it (default: the plan's bound)")  # fmt: skip
+                      " 64), the overlap variants' host budget 4 GiB below it (default: the plan's bound)")  # fmt: skip
   p.add_argument("--resident-gb", type=float, default=None, help="resident budget (default: the planner's)")
   p.add_argument("--staging-gb", type=float, default=None, help="staging budget (default: the planner's)")
   p.add_argument("--mem-fraction", default="0.94", help="XLA_PYTHON_CLIENT_MEM_FRACTION")
