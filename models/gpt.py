@@ -208,17 +208,11 @@ class GPT(nnx.Module):
 # ----------------------------------------------------------------------------- parameters, loss
 
 
-def _init_tree(cfg: GPTConfig, seed: jax.Array) -> dict:
-  return nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(jax.random.key(seed))), nnx.Param))
-
-
-_init = jax.jit(_init_tree, static_argnums=0)
-
-
 def init_params(cfg: GPTConfig, seed: int = 0, shardings: Any = None) -> tuple[nnx.GraphDef, dict]:
   """Builds the model; returns ``(graphdef, params)`` with ``params`` a plain nested dict of arrays.
 
-  Initialisation is one jitted call (compiled once per config), not one dispatch per initializer.
+  Initialisation is two jitted programs, one for every block and one for the rest (``lm.init_by_block``), not
+  one dispatch per initializer nor one program with every layer in it.
   ``shardings`` (a tree like :func:`abstract_params`, or one sharding) lays the parameters out on a mesh as they
   are made: each device computes its own shards, the same values as unsharded. Without it they are committed to
   the first local device, where an update leaves them: a training step's first call compiles the programs of
@@ -226,8 +220,8 @@ def init_params(cfg: GPTConfig, seed: int = 0, shardings: Any = None) -> tuple[n
   """
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   if shardings is None:
-    return graphdef, jax.device_put(_init(cfg, jnp.asarray(seed, jnp.uint32)), jax.local_devices()[0])
-  return graphdef, jax.jit(_init_tree, static_argnums=0, out_shardings=shardings)(cfg, np.uint32(seed))
+    shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return graphdef, lm.init_by_block(GPT, Block, cfg, np.uint32(seed), shardings)
 
 
 def abstract_params(cfg: GPTConfig) -> dict:

@@ -231,23 +231,16 @@ class Llama(nnx.Module):
 # ----------------------------------------------------------------------------- parameters, counts, stages
 
 
-def _init_tree(cfg: LlamaConfig, seed: jax.Array) -> dict:
-  return nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(jax.random.key(seed))), nnx.Param))
-
-
-_init = jax.jit(_init_tree, static_argnums=0)
-
-
 def init_params(cfg: LlamaConfig, seed: int = 0, shardings: Any = None) -> tuple[nnx.GraphDef, dict]:
   """Builds the model; returns ``(graphdef, params)`` with ``params`` a plain nested dict of arrays.
 
-  One jitted call (compiled once per config); ``shardings``, and the parameters committed without it, as
+  Two jitted programs (``lm.init_by_block``); ``shardings``, and the parameters committed without it, as
   ``models.gpt.init_params``'.
   """
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   if shardings is None:
-    return graphdef, jax.device_put(_init(cfg, jnp.asarray(seed, jnp.uint32)), jax.local_devices()[0])
-  return graphdef, jax.jit(_init_tree, static_argnums=0, out_shardings=shardings)(cfg, np.uint32(seed))
+    shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return graphdef, lm.init_by_block(Llama, Block, cfg, np.uint32(seed), shardings)
 
 
 def abstract_params(cfg: LlamaConfig) -> dict:

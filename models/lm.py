@@ -8,6 +8,7 @@ float32 ``logits[b, t, vocab]`` through ``model.embed(tokens)``, its
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -83,3 +84,43 @@ def staged(model: nnx.Module, block_size: int) -> jax_dos.NNXStages:
   """
   batch = (jax.ShapeDtypeStruct((1, block_size), jnp.int32),) * 2
   return jax_dos.nnx_stages(model, batch, embed=_embed, blocks="blocks", head=_head)
+
+
+def _init_programs(model_cls: type, block_cls: type, cfg: Any, rest_out: Any, block_out: Any) -> tuple:
+  """The two jitted initialisers of :func:`init_by_block`: the model without its blocks, and one block."""
+  one_block = dataclasses.replace(cfg, n_layer=1)
+
+  def rest(key):
+    params = nnx.to_pure_dict(nnx.state(model_cls(one_block, rngs=nnx.Rngs(key)), nnx.Param))
+    return {k: v for k, v in params.items() if k != "blocks"}
+
+  def block(key):
+    return nnx.to_pure_dict(nnx.state(block_cls(cfg, rngs=nnx.Rngs(key)), nnx.Param))
+
+  return jax.jit(rest, out_shardings=rest_out), jax.jit(block, out_shardings=block_out)
+
+
+_cached_init_programs = functools.lru_cache(maxsize=16)(_init_programs)  # one sharding (hashable): compiled once
+
+
+def init_by_block(model_cls: type, block_cls: type, cfg: Any, seed: Any, shardings: Any) -> dict:
+  """``model_cls(cfg)``'s parameters as a plain nested dict, made by one program for every block and one for the
+  rest, so that a deep model's initialisation compiles two small programs, not one with every layer in it (a 6.7B
+  GPT's: 11 s on a CPU, against 1.5 s).
+
+  ``model_cls(cfg, rngs)`` keeps its blocks, each ``block_cls(cfg, rngs)``, in
+  ``.blocks`` (an ``nnx.List``). Keys: ``k_rest, k_blocks = split(key(seed))``;
+  block ``i`` draws from ``fold_in(k_blocks, i)``, the rest from a one-block
+  model under ``k_rest`` (its block is not returned, and XLA drops its
+  computation). ``shardings``: a tree like the parameters, or one sharding;
+  each program lays its output out so (each device computes its own shards).
+  """
+  k_rest, k_blocks = jax.random.split(jax.random.key(seed))
+  if isinstance(shardings, dict):
+    rest_out = {k: v for k, v in shardings.items() if k != "blocks"}
+    rest, block = _init_programs(model_cls, block_cls, cfg, rest_out, shardings["blocks"][0])
+  else:
+    rest, block = _cached_init_programs(model_cls, block_cls, cfg, shardings, shardings)
+  params = rest(k_rest)
+  params["blocks"] = {i: block(jax.random.fold_in(k_blocks, i)) for i in range(cfg.n_layer)}
+  return params
