@@ -219,12 +219,13 @@ class StreamPath:
       old = earlier.old if earlier else self._state(s)
       if earlier:  # a wasted speculation's new state goes before the redo's comes (host_bytes counts one of them)
         jax.block_until_ready(earlier.new)  # its copies out must land before the host buffers are freed
-        for a in (a for group in earlier.new for a in group):
-          a.delete()
+        _free(earlier.new)
       if state is None:
         state = memory.put_groups(old, "device")
       self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
       g = memory.like_states(grads, old[0])
+      if final:  # its copy in has landed: the old host state goes before the new comes (host_bytes counts one)
+        _free(old)
       outs = device_steps.update_params(g, *state, params, scalars, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
       back = memory.put_groups(list(outs[1:]), "pinned_host")
@@ -232,20 +233,17 @@ class StreamPath:
     self._in_flight.append(back)
     if final:
       st.streamed.pop(s, None)
-      self._commit(s, old, back)
+      self._commit(s, back)
       future.set_result(list(outs[0]))
     else:
       st.streamed[s] = Streamed(old, back, grads, list(outs[0]), future)
     if not earlier:
       self.top_up()
 
-  def _commit(self, s: int, old: list[list[jax.Array]], new: list[list[jax.Array]]) -> None:
-    """The new state becomes subgroup ``s``'s; the old host buffers are freed once their copies are done (like a
-    donated buffer: the update that read them has waited for them to land)."""
+  def _commit(self, s: int, new: list[list[jax.Array]]) -> None:
+    """The new state becomes subgroup ``s``'s (its old host buffers freed already)."""
     for i, m, mu, nu in zip(self.routes.plan.subgroups[s], *new):
       self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
-    for a in (a for group in old for a in group):
-      a.delete()
 
   def finish(self, record: StepRecord) -> None:
     """(after the step's last hand-over) Commits or redoes the speculated subgroups, in forward order, once the
@@ -259,7 +257,8 @@ class StreamPath:
         self._dispatch(record, s, streamed.grads, streamed.params, streamed.future, decision.device, True)  # commits
       else:
         del st.streamed[s]
-        self._commit(s, streamed.old, streamed.new)
+        _free(streamed.old)
+        self._commit(s, streamed.new)
         streamed.future.set_result(streamed.params)
     st.streamed.clear()
     if decision.fired and self.routes.redo_on_stream:
@@ -302,3 +301,10 @@ class StreamPath:
     self._in_flight.append(back)
     share.future.set_result(list(outs[0]))
     return back
+
+
+def _free(groups: list[list[jax.Array]]) -> None:
+  """Frees host buffers whose copies are done (like a donated buffer: the update that read them has waited for them
+  to land)."""
+  for a in (a for group in groups for a in group):
+    a.delete()

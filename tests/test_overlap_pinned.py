@@ -1,0 +1,47 @@
+"""The overlapped step's pinned host memory, measured while it runs, against ``OverlappedStep.host_bytes()``."""
+
+from __future__ import annotations
+
+import gc
+
+import jax
+import numpy as np
+import pytest
+from test_overlap import FIRES, NEVER, _subgroup_count, check_against_reference, make_batch, make_groups, overlapped_run
+
+import jax_dos
+from jax_dos import memory, overlap_stream
+
+
+def _pinned_bytes() -> int:
+  return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted() and a.sharding.memory_kind == "pinned_host")
+
+
+@pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
+def test_a_stream_heavy_plans_pinned_arrays_stay_within_host_bytes(monkeypatch, clip_norm):
+  """A plan of mostly streamed subgroups, speculating every step: at each copy back to pinned memory the step's live
+  pinned arrays, the copy's new ones counted, stay within ``host_bytes()`` (the state and the new state of the
+  streamed parameters speculated on): a subgroup stepped with the true scale while the speculation is full frees its
+  old state before its new one comes. The numbers are optax's."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(4)]
+  plan = ["device"] + ["stream"] * (_subgroup_count(groups) - 1)
+  sizes = jax_dos.plan.partition_groups(groups, 40)[1]
+  budget = 12 * sum(sizes[1:]) + 12 * 2 * max(sizes)  # the state and speculation on two subgroups
+  gc.collect()
+  before, seen = _pinned_bytes(), []
+  put_groups = memory.put_groups
+
+  def counting_put_groups(groups_, kind):
+    if kind == "pinned_host":
+      seen.append(_pinned_bytes() - before + sum(x.nbytes for g in groups_ for x in g))
+    return put_groups(groups_, kind)
+
+  monkeypatch.setattr(overlap_stream.memory, "put_groups", counting_put_groups)
+  step, _ = overlapped_run(groups, batches, clip_norm, 2, plan, speculation="always", stream_slots=3,
+                           host_budget_bytes=budget)  # fmt: skip
+  step.settle()
+  assert seen and 0 < step.stream_speculation < sum(sizes[1:])
+  assert max(seen) <= step.host_bytes(), (max(seen), step.host_bytes())
+  check_against_reference(step, groups, batches, clip_norm, 2)
+  step.close()
