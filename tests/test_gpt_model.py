@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import cpu_devices_env
 
 from models import gpt as G
 
@@ -172,31 +169,3 @@ def test_bad_config(kwargs, match):
 def test_unknown_preset_lists_the_choices():
   with pytest.raises(ValueError, match="gpt2-124m"):
     G.get_config("gpt-9000")
-
-
-SHARDED_INIT = """
-import sys, jax, numpy as np
-sys.path.insert(0, ".")
-from models import gpt, llama
-from train import parallel
-seed = int(sys.argv[1])
-for mod in (gpt, llama):
-    cfg = mod.get_config("tiny")
-    mesh = parallel.make_mesh({"data": 2, "fsdp": 2})
-    _, sharded = mod.init_params(cfg, seed=seed, shardings=parallel.param_shardings(mesh, mod.abstract_params(cfg)))
-    _, whole = mod.init_params(cfg, seed=seed)
-    assert jax.tree.structure(sharded) == jax.tree.structure(whole)
-    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(whole)):
-        assert len(a.sharding.device_set) == 4 and np.array_equal(np.asarray(a), np.asarray(b))
-print("ok")
-"""
-
-
-def test_sharded_initialisation_equals_the_unsharded_one():
-  """``init_params`` with shardings (each device computing its own shards, block by block) gives the unsharded
-  values, for both models, on a 2 x 2 mesh of CPU devices (a fresh interpreter: the device count is set at start)."""
-  seed = str(np.random.default_rng().integers(2**31))
-  out = subprocess.run(
-    [sys.executable, "-c", SHARDED_INIT, seed], env=cpu_devices_env(4), capture_output=True, text=True, timeout=300
-  )
-  assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -5,7 +5,8 @@ On 4 (fake) CPU devices in CI: the device count must be set before jax
 starts, so the check runs in a fresh interpreter with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``. The same check runs
 on real accelerators where there are at least two (skipped elsewhere), on a
-2 x 2 mesh with four, and on 2 x 1 and 1 x 2 meshes with two.
+2 x 2 mesh with four, and on 2 x 1 and 1 x 2 meshes with two. It also checks that the models' initialisation,
+sharded, gives the unsharded values.
 """
 
 import os
@@ -65,6 +66,22 @@ SCRIPT = textwrap.dedent(
     ref_u, _ = ref.update(laid_out, ref.init(params), params)
     assert max_rel_diff(u, ref_u) <= 1e-6
     print("ok resharded grads")
+    # The models' initialisation, sharded over every device (each computing its own shards, block by block), gives
+    # the unsharded values.
+    sys.path.insert(0, ".")
+    from models import gpt, llama
+    from train import parallel
+    seed = int(rng.integers(2**31))
+    for mod in (gpt, llama):
+        cfg = mod.get_config("tiny")
+        layout = parallel.param_shardings(parallel.make_mesh({"data": 2, "fsdp": len(jax.devices()) // 2}),
+                                          mod.abstract_params(cfg))
+        _, sharded = mod.init_params(cfg, seed=seed, shardings=layout)
+        _, whole = mod.init_params(cfg, seed=seed)
+        assert jax.tree.structure(sharded) == jax.tree.structure(whole)
+        for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(whole)):
+            assert len(a.sharding.device_set) == len(jax.devices()) and np.array_equal(np.asarray(a), np.asarray(b))
+    print("ok sharded initialisation")
     """
 )
 
@@ -77,7 +94,7 @@ def _run(env: dict, *args: str) -> str:
     [sys.executable, "-c", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
   )
   assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.count("ok ") == 11, result.stdout
+  assert result.stdout.count("ok ") == 12, result.stdout
   return result.stdout
 
 
