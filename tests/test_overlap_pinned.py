@@ -17,6 +17,22 @@ def _pinned_bytes() -> int:
   return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted() and a.sharding.memory_kind == "pinned_host")
 
 
+def _record_stream_puts(monkeypatch) -> list[int]:
+  """A list that gets, at each put of the stream path into pinned memory, the live pinned bytes above those live now,
+  the put's new arrays counted."""
+  gc.collect()
+  before, seen = _pinned_bytes(), []
+  put_groups = memory.put_groups
+
+  def counting_put_groups(groups_, kind):
+    if kind == "pinned_host":
+      seen.append(_pinned_bytes() - before + sum(x.nbytes for g in groups_ for x in g))
+    return put_groups(groups_, kind)
+
+  monkeypatch.setattr(overlap_stream.memory, "put_groups", counting_put_groups)
+  return seen
+
+
 @pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
 def test_a_stream_heavy_plans_pinned_arrays_stay_within_host_bytes(monkeypatch, clip_norm):
   """A plan of mostly streamed subgroups, speculating every step: at each copy back to pinned memory the step's live
@@ -28,20 +44,27 @@ def test_a_stream_heavy_plans_pinned_arrays_stay_within_host_bytes(monkeypatch, 
   plan = ["device"] + ["stream"] * (_subgroup_count(groups) - 1)
   sizes = jax_dos.plan.partition_groups(groups, 40)[1]
   budget = 12 * sum(sizes[1:]) + 12 * 2 * max(sizes)  # the state and speculation on two subgroups
-  gc.collect()
-  before, seen = _pinned_bytes(), []
-  put_groups = memory.put_groups
-
-  def counting_put_groups(groups_, kind):
-    if kind == "pinned_host":
-      seen.append(_pinned_bytes() - before + sum(x.nbytes for g in groups_ for x in g))
-    return put_groups(groups_, kind)
-
-  monkeypatch.setattr(overlap_stream.memory, "put_groups", counting_put_groups)
+  seen = _record_stream_puts(monkeypatch)
   step, _ = overlapped_run(groups, batches, clip_norm, 2, plan, speculation="always", stream_slots=3,
                            host_budget_bytes=budget)  # fmt: skip
   step.settle()
   assert seen and 0 < step.stream_speculation < sum(sizes[1:])
   assert max(seen) <= step.host_bytes(), (max(seen), step.host_bytes())
   check_against_reference(step, groups, batches, clip_norm, 2)
+  step.close()
+
+
+def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypatch):
+  """A speculated step whose clip fires: when the stream path puts its share of the host subgroups' new state into
+  pinned memory, the step's pinned arrays stay within ``host_bytes()`` (the state, one spare, the copies): the share's
+  spare goes before its new state comes, never three copies of it at once."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
+  seen = _record_stream_puts(monkeypatch)
+  step, _ = overlapped_run(groups, batches, FIRES, 2, plan, speculation="always")
+  step.settle()
+  assert step.routes.redo_on_stream and seen
+  assert max(seen) <= step.host_bytes(), (max(seen), step.host_bytes())
+  check_against_reference(step, groups, batches, FIRES, 2)
   step.close()
