@@ -442,6 +442,7 @@ def run_overlapped(args, jax, jax_dos, arch, gradients, decay_mask, cfg, graphde
   out["stream_speculation"] = step.stream_speculation
   out["host_budget_bytes"] = step.host_budget_bytes
   out["host_bytes_planned"] = step.host_bytes()
+  out["host_resident_estimate_bytes"] = jax_dos.resident_estimate(step.host_bytes())
   del groups
   out["plan"] = str(step.plan)
   out["remat"] = list(step.plan.remat) if step.plan.remat is not None else [st.remat for st in stages]

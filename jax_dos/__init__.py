@@ -33,7 +33,7 @@ from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.host_plan import HostMemory, agreed_refusal, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
-from jax_dos.memory import cap_pinned_pool
+from jax_dos.memory import cap_pinned_pool, resident_estimate
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.moment_formats import state_bytes_per_param
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
@@ -112,6 +112,7 @@ __all__ = [
   "multi_steps",
   "nnx_stages",
   "partition_leaves",
+  "resident_estimate",
   "rematerialise",
   "resolve_plan",
   "to_optax_adamw_state",

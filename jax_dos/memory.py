@@ -119,6 +119,14 @@ DEFAULT_POOL_FRACTION = 0.9
 # What a run's resident set holds beside its pinned need (XLA's pool margin, Python, jax, numba, data): a run whose
 # need and this exceed the host's RAM is refused before anything moves (cap_pinned_pool).
 HOST_HEADROOM_BYTES = 5 * 2**30
+# XLA's BFC allocators (tsl/framework/bfc_allocator.h) keep, in ordinary host memory, an 8-byte chunk handle for every
+# 256 bytes of each region they manage, all written when the region opens: 1/32 of the accelerator's pool and of the
+# pinned host pool stays resident. Measured at 6.7B on an H100 (bench/tools/large_alloc_trace.c): 2.33 GiB for the
+# 74.4 GiB accelerator pool, 3.47 GiB for the 111 GiB pinned pool.
+BFC_TABLE_FRACTION = 1 / 32
+# A GPU run's resident set beside XLA's pools and their tables: the C heap, Python, jax, numba, libraries, data
+# (1.6-2.9 GiB measured at 6.7B on an H100).
+PROCESS_BYTES = 3 * 2**30
 # XLA's pinned pool beyond the planned need (cap_pinned_pool): what the plan does not count (transfer staging) and the
 # pool's fragmentation. Measured at 6.7B (H100): the pool peaked 2.0 GiB above a plan of 107.0 GiB, and a pool of
 # 109 GiB (a 2 GiB margin) ran out in the first step of a `--remat auto` plan.
@@ -216,6 +224,30 @@ def pinned_pool_limit() -> int | None:
     return int(float(os.environ.get(POOL_LIMIT_ENV, XLA_DEFAULT_POOL_GIB)) * 2**30)
   except ValueError:
     return XLA_DEFAULT_POOL_GIB * 2**30
+
+
+def accelerator_pool_bytes() -> int:
+  """Bytes XLA's allocators hold for this process's local devices (each device's ``bytes_limit``; 0 on the CPU)."""
+  stats = [d.memory_stats() for d in jax.local_devices()]
+  return sum(int(s.get("bytes_limit", 0)) for s in stats if s)
+
+
+def resident_estimate(pinned_bytes: int, pool_bytes: int | None = None, accelerator_bytes: int | None = None) -> int:
+  """The resident set a GPU process holding ``pinned_bytes`` of pinned host memory reaches.
+
+  ``resident = pool + (pool + accelerator) * BFC_TABLE_FRACTION + PROCESS_BYTES``, where the pool is
+  ``pool_bytes`` (XLA's pinned pool cap, default :func:`pinned_pool_limit`) where ``pinned_bytes`` passes what
+  its regions hold before the last one (XLA opens regions of 256 MiB doubling up to the cap, and the last takes
+  the rest of the cap), else ``pinned_bytes`` rounded up to the regions it opens; ``accelerator_bytes`` defaults to
+  :func:`accelerator_pool_bytes`.
+  """
+  cap = pinned_pool_limit() if pool_bytes is None else pool_bytes
+  pool, region = 0, 2**28
+  while pool < pinned_bytes and (cap is None or pool < cap):
+    take = region if cap is None else min(region, cap - pool)
+    pool, region = pool + take, 2 * region
+  accelerator = accelerator_pool_bytes() if accelerator_bytes is None else accelerator_bytes
+  return int(pool + (pool + accelerator) * BFC_TABLE_FRACTION + PROCESS_BYTES)
 
 
 def bytes_on_this_host(nbytes: int) -> tuple[int, int]:

@@ -135,7 +135,8 @@ class OverlappedStep:
       policy beside the placements (``plan.remat``), and the step runs its
       stages under them.
     run_ahead_stages: how many stage programs the training thread may have
-      dispatched beyond the one the accelerator runs (``RUN_AHEAD_STAGES``).
+      dispatched beyond the one the accelerator runs (default
+      ``RUN_AHEAD_STAGES``, one with one micro-batch).
       Fewer: the workers' programs and copies wait less behind the stage
       programs; more: the accelerator is less likely to wait for a dispatch.
     stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``),
@@ -192,7 +193,7 @@ class OverlappedStep:
     micro_batch_order: str = "stage",
     plan: Any = None,
     stage_times: StageTimes | None = None,
-    run_ahead_stages: int = RUN_AHEAD_STAGES,
+    run_ahead_stages: int | None = None,
     stream_slots: int = STREAM_SLOTS,
     host_budget_bytes: int | None = None,
     rebalance: bool = False,

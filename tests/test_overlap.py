@@ -730,3 +730,13 @@ def test_a_workers_results_come_back_through_futures_and_its_failure_skips_the_r
   assert later.cancelled() and isinstance(worker.errors[0], ZeroDivisionError)
   worker.stop()
   assert worker.ask(lambda: x) == x
+
+
+def test_one_micro_batch_runs_one_stage_ahead_by_default_and_a_given_value_is_kept():
+  from jax_dos import overlap_plan
+
+  assert overlap_plan.StepOptions(1).run_ahead_stages == 1
+  assert overlap_plan.StepOptions(int(np.random.default_rng().integers(2, 9))).run_ahead_stages == 2
+  assert overlap_plan.StepOptions(1, run_ahead_stages=3).run_ahead_stages == 3
+  with pytest.raises(ValueError, match="run_ahead_stages"):
+    overlap_plan.StepOptions(1, run_ahead_stages=0)
