@@ -237,12 +237,12 @@ def resident_estimate(pinned_bytes: int, pool_bytes: int | None = None, accelera
 
   ``resident = pool + (pool + accelerator) * BFC_TABLE_FRACTION + PROCESS_BYTES``, where the pool is
   ``pool_bytes`` (XLA's pinned pool cap, default :func:`pinned_pool_limit`) where ``pinned_bytes`` passes what
-  its regions hold before the last one (XLA opens regions of 256 MiB doubling up to the cap, and the last takes
+  its regions hold before the last one (XLA opens regions of 2 MiB doubling up to the cap, and the last takes
   the rest of the cap), else ``pinned_bytes`` rounded up to the regions it opens; ``accelerator_bytes`` defaults to
   :func:`accelerator_pool_bytes`.
   """
   cap = pinned_pool_limit() if pool_bytes is None else pool_bytes
-  pool, region = 0, 2**28
+  pool, region = 0, 2 * 2**20
   while pool < pinned_bytes and (cap is None or pool < cap):
     take = region if cap is None else min(region, cap - pool)
     pool, region = pool + take, 2 * region

@@ -109,15 +109,16 @@ def test_the_need_bound_is_an_all_host_overlapped_plans_need():
 
 
 def test_the_resident_estimate_holds_the_pool_xla_opens_and_its_allocators_tables():
-  """XLA's pinned pool opens regions of 256 MiB doubling up to its cap: the estimate holds the regions a need opens (its
+  """XLA's pinned pool opens regions of 2 MiB doubling up to its cap: the estimate holds the regions a need opens (its
   whole cap once the need passes the regions before the last), 1/32 of them and of the accelerator's pool in XLA's
   tables, and the process's own bytes."""
   rng = np.random.default_rng()
   cap, accelerator = int(rng.integers(70, 200)) * GiB, int(rng.integers(10, 150)) * GiB
-  before_last = sum(2**28 * 2**k for k in range(8))  # 0.25 + 0.5 + ... + 32 GiB: the regions below a 64 GiB one
+  mib = 2**20
+  before_last = 64 * GiB - 2 * mib  # 2 MiB + 4 MiB + ... + 32 GiB: the regions below a 64 GiB one
   rest = memory.PROCESS_BYTES + accelerator * memory.BFC_TABLE_FRACTION
   large = int(rng.integers(before_last + 1, cap))
   assert jax_dos.resident_estimate(large, cap, accelerator) == int(cap * (1 + memory.BFC_TABLE_FRACTION) + rest)
-  small = int(rng.integers(2**28 + 1, 2**29 + 2**28))  # opens the first two regions: 768 MiB
-  assert jax_dos.resident_estimate(small, cap, accelerator) == int(3 * 2**28 * (1 + memory.BFC_TABLE_FRACTION) + rest)
+  small = int(rng.integers(2 * mib + 1, 6 * mib))  # opens the first two regions: 6 MiB
+  assert jax_dos.resident_estimate(small, cap, accelerator) == int(6 * mib * (1 + memory.BFC_TABLE_FRACTION) + rest)
   assert jax_dos.resident_estimate(0, cap, accelerator) == int(rest)
