@@ -478,6 +478,11 @@ def writable_view(array_shard, dtype=np.float32) -> np.ndarray:
   return np.frombuffer(raw, dtype=dtype)
 
 
+# Cores the overlapped step's host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a
+# stage program's launches are the training thread's work, and the accelerator idles while they wait for a core.
+TRAINING_CORES = 2
+
+
 @one_launch_at_a_time
 def set_num_threads(n: int | None = None, leave: int = 0) -> int:
   """Sets the host kernel's thread count for kernels launched from the calling thread. Returns it.

@@ -39,7 +39,7 @@ from ``jax_dos.overlap_plan`` and is never edited here: rebalancing asks it
 for a new plan and hands that to both workers. The numbers are optax's in
 every placement, the same bits in two runs. The training thread stays at most
 ``RUN_AHEAD_STAGES`` stage programs ahead of the accelerator, and the host
-kernel leaves ``TRAINING_CORES`` cores to the threads that launch programs.
+kernel leaves ``host_kernels.TRAINING_CORES`` cores to the threads that launch programs.
 """
 
 from __future__ import annotations
@@ -90,9 +90,6 @@ from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
-# Cores the host kernel leaves to the training thread and XLA's runtime on a machine of at least 8: a stage program's
-# launches are the training thread's work, and the accelerator idles while they wait for a core.
-TRAINING_CORES = 2
 
 
 class OverlappedStep:
@@ -293,7 +290,7 @@ class OverlappedStep:
     top_up = weakref.WeakMethod(self._stream_path.top_up)
     self._streamer = JobThread("jax_dos-overlap-stream", self._wake, top_up, IDLE_POLL_S, skip, errors["stream"])
     self._decider = JobThread("jax_dos-overlap-decide", self._wake, failed=skip, errors=errors["decide"])
-    self._host.submit(host_kernels.set_num_threads, None, TRAINING_CORES)
+    self._host.submit(host_kernels.set_num_threads, None, host_kernels.TRAINING_CORES)
     overlap_process.register(self)
 
   # ----------------------------------------------------------------------------- the plan and the state

@@ -485,7 +485,10 @@ def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
   """The host subgroups the stream path steps when the clip fires: the last ones in forward order (needed last).
 
   ``jax_dos.timeline.fired_share`` at the calibrated concurrent rates (equal
-  rates without a calibration): the two paths end together. A fixed share, so
+  rates without a calibration), the host's from the kernel alone where the
+  calibration measured it (after the decision the gradients are in host
+  memory and the host worker only runs the kernel; the plain engine's host
+  rate counts its copies too): the two paths end together. A fixed share, so
   that a subgroup's numbers never depend on which thread came first. A plan
   of the model's (``"auto"``) shares even where nothing streams:
   :func:`room_beside_step` budgets its stream slots beside the step's peak
@@ -497,6 +500,8 @@ def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
     return set()
   cal = plan.calibration or {}
   host, stream = cal.get("host_rate_concurrent") or 1.0, cal.get("stream_rate_concurrent") or 1.0
+  if cal.get("host_kernel_rate") and cal.get("host_rate"):  # after the decision the host worker runs the kernel alone
+    host = cal["host_kernel_rate"] * host / cal["host_rate"]  # at the host path's slowdown beside the stream path
   rates = Rates(host, stream, 1.0, host, stream)
   timeline = [dataclasses.replace(g, size=n) for g, n in zip(layout.timeline(), plan.sizes)]
   return fired_share(timeline, plan.placements, rates)

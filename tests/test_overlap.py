@@ -740,3 +740,27 @@ def test_one_micro_batch_runs_one_stage_ahead_by_default_and_a_given_value_is_ke
   assert overlap_plan.StepOptions(1, run_ahead_stages=3).run_ahead_stages == 3
   with pytest.raises(ValueError, match="run_ahead_stages"):
     overlap_plan.StepOptions(1, run_ahead_stages=0)
+
+
+def test_the_fired_redos_share_counts_the_host_kernel_alone_where_the_calibration_measured_it():
+  """After a fired clip's decision the host worker only runs the kernel: where the calibration measured it alone, the
+  stream path's share of the host subgroups is sized from that rate (at the host path's concurrent slowdown), so a
+  faster kernel keeps more of them; unmeasured (0), the host path's concurrent rate sizes it."""
+  from jax_dos import overlap_plan
+  from jax_dos.stages import StagedModel
+
+  rng = np.random.default_rng()
+  groups = make_groups(rng)
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan="host")
+  users = jax_dos.overlapped_plan(tx, STAGES, groups, micro_batches=2)
+  layout = overlap_plan.step_layout(StagedModel(STAGES, len(groups)), groups, 40)
+  rate = float(rng.uniform(1e8, 1e10))
+  cal = {"host_rate": rate, "host_rate_concurrent": rate, "stream_rate_concurrent": rate}
+
+  def share(kernel: float) -> set:
+    measured = {**cal, "host_kernel_rate": kernel}
+    plan = users.with_placements(users.placements, source="model+timeline", calibration=measured)
+    return overlap_plan.stream_share_of_host(plan, layout)
+
+  assert share(0.0) == share(rate) and share(rate)
+  assert share(3 * rate) < share(rate)  # the last ones in forward order, fewer of them

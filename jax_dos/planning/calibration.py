@@ -28,6 +28,7 @@ environment variable ``JAX_DOS_CALIBRATION`` (a JSON path).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -41,7 +42,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jax_dos import host_kernels
 from jax_dos.adam_math import AdamHyper
 from jax_dos.interleaved import InterleavedAdam
 from jax_dos.memory import device_free_bytes
@@ -164,6 +167,33 @@ class _Runner:
     return reduce([self.step() for _ in range(reps)])
 
 
+KERNEL_RATE_PARAMS = 64 * 2**20  # parameters the host kernel alone is timed on: 1 GiB of buffers, far above any cache
+
+
+def host_kernel_rate(n: int, reps: int = 3, leave: int = 0) -> float:
+  """The host kernel's rate alone (params/s): AdamW in place on ``n`` float32 parameters with bfloat16 gradients and
+  a bfloat16 copy out, on buffers already in host memory, as the overlapped step's host worker runs it (its thread
+  count: all cores less ``leave`` where there are four times as many, ``host_kernels.set_num_threads``). Median of
+  ``reps`` after a pass that touches the pages."""
+  g, low = (np.zeros(n, jnp.bfloat16) for _ in range(2))
+  p, m, v = (np.zeros(n, np.float32) for _ in range(3))
+  hyper = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.01)
+  scalars = np.asarray([-1e-3, 0.1, 0.001], np.float32)
+
+  def once() -> float:
+    t = time.perf_counter()
+    host_kernels.adam_many([(g, p, m, v, low)], [True], **hyper, scalars=scalars)
+    return time.perf_counter() - t
+
+  def timed() -> float:  # on a thread of its own: numba's thread count is set per launching thread
+    host_kernels.set_num_threads(None, leave)
+    once()
+    return statistics.median(once() for _ in range(reps))
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return n / max(pool.submit(timed).result(), 1e-9)
+
+
 def fit_concurrent_rates(solo: Calibration, size: int, n_subgroups: int, mixes) -> tuple[float, float]:
   """Host and stream rates while both run, fitted to measured mixed-plan step times.
 
@@ -257,6 +287,7 @@ def measure(
     solo,
     host_rate_concurrent=host_c,
     stream_rate_concurrent=stream_c,
+    host_kernel_rate=host_kernel_rate(min(n, KERNEL_RATE_PARAMS), reps, leave=host_kernels.TRAINING_CORES),
     device_free_bytes=free,
     platform=dev.platform,
     device_kind=dev.device_kind,

@@ -13,6 +13,9 @@ engine):
 * ``host_rate_concurrent`` / ``stream_rate_concurrent`` (``h_c, s_c``): each
   path's rate while the other one runs. Host kernel and DMA share host DRAM,
   so each path slows down while the other runs;
+* ``host_kernel_rate`` (``k``): the host kernel alone, on buffers already in
+  host memory (no copies), as the overlapped step's host worker runs it after
+  a fired clip's decision (0: not measured);
 * ``subgroup_overhead_host`` / ``_stream`` (``o_host, o_stream``) per
   subgroup, ``device_call_overhead`` (``o_call``) per jitted call that
   updates resident subgroups (one per 256 Mi parameters), and
@@ -81,6 +84,7 @@ _RATE_FIELDS = (
   "device_rate",
   "host_rate_concurrent",
   "stream_rate_concurrent",
+  "host_kernel_rate",
 )
 _TIME_FIELDS = ("subgroup_overhead_host", "subgroup_overhead_stream", "device_call_overhead", "step_overhead")
 
@@ -95,6 +99,7 @@ class Calibration:
   host_rate_concurrent: float
   stream_rate_concurrent: float
   stream_rate_single: float = 0.0  # 0: unknown, the model takes stream_rate / 2
+  host_kernel_rate: float = 0.0  # 0: not measured (a calibration cached before it was)
   subgroup_overhead_host: float = 0.0
   subgroup_overhead_stream: float = 0.0
   device_call_overhead: float = 0.0
@@ -110,7 +115,7 @@ class Calibration:
   def __post_init__(self):
     for name in _RATE_FIELDS:
       v = getattr(self, name)
-      ok = math.isfinite(v) and (v > 0 or (name == "stream_rate_single" and v == 0))
+      ok = math.isfinite(v) and (v > 0 or (name in ("stream_rate_single", "host_kernel_rate") and v == 0))
       if not ok:
         raise ValueError(f"Calibration.{name} must be a positive finite rate in params/s, got {v!r}.")
     for name in _TIME_FIELDS:
@@ -155,6 +160,7 @@ class Calibration:
     return (
       f"host {g(self.host_rate)}, stream {g(self.stream_rate)}, device {g(self.device_rate)},"
       f" concurrent host {g(self.host_rate_concurrent)} + stream {g(self.stream_rate_concurrent)}"
+      + (f", host kernel alone {g(self.host_kernel_rate)}" if self.host_kernel_rate else "")
     )
 
 
