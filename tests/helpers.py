@@ -1,4 +1,4 @@
-"""Shared test helpers: random parameter trees and comparison against optax."""
+"""Shared test helpers: random parameter trees, comparison against optax, and tiny runs of ``train.gpt``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import optax
 
 import jax_dos
 from jax_dos.interleaved import find_interleaved
+from train import gpt
 
 SHAPES = {
   "embed": (13, 8),
@@ -20,6 +21,10 @@ SHAPES = {
   "scale": (),
   "empty": (0, 3),
 }
+
+# A model small enough that each run takes seconds on a CPU.
+TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--batch", "4", "--seq-len", "32", "--eval-batches", "1",
+        "--quiet"]  # fmt: skip
 
 
 def cpu_devices_env(devices: int, **extra: str) -> dict[str, str]:
@@ -33,6 +38,19 @@ def random_tree(rng: np.random.Generator, shapes=SHAPES, dtype=jnp.float32, scal
   """A tree of ``shapes`` filled with fresh normal samples."""
   return jax.tree.map(
     lambda s: jnp.asarray(scale * rng.standard_normal(s), dtype), shapes, is_leaf=lambda s: isinstance(s, tuple)
+  )
+
+
+def train_tiny(tmp_path, name: str, *flags: str) -> dict:
+  """``python -m train.gpt`` in this process on the ``TINY`` model, writing to ``tmp_path / name``; its result."""
+  return gpt.main([*TINY, "--out", str(tmp_path / name), *flags])
+
+
+def same_tree(a, b) -> bool:
+  """Whether ``a`` and ``b`` have one structure and their leaves are equal bit for bit, in the same dtypes."""
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+    np.array_equal(np.asarray(x), np.asarray(y)) and x.dtype == y.dtype
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
   )
 
 

@@ -1,0 +1,235 @@
+"""train/: the step ``python -m train.gpt`` runs: offloaded, accumulated, written behind or overlapped, it trains as
+the plain on-device step does; the memory of its gradient step; and the choice between the plain and the
+overlapped step."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import weakref
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import same_tree as _same_tree
+from helpers import train_tiny as _run
+
+from models import gpt as gpt_model
+from train import gpt as T
+from train import gradients as G
+from train import optimizer as O
+from train import steps as S
+
+
+def test_weight_decay_mask_skips_vectors():
+  mask = O.decay_mask({"w": np.zeros((2, 3)), "b": np.zeros(3), "emb": {"e": np.zeros((4, 2))}, "s": np.zeros(())})
+  assert mask == {"w": True, "b": False, "emb": {"e": True}, "s": False}
+
+
+def test_offload_none_and_host_give_the_same_loss_curve(tmp_path):
+  common = ["--steps", "4", "--lr", "3e-3", "--warmup", "1", "--eval-every", "0", "--log-every", "1",
+            "--param-dtype", "float32"]  # fmt: skip
+  ref = _run(tmp_path, "none", *common, "--offload", "none")
+  for mode in ("host", "stream", "host --grad-flush none", "auto --grad-flush all"):
+    got = _run(tmp_path, mode.replace(" ", ""), *common, "--offload", *mode.split())
+    np.testing.assert_allclose(list(got["losses"].values()), list(ref["losses"].values()), rtol=1e-4, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(ref["params"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_accumulated_micro_batches_train_like_one_batch(tmp_path):
+  """``--batch 2 --grad-accum 2`` trains on the same rows as ``--batch 4``: same losses, same weights."""
+  common = ["--steps", "3", "--lr", "3e-3", "--warmup", "1", "--eval-every", "0", "--log-every", "1",
+            "--param-dtype", "float32", "--offload", "host"]  # fmt: skip
+  with jax.default_matmul_precision("highest"):  # on a GPU: no TF32 (the split changes the products' rounding)
+    ref = _run(tmp_path, "one", *common, "--compute-dtype", "float32")
+    got = _run(tmp_path, "accum", *common, "--compute-dtype", "float32", "--batch", "2", "--grad-accum", "2")
+  np.testing.assert_allclose(list(got["losses"].values()), list(ref["losses"].values()), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(ref["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [["--grad-flush", "none"], ["--grad-accum", "2"]])
+def test_the_loop_holds_no_gradients_while_the_next_step_computes(tmp_path, monkeypatch, flags):
+  """Gradients left on the accelerator are freed after the update: the planner counts them through it only.
+
+  (At 6.7B the loop's reference to the last step's 12 GiB of gradients ran the next update out of GPU memory.)
+  """
+  make_grad_step, alive = T.make_grad_step, []
+
+  def watched(*args, **kwargs):
+    grad_step = make_grad_step(*args, **kwargs)
+
+    def step(*a):
+      gc.collect()
+      alive.append(sum(r() is not None for r in refs) if (refs := getattr(step, "refs", None)) else 0)
+      loss, grads, scale, norm = grad_step(*a)
+      step.refs = [weakref.ref(g) for g in jax.tree.leaves(grads)]
+      return loss, grads, scale, norm
+
+    return step
+
+  monkeypatch.setattr(T, "make_grad_step", watched)
+  _run(tmp_path, "run", "--steps", "3", "--eval-every", "0", "--offload", "host", *flags)
+  assert alive == [0, 0, 0]
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0, 1e-3])
+def test_accumulated_gradient_is_the_batch_gradient(clip):
+  """``scale * grad_sum`` over micro-batches is the whole batch's gradient times its clip factor."""
+  cfg = gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=32, dtype="float32")
+  graphdef, params = gpt_model.init_params(cfg, seed=int(np.random.default_rng().integers(1000)))
+  rng = np.random.default_rng()
+  batch = tuple(rng.integers(0, 256, (6, 32)).astype(np.int32) for _ in range(2))
+  with jax.default_matmul_precision("highest"):
+    loss, grads, scale, norm = G.make_grad_step(None, params)(graphdef, params, batch, clip)
+    loss3, sums, scale3, norm3 = G.make_grad_step(None, params, micro_batches=3)(graphdef, params, batch, clip)
+  np.testing.assert_allclose(float(loss3), float(loss), rtol=1e-6)
+  np.testing.assert_allclose(float(norm3), float(optax.global_norm(grads)), rtol=1e-5)  # the mean gradient's norm
+  np.testing.assert_allclose(float(norm), float(optax.global_norm(grads)), rtol=1e-6)
+  for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(sums)):
+    want = np.asarray(g) * float(scale)  # float32 sums in another order: rounding relative to the leaf's scale
+    np.testing.assert_allclose(np.asarray(s) * float(scale3), want, rtol=2e-5, atol=2e-6 * np.abs(want).max())
+  with pytest.raises(ValueError, match="equal micro-batches"):
+    G.make_grad_step(None, params, micro_batches=4)(graphdef, params, batch, clip)
+
+
+def test_accumulation_needs_one_micro_batch_of_activations():
+  """The planner's step memory for 4 micro-batches: one micro-batch's program plus the running sum, kept live."""
+  cfg = gpt_model.get_config("tiny", n_layer=2, d_model=32, n_head=2, vocab_size=256, block_size=64)
+  graphdef, params = gpt_model.init_params(cfg)
+  grads = sum(x.nbytes for x in jax.tree.leaves(params))
+  whole = G.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none")
+  micro = G.gradient_step_memory(graphdef, params, (32, 64), 1.0, "none", micro_batches=4)
+  quarter = G.gradient_step_memory(graphdef, params, (8, 64), 1.0, "none")
+  assert micro.live_bytes >= grads
+  assert micro.peak_bytes < whole.peak_bytes
+  assert micro.peak_bytes < quarter.peak_bytes + grads // 2  # no second copy of the gradients
+
+
+def test_write_behind_trains_bit_identically(tmp_path):
+  """--write-behind only moves the host state's writes behind the next step: same losses, same parameters."""
+  common = ["--steps", "4", "--warmup", "1", "--eval-every", "0", "--log-every", "1", "--offload", "host", "--no-ckpt"]
+  plain = _run(tmp_path, "plain", *common)
+  behind = _run(tmp_path, "behind", *common, "--write-behind")
+  assert behind["losses"] == plain["losses"]
+  assert _same_tree(behind["params"], plain["params"])
+
+
+def test_budget_flags_reach_the_planner(tmp_path):
+  # No accelerator memory for resident or streamed state: the performance model can only choose the host.
+  out = _run(tmp_path, "budget", "--steps", "2", "--eval-every", "0", "--offload", "auto", "--resident-gb", "0",
+             "--staging-gb", "0")  # fmt: skip
+  assert "host:    1 subgroups" in out["plan"] and "(100.0%)" in out["plan"].split("host:")[1], out["plan"]
+
+
+@pytest.mark.parametrize("flush", ["all", "host", "none"])
+def test_gradient_step_memory_counts_the_compiled_step(flush):
+  cfg = gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
+  graphdef, params = gpt_model.init_params(cfg)
+  need = G.gradient_step_memory(graphdef, params, (4, 32), 1.0, flush)
+  grads = sum(x.nbytes for x in jax.tree.leaves(params))
+  assert 0 < need.live_bytes <= need.peak_bytes  # the loss and the clip's scale stay on the accelerator
+  all_host = G.gradient_step_memory(graphdef, params, (4, 32), 1.0, "all")
+  if flush == "host":  # some gradients stay on the accelerator: every one counted as live (an upper bound)
+    assert need == type(need)(all_host.peak_bytes + grads, all_host.live_bytes + grads)
+  if flush == "none":  # its own program: every gradient is an output on the accelerator
+    assert need.live_bytes >= grads
+
+
+def test_a_split_flush_larger_than_its_budget_is_refused():
+  """The split program's own memory is checked against what the plan assumed (CPU programs have a real analysis)."""
+  cfg = gpt_model.get_config("tiny", n_layer=1, d_model=32, n_head=2, vocab_size=256, block_size=32)
+  graphdef, params = gpt_model.init_params(cfg)
+  batch = (jax.ShapeDtypeStruct((4, 32), np.int32),) * 2
+  leaves = len(jax.tree.leaves(params))
+  tx = T.jax_dos.interleaved_adam(1e-3, plan=["host", "device"] * (leaves // 2) + ["host"] * (leaves % 2),
+                                  subgroup_size=1)  # fmt: skip
+  compiled = G.make_grad_step(tx, params, "host").lower(graphdef, params, batch, 1.0).compile()
+  need = T.jax_dos.StepMemory.of(compiled)
+  G.check_split_flush(compiled, need)  # exactly what it needs: accepted
+  with pytest.raises(SystemExit, match="--grad-flush all"):
+    G.check_split_flush(compiled, T.jax_dos.StepMemory(need.peak_bytes - 1, min(need.live_bytes, need.peak_bytes - 1)))
+
+
+# ----------------------------------------------------------------------------- the step: chosen, one interface
+
+
+def _plan(placements: int, predicted: dict) -> T.jax_dos.Plan:
+  return T.jax_dos.Plan(((0,),) * placements, ("host",) * placements, (1,) * placements, 2, predicted)
+
+
+@pytest.mark.parametrize(
+  "mode, overlapped, plain, refusal, chosen",
+  [
+    ("auto", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, None, True),  # 2.9 s against 2.8 + 0.9 s
+    ("auto", {"step": 3.9, "exposed": 1.1}, {"total": 0.9}, None, False),  # 3.9 s against 2.8 + 0.9 s
+    ("auto", {"step": 2.9, "exposed": 0.1, "step_clip_fired": 3.5}, {"total": 0.9}, None, True),
+    ("auto", {"step": 2.9, "exposed": 0.1, "step_clip_fired": 3.9}, {"total": 0.9}, None, False),  # slower fired
+    ("auto", {}, {"total": 0.9}, None, False),  # no timeline: nothing to compare
+    ("auto", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, "--delay 1 is a mode of the plain path", False),
+    ("on", {}, {}, None, True),
+    ("off", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, None, False),
+  ],
+)
+def test_the_step_is_chosen_by_the_plans_predictions(mode, overlapped, plain, refusal, chosen):
+  got, line = S.choose(mode, _plan(2, plain), _plan(2, overlapped), refusal)
+  assert got == chosen and line.startswith("step    " + ("overlapped" if chosen else "plain"))
+  if overlapped and plain and refusal is None:
+    assert f"overlapped {overlapped['step']:.2f} s" in line  # each step's prediction is said
+    assert f"plain {overlapped['step'] - overlapped['exposed'] + plain['total']:.2f} s" in line
+
+
+def test_the_line_says_which_rematerialisation_the_overlapped_plan_chose():
+  remat = ("full", "minimal", "minimal", "full")
+  overlapped = dataclasses.replace(_plan(2, {"step": 2.9, "exposed": 0.1}), remat=remat)
+  _, line = S.choose("auto", _plan(2, {"total": 0.9}), overlapped, None)
+  assert "overlapped 2.90 s, remat minimal on 2 of 4 stages, full on 2" in line
+  _, line = S.choose("auto", _plan(2, {"total": 0.9}), _plan(2, {"step": 2.9, "exposed": 0.1}), None)
+  assert "remat" not in line  # the stages' own policies: nothing chosen
+
+
+def test_the_choice_from_plans_made_for_a_given_device_memory():
+  """With the device's memory given to the planner (no GPU), both plans come from shapes before any state exists; an
+  accelerator too small for the state makes the overlapped step win, hiding the host update under the backward pass."""
+  cfg = gpt_model.get_config("tiny", n_layer=2, d_model=128, n_head=2, vocab_size=256, block_size=32)
+  _, params = gpt_model.init_params(cfg)
+  cal = T.jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9, device_free_bytes=2**20)
+  planner = T.jax_dos.auto_planner(cal, resident_budget_bytes=0, staging_budget_bytes=0)
+  tx = T.jax_dos.interleaved_adam(1e-3, planner=planner)
+  plain = T.jax_dos.get_plan(tx, params)
+  n = cfg.n_layer + 2
+  times = T.jax_dos.StageTimes((0.01,) * n, (0.02,) * n)
+  staged = gpt_model.staged(cfg)
+  overlapped = T.jax_dos.overlapped_plan(tx, staged.stages, staged.split(params), stage_times=times, micro_batches=2)
+  assert set(plain.placements) == {"host"} and plain.predicted["total"] > 0
+  assert overlapped.predicted["step"] < times.compute_s(2) + plain.predicted["total"]
+  chosen, line = S.choose("auto", plain, overlapped, None)
+  assert chosen and "predicted step: overlapped" in line
+
+
+@pytest.mark.parametrize(
+  "clip, model",
+  [("1e-3", []), ("1e3", []), ("1e-3", ["--arch", "llama", "--n-head", "4"])],  # llama: 4 heads over its 2 kv heads
+  ids=["clip_fires", "clip_silent", "llama_clip_fires"],
+)
+def test_the_overlapped_steps_losses_and_norms_equal_the_plain_steps(tmp_path, clip, model):
+  """One interface, two steps: the same losses and gradient norms, every step's norm and clip in the log; under
+  --remat auto (the plain step keeps every activation on the CPU, the overlapped one recomputes every stage) and
+  --remat minimal (both keep the large matmuls' outputs). The Llama-style model's stages come from its own modules
+  as the GPT's do (``jax_dos.nnx_stages``)."""
+  remat = "minimal" if clip == "1e-3" else "auto"
+  common = ["--steps", "4", "--eval-every", "0", "--log-every", "2", "--param-dtype", "float32", "--batch", "2",
+            "--grad-accum", "2", "--clip", clip, "--offload", "host", "--remat", remat, *model]  # fmt: skip
+  runs = {mode: _run(tmp_path, mode, *common, "--overlap", mode) for mode in ("on", "off")}
+  assert runs["on"]["plan"] != runs["off"]["plan"]  # the overlapped step's plan, said as the one in use
+  for key in ("losses", "grad_norms"):
+    np.testing.assert_allclose(list(runs["on"][key].values()), list(runs["off"][key].values()), rtol=2e-5)
+  for mode, out in runs.items():
+    rows = [json.loads(line) for line in open(tmp_path / mode / "metrics.jsonl")]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["clipped"] == (r["grad_norm"] >= float(clip)) for r in steps)
+    assert out["clip_fired"] == sum(r["clipped"] for r in steps) == (4 if clip == "1e-3" else 0)
