@@ -131,8 +131,8 @@ def _prepare_process(args: argparse.Namespace) -> dict[str, str]:
   """The process's settings, before jax's backend starts: XLA's persistent compilation cache (not with ``--smoke``),
   the pinned pool capped (``_cap_pinned_pool``), XLA's memory limits (``common.setup_env``). Returns the settings for
   the result's ``env``."""
-  if not args.smoke:
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
+  if not args.smoke:  # jax read the variable when this module imported it: the setting itself takes it now
+    jax.config.update("jax_compilation_cache_dir", os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE))
   _cap_pinned_pool(args)
   env = common.setup_env(pinned_fraction=0.9, gpu_mem_fraction=args.mem_fraction)
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:
