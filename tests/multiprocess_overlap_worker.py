@@ -1,9 +1,9 @@
 """The overlapped step on a data-parallel mesh of several processes, for ``test_multiprocess.py``.
 
 ``python tests/multiprocess_overlap_worker.py PORT PROCESS_ID SEED DIR`` is one of 2 processes (2 CPU devices each,
-gloo) that train ``test_overlap``'s staged model with ``jax_dos.OverlappedStep`` on a ``(data, model)`` mesh:
+gloo) that train ``overlap_model``'s staged model with ``jax_dos.OverlappedStep`` on a ``(data, model)`` mesh:
 parameters replicated over ``data`` (which spans the processes) and sharded over ``model``, batch rows over
-``data``, every placement (``test_overlap.MIXED``). Each process compares what it holds against
+``data``, every placement (``overlap_model.MIXED``). Each process compares what it holds against
 ``optax.chain(clip_by_global_norm, adamw)`` run on whole arrays on its own first device, with the clip firing and
 silent, and counts its pinned host bytes (half of the state, as it holds); a layout one process's host cannot hold
 is refused on both before anything is allocated; then a checkpoint both processes wrote after 2 steps resumes,
@@ -67,7 +67,7 @@ def check_host_bytes(step) -> None:
 
 
 def run(seed: int, directory: str) -> None:
-  import test_overlap as t
+  import overlap_model as t
   from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P

@@ -184,8 +184,8 @@ def test_optax_state_holds_the_decoded_moments():
 
 @pytest.mark.parametrize("moments", ["bfloat16", "int8"])
 def test_overlapped_step_follows_float32_adam_within_the_format(moments):
-  from test_overlap import B1, B2, FIRES, MIXED, STAGES, WD, _subgroup_count, make_batch, make_groups, reference_run
-  from test_overlap import LR as OVERLAP_LR
+  from overlap_model import B1, B2, FIRES, MIXED, STAGES, WD, _subgroup_count, make_batch, make_groups, reference_run
+  from overlap_model import LR as OVERLAP_LR
 
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
@@ -254,8 +254,8 @@ def test_write_behind_and_the_plain_delay_keep_the_rounding():
 
 def test_the_overlapped_plan_counts_each_formats_host_bytes():
   """One host budget holds more of the host path with compact state: the timeline planner counts its bytes."""
-  from test_overlap import B1, B2, STAGES, WD, make_groups
-  from test_overlap import LR as OVERLAP_LR
+  from overlap_model import B1, B2, STAGES, WD, make_groups
+  from overlap_model import LR as OVERLAP_LR
 
   from jax_dos import overlap_plan
 

@@ -7,7 +7,15 @@ import gc
 import jax
 import numpy as np
 import pytest
-from test_overlap import FIRES, NEVER, _subgroup_count, check_against_reference, make_batch, make_groups, overlapped_run
+from overlap_model import (
+  FIRES,
+  NEVER,
+  _subgroup_count,
+  check_against_reference,
+  make_batch,
+  make_groups,
+  overlapped_run,
+)
 
 import jax_dos
 from jax_dos import memory, overlap_stream
