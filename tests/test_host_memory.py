@@ -113,12 +113,15 @@ def test_the_resident_estimate_holds_the_pool_xla_opens_and_its_allocators_table
   whole cap once the need passes the regions before the last), 1/32 of them and of the accelerator's pool in XLA's
   tables, and the process's own bytes."""
   rng = np.random.default_rng()
-  cap, accelerator = int(rng.integers(70, 200)) * GiB, int(rng.integers(10, 150)) * GiB
+  cap, accelerator = int(rng.integers(70, 129)) * GiB, int(rng.integers(10, 150)) * GiB  # the 64 GiB region: the last
   mib = 2**20
   before_last = 64 * GiB - 2 * mib  # 2 MiB + 4 MiB + ... + 32 GiB: the regions below a 64 GiB one
   rest = memory.PROCESS_BYTES + accelerator * memory.BFC_TABLE_FRACTION
-  large = int(rng.integers(before_last + 1, cap))
+  above = 128 * GiB - 2 * mib  # under a cap above it, a need past 64 GiB opens the whole 64 GiB region and no more
+  large = int(rng.integers(before_last + 1, min(cap, above)))
   assert jax_dos.resident_estimate(large, cap, accelerator) == int(cap * (1 + memory.BFC_TABLE_FRACTION) + rest)
+  big_cap = int(rng.integers(129, 400)) * GiB
+  assert jax_dos.resident_estimate(large, big_cap, accelerator) == int(above * (1 + memory.BFC_TABLE_FRACTION) + rest)
   small = int(rng.integers(2 * mib + 1, 6 * mib))  # opens the first two regions: 6 MiB
   assert jax_dos.resident_estimate(small, cap, accelerator) == int(6 * mib * (1 + memory.BFC_TABLE_FRACTION) + rest)
   assert jax_dos.resident_estimate(0, cap, accelerator) == int(rest)
