@@ -362,8 +362,7 @@ class Engine:
       with trace.span("stream.dispatch"):
         old = [[lst[i] for i in idx] for lst in (masters, mus, nus)]
         dev_state = memory.put_groups(old, "device")
-        for a in (a for group in old for a in group):
-          a.delete()  # freed once its copy is done (like a donated buffer): host memory holds one copy of the state
+        memory.free_groups(old)  # once its copy is done: host memory holds one copy of the state
         g = memory.like_states([grads[i] for i in idx], [masters[i] for i in idx])  # flushed ones come back
         p = [params[i] for i in idx]
         update = device_steps.update_params if new_params else device_steps.update

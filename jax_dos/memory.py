@@ -368,6 +368,13 @@ def put_groups(groups: list[list[jax.Array]], kind: str) -> list[list[jax.Array]
   return [[next(moved) for _ in g] for g in groups]
 
 
+def free_groups(groups: list[list[jax.Array]]) -> None:
+  """Frees the buffers of several lists of arrays whose copies are done (like a donated buffer: whatever read them
+  has waited for them to land)."""
+  for a in (a for group in groups for a in group):
+    a.delete()
+
+
 def like_states(grads: list[jax.Array], masters: list[jax.Array], kind: str = "device") -> list[jax.Array]:
   """``grads`` in memory ``kind`` with their states' shardings (so that shards line up leaf by leaf).
 

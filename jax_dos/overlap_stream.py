@@ -219,13 +219,13 @@ class StreamPath:
       old = earlier.old if earlier else self._state(s)
       if earlier:  # a wasted speculation's new state goes before the redo's comes (host_bytes counts one of them)
         jax.block_until_ready(earlier.new)  # its copies out must land before the host buffers are freed
-        _free(earlier.new)
+        memory.free_groups(earlier.new)
       if state is None:
         state = memory.put_groups(old, "device")
       self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
       g = memory.like_states(grads, old[0])
       if final:  # its copy in has landed: the old host state goes before the new comes (host_bytes counts one)
-        _free(old)
+        memory.free_groups(old)
       outs = device_steps.update_params(g, *state, params, scalars, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
       back = memory.put_groups(list(outs[1:]), "pinned_host")
@@ -257,7 +257,7 @@ class StreamPath:
         self._dispatch(record, s, streamed.grads, streamed.params, streamed.future, decision.device, True)  # commits
       else:
         del st.streamed[s]
-        _free(streamed.old)
+        memory.free_groups(streamed.old)
         self._commit(s, streamed.new)
         streamed.future.set_result(streamed.params)
     st.streamed.clear()
@@ -301,10 +301,3 @@ class StreamPath:
     self._in_flight.append(back)
     share.future.set_result(list(outs[0]))
     return back
-
-
-def _free(groups: list[list[jax.Array]]) -> None:
-  """Frees host buffers whose copies are done (like a donated buffer: the update that read them has waited for them
-  to land)."""
-  for a in (a for group in groups for a in group):
-    a.delete()
