@@ -45,11 +45,18 @@ def setup_env(pinned_fraction: float = 0.85, gpu_mem_fraction: str = "0.90") -> 
   """
   os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(pinned_fraction * host_ram_bytes() / 2**30)))
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", gpu_mem_fraction)
+  os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")  # as train.gpt: no BFC table in host RAM
   # Command buffers off in every variant (jax_dos.OverlappedStep needs it; the others then run on equal terms).
   flag = "--xla_gpu_enable_command_buffer="
   if flag not in os.environ.get("XLA_FLAGS", "").split():
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-  keys = ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS", "JAX_PLATFORMS")
+  keys = (
+    "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR",
+    "XLA_FLAGS",
+    "JAX_PLATFORMS",
+  )
   return {k: os.environ[k] for k in keys if k in os.environ}
 
 

@@ -124,6 +124,10 @@ HOST_HEADROOM_BYTES = 5 * 2**30
 # pinned host pool stays resident. Measured at 6.7B on an H100 (bench/tools/large_alloc_trace.c): 2.33 GiB for the
 # 74.4 GiB accelerator pool, 3.47 GiB for the 111 GiB pinned pool.
 BFC_TABLE_FRACTION = 1 / 32
+# XLA's accelerator allocator, as jax reads it when its GPU client starts: jax's default is a BFC allocator (with the
+# table above); "cuda_async" is CUDA's own stream-ordered pool (cudaMallocAsync), which keeps no such table.
+ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
+TABLE_FREE_ALLOCATORS = ("cuda_async", "platform")
 # A GPU run's resident set beside XLA's pools and their tables: the C heap, Python, jax, numba, libraries, data
 # (1.6-2.9 GiB measured at 6.7B on an H100).
 PROCESS_BYTES = 3 * 2**30
@@ -232,10 +236,18 @@ def accelerator_pool_bytes() -> int:
   return sum(int(s.get("bytes_limit", 0)) for s in stats if s)
 
 
+def accelerator_table_fraction() -> float:
+  """The share of the accelerator's pool that XLA's allocator keeps as a table in host memory: ``BFC_TABLE_FRACTION``
+  under a BFC allocator (jax's default), 0 under one of ``TABLE_FREE_ALLOCATORS`` (``ALLOCATOR_ENV``)."""
+  allocator = os.environ.get(ALLOCATOR_ENV, "default").lower()
+  return 0.0 if allocator in TABLE_FREE_ALLOCATORS else BFC_TABLE_FRACTION
+
+
 def resident_estimate(pinned_bytes: int, pool_bytes: int | None = None, accelerator_bytes: int | None = None) -> int:
   """The resident set a GPU process holding ``pinned_bytes`` of pinned host memory reaches.
 
-  ``resident = pool + (pool + accelerator) * BFC_TABLE_FRACTION + PROCESS_BYTES``, where the pool is
+  ``resident = pool * (1 + BFC_TABLE_FRACTION) + accelerator * accelerator_table_fraction() + PROCESS_BYTES``, where
+  the pool is
   ``pool_bytes`` (XLA's pinned pool cap, default :func:`pinned_pool_limit`) where ``pinned_bytes`` passes what
   its regions hold before the last one (XLA opens regions of 2 MiB doubling up to the cap, and the last takes
   the rest of the cap), else ``pinned_bytes`` rounded up to the regions it opens; ``accelerator_bytes`` defaults to
@@ -247,7 +259,7 @@ def resident_estimate(pinned_bytes: int, pool_bytes: int | None = None, accelera
     take = region if cap is None else min(region, cap - pool)
     pool, region = pool + take, 2 * region
   accelerator = accelerator_pool_bytes() if accelerator_bytes is None else accelerator_bytes
-  return int(pool + (pool + accelerator) * BFC_TABLE_FRACTION + PROCESS_BYTES)
+  return int(pool * (1 + BFC_TABLE_FRACTION) + accelerator * accelerator_table_fraction() + PROCESS_BYTES)
 
 
 def bytes_on_this_host(nbytes: int) -> tuple[int, int]:

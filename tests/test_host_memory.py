@@ -108,10 +108,11 @@ def test_the_need_bound_is_an_all_host_overlapped_plans_need():
   assert jax_dos.host_need_bound(big, 2, overlapped=False, host_memory_bytes=ram) == 16 * big
 
 
-def test_the_resident_estimate_holds_the_pool_xla_opens_and_its_allocators_tables():
+def test_the_resident_estimate_holds_the_pool_xla_opens_and_its_allocators_tables(monkeypatch):
   """XLA's pinned pool opens regions of 2 MiB doubling up to its cap: the estimate holds the regions a need opens (its
   whole cap once the need passes the regions before the last), 1/32 of them and of the accelerator's pool in XLA's
-  tables, and the process's own bytes."""
+  tables (under jax's default BFC allocator), and the process's own bytes."""
+  monkeypatch.delenv(memory.ALLOCATOR_ENV, raising=False)
   rng = np.random.default_rng()
   cap, accelerator = int(rng.integers(70, 129)) * GiB, int(rng.integers(10, 150)) * GiB  # the 64 GiB region: the last
   mib = 2**20
@@ -125,3 +126,16 @@ def test_the_resident_estimate_holds_the_pool_xla_opens_and_its_allocators_table
   small = int(rng.integers(2 * mib + 1, 6 * mib))  # opens the first two regions: 6 MiB
   assert jax_dos.resident_estimate(small, cap, accelerator) == int(6 * mib * (1 + memory.BFC_TABLE_FRACTION) + rest)
   assert jax_dos.resident_estimate(0, cap, accelerator) == int(rest)
+
+
+@pytest.mark.parametrize("allocator", ["cuda_async", "platform"])
+def test_an_accelerator_allocator_without_a_table_adds_none_to_the_resident_estimate(monkeypatch, allocator):
+  """Under CUDA's own allocators (what ``train.gpt`` sets), the accelerator's pool keeps no table in host memory."""
+  rng = np.random.default_rng()
+  cap, accelerator = int(rng.integers(70, 129)) * GiB, int(rng.integers(10, 150)) * GiB
+  need = int(rng.integers(65, 69)) * GiB
+  monkeypatch.setenv(memory.ALLOCATOR_ENV, allocator)
+  without = jax_dos.resident_estimate(need, cap, accelerator)
+  monkeypatch.setenv(memory.ALLOCATOR_ENV, "bfc")
+  assert jax_dos.resident_estimate(need, cap, accelerator) - without == int(accelerator * memory.BFC_TABLE_FRACTION)
+  assert without == int(cap * (1 + memory.BFC_TABLE_FRACTION) + memory.PROCESS_BYTES)
