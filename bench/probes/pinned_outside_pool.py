@@ -8,6 +8,7 @@ Each case runs in its own process:
   stay out of XLA's pool, how fast do copies to and from the device run beside the pool's own pinned arrays;
 - ``exit_pool`` / ``exit_mapped``: GiB of pinned memory held at the end, XLA's pool against our own mapping, and how
   long the process takes to end after its last line (and, for our mapping, ``dma_unmap`` timed before the end);
+- ``exit_device_bfc`` / ``exit_device_cuda_async``: the same for 30 GiB of accelerator memory under each allocator;
 - ``allocator_default`` / ``allocator_cuda_async``: the resident set and a matmul loop under XLA's accelerator
   allocators (BFC keeps a table of 1/32 of its pool in host memory).
 """
@@ -120,10 +121,14 @@ def case_dlpack(gib: int) -> dict:
 
 def case_exit(kind: str, gib: int) -> dict:
   import jax
+  import jax.numpy as jnp
 
   dev = jax.devices()[0]
   out: dict = {}
-  if kind == "pool":
+  if kind == "device":  # the accelerator's pool filled (XLA_PYTHON_CLIENT_ALLOCATOR picks its allocator)
+    chunks = [jnp.ones((GIB // 2,), jnp.bfloat16) for _ in range(gib)]
+    jax.block_until_ready(chunks)
+  elif kind == "pool":
     pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     chunks = [jax.device_put(np.ones(GIB // 4, np.float32), pinned) for _ in range(gib)]
     jax.block_until_ready(chunks)
@@ -193,6 +198,10 @@ def main() -> None:
     "exit_pool_48": lambda: child("exit_pool", {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "100"}, gib=48),
     "exit_mapped_48": lambda: child("exit_mapped", gib=48),
     "exit_mapped_unmap_48": lambda: child("exit_mapped_unmap", gib=48),
+    "exit_device_bfc_60": lambda: child("exit_device", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.94"}, gib=60),
+    "exit_device_cuda_async_60": lambda: child(
+      "exit_device", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.94", "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"}, gib=60
+    ),
     "allocator_default": lambda: child("allocator", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.94"}),
     "allocator_cuda_async": lambda: child(
       "allocator", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.94", "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async"}
