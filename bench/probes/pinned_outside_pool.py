@@ -8,7 +8,7 @@ Each case runs in its own process:
   stay out of XLA's pool, how fast do copies to and from the device run beside the pool's own pinned arrays;
 - ``exit_pool`` / ``exit_mapped``: GiB of pinned memory held at the end, XLA's pool against our own mapping, and how
   long the process takes to end after its last line (and, for our mapping, ``dma_unmap`` timed before the end);
-- ``exit_device_bfc`` / ``exit_device_cuda_async``: the same for 30 GiB of accelerator memory under each allocator;
+- ``exit_device_bfc`` / ``exit_device_cuda_async``: the same for 60 GiB of accelerator memory under each allocator;
 - ``allocator_default`` / ``allocator_cuda_async``: the resident set and a matmul loop under XLA's accelerator
   allocators (BFC keeps a table of 1/32 of its pool in host memory).
 """
