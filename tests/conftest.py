@@ -104,9 +104,13 @@ def calibrated_cache(tmp_path, calibration):
 def library_logging_as_it_was():
   """A test that runs ``train.gpt`` in-process routes ``jax_dos``'s records to the script's own handler
   (``train.progress.show_library_notes``: no longer propagated to the root logger, where ``caplog`` listens); each
-  test leaves the ``jax_dos`` logger as it found it, whichever tests ran before it on its worker."""
+  test starts with the ``jax_dos`` logger at its defaults, whichever tests or module fixtures (``test_train_resume``'s
+  runs) ran before it on its worker, and leaves it as it found it."""
   logger = logging.getLogger("jax_dos")
   level, propagate, handlers = logger.level, logger.propagate, list(logger.handlers)
+  logger.setLevel(logging.NOTSET)
+  logger.propagate = True
+  logger.handlers[:] = []
   yield
   logger.setLevel(level)
   logger.propagate = propagate
