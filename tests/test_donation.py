@@ -145,5 +145,8 @@ def test_stage_gradients_equal_jax_grad_where_dy_is_kept_or_donated(remat):
     return head((groups[4], groups[0]), x, batch)
 
   ref_loss, ref_grads = jax.value_and_grad(composed)(groups)
-  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-  assert max_rel_diff(grads, ref_grads) < 1e-5
+  # Two stages compute in bfloat16: a float32 difference in the last bit (an order of summation the staged and the
+  # composed programs need not share) can move an activation by a bfloat16 step (2^-8); once in CI the loss differed
+  # by 2.6e-4 (80 seeds here: exact). A donated buffer read after it was overwritten gives garbage, far above these.
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-3)
+  assert max_rel_diff(grads, ref_grads) < 2e-3
