@@ -17,6 +17,7 @@ the short ones after them instead of one worker finishing a long test alone at t
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -81,12 +82,18 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def calibration():
-  """This machine's calibration for the performance model, measured once (``jax_dos.calibrate``'s cache)."""
+@functools.cache
+def _this_machines_calibration():
   import jax_dos
 
   return jax_dos.calibrate()
+
+
+@pytest.fixture
+def calibration():
+  """This machine's calibration for the performance model, measured once a worker (``jax_dos.calibrate``'s
+  cache)."""
+  return _this_machines_calibration()
 
 
 @pytest.fixture
