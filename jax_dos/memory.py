@@ -246,12 +246,11 @@ def accelerator_table_fraction() -> float:
 def resident_estimate(pinned_bytes: int, pool_bytes: int | None = None, accelerator_bytes: int | None = None) -> int:
   """The resident set a GPU process holding ``pinned_bytes`` of pinned host memory reaches.
 
-  ``resident = pool * (1 + BFC_TABLE_FRACTION) + accelerator * accelerator_table_fraction() + PROCESS_BYTES``, where
-  the pool is
-  ``pool_bytes`` (XLA's pinned pool cap, default :func:`pinned_pool_limit`) where ``pinned_bytes`` passes what
-  its regions hold before the last one (XLA opens regions of 2 MiB doubling up to the cap, and the last takes
-  the rest of the cap), else ``pinned_bytes`` rounded up to the regions it opens; ``accelerator_bytes`` defaults to
-  :func:`accelerator_pool_bytes`.
+  ``resident = pool * (1 + BFC_TABLE_FRACTION) + accelerator * accelerator_table_fraction() + PROCESS_BYTES``,
+  where the pool is ``pool_bytes`` (XLA's pinned pool cap, default :func:`pinned_pool_limit`) where
+  ``pinned_bytes`` passes what its regions hold before the last one (XLA opens regions of 2 MiB doubling up to the
+  cap, and the last takes the rest of the cap), else ``pinned_bytes`` rounded up to the regions it opens;
+  ``accelerator_bytes`` defaults to :func:`accelerator_pool_bytes`.
   """
   cap = pinned_pool_limit() if pool_bytes is None else pool_bytes
   pool, region = 0, 2 * 2**20
