@@ -129,6 +129,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     action="store_true",
     help="overlap variants: move subgroups between host and stream by each step's measured ends (warm up longer)",
   )
+  p.add_argument(
+    "--overlap-pinned",
+    default="arena",
+    choices=("arena", "pool"),
+    help="overlap variants: where the offloaded state lives (OverlappedStep(pinned_memory=...)): pinned memory the step"
+    " maps itself, or XLA's pinned pool",
+  )
   p.add_argument("--clip", type=float, default=1.0, help="global-norm clip of every variant (overlapfire: 1e-6)")
   p.add_argument("--moments", default="float32", choices=("float32", "bfloat16", "int8"),
                  help="how the jax_dos variants store mu and nu (interleaved_adam(moments=...))")  # fmt: skip

@@ -386,7 +386,9 @@ def _overlapped_step(
     step_kw["rebalance"] = True
   if args.host_gb is not None:
     step_kw["host_budget_bytes"] = int(args.host_gb * GIB) - POOL_MARGIN_BYTES
-  return jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=clip, micro_batches=args.grad_accum,
+  step_kw["pinned_memory"] = args.overlap_pinned
+  # No tx.init: the step allocates a fresh state once, in its own placements (the plain plan's would be moved).
+  return jax_dos.OverlappedStep(tx, stages, groups, None, clip_norm=clip, micro_batches=args.grad_accum,
                                 stage_times=times, **step_kw)  # fmt: skip
 
 
@@ -398,7 +400,9 @@ def _overlap_plan_fields(step: jax_dos.OverlappedStep) -> dict:
     "stream_speculation": step.stream_speculation,
     "host_budget_bytes": step.host_budget_bytes,
     "host_bytes_planned": step.host_bytes(),
-    "host_resident_estimate_bytes": jax_dos.resident_estimate(step.host_bytes()),
+    "host_resident_estimate_bytes": step.resident_estimate(),
+    "pinned_memory": "arena" if step.arena is not None else "pool",
+    "arena_mapped_bytes": step.arena.mapped_bytes if step.arena is not None else 0,
     "plan": str(step.plan),
     "remat": list(step.plan.remat) if step.plan.remat is not None else [st.remat for st in step.model.stages],
     "plan_predicted": dict(step.plan.predicted),

@@ -243,22 +243,27 @@ def accelerator_table_fraction() -> float:
   return 0.0 if allocator in TABLE_FREE_ALLOCATORS else BFC_TABLE_FRACTION
 
 
-def resident_estimate(pinned_bytes: int, pool_bytes: int | None = None, accelerator_bytes: int | None = None) -> int:
-  """The resident set a GPU process holding ``pinned_bytes`` of pinned host memory reaches.
+def resident_estimate(
+  pinned_bytes: int, pool_bytes: int | None = None, accelerator_bytes: int | None = None, outside_pool: int = 0
+) -> int:
+  """The resident set a GPU process holding ``pinned_bytes`` of pinned host memory reaches, ``outside_pool`` of
+  them in mappings of its own (``jax_dos.pinned_arena``).
 
-  ``resident = pool * (1 + BFC_TABLE_FRACTION) + accelerator * accelerator_table_fraction() + PROCESS_BYTES``,
-  where the pool is ``pool_bytes`` (XLA's pinned pool cap, default :func:`pinned_pool_limit`) where
-  ``pinned_bytes`` passes what its regions hold before the last one (XLA opens regions of 2 MiB doubling up to the
-  cap, and the last takes the rest of the cap), else ``pinned_bytes`` rounded up to the regions it opens;
-  ``accelerator_bytes`` defaults to :func:`accelerator_pool_bytes`.
+  ``resident = outside + pool * (1 + BFC_TABLE_FRACTION) + accelerator * accelerator_table_fraction() +
+  PROCESS_BYTES``, where the pool is ``pool_bytes`` (XLA's pinned pool cap, default :func:`pinned_pool_limit`)
+  where the bytes in it (``pinned_bytes - outside_pool``) pass what its regions hold before the last one (XLA opens
+  regions of 2 MiB doubling up to the cap, and the last takes the rest of the cap), else those bytes rounded up to
+  the regions they open; ``accelerator_bytes`` defaults to :func:`accelerator_pool_bytes`.
   """
   cap = pinned_pool_limit() if pool_bytes is None else pool_bytes
+  in_pool = pinned_bytes - outside_pool
   pool, region = 0, 2 * 2**20
-  while pool < pinned_bytes and (cap is None or pool < cap):
+  while pool < in_pool and (cap is None or pool < cap):
     take = region if cap is None else min(region, cap - pool)
     pool, region = pool + take, 2 * region
   accelerator = accelerator_pool_bytes() if accelerator_bytes is None else accelerator_bytes
-  return int(pool * (1 + BFC_TABLE_FRACTION) + accelerator * accelerator_table_fraction() + PROCESS_BYTES)
+  table = accelerator * accelerator_table_fraction()
+  return int(outside_pool + pool * (1 + BFC_TABLE_FRACTION) + table + PROCESS_BYTES)
 
 
 def bytes_on_this_host(nbytes: int) -> tuple[int, int]:

@@ -123,6 +123,18 @@ def zeros_like_in(x: Any, kind: str, moments: str) -> jax.Array:
   return memory._zeros_fn(stored_shape(tuple(jnp.shape(x)), moments), jnp.dtype(jnp.uint8), single)()
 
 
+def moment_struct(x: Any, moments: str) -> jax.ShapeDtypeStruct:
+  """The shape, dtype and sharding (in accelerator memory) of a moment of a parameter like ``x``
+  (:func:`zeros_like_in`'s)."""
+  shape = stored_shape(tuple(jnp.shape(x)), moments)
+  sharding = memory.sharding_of(x).with_memory_kind("device")
+  if moments == "int8":
+    if len(sharding.device_set) > 1:
+      raise ValueError(f"moments='int8' keeps each leaf's moments whole on one device, not {jnp.shape(x)} on a mesh.")
+    sharding = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+  return jax.ShapeDtypeStruct(shape, stored_dtype(moments), sharding=sharding)
+
+
 def step_seed(count_inc: jax.Array) -> jax.Array:
   """The step's seed as float32 (exact): ``(count + 1) mod 2**24``."""
   return (count_inc % SEED_PERIOD).astype(jnp.float32)

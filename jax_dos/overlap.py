@@ -65,8 +65,10 @@ from jax_dos import (
   overlap_process,
   overlap_state,
   partition,
+  pinned_arena,
   trace,
 )
+from jax_dos.copy_out import CopyOut
 from jax_dos.engine import host_gradients
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import JobThread, first_error, result_of
@@ -90,6 +92,7 @@ from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
+PINNED_MEMORY = ("arena", "pool")  # where the offloaded state lives: our own mapping, or XLA's pinned pool
 
 
 class OverlappedStep:
@@ -159,6 +162,13 @@ class OverlappedStep:
       fired clip makes a speculation wasted work that competes for host DRAM
       and the link). ``"always"``: speculate every step. ``"never"``: wait for
       every decision. The numbers are the same in all three.
+    pinned_memory: ``"arena"`` (the default): the offloaded state, spare
+      state and weight copies live in pinned host memory the step maps and
+      registers itself (:class:`jax_dos.pinned_arena.PinnedArena`), outside
+      XLA's pinned pool, which grows by doubling regions, keeps a table of
+      1/32 of them and gives them back slowly at exit (docs/overlap.md,
+      "Pinned memory of our own"); on backends other than CUDA and the CPU,
+      XLA's pool. ``"pool"``: XLA's pool. The numbers are the same.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
   (an accelerator scalar), with the parameters it was computed at being the
@@ -195,6 +205,7 @@ class OverlappedStep:
     host_budget_bytes: int | None = None,
     rebalance: bool = False,
     speculation: str = "silent",
+    pinned_memory: str = "arena",
   ):
     if not isinstance(params, (list, tuple)):
       raise TypeError(
@@ -207,6 +218,8 @@ class OverlappedStep:
     if speculation not in SPECULATION_MODES:
       raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}.")
     self.speculation = speculation
+    if pinned_memory not in PINNED_MEMORY:
+      raise ValueError(f"pinned_memory must be one of {PINNED_MEMORY}, got {pinned_memory!r}.")
     self.micro_batch_order, self.run_ahead_stages = options.micro_batch_order, options.run_ahead_stages
     self.host_budget_bytes = options.host_budget_bytes
     spans = host_plan.spans_processes(jax.tree.leaves(list(params)))  # a job's tree: its checks are collectives
@@ -260,8 +273,14 @@ class OverlappedStep:
     # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
     self._layouts = partition.StepLayouts(self._params, owner.partition_replicated is not False)
     self._check_host_memory(spans)  # before any state moves or spare buffer is allocated
+    devices = [d for x in self._params for d in x.sharding.addressable_devices]
+    own = pinned_memory == "arena" and pinned_arena.supported(devices)
+    # The offloaded state outside XLA's pinned pool (docs/overlap.md, "Pinned memory of our own"), or in it.
+    self.arena = pinned_arena.PinnedArena(sorted(set(devices), key=lambda d: d.id)) if own else None
+    self._copier = CopyOut("jax_dos-state-out") if own else None  # the stream path's new state
+    self._grads_out = CopyOut("jax_dos-grads-out") if own else None  # (training thread) the host leaves' gradients
     masters, mus, nus, self._count = overlap_state.initial_state(
-      self.plan, self._layouts, self.hyper.moments, leaves, opt_state
+      self.plan, self._layouts, self.hyper.moments, leaves, opt_state, self.arena, self._copier
     )
     placement = self.plan.leaf_placements()
     by = lambda where: {i: (masters[i], mus[i], nus[i]) for i, p in enumerate(placement) if p == where}  # noqa: E731
@@ -284,8 +303,9 @@ class OverlappedStep:
     errors = {name: [] for name in ("decide", "host", "stream")}
     self._first_error = first_error(self._errors, *errors.values())
     skip = lambda failed=self._first_error: failed() is not None  # noqa: E731
-    self._host_path = HostPath(self.routes, self.hyper, self.decay, by("host"), lows, self._first_error)
-    self._stream_path = StreamPath(self.routes, self.hyper, self.decay, by("stream"), self._first_error)
+    self._host_path = HostPath(self.routes, self.hyper, self.decay, by("host"), lows, self._first_error, self.arena)
+    self._stream_path = StreamPath(self.routes, self.hyper, self.decay, by("stream"), self._first_error, self.arena,
+                                   self._copier)  # fmt: skip
     self._host = JobThread("jax_dos-overlap-host", self._wake, failed=skip, errors=errors["host"])
     top_up = weakref.WeakMethod(self._stream_path.top_up)
     self._streamer = JobThread("jax_dos-overlap-stream", self._wake, top_up, IDLE_POLL_S, skip, errors["stream"])
@@ -323,6 +343,13 @@ class OverlappedStep:
     state, the host path's spare state and copies, and the streamed parameters speculated on
     (:attr:`stream_speculation` at most)."""
     return overlap_plan.host_bytes(self.plan, self._layout, self.stream_speculation, self.hyper.moments)
+
+  def resident_estimate(self) -> int:
+    """The resident set this process reaches with the step's pinned bytes (:meth:`host_bytes`), those in the arena
+    outside XLA's pool (``jax_dos.resident_estimate``)."""
+    need = self.host_bytes()
+    in_pool = overlap_plan.pool_bytes(self.plan, self._layout, need, self.arena is not None)
+    return memory.resident_estimate(need, outside_pool=need - in_pool)
 
   # ----------------------------------------------------------------------------- one step
 
@@ -445,9 +472,7 @@ class OverlappedStep:
       future = self._pending[s] = Future()
       if placement == "host":
         with trace.span("overlap.grads_d2h"):
-          full = dict(zip(leaves, subgroup_grads))
-          laid = [full.get(i) for i in range(max(leaves) + 1)]
-          on_host = host_gradients(laid, laid, list(leaves))
+          on_host = self._grads_to_host(subgroup_grads, list(leaves))
         job = (self._host, self._host_path.update, record, s, on_host)
       else:
         job = (self._streamer, self._stream_path.update, record, s, subgroup_grads)
@@ -455,6 +480,20 @@ class OverlappedStep:
       for i in leaves:  # the worker owns them until it hands the new ones back
         self._params[i] = None
       self._submit(*job, params, future)
+
+  def _grads_to_host(self, grads: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array] | Future:
+    """A host subgroup's gradients (``grads``, of ``leaves``) on their way to pinned host memory, in a dtype the
+    host kernel reads: into arena buffers (a future of them, which the host path then owns) or XLA's pool."""
+    if self.arena is None:
+      full = dict(zip(leaves, grads))
+      laid = [full.get(i) for i in range(max(leaves) + 1)]
+      return host_gradients(laid, laid, leaves)
+    grads = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else device_steps.to_f32(g) for g in grads]
+    landed = self._grads_out.submit(grads, [self.arena.array_like(g) for g in grads])
+    out: Future = Future()
+    landed.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else
+                             out.set_result(dict(zip(leaves, f.result()))))  # fmt: skip
+    return out
 
   def _decide(self, record: StepRecord, squares: list[jax.Array]) -> None:
     """The true gradient scale: runs the resident update with it; the decider tells the workers whether they
@@ -561,6 +600,9 @@ class OverlappedStep:
         worker.stop()
       for worker in (self._decider, self._host, self._streamer):
         worker.wait_stopped()  # no thread of a closed step is left to be stopped as Python exits
+      for copier in (self._copier, self._grads_out):
+        if copier is not None:
+          copier.close()
       self._closed = True
       overlap_process.unregister(self)
 

@@ -15,6 +15,11 @@ forward order (``overlap_plan.stream_share_of_host``): the host path hands it
 their untouched state, gradients and parameters through
 ``StepRecord.host_share`` and takes their new state back through
 ``StepRecord.share_done``.
+
+With a :class:`~jax_dos.pinned_arena.PinnedArena` every buffer of the host
+path (state, spare state, weight copies) is one of its arrays, outside XLA's
+pinned pool; a fired clip's share hands the stream path its spare buffers
+too, which that path's new state is copied into.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jax_dos import device_steps, host_kernels, memory, trace
 from jax_dos.job_thread import result_of
 from jax_dos.overlap_clip import StepRecord
 from jax_dos.overlap_plan import Routes
+from jax_dos.pinned_arena import PinnedArena
 
 WAIT_POLL_S = 0.05  # how often a wait on another thread checks the step's threads for errors
 
@@ -52,12 +58,14 @@ class HostStep:
 @dataclasses.dataclass
 class ShareInput:
   """A host subgroup handed to the stream path after a fired clip: its untouched state ``[masters, mus, nus]``, its
-  gradients in host memory, its parameters (donated to the update) and the future of its new parameters."""
+  gradients in host memory, its parameters (donated to the update), the future of its new parameters and, with an
+  arena, the buffers its new state is copied into (its spare state, given up until it comes back as the state)."""
 
   state: list[list[jax.Array]]
   grads: list[jax.Array]
   params: list[jax.Array]
   future: Future
+  into: list[list[jax.Array]] | None = None
 
 
 class HostPath:
@@ -69,13 +77,15 @@ class HostPath:
     state: leaf -> ``(master, mu, nu)`` of the host leaves (owned from here on).
     low_dtypes: per leaf, the dtype its new weights are sent in (the parameter's, bfloat16 or float32).
     failed: says whether some thread of the step has failed (a wait on another thread gives up then).
+    arena: where its buffers live (``None``: XLA's pinned pool).
   """
 
   def __init__(
     self, routes: Routes, hyper: Any, decay: tuple[bool, ...], state: dict[int, tuple], low_dtypes: list[Any],
-    failed: Callable[[], BaseException | None],
+    failed: Callable[[], BaseException | None], arena: PinnedArena | None = None,
   ):  # fmt: skip
     self.routes, self.hyper, self.decay, self._failed = routes, hyper, decay, failed
+    self.arena = arena
     self._low_dtypes = low_dtypes
     kw = hyper
     self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
@@ -95,10 +105,21 @@ class HostPath:
     leaves = sorted(state)
     for i in leaves:
       self.masters[i], self.mus[i], self.nus[i] = state[i]
-    self.lows.update(zip(leaves, memory.zeros_like_each([(self.masters[i], self._low_dtypes[i]) for i in leaves])))
     own = lambda i: (self.masters[i], self.mus[i], self.nus[i])  # noqa: E731
+    if self.arena is not None:  # what the kernel writes before anything reads it: no zeros needed
+      self.lows.update({i: self.arena.array_like(self.masters[i], self._low_dtypes[i]) for i in leaves})
+      self.spares.update({i: tuple(self.arena.array_like(a) for a in own(i)) for i in leaves})
+      return
+    self.lows.update(zip(leaves, memory.zeros_like_each([(self.masters[i], self._low_dtypes[i]) for i in leaves])))
     spares = memory.zeros_like_each([(a, a.dtype) for i in leaves for a in own(i)])  # each in its own format
     self.spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
+
+  def _release(self, a: jax.Array) -> None:
+    """Frees a buffer of the host path (back to the arena, or to XLA's pool)."""
+    if self.arena is not None:
+      self.arena.free(a)
+    else:
+      a.delete()
 
   def give(self, leaves: list[int], routes: Routes) -> dict[int, tuple]:
     """Hands these leaves' state over (``leaf -> (master, mu, nu)``) and frees their buffers; takes ``routes``."""
@@ -106,7 +127,7 @@ class HostPath:
     out = {i: (self.masters.pop(i), self.mus.pop(i), self.nus.pop(i)) for i in leaves}
     for i in leaves:
       for a in (self.lows.pop(i), *self.spares.pop(i)):
-        a.delete()
+        self._release(a)
     return out
 
   def state(self) -> dict[int, tuple]:
@@ -116,12 +137,16 @@ class HostPath:
   # ----------------------------------------------------------------------------- a step
 
   def update(
-    self, record: StepRecord, s: int, grads: dict[int, jax.Array], params: list[jax.Array], future: Future
+    self, record: StepRecord, s: int, grads: dict[int, jax.Array] | Future, params: list[jax.Array], future: Future
   ) -> None:
     """(a hand-over) Subgroup ``s``'s step: speculated, with the true scale where the decision is known, or kept for
-    the decision (:meth:`finish`)."""
+    the decision (:meth:`finish`). ``grads``: leaf -> gradient in pinned host memory, or (with an arena) the future
+    of it, its buffers owned by the host path once it resolves."""
     with trace.span("host.wait_grads"):
-      jax.block_until_ready(list(grads.values()))
+      if isinstance(grads, Future):
+        grads = grads.result()
+      else:
+        jax.block_until_ready(list(grads.values()))
     st: HostStep = record.host
     st.grads[s], st.params[s], st.futures[s] = grads, params, future
     decision = record.decided()
@@ -207,6 +232,9 @@ class HostPath:
         leaves = self.routes.plan.subgroups[s]
         state = [[d[i] for i in leaves] for d in (self.masters, self.mus, self.nus)]
         share[s] = ShareInput(state, [st.grads[s][i] for i in leaves], st.params.pop(s), st.futures.pop(s))
+        if self.arena is not None:  # the stream path's new state is copied into its spare (a wasted speculation)
+          share[s].into = [[self.spares[i][k] for i in leaves] for k in range(3)]
+          continue
         for i in leaves:  # its spare (a wasted speculation, or nothing) goes: the stream path's new state takes its
           for a in self.spares[i]:  # place, so that the state is never held three times (host_bytes counts two)
             a.delete()
@@ -217,7 +245,7 @@ class HostPath:
       self._assign_sent(wait=True)
       for s in st.grads.keys() - on_stream:  # the kernel is done with them: freed before the next step's land
         for a in st.grads[s].values():
-          a.delete()
+          self._release(a)
       if share:  # committed below, after the swap
         with trace.span("host.wait_stream_redo"):
           shared = result_of(record.share_done, self._check, WAIT_POLL_S)
@@ -240,4 +268,8 @@ class HostPath:
       for j, i in enumerate(self.routes.plan.subgroups[s]):
         self.spares[i] = (self.masters[i], self.mus[i], self.nus[i])
         self.masters[i], self.mus[i], self.nus[i] = back[0][j], back[1][j], back[2][j]
+    if not decision.fired:  # the kernel is done with them (after a fired clip they are freed above, or by the share)
+      for grads in st.grads.values():
+        for a in grads.values():
+          self._release(a)
     st.grads.clear()

@@ -2,7 +2,11 @@
 
 Nothing is allocated twice: a fresh state is made in each subgroup's memory
 kind directly, and a given state (restored, or the plain step's) moves only
-the leaves whose memory kind or layout differs from the step's.
+the leaves whose memory kind or layout differs from the step's. With a
+:class:`~jax_dos.pinned_arena.PinnedArena`, the offloaded leaves' state lives
+in it, outside XLA's pinned pool: a fresh master is copied there from the
+accelerator (:class:`~jax_dos.copy_out.CopyOut`), fresh moments are its zero
+pages, and a given leaf in XLA's pool is copied in and its buffer freed.
 """
 
 from __future__ import annotations
@@ -11,27 +15,48 @@ import jax
 import jax.numpy as jnp
 
 from jax_dos import memory, moment_formats, partition
+from jax_dos.copy_out import CopyOut
+from jax_dos.pinned_arena import PinnedArena
 from jax_dos.plan import MEMORY_KIND, Plan
 from jax_dos.state import InterleavedAdamState
 
 
 def initial_state(
-  plan: Plan, layouts: partition.StepLayouts, moments: str, leaves: list, opt_state: InterleavedAdamState | None
-) -> tuple:
+  plan: Plan, layouts: partition.StepLayouts, moments: str, leaves: list, opt_state: InterleavedAdamState | None,
+  arena: PinnedArena | None = None, copier: CopyOut | None = None,
+) -> tuple:  # fmt: skip
   """``(masters, mus, nus, count)`` in ``plan``'s placements and ``layouts``: a fresh state (``tx.init``'s: masters
   copied from ``leaves``, moments zero in the ``moments`` format), allocated once, or ``opt_state`` moved there where
-  it is not."""
+  it is not; the offloaded leaves in ``arena`` if given (``copier`` copying into it from the accelerator)."""
   placement = plan.leaf_placements()
+  kinds = [MEMORY_KIND[p] for p in placement]
   if opt_state is None:
-    kinds = [MEMORY_KIND[p] for p in placement]
     leaves = layouts.to_state(leaves, range(len(leaves)))
-    masters = [memory.copy_in(a, k) for a, k in zip(leaves, kinds)]
-    mus, nus = ([moment_formats.zeros_like_in(a, k, moments) for a, k in zip(leaves, kinds)] for _ in range(2))
+    if arena is None:
+      masters = [memory.copy_in(a, k) for a, k in zip(leaves, kinds)]
+      mus, nus = ([moment_formats.zeros_like_in(a, k, moments) for a, k in zip(leaves, kinds)] for _ in range(2))
+      return masters, mus, nus, jnp.zeros([], jnp.int32)
+    masters = [memory.copy_in(a, "device") if k == "device" else None for a, k in zip(leaves, kinds)]
+    for i in (i for i, k in enumerate(kinds) if k != "device"):  # one leaf at a time in accelerator memory
+      f32 = memory.copy_in(leaves[i], "device")
+      masters[i] = copier.submit([f32], [arena.array_like(f32)], free_sources=True).result()[0]
+    mus, nus = (
+      [moment_formats.zeros_like_in(a, k, moments) if k == "device" else arena.zeros_like(
+        moment_formats.moment_struct(a, moments)) for a, k in zip(leaves, kinds)]
+      for _ in range(2)
+    )  # fmt: skip
     return masters, mus, nus, jnp.zeros([], jnp.int32)
-  place = lambda xs: [  # noqa: E731
-    a if memory.memory_kind(a) == MEMORY_KIND[p] else memory.copy_in(a, MEMORY_KIND[p], a.dtype)
-    for a, p in zip(xs, placement)
-  ]
+
+  def move(a: jax.Array, kind: str) -> jax.Array:
+    if arena is not None and kind != "device":
+      if arena.owns(a):
+        return a
+      if memory.memory_kind(a) == "device":
+        return copier.submit([a], [arena.array_like(a)], free_sources=True).result()[0]
+      return arena.copy_of(a)  # the given buffer goes when its caller drops it
+    return a if memory.memory_kind(a) == kind else memory.copy_in(a, kind, a.dtype)
+
+  place = lambda xs: [move(a, k) for a, k in zip(xs, kinds)]  # noqa: E731
   # A state in another layout (the parameters', or partitioned where the step keeps the parameters') moves to the
   # step's own.
   state = (opt_state.master, opt_state.mu, opt_state.nu)

@@ -16,6 +16,15 @@ until the decision, for at most ``Routes.stream_speculation`` parameters a
 step; past that the worker waits for the decision. After a fired clip it
 also steps the host path's share (``StepRecord.host_share``), returning the
 new state through ``StepRecord.share_done``.
+
+With a :class:`~jax_dos.pinned_arena.PinnedArena` the streamed state lives
+in it, outside XLA's pinned pool, and the new state is copied into it by a
+:class:`~jax_dos.copy_out.CopyOut` (XLA writes only buffers of its own): a
+subgroup stepped with the true scale into its own buffers (their copy in has
+landed once the update has run), a speculated one into new buffers, a host
+subgroup of the fired clip's share into the spare buffers the host path hands
+over. A subgroup's state is read only once its copy has landed
+(``StreamPath._landing``).
 """
 
 from __future__ import annotations
@@ -32,10 +41,12 @@ from typing import Any
 import jax
 
 from jax_dos import device_steps, memory, trace
+from jax_dos.copy_out import CopyOut
 from jax_dos.job_thread import result_of
 from jax_dos.overlap_clip import Decision, StepRecord
 from jax_dos.overlap_host import WAIT_POLL_S, ShareInput
 from jax_dos.overlap_plan import Routes
+from jax_dos.pinned_arena import PinnedArena
 
 # How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
 # whose copy back has landed takes the next subgroup's state at once (docs/measurements.md).
@@ -48,6 +59,7 @@ class Streamed:
 
   old: list[list[jax.Array]]  # the state before the step (host buffers), kept until the decision
   new: list[list[jax.Array]]  # the state after it (host buffers)
+  landed: Future | None  # with an arena: the copy of the new state into ``new``
   grads: list[jax.Array]  # kept for a redo
   params: list[jax.Array]  # the speculated new parameters (donated to a redo)
   future: Future  # the training thread's future of the final parameters
@@ -70,13 +82,16 @@ class StreamPath:
     hyper: the AdamW hyperparameters; ``decay``: per leaf, whether weight decay applies.
     state: leaf -> ``(master, mu, nu)`` of the streamed leaves (owned from here on).
     failed: says whether some thread of the step has failed (a wait on another thread gives up then).
+    arena, copier: where the streamed state lives and what copies it there (``None``: XLA's pinned pool).
   """
 
   def __init__(
     self, routes: Routes, hyper: Any, decay: tuple[bool, ...], state: dict[int, tuple],
-    failed: Callable[[], BaseException | None],
+    failed: Callable[[], BaseException | None], arena: PinnedArena | None = None, copier: CopyOut | None = None,
   ):  # fmt: skip
     self.routes, self.hyper, self.decay, self._failed = routes, hyper, decay, failed
+    self.arena, self._copier = arena, copier
+    self._landing: dict[int, Future] = {}  # subgroup -> the copy of its new state into its buffers (an arena's)
     self.masters: dict[int, jax.Array] = {}
     self.mus: dict[int, jax.Array] = {}
     self.nus: dict[int, jax.Array] = {}
@@ -96,16 +111,46 @@ class StreamPath:
 
   def give(self, leaves: list[int], routes: Routes) -> dict[int, tuple]:
     """Hands these leaves' state over (``leaf -> (master, mu, nu)``); takes ``routes``."""
+    self._wait_copies()
     self.routes = routes
     return {i: (self.masters.pop(i), self.mus.pop(i), self.nus.pop(i)) for i in leaves}
 
   def state(self) -> dict[int, tuple]:
     """``leaf -> (master, mu, nu)`` of the streamed leaves now (for the step's ``opt_state``, once settled)."""
+    self._wait_copies()
     return {i: (self.masters[i], self.mus[i], self.nus[i]) for i in self.masters}
 
+  def _wait_copies(self) -> None:
+    """Waits until every subgroup's new state has landed in its buffers."""
+    while self._landing:
+      self._landing.popitem()[1].result()
+
   def _state(self, s: int) -> list[list[jax.Array]]:
+    """Subgroup ``s``'s state ``[masters, mus, nus]`` (once its last copy has landed there)."""
+    landing = self._landing.pop(s, None)
+    if landing is not None:
+      with trace.span("stream.wait_copy_out"):
+        landing.result()
     leaves = self.routes.plan.subgroups[s]
     return [[d[i] for i in leaves] for d in (self.masters, self.mus, self.nus)]
+
+  def _free(self, groups: list[list[jax.Array]]) -> None:
+    """Frees host buffers whose copies are done (back to the arena, or to XLA's pool)."""
+    if self.arena is None:
+      memory.free_groups(groups)
+      return
+    for a in (a for group in groups for a in group):
+      self.arena.free(a)
+
+  def _copy_back(self, outs: list[list[jax.Array]], into: list[list[jax.Array]] | None) -> tuple[Any, Any]:
+    """The new state ``outs`` (on the accelerator) on its way to host memory: ``(buffers, copy)``, the buffers
+    ``into`` (or new ones, with an arena; XLA's otherwise) and what to wait for (a future, or the buffers)."""
+    if self.arena is None:
+      back = memory.put_groups(outs, "pinned_host")
+      return back, back
+    into = into or [[self.arena.array_like(a) for a in group] for group in outs]
+    flat = [a for group in outs for a in group]
+    return into, self._copier.submit(flat, [a for group in into for a in group], free_sources=True)
 
   # ----------------------------------------------------------------------------- slots and copies in
 
@@ -113,9 +158,12 @@ class StreamPath:
     return len(self._prefetched) + len(self._in_flight)
 
   def _free_slot(self) -> None:
-    back = jax.tree.leaves(self._in_flight.popleft())
+    back = self._in_flight.popleft()
     with trace.span("stream.wait_slot"):
-      jax.block_until_ready([a for a in back if not a.is_deleted()])  # see _slot_free
+      if isinstance(back, Future):
+        back.result()
+        return
+      jax.block_until_ready([a for a in jax.tree.leaves(back) if not a.is_deleted()])  # see _slot_free
 
   def _wait_for_slot(self) -> None:
     """Frees the oldest slots, waiting for their copies back, until one is free."""
@@ -125,7 +173,10 @@ class StreamPath:
   def _slot_free(self) -> bool:
     """Whether the oldest copy back has landed. A copy back may be deleted while still listed: a redo deletes the
     speculated copies, and a later step deletes its old state, which was an earlier step's copy back."""
-    return all(a.is_deleted() or a.is_ready() for a in jax.tree.leaves(self._in_flight[0]))
+    back = self._in_flight[0]
+    if isinstance(back, Future):
+      return back.done()
+    return all(a.is_deleted() or a.is_ready() for a in jax.tree.leaves(back))
 
   def prefetch(self, more: int | None = None) -> None:
     """Starts the copies in of the next streamed subgroups' state, in hand-over order, before their gradients exist.
@@ -218,32 +269,40 @@ class StreamPath:
     with trace.span("stream.dispatch"):
       old = earlier.old if earlier else self._state(s)
       if earlier:  # a wasted speculation's new state goes before the redo's comes (host_bytes counts one of them)
-        jax.block_until_ready(earlier.new)  # its copies out must land before the host buffers are freed
-        memory.free_groups(earlier.new)
+        if earlier.landed is not None:
+          earlier.landed.result()
+        else:
+          jax.block_until_ready(earlier.new)  # its copies out must land before the host buffers are freed
+        self._free(earlier.new)
       if state is None:
         state = memory.put_groups(old, "device")
       self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
       g = memory.like_states(grads, old[0])
-      if final:  # its copy in has landed: the old host state goes before the new comes (host_bytes counts one)
-        memory.free_groups(old)
+      if final and self.arena is None:  # its copy in has landed: the old host state goes before the new comes
+        memory.free_groups(old)  # (host_bytes counts one)
       outs = device_steps.update_params(g, *state, params, scalars, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
-      back = memory.put_groups(list(outs[1:]), "pinned_host")
+      # With an arena, a final state is copied into the old one's buffers: the update has read their copy in.
+      back, copy = self._copy_back(list(outs[1:]), old if final else None)
     st.end = time.perf_counter()
-    self._in_flight.append(back)
+    self._in_flight.append(copy)
+    landed = copy if isinstance(copy, Future) else None
     if final:
       st.streamed.pop(s, None)
-      self._commit(s, back)
+      self._commit(s, back, landed)
       future.set_result(list(outs[0]))
     else:
-      st.streamed[s] = Streamed(old, back, grads, list(outs[0]), future)
+      st.streamed[s] = Streamed(old, back, landed, grads, list(outs[0]), future)
     if not earlier:
       self.top_up()
 
-  def _commit(self, s: int, new: list[list[jax.Array]]) -> None:
-    """The new state becomes subgroup ``s``'s (its old host buffers freed already)."""
+  def _commit(self, s: int, new: list[list[jax.Array]], landed: Future | None) -> None:
+    """The new state becomes subgroup ``s``'s (its old host buffers freed already, or its own); ``landed``: the
+    copy into it, waited for before it is read."""
     for i, m, mu, nu in zip(self.routes.plan.subgroups[s], *new):
       self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
+    if landed is not None:
+      self._landing[s] = landed
 
   def finish(self, record: StepRecord) -> None:
     """(after the step's last hand-over) Commits or redoes the speculated subgroups, in forward order, once the
@@ -257,8 +316,8 @@ class StreamPath:
         self._dispatch(record, s, streamed.grads, streamed.params, streamed.future, decision.device, True)  # commits
       else:
         del st.streamed[s]
-        memory.free_groups(streamed.old)
-        self._commit(s, streamed.new)
+        self._free(streamed.old)
+        self._commit(s, streamed.new, streamed.landed)
         streamed.future.set_result(streamed.params)
     st.streamed.clear()
     if decision.fired and self.routes.redo_on_stream:
@@ -277,14 +336,20 @@ class StreamPath:
       with trace.span("stream.wait_host"):
         share = result_of(record.host_share, self._check, WAIT_POLL_S)  # the host worker is done with their buffers
       backs = {s: self._redo_host(s, share[s], decision) for s in self.routes.by_forward_rank(share)}
+      with trace.span("stream.wait_share_copies"):
+        for _, copy in backs.values():
+          if copy is not None:
+            copy.result()
+      backs = {s: back for s, (back, _) in backs.items()}
     except BaseException as e:
       record.share_done.set_exception(e)
       raise
     record.share_done.set_result(backs)
 
-  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> list[list[jax.Array]]:
+  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> tuple[list[list[jax.Array]], Any]:
     """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns the new
-    state, copied back into new host buffers (the host path makes it the state)."""
+    state, on its way into the share's spare buffers (with an arena) or new host buffers, and the copy's future
+    (``None`` without an arena): the host path makes it the state."""
     leaves = list(self.routes.plan.subgroups[s])
     self._wait_for_slot()
     with trace.span("stream.redo_host"):
@@ -292,12 +357,11 @@ class StreamPath:
       state = memory.put_groups(old, "device")
       grads = memory.put(share.grads, "device")
       self._wait_landed([state, grads])
-      for a in share.grads:  # their host copies, freed before the next step's land
-        a.delete()
+      self._free([share.grads])  # their host copies, freed before the next step's land
       g = memory.like_states(grads, old[0])
       outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
-      back = memory.put_groups(list(outs[1:]), "pinned_host")
-    self._in_flight.append(back)
+      back, copy = self._copy_back(list(outs[1:]), share.into)
+    self._in_flight.append(copy)
     share.future.set_result(list(outs[0]))
-    return back
+    return back, copy if isinstance(copy, Future) else None

@@ -135,6 +135,8 @@ class PinnedArena:
     self._chunks: list[_Chunk] = []
     self._free: dict[int, list[tuple[_Chunk, int]]] = defaultdict(list)  # slot bytes -> free slots
     self._slots: dict[int, list[tuple[_Chunk, int, int]]] = {}  # id(array) -> its slots (chunk, offset, bytes)
+    self.live_bytes = 0  # the bytes of the arrays now, as their shapes count them (slots unaligned)
+    self.peak_bytes = 0  # the most live_bytes have been
 
   @property
   def mapped_bytes(self) -> int:
@@ -145,6 +147,8 @@ class PinnedArena:
     """A slot of ``nbytes``: ``(chunk, offset, fresh)``, fresh bytes being zero."""
     size = _aligned(nbytes)
     with self._lock:
+      self.live_bytes += nbytes
+      self.peak_bytes = max(self.peak_bytes, self.live_bytes)
       if self._free[size]:
         chunk, offset = self._free[size].pop()
         return chunk, offset, False
@@ -173,7 +177,7 @@ class PinnedArena:
       if zero and not fresh:
         view.fill(0)
       parts.append(_jax.dlpack_managed_tensor_to_buffer(_capsule(view), device, None, False, _KDL_CUDA_HOST))
-      slots.append((chunk, offset, _aligned(nbytes)))
+      slots.append((chunk, offset, nbytes))
     if len(devices) == 1 and isinstance(sharding, jax.sharding.SingleDeviceSharding):
       array = parts[0]
     else:
@@ -214,6 +218,7 @@ class PinnedArena:
       if self._slots_of(x) is None:
         raise ValueError("free() takes a live array of this arena.")
       slots = self._slots.pop(id(x))
-      for chunk, offset, size in slots:
-        self._free[size].append((chunk, offset))
+      for chunk, offset, nbytes in slots:
+        self._free[_aligned(nbytes)].append((chunk, offset))
+        self.live_bytes -= nbytes
     x.delete()

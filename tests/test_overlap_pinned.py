@@ -41,12 +41,24 @@ def _record_stream_puts(monkeypatch) -> list[int]:
   return seen
 
 
+def _within_host_bytes(step, seen: list[int]) -> None:
+  """XLA's pool: the live pinned bytes at each put (``seen``); the arena: the most its arrays held at once. Each
+  within ``host_bytes()``."""
+  if step.arena is None:
+    assert seen and max(seen) <= step.host_bytes(), (seen, step.host_bytes())
+  else:
+    assert not seen  # nothing of the step's state went to XLA's pool
+    assert 0 < step.arena.peak_bytes <= step.host_bytes(), (step.arena.peak_bytes, step.host_bytes())
+
+
+@pytest.mark.parametrize("pinned", ["arena", "pool"])
 @pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
-def test_a_stream_heavy_plans_pinned_arrays_stay_within_host_bytes(monkeypatch, clip_norm):
+def test_a_stream_heavy_plans_pinned_arrays_stay_within_host_bytes(monkeypatch, clip_norm, pinned):
   """A plan of mostly streamed subgroups, speculating every step: at each copy back to pinned memory the step's live
   pinned arrays, the copy's new ones counted, stay within ``host_bytes()`` (the state and the new state of the
   streamed parameters speculated on): a subgroup stepped with the true scale while the speculation is full frees its
-  old state before its new one comes. The numbers are optax's."""
+  old state before its new one comes (XLA's pool), or writes its new state into its old buffers (the arena). The
+  numbers are optax's."""
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(4)]
   plan = ["device"] + ["stream"] * (_subgroup_count(groups) - 1)
@@ -54,25 +66,27 @@ def test_a_stream_heavy_plans_pinned_arrays_stay_within_host_bytes(monkeypatch, 
   budget = 12 * sum(sizes[1:]) + 12 * 2 * max(sizes)  # the state and speculation on two subgroups
   seen = _record_stream_puts(monkeypatch)
   step, _ = overlapped_run(groups, batches, clip_norm, 2, plan, speculation="always", stream_slots=3,
-                           host_budget_bytes=budget)  # fmt: skip
+                           host_budget_bytes=budget, pinned_memory=pinned)  # fmt: skip
   step.settle()
-  assert seen and 0 < step.stream_speculation < sum(sizes[1:])
-  assert max(seen) <= step.host_bytes(), (max(seen), step.host_bytes())
+  assert 0 < step.stream_speculation < sum(sizes[1:])
+  assert (step.arena is None) == (pinned == "pool")
+  _within_host_bytes(step, seen)
   check_against_reference(step, groups, batches, clip_norm, 2)
   step.close()
 
 
-def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypatch):
+@pytest.mark.parametrize("pinned", ["arena", "pool"])
+def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypatch, pinned):
   """A speculated step whose clip fires: when the stream path puts its share of the host subgroups' new state into
   pinned memory, the step's pinned arrays stay within ``host_bytes()`` (the state, one spare, the copies): the share's
-  spare goes before its new state comes, never three copies of it at once."""
+  spare goes before its new state comes (XLA's pool) or takes it (the arena), never three copies of it at once."""
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
   plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
   seen = _record_stream_puts(monkeypatch)
-  step, _ = overlapped_run(groups, batches, FIRES, 2, plan, speculation="always")
+  step, _ = overlapped_run(groups, batches, FIRES, 2, plan, speculation="always", pinned_memory=pinned)
   step.settle()
-  assert step.routes.redo_on_stream and seen
-  assert max(seen) <= step.host_bytes(), (max(seen), step.host_bytes())
+  assert step.routes.redo_on_stream
+  _within_host_bytes(step, seen)
   check_against_reference(step, groups, batches, FIRES, 2)
   step.close()

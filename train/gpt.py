@@ -376,7 +376,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
         step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)
       host = f"host    the step's pinned host memory: {step.host_bytes() / 2**30:.2f} GiB at most"
       if jax.default_backend() == "gpu":  # XLA's pinned pool and its allocators' tables: what the process holds
-        host += f"; the process's resident set: about {jax_dos.resident_estimate(step.host_bytes()) / 2**30:.1f} GiB"
+        host += f"; the process's resident set: about {step.resident_estimate() / 2**30:.1f} GiB"
       return _Built(step, schedule, start_step, [*notes, host, str(step.plan)])
     except MemoryError as e:
       if args.overlap == "on":

@@ -109,6 +109,7 @@ class OverlappedTraining:
       micro_batches=args.grad_accum,
       plan=step_plan,
       stage_times=stage_times,
+      pinned_memory=args.pinned_memory,
     )
 
   def __call__(self, batch: Any) -> jax.Array:
@@ -122,6 +123,10 @@ class OverlappedTraining:
   def host_bytes(self) -> int:
     """Pinned host bytes the step needs at most (``jax_dos.OverlappedStep.host_bytes``)."""
     return self.step.host_bytes()
+
+  def resident_estimate(self) -> int:
+    """The process's resident set with the step's pinned memory (``jax_dos.OverlappedStep.resident_estimate``)."""
+    return self.step.resident_estimate()
 
   def close(self) -> None:
     self.step.close()
