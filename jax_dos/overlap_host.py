@@ -116,7 +116,7 @@ class HostPath:
 
   def _release(self, a: jax.Array) -> None:
     """Frees a buffer of the host path (back to the arena, or to XLA's pool)."""
-    if self.arena is not None:
+    if self.arena is not None and self.arena.owns(a):
       self.arena.free(a)
     else:
       a.delete()

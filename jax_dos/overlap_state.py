@@ -6,7 +6,9 @@ the leaves whose memory kind or layout differs from the step's. With a
 :class:`~jax_dos.pinned_arena.PinnedArena`, the offloaded leaves' state lives
 in it, outside XLA's pinned pool: a fresh master is copied there from the
 accelerator (:class:`~jax_dos.copy_out.CopyOut`), fresh moments are its zero
-pages, and a given leaf in XLA's pool is copied in and its buffer freed.
+pages; a given offloaded leaf on the accelerator is copied in, and one in
+XLA's pool stays there (the host and stream paths write it in place as they
+write the arena's).
 """
 
 from __future__ import annotations
@@ -48,13 +50,11 @@ def initial_state(
     return masters, mus, nus, jnp.zeros([], jnp.int32)
 
   def move(a: jax.Array, kind: str) -> jax.Array:
+    if memory.memory_kind(a) == kind:  # in XLA's pool (restored there, or tx.init's) it stays: a copy would hold
+      return a  # it twice until its caller dropped it
     if arena is not None and kind != "device":
-      if arena.owns(a):
-        return a
-      if memory.memory_kind(a) == "device":
-        return copier.submit([a], [arena.array_like(a)], free_sources=True).result()[0]
-      return arena.copy_of(a)  # the given buffer goes when its caller drops it
-    return a if memory.memory_kind(a) == kind else memory.copy_in(a, kind, a.dtype)
+      return copier.submit([a], [arena.array_like(a)]).result()[0]
+    return memory.copy_in(a, kind, a.dtype)
 
   place = lambda xs: [move(a, k) for a, k in zip(xs, kinds)]  # noqa: E731
   # A state in another layout (the parameters', or partitioned where the step keeps the parameters') moves to the

@@ -136,11 +136,11 @@ class StreamPath:
 
   def _free(self, groups: list[list[jax.Array]]) -> None:
     """Frees host buffers whose copies are done (back to the arena, or to XLA's pool)."""
-    if self.arena is None:
-      memory.free_groups(groups)
-      return
     for a in (a for group in groups for a in group):
-      self.arena.free(a)
+      if self.arena is not None and self.arena.owns(a):
+        self.arena.free(a)
+      else:
+        a.delete()
 
   def _copy_back(self, outs: list[list[jax.Array]], into: list[list[jax.Array]] | None) -> tuple[Any, Any]:
     """The new state ``outs`` (on the accelerator) on its way to host memory: ``(buffers, copy)``, the buffers

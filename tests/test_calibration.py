@@ -98,6 +98,17 @@ def test_calibrate_measures(cache_home):
   assert calibration.load_cached() == c
 
 
+def test_a_calibration_measured_in_a_child_process(cache_home, monkeypatch):
+  """On a CUDA GPU the calibration measures in a child process, whose pinned host memory goes back when it ends; the
+  same code here on the CPU backend: the child's calibration is this machine's, and cached by the parent."""
+  monkeypatch.setattr(calibration, "_on_cuda", lambda: True)
+  monkeypatch.setattr(calibration, "measure", lambda **kw: pytest.fail("measured in this process"))
+  c = calibration.calibrate(size=2048, force=True, cache=True, reps=1)
+  assert c.size == 2048 and c.key == calibration.current_key()
+  assert all(math.isfinite(getattr(c, f)) and getattr(c, f) > 0 for f in cost_model._RATE_FIELDS)
+  assert calibration.load_cached() == c
+
+
 def test_the_measuring_notice_is_information(cache_home, monkeypatch):
   """Logged at INFO, so a library user sees nothing unless the application shows jax_dos's notes (train.gpt does)."""
   monkeypatch.setattr(calibration, "measure", lambda **kw: this_machine())

@@ -13,12 +13,20 @@ subgroups made the model 20-25% optimistic on a 4 B-parameter GPT tree, H200).
   slots and with one, ``device``);
 * the concurrent rates: fitted to the real engine running mixed plans at two
   host/stream splits (:func:`fit_concurrent_rates`). On the H100 machine the
-  two paths together still beat either alone (BENCHMARKS.md). An earlier
-  version timed two engines in two Python threads, which measured their
-  contention for the GIL rather than for DRAM;
+  two paths together still beat either alone (BENCHMARKS.md). Two engines in
+  two Python threads would measure their contention for the GIL rather than
+  for DRAM;
 * the fixed costs: per subgroup from many tiny one-leaf subgroups against one
   (what further leaves of a subgroup cost is in the rates), per resident
   jitted call, and per step.
+
+On a CUDA GPU the measurement runs in a child process (:func:`calibrate`):
+its pinned host state (about 16 GiB at the default size) is XLA's pinned
+pool's, whose regions a process never gives back, and the overlapped step
+keeps its own state outside that pool (``jax_dos.pinned_arena``), so a
+measurement in the training process would leave 16 GiB pinned for nothing
+(at 6.7B on a 125.9 GiB host, the difference between fitting and the OOM
+killer).
 
 Calibrations are cached as JSON in ``$XDG_CACHE_HOME/jax_dos/`` (default
 ``~/.cache/jax_dos/``), keyed by platform, device kind, hostname and jax
@@ -37,6 +45,9 @@ import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -298,6 +309,26 @@ def measure(
   )
 
 
+def _on_cuda() -> bool:
+  return all(d.platform == "gpu" and "cuda" in d.client.platform_version.lower() for d in jax.local_devices()[:1])
+
+
+def _measure_in_child(size: int | None, reps: int) -> Calibration | None:
+  """:func:`measure` in a child process, whose pinned host memory goes back when it ends (module docstring); ``None``
+  (and a warning) where it fails: the caller then measures in this process."""
+  with tempfile.TemporaryDirectory(prefix="jax_dos-calibration-") as tmp:
+    out = Path(tmp) / "calibration.json"
+    cmd = [sys.executable, "-m", "jax_dos.planning.calibration", str(out), str(reps)] + ([str(size)] if size else [])
+    # The parent holds its accelerator memory already: the child takes what it uses, not a preallocated share.
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode == 0 and out.exists():
+      return Calibration.from_dict(json.loads(out.read_text()))
+  log.warning("jax_dos: the calibration's child process failed (status %s), measuring in this process: %s",
+              proc.returncode, proc.stderr.strip().splitlines()[-1:] or "no output")  # fmt: skip
+  return None
+
+
 def calibrate(*, size: int | None = None, force: bool = False, cache: bool = True, reps: int = 3) -> Calibration:
   """This machine's :class:`Calibration`: from the cache, or measured (and cached).
 
@@ -316,10 +347,16 @@ def calibrate(*, size: int | None = None, force: bool = False, cache: bool = Tru
   # Information, not a warning: an application shows jax_dos's INFO records to say why init pauses (train.gpt does).
   took = "a few seconds" if jax.default_backend() == "cpu" else "20-30 s"
   log.info("jax_dos: measuring this machine for the performance model (plan='auto'); %s, then cached.", took)
-  cal = measure(size=size, reps=reps)
+  cal = _measure_in_child(size, reps) if _on_cuda() else None
+  cal = cal or measure(size=size, reps=reps)
   if cache:
     try:
       log.debug("jax_dos: calibration cached in %s", save(cal))
     except OSError:
       pass  # a read-only home is no reason to fail; the calibration is still returned
   return cal
+
+
+if __name__ == "__main__":  # the child process of _measure_in_child: OUT REPS [SIZE]
+  cal = measure(size=int(sys.argv[3]) if len(sys.argv) > 3 else None, reps=int(sys.argv[2]))
+  save(cal, sys.argv[1])
