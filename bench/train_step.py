@@ -131,8 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument(
     "--overlap-pinned",
-    default="arena",
-    choices=("arena", "pool"),
+    default="auto",
+    choices=("auto", "arena", "pool"),
     help="overlap variants: where the offloaded state lives (OverlappedStep(pinned_memory=...)): pinned memory the step"
     " maps itself, or XLA's pinned pool",
   )

@@ -87,12 +87,13 @@ from jax_dos.overlap_plan import (  # noqa: F401
 from jax_dos.overlap_process import NO_COMMAND_BUFFERS  # noqa: F401  (jax_dos exports it from here)
 from jax_dos.overlap_stream import IDLE_POLL_S, StreamPath, StreamStep
 from jax_dos.plan import partition_groups
+from jax_dos.planning import calibration
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
-PINNED_MEMORY = ("arena", "pool")  # where the offloaded state lives: our own mapping, or XLA's pinned pool
+PINNED_MEMORY = ("auto", "arena", "pool")  # where the offloaded state lives: our own mapping, or XLA's pinned pool
 
 
 class OverlappedStep:
@@ -162,13 +163,17 @@ class OverlappedStep:
       fired clip makes a speculation wasted work that competes for host DRAM
       and the link). ``"always"``: speculate every step. ``"never"``: wait for
       every decision. The numbers are the same in all three.
-    pinned_memory: ``"arena"`` (the default): the offloaded state, spare
-      state and weight copies live in pinned host memory the step maps and
-      registers itself (:class:`jax_dos.pinned_arena.PinnedArena`), outside
-      XLA's pinned pool, which grows by doubling regions, keeps a table of
-      1/32 of them and gives them back slowly at exit (docs/overlap.md,
-      "Pinned memory of our own"); on backends other than CUDA and the CPU,
-      XLA's pool. ``"pool"``: XLA's pool. The numbers are the same.
+    pinned_memory: ``"arena"``: the offloaded state, spare state, weight and
+      gradient copies live in pinned host memory the step maps and registers
+      itself (:class:`jax_dos.pinned_arena.PinnedArena`), outside XLA's
+      pinned pool, which grows by doubling regions, keeps a table of 1/32 of
+      them and gives them back slowly at exit (docs/overlap.md, "Pinned
+      memory of our own"); CUDA and the CPU backend only. ``"pool"``: XLA's
+      pool. ``"auto"`` (the default): the arena where it runs, unless this
+      process measured the planner's calibration on an accelerator, whose
+      pinned state grew XLA's pool by about 16 GiB for good: the step's
+      state then goes into that pool rather than beside it. The numbers are
+      the same.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
   (an accelerator scalar), with the parameters it was computed at being the
@@ -205,7 +210,7 @@ class OverlappedStep:
     host_budget_bytes: int | None = None,
     rebalance: bool = False,
     speculation: str = "silent",
-    pinned_memory: str = "arena",
+    pinned_memory: str = "auto",
   ):
     if not isinstance(params, (list, tuple)):
       raise TypeError(
@@ -274,7 +279,9 @@ class OverlappedStep:
     self._layouts = partition.StepLayouts(self._params, owner.partition_replicated is not False)
     self._check_host_memory(spans)  # before any state moves or spare buffer is allocated
     devices = [d for x in self._params for d in x.sharding.addressable_devices]
-    own = pinned_memory == "arena" and pinned_arena.supported(devices)
+    own = pinned_arena.supported(devices) and (
+      pinned_memory == "arena" or (pinned_memory == "auto" and not calibration.measured_in_this_process())
+    )
     # The offloaded state outside XLA's pinned pool (docs/overlap.md, "Pinned memory of our own"), or in it.
     self.arena = pinned_arena.PinnedArena(sorted(set(devices), key=lambda d: d.id)) if own else None
     self._copier = CopyOut("jax_dos-state-out") if own else None  # the stream path's new state

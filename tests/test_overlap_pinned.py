@@ -90,3 +90,19 @@ def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypat
   _within_host_bytes(step, seen)
   check_against_reference(step, groups, batches, FIRES, 2)
   step.close()
+
+
+@pytest.mark.parametrize("measured_here", [False, True])
+def test_auto_keeps_the_state_in_the_pool_a_calibration_grew(monkeypatch, measured_here):
+  """``pinned_memory="auto"``: the arena, unless this process measured the calibration on an accelerator (whose
+  pinned state grew XLA's pool for good): the state then goes into that pool. The numbers are optax's either way."""
+  from jax_dos.planning import calibration
+
+  monkeypatch.setattr(calibration, "_measured_here", measured_here)
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
+  plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
+  step, _ = overlapped_run(groups, batches, FIRES, 2, plan)
+  assert (step.arena is None) == measured_here
+  check_against_reference(step, groups, batches, FIRES, 2)
+  step.close()

@@ -20,13 +20,11 @@ subgroups made the model 20-25% optimistic on a 4 B-parameter GPT tree, H200).
   (what further leaves of a subgroup cost is in the rates), per resident
   jitted call, and per step.
 
-On a CUDA GPU the measurement runs in a child process (:func:`calibrate`):
-its pinned host state (about 16 GiB at the default size) is XLA's pinned
-pool's, whose regions a process never gives back, and the overlapped step
-keeps its own state outside that pool (``jax_dos.pinned_arena``), so a
-measurement in the training process would leave 16 GiB pinned for nothing
-(at 6.7B on a 125.9 GiB host, the difference between fitting and the OOM
-killer).
+A measurement on an accelerator leaves this process's pinned pool grown by
+its engine's pinned state (about 16 GiB at the default size: XLA's pool never
+gives regions back); :func:`measured_in_this_process` says so, and the
+overlapped step then keeps its state in that pool rather than beside it
+(``OverlappedStep(pinned_memory="auto")``).
 
 Calibrations are cached as JSON in ``$XDG_CACHE_HOME/jax_dos/`` (default
 ``~/.cache/jax_dos/``), keyed by platform, device kind, hostname and jax
@@ -45,9 +43,6 @@ import math
 import os
 import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -309,24 +304,13 @@ def measure(
   )
 
 
-def _on_cuda() -> bool:
-  return all(d.platform == "gpu" and "cuda" in d.client.platform_version.lower() for d in jax.local_devices()[:1])
+_measured_here = False  # (set once, by the thread that measured) whether this process measured on an accelerator
 
 
-def _measure_in_child(size: int | None, reps: int) -> Calibration | None:
-  """:func:`measure` in a child process, whose pinned host memory goes back when it ends (module docstring); ``None``
-  (and a warning) where it fails: the caller then measures in this process."""
-  with tempfile.TemporaryDirectory(prefix="jax_dos-calibration-") as tmp:
-    out = Path(tmp) / "calibration.json"
-    cmd = [sys.executable, "-m", "jax_dos.planning.calibration", str(out), str(reps)] + ([str(size)] if size else [])
-    # The parent holds its accelerator memory already: the child takes what it uses, not a preallocated share.
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode == 0 and out.exists():
-      return Calibration.from_dict(json.loads(out.read_text()))
-  log.warning("jax_dos: the calibration's child process failed (status %s), measuring in this process: %s",
-              proc.returncode, proc.stderr.strip().splitlines()[-1:] or "no output")  # fmt: skip
-  return None
+def measured_in_this_process() -> bool:
+  """Whether this process measured a calibration on an accelerator: XLA's pinned pool then holds its engine's
+  pinned regions (about 16 GiB at the default size) for the rest of the process."""
+  return _measured_here
 
 
 def calibrate(*, size: int | None = None, force: bool = False, cache: bool = True, reps: int = 3) -> Calibration:
@@ -347,16 +331,12 @@ def calibrate(*, size: int | None = None, force: bool = False, cache: bool = Tru
   # Information, not a warning: an application shows jax_dos's INFO records to say why init pauses (train.gpt does).
   took = "a few seconds" if jax.default_backend() == "cpu" else "20-30 s"
   log.info("jax_dos: measuring this machine for the performance model (plan='auto'); %s, then cached.", took)
-  cal = _measure_in_child(size, reps) if _on_cuda() else None
-  cal = cal or measure(size=size, reps=reps)
+  global _measured_here
+  cal = measure(size=size, reps=reps)
+  _measured_here = _measured_here or jax.default_backend() != "cpu"
   if cache:
     try:
       log.debug("jax_dos: calibration cached in %s", save(cal))
     except OSError:
       pass  # a read-only home is no reason to fail; the calibration is still returned
   return cal
-
-
-if __name__ == "__main__":  # the child process of _measure_in_child: OUT REPS [SIZE]
-  cal = measure(size=int(sys.argv[3]) if len(sys.argv) > 3 else None, reps=int(sys.argv[2]))
-  save(cal, sys.argv[1])
