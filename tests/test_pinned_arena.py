@@ -124,3 +124,14 @@ def test_sharded_arena_arrays_on_four_devices():
                        timeout=120)  # fmt: skip
   assert out.returncode == 0, out.stderr[-3000:]
   assert "sharded ok" in out.stdout
+
+
+def test_small_slots_leave_the_large_ones_packed():
+  """Norms and biases among the matrices: the small slots go to chunks of their own, so eight 2 MiB slots fill two
+  chunks of 8 MiB exactly (among them, each 4 KiB slot would leave a gap just short of the next large one)."""
+  arena = PinnedArena(jax.devices()[:1], chunk_bytes=8 << 20)
+  small, large = (jax.ShapeDtypeStruct((n,), jnp.float32, sharding=_single()) for n in (1024, 1 << 19))
+  arrays = [arena.zeros_like(x) for _ in range(8) for x in (small, large)]
+  assert arena.live_bytes == 8 * (small.size + large.size) * 4
+  assert arena.mapped_bytes == 2 * (8 << 20) + (8 << 20)  # two chunks of large slots, one of small ones
+  assert all(not np.asarray(a).any() for a in arrays[:4])
