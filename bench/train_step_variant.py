@@ -472,6 +472,8 @@ def run_overlapped(args: argparse.Namespace, model: _Model, params) -> dict:
   timed, norms, spans = _time_overlapped(args, step, model.batches)
   out["warmup_s"] = timed.warmup_s
   out["plan_after"] = str(step.plan)  # rebalancing may have moved subgroups
+  if step.arena is not None:  # what the step's own pinned memory mapped and held at most, after the timed steps
+    out["arena_mapped_bytes_end"], out["arena_peak_bytes"] = step.arena.mapped_bytes, step.arena.peak_bytes
   num_params = sum(x.size for x in jax.tree.leaves(step.params))
   out.update(
     **_speed_fields(args, model, num_params, timed),
