@@ -62,14 +62,10 @@ def host_bytes(plan: Plan, layout: Any, speculation: int | None, moments: str = 
   return fixed_host_bytes(plan, layout, moments) + int(host_bytes_per(moments).speculation * cap)
 
 
-def pool_bytes(plan: Plan, layout: Any, host_bytes_: int, arena: bool) -> int:
+def pool_bytes(host_bytes_: int, arena: bool) -> int:
   """Of the step's pinned bytes (``host_bytes_``: :func:`host_bytes`), those in XLA's pinned pool: all of them, or
-  with an arena (``jax_dos.pinned_arena``) the host leaves' gradients on their way to the kernel, the rest being the
-  arena's."""
-  if not arena:
-    return host_bytes_
-  held, placements = layout.held, plan.leaf_placements()
-  return int(sum(held[i] * layout.leaf_bytes[i] for i, p in enumerate(placements) if p == "host"))
+  none with an arena (``jax_dos.pinned_arena``: the state, spares, copies and gradients all live there)."""
+  return 0 if arena else host_bytes_
 
 
 def _gib(nbytes: float) -> str:

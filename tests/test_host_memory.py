@@ -139,3 +139,17 @@ def test_an_accelerator_allocator_without_a_table_adds_none_to_the_resident_esti
   monkeypatch.setenv(memory.ALLOCATOR_ENV, "bfc")
   assert jax_dos.resident_estimate(need, cap, accelerator) - without == int(accelerator * memory.BFC_TABLE_FRACTION)
   assert without == int(cap * (1 + memory.BFC_TABLE_FRACTION) + memory.PROCESS_BYTES)
+
+
+def test_pinned_memory_of_our_own_counts_at_its_size_beside_the_pool(monkeypatch):
+  """Bytes in the step's own mapping (``outside_pool``) count once, with no region rounding and no table; only the rest
+  opens XLA's regions."""
+  monkeypatch.setenv(memory.ALLOCATOR_ENV, "cuda_async")
+  rng = np.random.default_rng()
+  cap, accelerator = int(rng.integers(70, 129)) * GiB, int(rng.integers(10, 150)) * GiB
+  need = int(rng.integers(65, 110)) * GiB + int(rng.integers(0, GiB))
+  assert jax_dos.resident_estimate(need, cap, accelerator, outside_pool=need) == need + memory.PROCESS_BYTES
+  small = int(rng.integers(2 * 2**20 + 1, 6 * 2**20))  # opens XLA's first two regions: 6 MiB
+  in_pool = int(6 * 2**20 * (1 + memory.BFC_TABLE_FRACTION))
+  estimate = jax_dos.resident_estimate(need + small, cap, accelerator, outside_pool=need)
+  assert estimate == need + in_pool + memory.PROCESS_BYTES

@@ -104,5 +104,7 @@ def test_auto_keeps_the_state_in_the_pool_a_calibration_grew(monkeypatch, measur
   plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
   step, _ = overlapped_run(groups, batches, FIRES, 2, plan)
   assert (step.arena is None) == measured_here
+  if step.arena is not None:  # all of it in the arena: its bytes and the process's, no pool regions or table
+    assert step.resident_estimate() == step.host_bytes() + memory.PROCESS_BYTES
   check_against_reference(step, groups, batches, FIRES, 2)
   step.close()
