@@ -4,7 +4,7 @@
 ``interleaved_adam`` optimizer and ``optax.chain(clip_by_global_norm(c),
 adamw)``'s exact numbers. One call is one step::
 
-    step = jax_dos.OverlappedStep(tx, stages, groups, tx.init(groups), clip_norm=1.0, micro_batches=2)
+    step = jax_dos.OverlappedStep(tx, stages, groups, clip_norm=1.0, micro_batches=2)  # its state: made once
     for batch in data:
         loss = step(batch)
     groups, opt_state = step.params, step.opt_state   # settled: for evaluation and checkpoints
@@ -33,7 +33,8 @@ its stage. A step (the backward pass, stage ``n-1`` down to 0):
 Threads and owners (``docs/overlap.md``): the training thread alone writes
 the parameters, the resident state and the step count; the host worker owns
 the host subgroups' state, spares and weight copies; the stream worker the
-streamed state and its slots; the decider resolves the step's decision.
+streamed state and its slots; the decider resolves the step's decision; the
+copy workers (``jax_dos.copy_out``) write the arena buffers handed to them.
 Whatever crosses threads goes through a future or a job queue. The plan comes
 from ``jax_dos.overlap_plan`` and is never edited here: rebalancing asks it
 for a new plan and hands that to both workers. The numbers are optax's in
@@ -65,11 +66,8 @@ from jax_dos import (
   overlap_process,
   overlap_state,
   partition,
-  pinned_arena,
   trace,
 )
-from jax_dos.copy_out import CopyOut
-from jax_dos.engine import host_gradients
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import JobThread, first_error, result_of
 from jax_dos.overlap_clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
@@ -87,13 +85,11 @@ from jax_dos.overlap_plan import (  # noqa: F401
 from jax_dos.overlap_process import NO_COMMAND_BUFFERS  # noqa: F401  (jax_dos exports it from here)
 from jax_dos.overlap_stream import IDLE_POLL_S, StreamPath, StreamStep
 from jax_dos.plan import partition_groups
-from jax_dos.planning import calibration
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
 
 _WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
-PINNED_MEMORY = ("auto", "arena", "pool")  # where the offloaded state lives: our own mapping, or XLA's pinned pool
 
 
 class OverlappedStep:
@@ -163,17 +159,11 @@ class OverlappedStep:
       fired clip makes a speculation wasted work that competes for host DRAM
       and the link). ``"always"``: speculate every step. ``"never"``: wait for
       every decision. The numbers are the same in all three.
-    pinned_memory: ``"arena"``: the offloaded state, spare state, weight and
-      gradient copies live in pinned host memory the step maps and registers
-      itself (:class:`jax_dos.pinned_arena.PinnedArena`), outside XLA's
-      pinned pool, which grows by doubling regions, keeps a table of 1/32 of
-      them and gives them back slowly at exit (docs/overlap.md, "Pinned
-      memory of our own"); CUDA and the CPU backend only. ``"pool"``: XLA's
-      pool. ``"auto"`` (the default): the arena where it runs, unless this
-      process measured the planner's calibration on an accelerator, whose
-      pinned state grew XLA's pool by about 16 GiB for good: the step's
-      state then goes into that pool rather than beside it. The numbers are
-      the same.
+    pinned_memory: ``"arena"``: the offloaded state, spares and copies in
+      pinned memory the step maps itself, outside XLA's pinned pool (CUDA and
+      the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``:
+      XLA's pool; ``"auto"`` (the default): as ``overlap_state.PinnedMemory``
+      says. The numbers are the same.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
   (an accelerator scalar), with the parameters it was computed at being the
@@ -223,8 +213,8 @@ class OverlappedStep:
     if speculation not in SPECULATION_MODES:
       raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}.")
     self.speculation = speculation
-    if pinned_memory not in PINNED_MEMORY:
-      raise ValueError(f"pinned_memory must be one of {PINNED_MEMORY}, got {pinned_memory!r}.")
+    if pinned_memory not in overlap_state.PINNED_MEMORY:
+      raise ValueError(f"pinned_memory must be one of {overlap_state.PINNED_MEMORY}, got {pinned_memory!r}.")
     self.micro_batch_order, self.run_ahead_stages = options.micro_batch_order, options.run_ahead_stages
     self.host_budget_bytes = options.host_budget_bytes
     spans = host_plan.spans_processes(jax.tree.leaves(list(params)))  # a job's tree: its checks are collectives
@@ -279,15 +269,11 @@ class OverlappedStep:
     self._layouts = partition.StepLayouts(self._params, owner.partition_replicated is not False)
     self._check_host_memory(spans)  # before any state moves or spare buffer is allocated
     devices = [d for x in self._params for d in x.sharding.addressable_devices]
-    own = pinned_arena.supported(devices) and (
-      pinned_memory == "arena" or (pinned_memory == "auto" and not calibration.measured_in_this_process())
-    )
     # The offloaded state outside XLA's pinned pool (docs/overlap.md, "Pinned memory of our own"), or in it.
-    self.arena = pinned_arena.PinnedArena(sorted(set(devices), key=lambda d: d.id)) if own else None
-    self._copier = CopyOut("jax_dos-state-out") if own else None  # the stream path's new state
-    self._grads_out = CopyOut("jax_dos-grads-out") if own else None  # (training thread) the host leaves' gradients
+    self._pinned = overlap_state.PinnedMemory(pinned_memory, devices)
+    self.arena = self._pinned.arena
     masters, mus, nus, self._count = overlap_state.initial_state(
-      self.plan, self._layouts, self.hyper.moments, leaves, opt_state, self.arena, self._copier
+      self.plan, self._layouts, self.hyper.moments, leaves, opt_state, self.arena, self._pinned.state_out
     )
     placement = self.plan.leaf_placements()
     by = lambda where: {i: (masters[i], mus[i], nus[i]) for i, p in enumerate(placement) if p == where}  # noqa: E731
@@ -312,7 +298,7 @@ class OverlappedStep:
     skip = lambda failed=self._first_error: failed() is not None  # noqa: E731
     self._host_path = HostPath(self.routes, self.hyper, self.decay, by("host"), lows, self._first_error, self.arena)
     self._stream_path = StreamPath(self.routes, self.hyper, self.decay, by("stream"), self._first_error, self.arena,
-                                   self._copier)  # fmt: skip
+                                   self._pinned.state_out)  # fmt: skip
     self._host = JobThread("jax_dos-overlap-host", self._wake, failed=skip, errors=errors["host"])
     top_up = weakref.WeakMethod(self._stream_path.top_up)
     self._streamer = JobThread("jax_dos-overlap-stream", self._wake, top_up, IDLE_POLL_S, skip, errors["stream"])
@@ -479,7 +465,7 @@ class OverlappedStep:
       future = self._pending[s] = Future()
       if placement == "host":
         with trace.span("overlap.grads_d2h"):
-          on_host = self._grads_to_host(subgroup_grads, list(leaves))
+          on_host = self._pinned.grads_to_host(subgroup_grads, list(leaves))
         job = (self._host, self._host_path.update, record, s, on_host)
       else:
         job = (self._streamer, self._stream_path.update, record, s, subgroup_grads)
@@ -487,20 +473,6 @@ class OverlappedStep:
       for i in leaves:  # the worker owns them until it hands the new ones back
         self._params[i] = None
       self._submit(*job, params, future)
-
-  def _grads_to_host(self, grads: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array] | Future:
-    """A host subgroup's gradients (``grads``, of ``leaves``) on their way to pinned host memory, in a dtype the
-    host kernel reads: into arena buffers (a future of them, which the host path then owns) or XLA's pool."""
-    if self.arena is None:
-      full = dict(zip(leaves, grads))
-      laid = [full.get(i) for i in range(max(leaves) + 1)]
-      return host_gradients(laid, laid, leaves)
-    grads = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else device_steps.to_f32(g) for g in grads]
-    landed = self._grads_out.submit(grads, [self.arena.array_like(g) for g in grads])
-    out: Future = Future()
-    landed.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else
-                             out.set_result(dict(zip(leaves, f.result()))))  # fmt: skip
-    return out
 
   def _decide(self, record: StepRecord, squares: list[jax.Array]) -> None:
     """The true gradient scale: runs the resident update with it; the decider tells the workers whether they
@@ -607,9 +579,7 @@ class OverlappedStep:
         worker.stop()
       for worker in (self._decider, self._host, self._streamer):
         worker.wait_stopped()  # no thread of a closed step is left to be stopped as Python exits
-      for copier in (self._copier, self._grads_out):
-        if copier is not None:
-          copier.close()
+      self._pinned.close()
       self._closed = True
       overlap_process.unregister(self)
 

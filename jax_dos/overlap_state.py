@@ -8,19 +8,65 @@ in it, outside XLA's pinned pool: a fresh master is copied there from the
 accelerator (:class:`~jax_dos.copy_out.CopyOut`), fresh moments are its zero
 pages; a given offloaded leaf on the accelerator is copied in, and one in
 XLA's pool stays there (the host and stream paths write it in place as they
-write the arena's).
+write the arena's). :class:`PinnedMemory` is where that memory comes from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Future
+
 import jax
 import jax.numpy as jnp
 
-from jax_dos import memory, moment_formats, partition
+from jax_dos import device_steps, host_kernels, memory, moment_formats, partition, pinned_arena
 from jax_dos.copy_out import CopyOut
+from jax_dos.engine import host_gradients
 from jax_dos.pinned_arena import PinnedArena
 from jax_dos.plan import MEMORY_KIND, Plan
+from jax_dos.planning import calibration
 from jax_dos.state import InterleavedAdamState
+
+PINNED_MEMORY = ("auto", "arena", "pool")  # OverlappedStep(pinned_memory=...): our own mapping, or XLA's pinned pool
+
+
+class PinnedMemory:
+  """Where an overlapped step's offloaded state lives: a :class:`PinnedArena` and the copies into it (the stream
+  path's new state, the host leaves' gradients), or XLA's pinned pool (``arena is None``).
+
+  ``mode``: ``"arena"``, ``"pool"``, or ``"auto"``: the arena unless this process measured the planner's
+  calibration on an accelerator (whose pinned state grew XLA's pool for good; docs/overlap.md); the pool on backends
+  the arena does not serve (``pinned_arena.supported``).
+  """
+
+  def __init__(self, mode: str, devices: Sequence[jax.Device]):
+    own = pinned_arena.supported(devices) and (
+      mode == "arena" or (mode == "auto" and not calibration.measured_in_this_process())
+    )
+    self.arena = PinnedArena(sorted(set(devices), key=lambda d: d.id)) if own else None
+    self.state_out = CopyOut("jax_dos-state-out") if own else None  # (stream worker) its new state
+    self._grads_out = CopyOut("jax_dos-grads-out") if own else None  # (training thread) the host leaves' gradients
+
+  def grads_to_host(self, grads: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array] | Future:
+    """(training thread) A host subgroup's gradients (``grads``, of ``leaves``) on their way to pinned host memory, in
+    a dtype the host kernel reads: into arena buffers (a future of ``leaf -> gradient``, whose buffers the host path
+    then owns) or XLA's pool."""
+    if self.arena is None:
+      full = dict(zip(leaves, grads))
+      laid = [full.get(i) for i in range(max(leaves) + 1)]
+      return host_gradients(laid, laid, leaves)
+    grads = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else device_steps.to_f32(g) for g in grads]
+    landed = self._grads_out.submit(grads, [self.arena.array_like(g) for g in grads])
+    out: Future = Future()
+    landed.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else
+                             out.set_result(dict(zip(leaves, f.result()))))  # fmt: skip
+    return out
+
+  def close(self) -> None:
+    """Waits for the copies requested and ends their workers."""
+    for copier in (self.state_out, self._grads_out):
+      if copier is not None:
+        copier.close()
 
 
 def initial_state(
