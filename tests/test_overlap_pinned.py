@@ -108,3 +108,20 @@ def test_auto_keeps_the_state_in_the_pool_a_calibration_grew(monkeypatch, measur
     assert step.resident_estimate() == step.host_bytes() + memory.PROCESS_BYTES
   check_against_reference(step, groups, batches, FIRES, 2)
   step.close()
+
+
+@pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
+def test_the_arena_holds_the_same_bytes_step_after_step(clip_norm):
+  """Every buffer a step takes from the arena goes back (gradients once read, a wasted speculation, an old state): a
+  long run holds what its first steps held."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(6)]
+  plan = ["device", "stream", "stream"] + ["host"] * (_subgroup_count(groups) - 3)
+  step, _ = overlapped_run(groups, batches[:3], clip_norm, 2, plan, speculation="always", pinned_memory="arena")
+  step.settle()
+  held = step.arena.live_bytes
+  for batch in batches[3:]:
+    step(batch)
+  step.settle()
+  assert step.arena.live_bytes == held and step.arena.peak_bytes <= step.host_bytes()
+  step.close()
