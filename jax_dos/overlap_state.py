@@ -34,15 +34,16 @@ class PinnedMemory:
   """Where an overlapped step's offloaded state lives: a :class:`PinnedArena` and the copies into it (the stream
   path's new state, the host leaves' gradients), or XLA's pinned pool (``arena is None``).
 
-  ``mode``: ``"arena"``, ``"pool"``, or ``"auto"``: the arena unless this process measured the planner's
-  calibration on an accelerator (whose pinned state grew XLA's pool for good; docs/overlap.md); the pool on backends
-  the arena does not serve (``pinned_arena.supported``).
+  ``mode``: ``"arena"``, ``"pool"``, or ``"auto"``: the arena, unless XLA's pool holds pinned memory for good
+  already (docs/overlap.md, "Pinned memory of our own"): this process measured the planner's calibration on an
+  accelerator, or the given state has offloaded leaves in it (``given_in_pool``: ``tx.init``'s, a restored one; its
+  regions would stay beside an arena that the step's new state moves into); the pool on backends the arena does not
+  serve (``pinned_arena.supported``).
   """
 
-  def __init__(self, mode: str, devices: Sequence[jax.Device]):
-    own = pinned_arena.supported(devices) and (
-      mode == "arena" or (mode == "auto" and not calibration.measured_in_this_process())
-    )
+  def __init__(self, mode: str, devices: Sequence[jax.Device], given_in_pool: bool = False):
+    pool_grown = calibration.measured_in_this_process() or given_in_pool
+    own = pinned_arena.supported(devices) and (mode == "arena" or (mode == "auto" and not pool_grown))
     self.arena = PinnedArena(sorted(set(devices), key=lambda d: d.id)) if own else None
     self.state_out = CopyOut("jax_dos-state-out") if own else None  # (stream worker) its new state
     self._grads_out = CopyOut("jax_dos-grads-out") if own else None  # (training thread) the host leaves' gradients

@@ -73,11 +73,13 @@ def reference_run(groups, batches, clip_norm, micro_batches, order="stage"):
   return masters, state
 
 
-def overlapped_run(groups, batches, clip_norm, micro_batches, plan, tx_kw=None, **step_kw):
+def overlapped_run(groups, batches, clip_norm, micro_batches, plan, tx_kw=None, init=False, **step_kw):
+  """The overlapped step on ``batches``: with a fresh state it makes itself (in its own pinned memory, the default),
+  or with ``init`` from ``tx.init`` (in XLA's pool, where it then stays)."""
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan, **(tx_kw or {}))
   step = jax_dos.OverlappedStep(
-    tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=clip_norm, micro_batches=micro_batches,
-    **step_kw,
+    tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups) if init else None, clip_norm=clip_norm,
+    micro_batches=micro_batches, **step_kw,
   )  # fmt: skip
   losses = [float(step(batch)) for batch in batches]
   return step, losses

@@ -75,8 +75,8 @@ def test_a_stream_heavy_plans_pinned_arrays_stay_within_host_bytes(monkeypatch, 
   step.close()
 
 
-@pytest.mark.parametrize("pinned", ["arena", "pool"])
-def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypatch, pinned):
+@pytest.mark.parametrize("pinned,init", [("arena", False), ("arena", True), ("pool", False)])
+def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypatch, pinned, init):
   """A speculated step whose clip fires: when the stream path puts its share of the host subgroups' new state into
   pinned memory, the step's pinned arrays stay within ``host_bytes()`` (the state, one spare, the copies): the share's
   spare goes before its new state comes (XLA's pool) or takes it (the arena), never three copies of it at once."""
@@ -84,7 +84,8 @@ def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypat
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
   plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
   seen = _record_stream_puts(monkeypatch)
-  step, _ = overlapped_run(groups, batches, FIRES, 2, plan, speculation="always", pinned_memory=pinned)
+  # init: tx.init's state in XLA's pool, which an arena step keeps where it is and writes in place
+  step, _ = overlapped_run(groups, batches, FIRES, 2, plan, speculation="always", pinned_memory=pinned, init=init)
   step.settle()
   assert step.routes.redo_on_stream
   _within_host_bytes(step, seen)
@@ -92,18 +93,19 @@ def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypat
   step.close()
 
 
-@pytest.mark.parametrize("measured_here", [False, True])
-def test_auto_keeps_the_state_in_the_pool_a_calibration_grew(monkeypatch, measured_here):
-  """``pinned_memory="auto"``: the arena, unless this process measured the calibration on an accelerator (whose
-  pinned state grew XLA's pool for good): the state then goes into that pool. The numbers are optax's either way."""
+@pytest.mark.parametrize("measured_here,init", [(False, False), (True, False), (False, True)])
+def test_auto_keeps_the_state_in_a_pool_already_grown(monkeypatch, measured_here, init):
+  """``pinned_memory="auto"``: the arena, unless XLA's pool holds pinned memory for good already: this process
+  measured the calibration on an accelerator, or the state given lives there (``tx.init``'s). The state then goes
+  into that pool. The numbers are optax's either way."""
   from jax_dos.planning import calibration
 
   monkeypatch.setattr(calibration, "_measured_here", measured_here)
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
   plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
-  step, _ = overlapped_run(groups, batches, FIRES, 2, plan)
-  assert (step.arena is None) == measured_here
+  step, _ = overlapped_run(groups, batches, FIRES, 2, plan, init=init)
+  assert (step.arena is None) == (measured_here or init)
   if step.arena is not None:  # all of it in the arena: its bytes and the process's, no pool regions or table
     assert step.resident_estimate() == step.host_bytes() + memory.PROCESS_BYTES
   check_against_reference(step, groups, batches, FIRES, 2)
