@@ -104,6 +104,18 @@ def test_a_measurement_on_the_cpu_leaves_no_pinned_pool_behind(cache_home):
   assert calibration.measured_in_this_process() == (jax.default_backend() != "cpu")
 
 
+def test_a_measurement_on_an_accelerator_says_where_the_step_will_keep_its_state(cache_home, monkeypatch, caplog):
+  """On an accelerator the measurement's pinned state stays in XLA's pool: a note says what that means for an
+  overlapped step made in this process, and the flag ``pinned_memory="auto"`` reads is set."""
+  monkeypatch.setattr(calibration, "measure", lambda **kw: this_machine())
+  monkeypatch.setattr(calibration.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(calibration, "_measured_here", False)
+  with caplog.at_level(logging.INFO, logger="jax_dos"):
+    calibration.calibrate(force=True, cache=False)
+  assert calibration.measured_in_this_process()
+  assert any("keeps its state in that pool" in r.getMessage() for r in caplog.records)
+
+
 def test_the_measuring_notice_is_information(cache_home, monkeypatch):
   """Logged at INFO, so a library user sees nothing unless the application shows jax_dos's notes (train.gpt does)."""
   monkeypatch.setattr(calibration, "measure", lambda **kw: this_machine())

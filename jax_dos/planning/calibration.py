@@ -333,7 +333,13 @@ def calibrate(*, size: int | None = None, force: bool = False, cache: bool = Tru
   log.info("jax_dos: measuring this machine for the performance model (plan='auto'); %s, then cached.", took)
   global _measured_here
   cal = measure(size=size, reps=reps)
-  _measured_here = _measured_here or jax.default_backend() != "cpu"
+  if jax.default_backend() != "cpu":
+    _measured_here = True
+    log.info(
+      "jax_dos: the calibration's pinned state stays in XLA's pinned pool for the rest of this process, so an"
+      " overlapped step made here keeps its state in that pool (more host memory, a slower exit); later processes"
+      " read the cached calibration and keep it in pinned memory of their own."
+    )
   if cache:
     try:
       log.debug("jax_dos: calibration cached in %s", save(cal))
