@@ -42,7 +42,7 @@ from jax_dos.overlap_plan import abstract_state, host_need_bound
 from jax_dos.overlap_plan import plan_step as overlapped_plan
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planning.budgets import StepMemory
-from jax_dos.planning.calibration import calibrate
+from jax_dos.planning.calibration import accelerator_calibration_cached, calibrate
 from jax_dos.planning.cost_model import Calibration
 from jax_dos.planning.planner import auto_planner, make_plan
 from jax_dos.remat import PLANNED_POLICIES as PLANNED_REMAT_POLICIES
@@ -90,6 +90,7 @@ __all__ = [
   "RematCosts",
   "StepMemory",
   "auto_planner",
+  "accelerator_calibration_cached",
   "calibrate",
   "cap_pinned_pool",
   "checkpoint_policy",

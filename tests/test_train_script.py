@@ -344,3 +344,27 @@ def test_slow_setup_phases_say_where_the_time_goes(tmp_path, monkeypatch, capsys
   assert "setup   the parameters initialised (" in err
   assert "setup   the optimizer state allocated in the plain step's placements (" in err
   assert err.index("setup   the parameters initialised") < err.index("model   gpt")
+
+
+def test_the_calibration_is_measured_apart_before_the_gpu_client_starts(tmp_path, monkeypatch, capsys):
+  """On a GPU machine with nothing cached, ``train.gpt`` measures the planner's calibration in a process of its own
+  before its own GPU client starts (its pinned memory then goes back with that process); here on the CPU, made to
+  believe it is on a GPU: the child measures and caches, and nothing runs again once an accelerator's is cached."""
+  import dataclasses
+  import socket
+
+  import jax_dos
+  from jax_dos.planning import calibration, cost_model
+
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  monkeypatch.delenv("JAX_DOS_CALIBRATION", raising=False)
+  args = F.build_parser().parse_args([])
+  assert not T.calibrate_apart(args, gpu=False)  # no GPU here: nothing to do
+  assert T.calibrate_apart(args, gpu=True)
+  assert "in a process of its own" in capsys.readouterr().out
+  assert calibration.load_cached() is not None  # the child's (on the CPU backend here)
+  key = cost_model.calibration_key("gpu", "Some GPU", socket.gethostname(), jax.__version__)
+  calibration.save(dataclasses.replace(calibration.load_cached(), platform="gpu", device_kind="Some GPU"))
+  assert calibration.cache_path(key).exists() and jax_dos.accelerator_calibration_cached()
+  assert not T.calibrate_apart(args, gpu=True)  # cached: no child
+  assert not T.calibrate_apart(F.build_parser().parse_args(["--offload", "host"]), gpu=True)

@@ -56,6 +56,7 @@ import dataclasses
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -267,7 +268,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", GPU_ALLOCATOR)
   overlapped_lib.allow_overlap_on_gpu(build_parser().parse_args(argv))  # before jax starts its GPU client
   host_memory.cap_host_memory(build_parser().parse_args(argv))  # XLA's pinned pool, from the run's most need
-  parallel.join_from_environment()  # a job of several processes (jax.distributed), before jax starts a backend
+  several = (
+    parallel.join_from_environment()
+  )  # a job of several processes (jax.distributed), before jax starts a backend
+  if not several:
+    calibrate_apart(build_parser().parse_args(argv))  # before this process starts its GPU client
   args = parse_args(argv)
   results = train(args)
   return results if argv is not None else None
@@ -307,6 +312,37 @@ def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
   return splits, vocab, data_desc
+
+
+CALIBRATION_APART_S = 600  # the calibration takes 20-30 s on a GPU; a child that takes this long is given up
+
+
+def calibrate_apart(args: argparse.Namespace, gpu: bool | None = None) -> bool:
+  """On a GPU machine whose calibration is not cached (``gpu``: an NVIDIA driver here, unless ``JAX_PLATFORMS`` rules
+  CUDA out), the planner's calibration measured in a process of its own, as the benchmarks do, before this process
+  starts its GPU client; whether it ran and succeeded. Measured here, its pinned state (about 16 GiB) would stay in
+  XLA's pool for the rest of the run, and the overlapped step would keep its state in that pool rather than in its
+  own pinned memory (docs/overlap.md, "Pinned memory of our own"). Where the child fails, :func:`_calibrate`
+  measures in this process."""
+  if gpu is None:
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    gpu = os.path.exists("/dev/nvidiactl") and (not platforms or "cuda" in platforms or "gpu" in platforms)
+  given = os.environ.get("JAX_DOS_CALIBRATION")  # the planner reads that one instead
+  if args.offload != "auto" or not gpu or given or jax_dos.accelerator_calibration_cached():
+    return False
+  t = time.perf_counter()
+  code = "import jax_dos; print(jax_dos.calibrate().summary())"
+  try:
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CALIBRATION_APART_S)
+    status = child.returncode
+  except subprocess.TimeoutExpired:
+    status = f"no result in {CALIBRATION_APART_S} s"
+  if status != 0:
+    print(f"calibration in a process of its own failed ({status}); measuring it in this one", flush=True)
+    return False
+  if not args.quiet:
+    print(f"calibration measured in a process of its own ({time.perf_counter() - t:.0f} s)", flush=True)
+  return True
 
 
 def _calibrate(args: argparse.Namespace) -> None:

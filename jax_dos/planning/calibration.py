@@ -55,6 +55,7 @@ from jax_dos.adam_math import AdamHyper
 from jax_dos.interleaved import InterleavedAdam
 from jax_dos.memory import device_free_bytes
 from jax_dos.plan import Plan, partition_leaves
+from jax_dos.planning import cost_model
 from jax_dos.planning.cost_model import (
   ENV_OVERRIDE,
   Calibration,
@@ -83,6 +84,13 @@ def current_key() -> str:
   """The cache key of this process's default backend."""
   d = jax.local_devices()[0]
   return calibration_key(d.platform, d.device_kind, socket.gethostname(), jax.__version__)
+
+
+def accelerator_calibration_cached() -> bool:
+  """Whether the cache holds an accelerator's calibration for this host and jax version, judged by file names alone:
+  it starts no backend (a caller may want to measure in another process before this one starts its GPU client)."""
+  tail = cost_model.calibration_key("x", "x", socket.gethostname(), jax.__version__).split("-", 2)[2]
+  return any(not p.name.startswith("calibration-cpu-") for p in cache_dir().glob(f"calibration-*-{tail}.json"))
 
 
 def cache_path(key: str | None = None) -> Path:
