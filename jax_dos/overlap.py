@@ -268,12 +268,8 @@ class OverlappedStep:
     # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
     self._layouts = partition.StepLayouts(self._params, owner.partition_replicated is not False)
     self._check_host_memory(spans)  # before any state moves or spare buffer is allocated
-    devices = [d for x in self._params for d in x.sharding.addressable_devices]
     # The offloaded state outside XLA's pinned pool (docs/overlap.md, "Pinned memory of our own"), or in it.
-    given_in_pool = opt_state is not None and any(
-      memory.memory_kind(x) == "pinned_host" for x in jax.tree.leaves(opt_state.master)
-    )
-    self._pinned = overlap_state.PinnedMemory(pinned_memory, devices, given_in_pool)
+    self._pinned = overlap_state.PinnedMemory.for_step(pinned_memory, self._params, opt_state)
     self.arena = self._pinned.arena
     masters, mus, nus, self._count = overlap_state.initial_state(
       self.plan, self._layouts, self.hyper.moments, leaves, opt_state, self.arena, self._pinned.state_out

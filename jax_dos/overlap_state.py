@@ -48,6 +48,16 @@ class PinnedMemory:
     self.state_out = CopyOut("jax_dos-state-out") if own else None  # (stream worker) its new state
     self._grads_out = CopyOut("jax_dos-grads-out") if own else None  # (training thread) the host leaves' gradients
 
+  @classmethod
+  def for_step(cls, mode: str, params: list[jax.Array], opt_state: InterleavedAdamState | None) -> PinnedMemory:
+    """The pinned memory of a step over ``params`` (their devices) given ``opt_state`` (its offloaded leaves in XLA's
+    pool or not)."""
+    devices = [d for x in params for d in x.sharding.addressable_devices]
+    given_in_pool = opt_state is not None and any(
+      memory.memory_kind(x) == "pinned_host" for x in jax.tree.leaves(opt_state.master)
+    )
+    return cls(mode, devices, given_in_pool)
+
   def grads_to_host(self, grads: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array] | Future:
     """(training thread) A host subgroup's gradients (``grads``, of ``leaves``) on their way to pinned host memory, in
     a dtype the host kernel reads: into arena buffers (a future of ``leaf -> gradient``, whose buffers the host path
