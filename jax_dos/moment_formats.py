@@ -113,14 +113,8 @@ def zeros_like_in(x: Any, kind: str, moments: str) -> jax.Array:
     return memory.zeros_like_in(x, kind, stored_dtype(moments))
   if memory.is_traced(x):
     return memory.traced_put(jnp.zeros(stored_shape(jnp.shape(x), moments), jnp.uint8), kind)
-  sharding = memory.sharding_of(x)
-  if len(sharding.device_set) > 1:
-    raise ValueError(
-      f"moments='int8' keeps each leaf's moments whole on one device, but a leaf of shape {jnp.shape(x)} spans"
-      f" {len(sharding.device_set)} devices. Use moments='bfloat16' (laid out as the parameters) on a mesh."
-    )
-  single = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=kind)
-  return memory._zeros_fn(stored_shape(tuple(jnp.shape(x)), moments), jnp.dtype(jnp.uint8), single)()
+  st = moment_struct(x, moments)
+  return memory._zeros_fn(st.shape, st.dtype, st.sharding.with_memory_kind(kind))()
 
 
 def moment_struct(x: Any, moments: str) -> jax.ShapeDtypeStruct:
@@ -130,7 +124,10 @@ def moment_struct(x: Any, moments: str) -> jax.ShapeDtypeStruct:
   sharding = memory.sharding_of(x).with_memory_kind("device")
   if moments == "int8":
     if len(sharding.device_set) > 1:
-      raise ValueError(f"moments='int8' keeps each leaf's moments whole on one device, not {jnp.shape(x)} on a mesh.")
+      raise ValueError(
+        f"moments='int8' keeps each leaf's moments whole on one device, but a leaf of shape {jnp.shape(x)} spans"
+        f" {len(sharding.device_set)} devices. Use moments='bfloat16' (laid out as the parameters) on a mesh."
+      )
     sharding = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
   return jax.ShapeDtypeStruct(shape, stored_dtype(moments), sharding=sharding)
 

@@ -340,8 +340,7 @@ class OverlappedStep:
     """The resident set this process reaches with the step's pinned bytes (:meth:`host_bytes`), those in the arena
     outside XLA's pool (``jax_dos.resident_estimate``)."""
     need = self.host_bytes()
-    in_pool = overlap_plan.pool_bytes(need, self.arena is not None)
-    return memory.resident_estimate(need, outside_pool=need - in_pool)
+    return memory.resident_estimate(need, outside_pool=need if self.arena is not None else 0)
 
   # ----------------------------------------------------------------------------- one step
 

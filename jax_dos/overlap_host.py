@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from jax_dos import device_steps, host_kernels, memory, trace
+from jax_dos import device_steps, host_kernels, memory, pinned_arena, trace
 from jax_dos.job_thread import result_of
 from jax_dos.overlap_clip import StepRecord
 from jax_dos.overlap_plan import Routes
@@ -115,11 +115,7 @@ class HostPath:
     self.spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
 
   def _release(self, a: jax.Array) -> None:
-    """Frees a buffer of the host path (back to the arena, or to XLA's pool)."""
-    if self.arena is not None and self.arena.owns(a):
-      self.arena.free(a)
-    else:
-      a.delete()
+    pinned_arena.release(self.arena, a)
 
   def give(self, leaves: list[int], routes: Routes) -> dict[int, tuple]:
     """Hands these leaves' state over (``leaf -> (master, mu, nu)``) and frees their buffers; takes ``routes``."""
@@ -141,10 +137,10 @@ class HostPath:
   ) -> None:
     """(a hand-over) Subgroup ``s``'s step: speculated, with the true scale where the decision is known, or kept for
     the decision (:meth:`finish`). ``grads``: leaf -> gradient in pinned host memory, or (with an arena) the future
-    of it, its buffers owned by the host path once it resolves."""
+    of the subgroup's gradients in its leaves' order, their buffers owned by the host path once it resolves."""
     with trace.span("host.wait_grads"):
       if isinstance(grads, Future):
-        grads = grads.result()
+        grads = dict(zip(self.routes.plan.subgroups[s], grads.result()))
       else:
         jax.block_until_ready(list(grads.values()))
     st: HostStep = record.host

@@ -62,12 +62,6 @@ def host_bytes(plan: Plan, layout: Any, speculation: int | None, moments: str = 
   return fixed_host_bytes(plan, layout, moments) + int(host_bytes_per(moments).speculation * cap)
 
 
-def pool_bytes(host_bytes_: int, arena: bool) -> int:
-  """Of the step's pinned bytes (``host_bytes_``: :func:`host_bytes`), those in XLA's pinned pool: all of them, or
-  none with an arena (``jax_dos.pinned_arena``: the state, spares, copies and gradients all live there)."""
-  return 0 if arena else host_bytes_
-
-
 def _gib(nbytes: float) -> str:
   """``nbytes`` in GiB, or in bytes below 1 MiB (a small layout's figures would read 0.00 GiB)."""
   return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**20 else f"{int(nbytes):,} bytes"

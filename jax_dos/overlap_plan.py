@@ -44,7 +44,6 @@ from jax_dos.overlap_memory import (
   fixed_host_bytes,  # noqa: F401  (the plan's host bytes, read through this module by the step and the tests)
   host_bytes,  # noqa: F401
   host_bytes_per,
-  pool_bytes,  # noqa: F401
   speculation_cap,
 )
 from jax_dos.plan import (

@@ -60,18 +60,14 @@ class PinnedMemory:
 
   def grads_to_host(self, grads: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array] | Future:
     """(training thread) A host subgroup's gradients (``grads``, of ``leaves``) on their way to pinned host memory, in
-    a dtype the host kernel reads: into arena buffers (a future of ``leaf -> gradient``, whose buffers the host path
-    then owns) or XLA's pool."""
+    a dtype the host kernel reads: into arena buffers (the copy's future of them, in ``leaves``' order, whose buffers
+    the host path then owns) or XLA's pool (``leaf -> gradient``)."""
     if self.arena is None:
       full = dict(zip(leaves, grads))
       laid = [full.get(i) for i in range(max(leaves) + 1)]
       return host_gradients(laid, laid, leaves)
     grads = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else device_steps.to_f32(g) for g in grads]
-    landed = self._grads_out.submit(grads, [self.arena.array_like(g) for g in grads])
-    out: Future = Future()
-    landed.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else
-                             out.set_result(dict(zip(leaves, f.result()))))  # fmt: skip
-    return out
+    return self._grads_out.submit(grads, [self.arena.array_like(g) for g in grads])
 
   def close(self) -> None:
     """Waits for the copies requested and ends their workers."""

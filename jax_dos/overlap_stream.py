@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-from jax_dos import device_steps, memory, trace
+from jax_dos import device_steps, memory, pinned_arena, trace
 from jax_dos.copy_out import CopyOut
 from jax_dos.job_thread import result_of
 from jax_dos.overlap_clip import Decision, StepRecord
@@ -137,20 +137,23 @@ class StreamPath:
   def _free(self, groups: list[list[jax.Array]]) -> None:
     """Frees host buffers whose copies are done (back to the arena, or to XLA's pool)."""
     for a in (a for group in groups for a in group):
-      if self.arena is not None and self.arena.owns(a):
-        self.arena.free(a)
-      else:
-        a.delete()
+      pinned_arena.release(self.arena, a)
 
-  def _copy_back(self, outs: list[list[jax.Array]], into: list[list[jax.Array]] | None) -> tuple[Any, Any]:
-    """The new state ``outs`` (on the accelerator) on its way to host memory: ``(buffers, copy)``, the buffers
-    ``into`` (or new ones, with an arena; XLA's otherwise) and what to wait for (a future, or the buffers)."""
+  def _copy_back(
+    self, outs: list[list[jax.Array]], into: list[list[jax.Array]] | None
+  ) -> tuple[list[list[jax.Array]], Future | None]:
+    """The new state ``outs`` (on the accelerator) on its way to host memory, listed in flight: ``(buffers,
+    landed)``, the buffers ``into`` (or new ones) and the future of the copy, with an arena; XLA's new buffers and
+    ``None`` otherwise (they track their own copy)."""
     if self.arena is None:
       back = memory.put_groups(outs, "pinned_host")
-      return back, back
+      self._in_flight.append(back)
+      return back, None
     into = into or [[self.arena.array_like(a) for a in group] for group in outs]
     flat = [a for group in outs for a in group]
-    return into, self._copier.submit(flat, [a for group in into for a in group], free_sources=True)
+    landed = self._copier.submit(flat, [a for group in into for a in group], free_sources=True)
+    self._in_flight.append(landed)
+    return into, landed
 
   # ----------------------------------------------------------------------------- slots and copies in
 
@@ -283,10 +286,8 @@ class StreamPath:
       outs = device_steps.update_params(g, *state, params, scalars, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
       # With an arena, a final state is copied into the old one's buffers: the update has read their copy in.
-      back, copy = self._copy_back(list(outs[1:]), old if final else None)
+      back, landed = self._copy_back(list(outs[1:]), old if final else None)
     st.end = time.perf_counter()
-    self._in_flight.append(copy)
-    landed = copy if isinstance(copy, Future) else None
     if final:
       st.streamed.pop(s, None)
       self._commit(s, back, landed)
@@ -361,7 +362,6 @@ class StreamPath:
       g = memory.like_states(grads, old[0])
       outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
-      back, copy = self._copy_back(list(outs[1:]), share.into)
-    self._in_flight.append(copy)
+      back, landed = self._copy_back(list(outs[1:]), share.into)
     share.future.set_result(list(outs[0]))
-    return back, copy if isinstance(copy, Future) else None
+    return back, landed

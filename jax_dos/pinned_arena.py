@@ -86,13 +86,6 @@ def _capsule(view: np.ndarray) -> Any:
   return capsule
 
 
-def shard_bytes(like: Any, dtype: Any = None) -> list[int]:
-  """The bytes of each of ``like``'s addressable shards (in device-id order) as ``dtype`` (its own by default)."""
-  itemsize = np.dtype(dtype or like.dtype).itemsize
-  shape = like.sharding.shard_shape(like.shape)
-  return [int(np.prod(shape, dtype=np.int64)) * itemsize] * len(like.sharding.addressable_devices)
-
-
 class _Chunk:
   """One mapping: its bytes as a numpy array, registered with the accelerator's clients until it is collected."""
 
@@ -228,4 +221,12 @@ class PinnedArena:
       for chunk, offset, nbytes in slots:
         self._free[_aligned(nbytes)].append((chunk, offset))
         self.live_bytes -= nbytes
+    x.delete()
+
+
+def release(arena: PinnedArena | None, x: jax.Array) -> None:
+  """Frees a buffer its owner is done with: back to ``arena`` if it is one of its arrays, else to XLA's pool."""
+  if arena is not None and arena.owns(x):
+    arena.free(x)
+  else:
     x.delete()
