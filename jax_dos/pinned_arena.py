@@ -199,7 +199,10 @@ class PinnedArena:
     return self.array_like(like, dtype, zero=True)
 
   def copy_of(self, x: jax.Array) -> jax.Array:
-    """A copy of the host array ``x`` (``pinned_host`` or ``unpinned_host``) in the arena; ``x`` is left as is."""
+    """A copy of the host array ``x`` (``pinned_host`` or ``unpinned_host``) in the arena; ``x`` is left as is.
+
+    Waits for ``x``'s bytes first: a host array just made (a ``device_put``) may still be in flight."""
+    jax.block_until_ready(x)
     out = self.array_like(x)
     for src, dst in zip(sorted(x.addressable_shards, key=lambda s: s.device.id),
                         sorted(out.addressable_shards, key=lambda s: s.device.id)):  # fmt: skip
