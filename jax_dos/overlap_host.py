@@ -46,7 +46,8 @@ WAIT_POLL_S = 0.05  # how often a wait on another thread checks the step's threa
 class HostStep:
   """The host worker's record of one step (written by the host worker only)."""
 
-  grads: dict[int, dict[int, jax.Array]] = dataclasses.field(default_factory=dict)  # subgroup -> leaf -> gradient
+  # subgroup -> leaf -> gradient; emptied once its last kernel has read them (freed before its new weights go back)
+  grads: dict[int, dict[int, jax.Array]] = dataclasses.field(default_factory=dict)
   params: dict[int, list[jax.Array]] = dataclasses.field(default_factory=dict)  # subgroup -> its parameters now
   futures: dict[int, Future] = dataclasses.field(default_factory=dict)  # subgroup -> the training thread's future
   speculated: list[int] = dataclasses.field(default_factory=list)
@@ -172,6 +173,8 @@ class HostPath:
         decay.append(self.decay[i])
     with trace.span("host.kernel"):
       host_kernels.adam_many_into(buffers, decay, **self._kernel_kw, scalars=scalars)
+    if final:
+      self._release_grads(st, s)
     with trace.span("host.send"):
       sent = memory.put([self.lows[i] for i in leaves], "device", likes=st.params[s])
     self._sending.append((record, s, sent, final))
@@ -191,6 +194,14 @@ class HostPath:
       st.end = time.perf_counter()
       if final:
         self._final(st, s)
+
+  def _release_grads(self, st: HostStep, s: int) -> None:
+    """Frees subgroup ``s``'s gradients, which no kernel reads again this step: before its new weights go back to the
+    training thread, which hands over the next step's gradients of ``s`` only after that (``host_bytes`` counts one
+    gradient a parameter)."""
+    for a in st.grads[s].values():
+      self._release(a)
+    st.grads[s] = {}
 
   @staticmethod
   def _final(st: HostStep, s: int) -> None:
@@ -239,14 +250,12 @@ class HostPath:
         with trace.span("host.redo" if s in st.speculated else "host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)
-      for s in st.grads.keys() - on_stream:  # the kernel is done with them: freed before the next step's land
-        for a in st.grads[s].values():
-          self._release(a)
       if share:  # committed below, after the swap
         with trace.span("host.wait_stream_redo"):
           shared = result_of(record.share_done, self._check, WAIT_POLL_S)
     else:
       for s in st.speculated:
+        self._release_grads(st, s)
         self._final(st, s)
       for s in self.routes.by_forward_rank(st.deferred):
         with trace.span("host.kernel_after_decision"):
@@ -264,8 +273,4 @@ class HostPath:
       for j, i in enumerate(self.routes.plan.subgroups[s]):
         self.spares[i] = (self.masters[i], self.mus[i], self.nus[i])
         self.masters[i], self.mus[i], self.nus[i] = back[0][j], back[1][j], back[2][j]
-    if not decision.fired:  # the kernel is done with them (after a fired clip they are freed above, or by the share)
-      for grads in st.grads.values():
-        for a in grads.values():
-          self._release(a)
-    st.grads.clear()
+    st.grads.clear()  # each freed after its last kernel, or by the stream path (a fired clip's share)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from overlap_model import (
 
 import jax_dos
 from jax_dos import memory, overlap_stream
+from jax_dos.overlap_host import HostPath
 
 
 def _pinned_bytes() -> int:
@@ -113,9 +115,13 @@ def test_auto_keeps_the_state_in_a_pool_already_grown(monkeypatch, measured_here
 
 
 @pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
-def test_the_arena_holds_the_same_bytes_step_after_step(clip_norm):
+def test_the_arena_holds_the_same_bytes_step_after_step(monkeypatch, clip_norm):
   """Every buffer a step takes from the arena goes back (gradients once read, a wasted speculation, an old state): a
-  long run holds what its first steps held."""
+  long run holds what its first steps held, and never more than the step's ``host_bytes``, also where the host worker
+  lags after handing new weights back (a subgroup's gradients are freed before, not after: the training thread then
+  hands over the next step's)."""
+  final = HostPath._final
+  monkeypatch.setattr(HostPath, "_final", staticmethod(lambda st, s: (final(st, s), time.sleep(0.02))))
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(6)]
   plan = ["device", "stream", "stream"] + ["host"] * (_subgroup_count(groups) - 3)
