@@ -233,20 +233,10 @@ class OverlappedStep:
     self._steps_taken = 0
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
-    if opt_state is not None and not isinstance(opt_state, InterleavedAdamState):
-      raise TypeError(
-        f"opt_state must be the InterleavedAdamState of tx.init(params), or None for a fresh one, got"
-        f" {type(opt_state).__name__}."
-      )
     self.model = StagedModel(stages, len(params))
     self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, options.micro_batches
     leaves, self._treedef = leaves_with_paths(list(params), "params")
-    if opt_state is not None:
-      for name, tree in (("master", opt_state.master), ("mu", opt_state.mu), ("nu", opt_state.nu)):
-        if jax.tree.structure(tree) != self._treedef:
-          raise ValueError(
-            f"opt_state.{name} does not match params: pass tx.init(params), a state restored for them, or None."
-          )
+    overlap_state.check_given(opt_state, self._treedef)
     self.decay = decay_flags(owner.mask, list(params), self.hyper.weight_decay)
     self.stage_times = stage_times
     self._layout = step_layout(self.model, list(params), owner.subgroup_size, owner.partitions)

@@ -76,6 +76,23 @@ class PinnedMemory:
         copier.close()
 
 
+def check_given(opt_state: InterleavedAdamState | None, treedef: jax.tree_util.PyTreeDef) -> None:
+  """A ``TypeError`` or ``ValueError`` that says what to pass where ``opt_state`` is neither ``None`` nor an
+  ``InterleavedAdamState`` whose master and moments have the parameters' structure ``treedef``."""
+  if opt_state is None:
+    return
+  if not isinstance(opt_state, InterleavedAdamState):
+    raise TypeError(
+      f"opt_state must be the InterleavedAdamState of tx.init(params), or None for a fresh one, got"
+      f" {type(opt_state).__name__}."
+    )
+  for name, tree in (("master", opt_state.master), ("mu", opt_state.mu), ("nu", opt_state.nu)):
+    if jax.tree.structure(tree) != treedef:
+      raise ValueError(
+        f"opt_state.{name} does not match params: pass tx.init(params), a state restored for them, or None."
+      )
+
+
 def initial_state(
   plan: Plan, layouts: partition.StepLayouts, moments: str, leaves: list, opt_state: InterleavedAdamState | None,
   arena: PinnedArena | None = None, copier: CopyOut | None = None,

@@ -174,6 +174,10 @@ def test_refuses_what_it_cannot_do():
     jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), plan=whole)
   with pytest.raises(ValueError, match="micro_batch_order"):
     jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), micro_batches=2, micro_batch_order="interleaved")
+  with pytest.raises(TypeError, match="InterleavedAdamState of tx.init"):
+    jax_dos.OverlappedStep(tx, STAGES, groups, optax.adamw(1e-3).init(groups))
+  with pytest.raises(ValueError, match="opt_state.master does not match params"):
+    jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups[:-1] + [{"other": groups[-1]}]))
   times = jax_dos.StageTimes((0.1,) * 3, (0.2,) * 3)
   with pytest.raises(ValueError, match="stage_times has 3 stages, the model 5"):
     jax_dos.OverlappedStep(tx, STAGES, groups, tx.init(groups), stage_times=times)
