@@ -21,6 +21,7 @@ line or ``--rates`` (host, stream, device, host concurrent, stream concurrent, i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -44,6 +45,23 @@ def parse_rates(text: str) -> list[float]:
   return [float(x) * 1e9 for x in found.groups()]
 
 
+@functools.cache
+def model_subgroups(arch_name: str, preset: str, vocab_size: int, param_dtype: str) -> tuple[timeline.Subgroup, ...]:
+  """The model's subgroups and the stages that complete them, from its shapes (built once a process: a 6.7B
+  model's abstract construction takes seconds)."""
+  arch = ARCHS[arch_name]
+  cfg = arch.get_config(preset, vocab_size=vocab_size, param_dtype=param_dtype)
+  stages = arch.staged(cfg)
+  groups = stages.split(arch.abstract_params(cfg))
+  staged = jax_dos.StagedModel(stages.stages, len(groups))
+  width = 2 if param_dtype == "bfloat16" else 4
+  subgroups = []
+  for g, tree in enumerate(groups):
+    _, sizes = jax_dos.partition_leaves(tree, jax_dos.DEFAULT_SUBGROUP_SIZE)
+    subgroups += [timeline.Subgroup(n, staged.completion[g], width) for n in sizes]
+  return tuple(subgroups)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("result", help="a bench/train_step.py JSON with an overlap variant")
@@ -57,16 +75,8 @@ def main(argv=None) -> dict:
     raise SystemExit(f"error: no {args.variant!r} run with stage times in {args.result}.")
   rates = parse_rates(args.rates or doc.get("calibration") or "")
   config = doc["config"]
-  arch = ARCHS[config.get("arch", "gpt")]  # runs made before --arch ran the GPT
-  cfg = arch.get_config(config["preset"], vocab_size=config["vocab_size"], param_dtype=config["param_dtype"])
-  stages = arch.staged(cfg)
-  groups = stages.split(arch.abstract_params(cfg))
-  staged = jax_dos.StagedModel(stages.stages, len(groups))
-  width = 2 if config["param_dtype"] == "bfloat16" else 4
-  subgroups = []
-  for g, tree in enumerate(groups):
-    _, sizes = jax_dos.partition_leaves(tree, jax_dos.DEFAULT_SUBGROUP_SIZE)
-    subgroups += [timeline.Subgroup(n, staged.completion[g], width) for n in sizes]
+  subgroups = model_subgroups(config.get("arch", "gpt"),  # runs made before --arch ran the GPT
+                              config["preset"], config["vocab_size"], config["param_dtype"])  # fmt: skip
   times = timeline.StageTimes(tuple(run["stage_times"]["forward_s"]), tuple(run["stage_times"]["backward_s"]))
   compute = times.compute_s(config["grad_accum"])
   # Runs made before the micro-batch orders ran the "batch" order and planned with no host budget.
