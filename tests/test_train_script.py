@@ -20,6 +20,7 @@ import tqdm
 from helpers import TINY
 from helpers import train_tiny as _run
 
+from train import calibration as C
 from train import data as D
 from train import flags as F
 from train import gpt as T
@@ -359,12 +360,12 @@ def test_the_calibration_is_measured_apart_before_the_gpu_client_starts(tmp_path
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   monkeypatch.delenv("JAX_DOS_CALIBRATION", raising=False)
   args = F.build_parser().parse_args([])
-  assert not T.calibrate_apart(args, gpu=False)  # no GPU here: nothing to do
-  assert T.calibrate_apart(args, gpu=True)
+  assert not C.measure_apart(args, gpu=False)  # no GPU here: nothing to do
+  assert C.measure_apart(args, gpu=True)
   assert "in a process of its own" in capsys.readouterr().out
   assert calibration.load_cached() is not None  # the child's (on the CPU backend here)
   key = cost_model.calibration_key("gpu", "Some GPU", socket.gethostname(), jax.__version__)
   calibration.save(dataclasses.replace(calibration.load_cached(), platform="gpu", device_kind="Some GPU"))
   assert calibration.cache_path(key).exists() and jax_dos.accelerator_calibration_cached()
-  assert not T.calibrate_apart(args, gpu=True)  # cached: no child
-  assert not T.calibrate_apart(F.build_parser().parse_args(["--offload", "host"]), gpu=True)
+  assert not C.measure_apart(args, gpu=True)  # cached: no child
+  assert not C.measure_apart(F.build_parser().parse_args(["--offload", "host"]), gpu=True)

@@ -56,7 +56,6 @@ import dataclasses
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 import warnings
@@ -67,8 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_dos
+from train import calibration, host_memory, parallel, progress, step_log, steps
 from train import data as data_lib
-from train import host_memory, parallel, progress, step_log, steps
 from train import overlapped as overlapped_lib
 from train.evaluate import validation_loss
 from train.flags import build_parser, model_module, model_overrides, parse_args, resumed_schedule
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parallel.join_from_environment()
   )  # a job of several processes (jax.distributed), before jax starts a backend
   if not several:
-    calibrate_apart(build_parser().parse_args(argv))  # before this process starts its GPU client
+    calibration.measure_apart(build_parser().parse_args(argv))  # before this process starts its GPU client
   args = parse_args(argv)
   results = train(args)
   return results if argv is not None else None
@@ -312,47 +311,6 @@ def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
   return splits, vocab, data_desc
-
-
-CALIBRATION_APART_S = 600  # the calibration takes 20-30 s on a GPU; a child that takes this long is given up
-
-
-def calibrate_apart(args: argparse.Namespace, gpu: bool | None = None) -> bool:
-  """On a GPU machine whose calibration is not cached (``gpu``: an NVIDIA driver here, unless ``JAX_PLATFORMS`` rules
-  CUDA out), the planner's calibration measured in a process of its own, as the benchmarks do, before this process
-  starts its GPU client; whether it ran and succeeded. Measured here, its pinned state (about 16 GiB) would stay in
-  XLA's pool for the rest of the run, and the overlapped step would keep its state in that pool rather than in its
-  own pinned memory (docs/overlap.md, "Pinned memory of our own"). Where the child fails, :func:`_calibrate`
-  measures in this process."""
-  if gpu is None:
-    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
-    gpu = os.path.exists("/dev/nvidiactl") and (not platforms or "cuda" in platforms or "gpu" in platforms)
-  given = os.environ.get("JAX_DOS_CALIBRATION")  # the planner reads that one instead
-  if args.offload != "auto" or not gpu or given or jax_dos.accelerator_calibration_cached():
-    return False
-  t = time.perf_counter()
-  code = "import jax_dos; print(jax_dos.calibrate().summary())"
-  try:
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CALIBRATION_APART_S)
-    status = child.returncode
-  except subprocess.TimeoutExpired:
-    status = f"no result in {CALIBRATION_APART_S} s"
-  if status != 0:
-    print(f"calibration in a process of its own failed ({status}); measuring it in this one", flush=True)
-    return False
-  if not args.quiet:
-    print(f"calibration measured in a process of its own ({time.perf_counter() - t:.0f} s)", flush=True)
-  return True
-
-
-def _calibrate(args: argparse.Namespace) -> None:
-  """``--offload auto`` on an accelerator: the planner's calibration (20-30 s once per machine, then cached), before
-  the model exists: it runs on an empty accelerator and leaves no fragments behind for a large model's step."""
-  if args.offload == "auto" and jax.default_backend() != "cpu":
-    t = time.perf_counter()
-    cal = jax_dos.calibrate()
-    if _primary():
-      print(f"calibration ({time.perf_counter() - t:.0f} s; cached per machine): {cal.summary()}", flush=True)
 
 
 def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_from) -> _Built:
@@ -508,7 +466,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     args.preset, **model_overrides(args), vocab_size=vocab, dtype=args.compute_dtype, param_dtype=args.param_dtype,
     remat=plain_remat(args.remat),
   )  # fmt: skip
-  _calibrate(args)
+  calibration.measure_here(args)
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
   shardings = None if mesh is None else parallel.param_shardings(mesh, arch.abstract_params(cfg))
   batch_layout = None if mesh is None else parallel.batch_sharding(mesh)

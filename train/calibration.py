@@ -1,0 +1,54 @@
+"""The planner's calibration for a run of ``train.gpt`` (``--offload auto`` on an accelerator): measured once a
+machine and cached, in a process of its own where it can be, before the run's GPU client starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import jax
+
+import jax_dos
+
+CALIBRATION_APART_S = 600  # the calibration takes 20-30 s on a GPU; a child that takes this long is given up
+
+
+def measure_apart(args: argparse.Namespace, gpu: bool | None = None) -> bool:
+  """On a GPU machine whose calibration is not cached (``gpu``: an NVIDIA driver here, unless ``JAX_PLATFORMS`` rules
+  CUDA out), the planner's calibration measured in a process of its own, as the benchmarks do, before this process
+  starts its GPU client; whether it ran and succeeded. Measured here, its pinned state (about 16 GiB) would stay in
+  XLA's pool for the rest of the run, and the overlapped step would keep its state in that pool rather than in its
+  own pinned memory (docs/overlap.md, "Pinned memory of our own"). Where the child fails, :func:`measure_here`
+  measures in this process."""
+  if gpu is None:
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    gpu = os.path.exists("/dev/nvidiactl") and (not platforms or "cuda" in platforms or "gpu" in platforms)
+  given = os.environ.get("JAX_DOS_CALIBRATION")  # the planner reads that one instead
+  if args.offload != "auto" or not gpu or given or jax_dos.accelerator_calibration_cached():
+    return False
+  t = time.perf_counter()
+  code = "import jax_dos; print(jax_dos.calibrate().summary())"
+  try:
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CALIBRATION_APART_S)
+    status = child.returncode
+  except subprocess.TimeoutExpired:
+    status = f"no result in {CALIBRATION_APART_S} s"
+  if status != 0:
+    print(f"calibration in a process of its own failed ({status}); measuring it in this one", flush=True)
+    return False
+  if not args.quiet:
+    print(f"calibration measured in a process of its own ({time.perf_counter() - t:.0f} s)", flush=True)
+  return True
+
+
+def measure_here(args: argparse.Namespace) -> None:
+  """``--offload auto`` on an accelerator: the planner's calibration (20-30 s once per machine, then cached), before
+  the model exists: it runs on an empty accelerator and leaves no fragments behind for a large model's step."""
+  if args.offload == "auto" and jax.default_backend() != "cpu":
+    t = time.perf_counter()
+    cal = jax_dos.calibrate()
+    if jax.process_index() == 0:
+      print(f"calibration ({time.perf_counter() - t:.0f} s; cached per machine): {cal.summary()}", flush=True)
