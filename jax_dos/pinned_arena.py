@@ -198,17 +198,6 @@ class PinnedArena:
     """:meth:`array_like` with every byte zero."""
     return self.array_like(like, dtype, zero=True)
 
-  def copy_of(self, x: jax.Array) -> jax.Array:
-    """A copy of the host array ``x`` (``pinned_host`` or ``unpinned_host``) in the arena; ``x`` is left as is.
-
-    Waits for ``x``'s bytes first: a host array just made (a ``device_put``) may still be in flight."""
-    jax.block_until_ready(x)
-    out = self.array_like(x)
-    for src, dst in zip(sorted(x.addressable_shards, key=lambda s: s.device.id),
-                        sorted(out.addressable_shards, key=lambda s: s.device.id)):  # fmt: skip
-      ctypes.memmove(dst.data.unsafe_buffer_pointer(), src.data.unsafe_buffer_pointer(), src.data.nbytes)
-    return out
-
   def owns(self, x: Any) -> bool:
     """Whether ``x`` is an array of this arena, not yet freed."""
     with self._lock:

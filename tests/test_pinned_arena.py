@@ -46,7 +46,9 @@ def test_freed_slots_are_reused_and_cleared_on_request():
   rng = np.random.default_rng()
   arena = PinnedArena(jax.devices()[:1], chunk_bytes=1 << 20)
   like = _device_array(rng, (100, 7))
-  a = arena.copy_of(jax.device_put(like, like.sharding.with_memory_kind("pinned_host")))
+  copier = CopyOut()
+  a = copier.submit([like], [arena.array_like(like)]).result()[0]
+  copier.close()
   np.testing.assert_array_equal(np.asarray(a), np.asarray(like))
   address = a.unsafe_buffer_pointer()
   arena.free(a)

@@ -147,9 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                       " (docs/overlap.md)")  # fmt: skip
   x.add_argument("--pinned-memory", choices=("auto", "arena", "pool"), default="auto",
                  help="the overlapped step's offloaded state: in pinned memory it maps itself (arena: no table, given"
-                      " back fast at exit) or in XLA's pinned pool (pool); auto: the arena, unless this run measured"
-                      " the calibration (its first on a machine), which grew the pool (docs/overlap.md, \"Pinned"
-                      " memory of our own\")")  # fmt: skip
+                      " back fast at exit) or in XLA's pinned pool (pool); auto: the arena, unless this process"
+                      " measured the calibration (where measuring it in a process of its own failed) or restored a"
+                      " state into the pool (--resume) (docs/overlap.md, \"Pinned memory of our own\")")  # fmt: skip
   x.add_argument("--grad-flush", choices=(*jax_dos.GRADIENT_FLUSHES, "none"), default=None,
                  help="where the backward pass leaves the gradients: host sends host-updated subgroups' ones to"
                       " host memory as it computes them (the default without --grad-accum), all sends every one,"
