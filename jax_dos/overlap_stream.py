@@ -121,7 +121,10 @@ class StreamPath:
     return {i: (self.masters[i], self.mus[i], self.nus[i]) for i in self.masters}
 
   def _wait_copies(self) -> None:
-    """Waits until every subgroup's new state has landed in its buffers."""
+    """Waits until every copy back has landed, and lists none: the arrays they name may go to another thread
+    (:meth:`give`, a fired clip's share), which may free them, and only an array's owner may read it."""
+    while self._in_flight:
+      self._free_slot()
     while self._landing:
       self._landing.popitem()[1].result()
 
@@ -174,8 +177,8 @@ class StreamPath:
       self._free_slot()
 
   def _slot_free(self) -> bool:
-    """Whether the oldest copy back has landed. A copy back may be deleted while still listed: a redo deletes the
-    speculated copies, and a later step deletes its old state, which was an earlier step's copy back."""
+    """Whether the oldest copy back has landed. A copy back may be deleted while still listed, by this thread: a redo
+    deletes the speculated copies, and a later step deletes its old state, which was an earlier step's copy back."""
     back = self._in_flight[0]
     if isinstance(back, Future):
       return back.done()
@@ -338,19 +341,16 @@ class StreamPath:
         share = result_of(record.host_share, self._check, WAIT_POLL_S)  # the host worker is done with their buffers
       backs = {s: self._redo_host(s, share[s], decision) for s in self.routes.by_forward_rank(share)}
       with trace.span("stream.wait_share_copies"):
-        for _, copy in backs.values():
-          if copy is not None:
-            copy.result()
-      backs = {s: back for s, (back, _) in backs.items()}
+        self._wait_copies()
     except BaseException as e:
       record.share_done.set_exception(e)
       raise
     record.share_done.set_result(backs)
 
-  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> tuple[list[list[jax.Array]], Any]:
+  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> list[list[jax.Array]]:
     """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns the new
-    state, on its way into the share's spare buffers (with an arena) or new host buffers, and the copy's future
-    (``None`` without an arena): the host path makes it the state."""
+    state, on its way into the share's spare buffers (with an arena) or new host buffers (listed in flight): the
+    host path makes it the state."""
     leaves = list(self.routes.plan.subgroups[s])
     self._wait_for_slot()
     with trace.span("stream.redo_host"):
@@ -362,6 +362,6 @@ class StreamPath:
       g = memory.like_states(grads, old[0])
       outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
-      back, landed = self._copy_back(list(outs[1:]), share.into)
+      back, _ = self._copy_back(list(outs[1:]), share.into)
     share.future.set_result(list(outs[0]))
-    return back, landed
+    return back

@@ -95,6 +95,25 @@ def test_a_fired_clips_shared_redo_stays_within_the_planned_host_bytes(monkeypat
   step.close()
 
 
+def test_the_stream_path_lists_no_array_it_handed_to_the_host_path():
+  """A fired clip's share comes back from the stream path as host state, which the host worker may free at any time
+  after (a spare in XLA's pool, at a later fired clip): the stream path lists none of it among its copies in flight,
+  where its own thread would read it (CI saw a segfault there: one thread waiting on an array another deleted)."""
+  rng = np.random.default_rng()
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
+  plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
+  step, _ = overlapped_run(groups, batches, FIRES, 2, plan, speculation="always", pinned_memory="pool")
+  step.settle()
+  assert step.routes.redo_on_stream
+  host = step._host_path
+  held = {id(a) for d in (host.masters, host.mus, host.nus) for a in d.values()}
+  held |= {id(a) for spare in host.spares.values() for a in spare}
+  listed = {id(a) for back in step._stream_path._in_flight for a in jax.tree.leaves(back)}
+  assert held and not held & listed
+  check_against_reference(step, groups, batches, FIRES, 2)
+  step.close()
+
+
 @pytest.mark.parametrize("measured_here,init", [(False, False), (True, False), (False, True)])
 def test_auto_keeps_the_state_in_a_pool_already_grown(monkeypatch, measured_here, init):
   """``pinned_memory="auto"``: the arena, unless XLA's pool holds pinned memory for good already: this process
