@@ -40,6 +40,7 @@ from jax_dos.nnx_adapter import NNXStages, nnx_stages
 from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state, host_need_bound
 from jax_dos.overlap_plan import plan_step as overlapped_plan
+from jax_dos.partition import state_shardings
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planning.budgets import StepMemory
 from jax_dos.planning.calibration import accelerator_calibration_cached, calibrate
@@ -47,6 +48,7 @@ from jax_dos.planning.cost_model import Calibration
 from jax_dos.planning.planner import auto_planner, make_plan
 from jax_dos.remat import PLANNED_POLICIES as PLANNED_REMAT_POLICIES
 from jax_dos.remat import REMAT_NAMES, REMAT_POLICIES, checkpoint_policy, rematerialise
+from jax_dos.remat import compiler_options as remat_compiler_options
 from jax_dos.remat import describe as describe_remat
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
@@ -107,6 +109,7 @@ __all__ = [
   "gradient_shardings",
   "host_need_bound",
   "state_bytes_per_param",
+  "state_shardings",
   "interleaved_adam",
   "interleaved_adamw",
   "make_plan",
@@ -115,6 +118,7 @@ __all__ = [
   "partition_leaves",
   "resident_estimate",
   "rematerialise",
+  "remat_compiler_options",
   "resolve_plan",
   "to_optax_adamw_state",
   "timeline",

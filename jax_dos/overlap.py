@@ -233,7 +233,7 @@ class OverlappedStep:
     self._steps_taken = 0
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
-    self.model = StagedModel(stages, len(params))
+    self.model = StagedModel(stages, len(params), partition_gradients=owner.partitions)
     self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, options.micro_batches
     leaves, self._treedef = leaves_with_paths(list(params), "params")
     overlap_state.check_given(opt_state, self._treedef)
@@ -249,7 +249,7 @@ class OverlappedStep:
       if len(self.plan.remat) != len(self.model.stages):
         raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
       self.model = StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)],
-                               len(params))  # fmt: skip
+                               len(params), partition_gradients=owner.partitions)  # fmt: skip
     self.routes = overlap_plan.routes(self.plan, self._layout, self._host_room, self.hyper.moments)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.

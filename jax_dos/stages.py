@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import memory
+from jax_dos import memory, partition
 from jax_dos.remat import check_policy, rematerialise
 from jax_dos.timeline import MICRO_BATCH_ORDERS, RematCosts, StageTimes
 
@@ -154,20 +154,28 @@ def _forward_saving(fn, policy: str, params, x, batch):
   return y, Saved(tuple(a for a, s in zip(leaves, sources) if s < 0), treedef, sources)
 
 
-def _backward(fn, complete: tuple[bool, ...], params, x, batch, dy, sums):
+def _backward(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums):
   """``(loss or None, new sums, dx or None, sums of squares of the completed groups)`` for one stage."""
   y, vjp = _stage_vjp(fn, "none", params, x, batch)
-  return _summed(vjp(jnp.ones_like(y) if dy is None else dy), x, complete, sums, y if dy is None else None)
+  return _summed(vjp(jnp.ones_like(y) if dy is None else dy), x, complete, layouts, sums, y if dy is None else None)
 
 
-def _backward_saved(fn, complete: tuple[bool, ...], params, x, batch, dy, sums, saved: Saved):
+def _backward_saved(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums, saved: Saved):
   """:func:`_backward` of a stage whose forward program kept ``saved``: nothing it saved is recomputed."""
   del fn
-  return _summed(saved.vjp(params, x, batch)(dy), x, complete, sums, None)
+  return _summed(saved.vjp(params, x, batch)(dy), x, complete, layouts, sums, None)
 
 
-def _summed(cotangents, x, complete, sums, loss):
+def _laid_out(tree: Any, layout: tuple | None) -> Any:
+  """``tree`` constrained to ``layout`` (its leaves' shardings, flat); as it is where ``layout`` is ``None``."""
+  if layout is None:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, jax.tree.unflatten(jax.tree.structure(tree), list(layout)))
+
+
+def _summed(cotangents, x, complete, layouts, sums, loss):
   (grads, dx) = (cotangents[0], None) if x is None else cotangents
+  grads = tuple(_laid_out(g, lay) for g, lay in zip(grads, layouts))
   new = tuple(g if s is None else jax.tree.map(jnp.add, s, g) for s, g in zip(sums, grads))
   squares = tuple(_sum_of_squares(t) for t, c in zip(new, complete) if c)
   return loss, new, dx, squares
@@ -215,13 +223,13 @@ def micro_batch(batch: Any, m: int, micro_batches: int) -> Any:
 _jit_forward = jax.jit(_forward, static_argnums=0)
 _jit_forward_saving = jax.jit(_forward_saving, static_argnums=(0, 1))
 # dy is dead after its stage's backward and dx is written into it; the running sums are updated in place.
-_jit_backward = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(5, 6))
+_jit_backward = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(6, 7))
 # A stage whose dx cannot take dy's buffers (the first stage has no dx; another whose input differs in shape or
 # dtype from its output) keeps dy: a donated buffer no output reuses is not freed any sooner, and jax warns of it.
-_jit_backward_keep_dy = jax.jit(_backward, static_argnums=(0, 1), donate_argnums=(6,))
+_jit_backward_keep_dy = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(7,))
 # The saved residuals are not donated: no output takes their shapes, and they are freed once the program has run.
-_jit_backward_saved = jax.jit(_backward_saved, static_argnums=(0, 1), donate_argnums=(5, 6))
-_jit_backward_saved_keep_dy = jax.jit(_backward_saved, static_argnums=(0, 1), donate_argnums=(6,))
+_jit_backward_saved = jax.jit(_backward_saved, static_argnums=(0, 1, 2), donate_argnums=(6, 7))
+_jit_backward_saved_keep_dy = jax.jit(_backward_saved, static_argnums=(0, 1, 2), donate_argnums=(7,))
 
 
 def _forward_call(st: Stage, params: tuple, x: Any, batch: Any) -> tuple[Any, Saved | None]:
@@ -230,14 +238,33 @@ def _forward_call(st: Stage, params: tuple, x: Any, batch: Any) -> tuple[Any, Sa
   return _jit_forward_saving(st.fn, st.remat, params, x, batch)
 
 
-def _backward_call(st: Stage, complete: tuple[bool, ...], params, x, batch, dy, sums, saved) -> tuple[Callable, tuple]:
-  """The jitted backward program for stage ``st`` and its arguments (to run, or to lower for its memory)."""
+def gradient_layouts(params: tuple, partitioned: bool) -> tuple:
+  """Per group of ``params`` (a stage's), the shardings (flat) its gradients take in the stage's backward program:
+  with ``partitioned``, on a mesh, the partitioned state's (``partition.state_shardings``: a replicated
+  parameter's gradients are reduce-scattered, each device keeping the sum of its share); else ``None`` (XLA's
+  choice, the parameters' own: all-reduced)."""
+  if not partitioned:
+    return (None,) * len(params)
+  layouts = []
+  for tree in params:
+    leaves = jax.tree.leaves(tree)
+    meshed = leaves and all(isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) for x in leaves)
+    layouts.append(tuple(jax.tree.leaves(partition.state_shardings(leaves))) if meshed else None)
+  return tuple(layouts)
+
+
+def _backward_call(
+  st: Stage, complete: tuple[bool, ...], params, x, batch, dy, sums, saved, layouts: tuple | None = None
+) -> tuple[Callable, tuple]:
+  """The jitted backward program for stage ``st`` and its arguments (to run, or to lower for its memory);
+  ``layouts``: :func:`gradient_layouts`' (``None``: each group's as XLA likes)."""
+  layouts = (None,) * len(st.groups) if layouts is None else layouts
   donate = dy is None or (x is not None and _same_types(x, dy))
   if saved is not None:
     program = _jit_backward_saved if donate else _jit_backward_saved_keep_dy
-    return program, (st.fn, complete, params, x, batch, dy, tuple(sums), saved)
+    return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), saved)
   program = _jit_backward if donate else _jit_backward_keep_dy
-  return program, (st.fn, complete, params, x, batch, dy, tuple(sums))
+  return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums))
 
 
 def _same_types(a: Any, b: Any) -> bool:
@@ -250,14 +277,22 @@ def _same_types(a: Any, b: Any) -> bool:
 class StagedModel:
   """The stages of a model over ``num_groups`` parameter groups, and their jitted programs.
 
+  On a mesh, with ``partition_gradients`` (the default, as
+  ``interleaved_adam``'s state is partitioned by default), each backward
+  program puts a replicated parameter's gradients in its partitioned state's
+  layout (:func:`gradient_layouts`): XLA reduce-scatters them as the stage's
+  backward pass ends, and the running sums hold each device's share only.
+
   Attributes:
     stages: the stages, in forward order.
     completion: for each group, the stage whose backward pass completes its
       gradient (the first stage that uses it).
   """
 
-  def __init__(self, stages: Sequence[Stage], num_groups: int):
+  def __init__(self, stages: Sequence[Stage], num_groups: int, *, partition_gradients: bool = True):
     self.stages = tuple(stages)
+    self.partition_gradients = partition_gradients
+    self._layouts: dict[int, tuple] = {}  # stage -> gradient_layouts of its parameters (their shardings are fixed)
     if len(self.stages) < 2:
       raise ValueError("a staged model needs at least two stages (the first reads the batch, the last the loss).")
     for i, st in enumerate(self.stages):
@@ -299,8 +334,14 @@ class StagedModel:
     """
     st = self.stages[stage]
     complete = tuple(last and self.completion[g] == stage for g in st.groups)
-    program, args = _backward_call(st, complete, params, x, batch, dy, sums, saved)
+    program, args = _backward_call(st, complete, params, x, batch, dy, sums, saved, self.layouts(stage, params))
     return program(*args)
+
+  def layouts(self, stage: int, params: tuple) -> tuple:
+    """Stage ``stage``'s :func:`gradient_layouts` for its parameters ``params`` (found once a stage)."""
+    if stage not in self._layouts:
+      self._layouts[stage] = gradient_layouts(params, self.partition_gradients)
+    return self._layouts[stage]
 
   def loss_and_grads(
     self, groups: Sequence[Any], batch: Any, micro_batches: int = 1, order: str = "stage"
@@ -406,11 +447,13 @@ class StagedModel:
     first: dict[Any, int] = {}
     for i in range(n - 1):
       first.setdefault(self.stages[i].fn, i)
-    one = {(i, p): _measure_stage(dataclasses.replace(self.stages[i], remat=p), groups, xs[i], batch)
+    layouts = {i: self.layouts(i, tuple(groups[g] for g in st.groups)) for i, st in enumerate(self.stages)}
+    one = {(i, p): _measure_stage(dataclasses.replace(self.stages[i], remat=p), groups, xs[i], batch, layouts[i])
            for i in first.values() for p in names}  # fmt: skip
     last = self.stages[-1]
-    last_temp = _temp_bytes(*_backward_call(last, (False,) * len(last.groups), tuple(groups[g] for g in last.groups),
-                                            x, batch, None, (None,) * len(last.groups), None))  # fmt: skip
+    last_params = tuple(groups[g] for g in last.groups)
+    last_temp = _temp_bytes(*_backward_call(last, (False,) * len(last.groups), last_params, x, batch, None,
+                                            (None,) * len(last.groups), None, layouts[n - 1]))  # fmt: skip
     costs = {}
     for p in names:
       rows = []
@@ -429,7 +472,7 @@ def _temp_bytes(program: Callable, args: tuple) -> int:
   return 0 if stats is None else int(stats.temp_size_in_bytes)
 
 
-def _measure_stage(st: Stage, groups: list, x: Any, batch: Any) -> tuple[float, float, int, int]:
+def _measure_stage(st: Stage, groups: list, x: Any, batch: Any, layouts: tuple) -> tuple[float, float, int, int]:
   """``(forward s, backward s, saved bytes, backward temporaries)`` of one stage alone (the second of two runs)."""
   params, temp = tuple(groups[g] for g in st.groups), None
   for _ in range(2):
@@ -437,7 +480,7 @@ def _measure_stage(st: Stage, groups: list, x: Any, batch: Any) -> tuple[float, 
     y, saved = jax.block_until_ready(_forward_call(st, params, x, batch))
     forward = time.perf_counter() - t
     program, args = _backward_call(st, (False,) * len(params), params, x, batch, jnp.ones_like(y),
-                                   (None,) * len(params), saved)  # fmt: skip
+                                   (None,) * len(params), saved, layouts)  # fmt: skip
     temp = _temp_bytes(program, args) if temp is None else temp  # before the run donates dy
     t = time.perf_counter()
     jax.block_until_ready(program(*args))

@@ -115,7 +115,7 @@ def test_overlapped_step_on_two_processes_matches_optax_agrees_on_one_plan_and_r
 
 
 # A GPT small enough that a run takes seconds; 8 rows a step (2 micro-batches of 4: one per device of the mesh).
-TINY_GPT = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "16", "--batch", "4", "--grad-accum",
+TINY_GPT = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "16", "--batch", "1", "--grad-accum",
             "2", "--eval-batches", "1", "--eval-every", "0", "--log-every", "1", "--offload", "host",
             "--decay-steps", "6", "--mesh", "data=2,fsdp=2"]  # fmt: skip
 
@@ -145,7 +145,9 @@ def test_train_gpt_on_two_processes_matches_one_and_resumes_on_the_overlapped_st
   assert "done: step 4" in outputs[0] and "done:" not in outputs[1], outputs  # messages from process 0 only
   assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["2", "4"]
   # The resumed steps: `--mesh data=2 --overlap on`, one device a process (the checkpoint restores into any mesh).
-  resumed = gpt("--steps", "6", "--resume", "--overlap", "on", "--mesh", "data=2", "--out", str(tmp_path / "two"))
+  resumed = gpt(
+    "--steps", "6", "--resume", "--overlap", "on", "--mesh", "data=2", "--batch", "2", "--out", str(tmp_path / "two")
+  )  # 2 rows a device of 2: the same 4 rows a micro-batch
   outputs = launch(resumed, devices=1)
   assert "resumed from step 4" in outputs[0] and "step    overlapped (--overlap on)" in outputs[0], outputs[0]
   one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")

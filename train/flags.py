@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
   d = p.add_argument_group("data")
   d.add_argument("--data", default=None, help="text file (read as bytes) or nanoGPT uint16 .bin token file;"
                  " default: the Python standard library's sources")  # fmt: skip
-  d.add_argument("--batch", type=int, default=16, help="sequences per micro-batch (per step without --grad-accum)")
+  d.add_argument("--batch", type=int, default=16,
+                 help="sequences a device per micro-batch (per step without --grad-accum), as DeepSpeed's"
+                      " train_micro_batch_size_per_gpu: a step takes batch x devices x grad-accum"
+                      " sequences")  # fmt: skip
   d.add_argument("--seq-len", type=int, default=None, help="tokens per sequence; default: the preset's block size")
 
   o = p.add_argument_group("optimization")
@@ -161,9 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
   j.add_argument("--mesh", default=None,
                  help="lay every device of the job on a mesh, e.g. data=2 or data=2,fsdp=4: parameters replicated"
                       " over data (their optimizer state partitioned over it) and sharded over fsdp, batch rows over"
-                      " both (--batch rows per step in all). Default: one device; in a job of several processes"
-                      " (jax.distributed: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or SLURM)"
-                      " data=<all devices>")  # fmt: skip
+                      " both (--batch rows a device). Default: data=<all devices>, in one process all of this"
+                      " host's GPUs (or in a job of several processes, jax.distributed: JAX_COORDINATOR_ADDRESS,"
+                      " JAX_NUM_PROCESSES and JAX_PROCESS_ID, or SLURM, all of the job's)")  # fmt: skip
+  j.add_argument("--devices", type=int, default=None,
+                 help="train on this process's first K devices (default: all of them; CUDA_VISIBLE_DEVICES works"
+                      " too); on a CPU, K CPU devices")  # fmt: skip
 
   r = p.add_argument_group("evaluation, logging, checkpoints")
   r.add_argument("--eval-every", type=int, default=100, help="steps between validation passes (0 = only at the end)")
@@ -266,18 +272,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     err(f"--plot: {progress.MATPLOTLIB_MISSING} (or drop --plot, and plot later with python -m train.plot <out>).")
   if args.resume and args.overwrite:
     err("--resume and --overwrite contradict each other; pick one.")
+  if args.devices is not None and args.devices > jax.local_device_count():
+    err(f"--devices {args.devices}: this process has {jax.local_device_count()} device(s)"
+        f" ({jax.devices()[0].device_kind}); give at most that.")  # fmt: skip
+  args.mesh_given = args.mesh is not None
   try:
     args.mesh = parallel.parse_mesh(args.mesh) if args.mesh is not None else parallel.default_mesh()
   except ValueError as e:
     err(str(e))
+  devices = 1
   if args.mesh is not None:
     devices = args.mesh["data"] * args.mesh["fsdp"]
     if devices != jax.device_count():
       err(f"--mesh data={args.mesh['data']},fsdp={args.mesh['fsdp']} lays out {devices} devices; this job has"
           f" {jax.device_count()} ({jax.process_count()} process(es) x {jax.local_device_count()}): give sizes whose"
-          " product is that.")  # fmt: skip
-    if args.batch % devices:
-      err(f"--batch {args.batch} rows do not split over the mesh's {devices} devices; give a multiple of {devices}.")
+          " product is that, or --devices to train on fewer.")  # fmt: skip
+  args.global_batch = args.batch * devices  # rows of a micro-batch over every device
   if args.out is None:
     name = args.preset if args.arch == "gpt" or args.preset.startswith(args.arch) else f"{args.arch}-{args.preset}"
     args.out = os.path.join("runs", name)

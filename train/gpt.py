@@ -265,15 +265,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   """
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)  # parse_args starts jax's backend
   os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", GPU_ALLOCATOR)
-  overlapped_lib.allow_overlap_on_gpu(build_parser().parse_args(argv))  # before jax starts its GPU client
-  host_memory.cap_host_memory(build_parser().parse_args(argv))  # XLA's pinned pool, from the run's most need
-  several = (
-    parallel.join_from_environment()
-  )  # a job of several processes (jax.distributed), before jax starts a backend
+  early = build_parser().parse_args(argv)  # what must be set before jax starts a backend
+  overlapped_lib.allow_overlap_on_gpu(early)  # before jax starts its GPU client
+  host_memory.cap_host_memory(early)  # XLA's pinned pool, from the run's most need
+  parallel.select_devices(early.devices)  # --devices K: this process's first K devices
+  several = parallel.join_from_environment()  # a job of several processes (jax.distributed), before any backend
   if not several:
-    calibration.measure_apart(build_parser().parse_args(argv))  # before this process starts its GPU client
-  args = parse_args(argv)
-  results = train(args)
+    calibration.measure_apart(early)  # before this process starts its GPU client
+  try:
+    args = parse_args(argv)
+    results = train(args)
+  finally:
+    if several:
+      jax.distributed.shutdown()  # every process leaves the job together: no process logs another's exit as an error
   return results if argv is not None else None
 
 
@@ -323,7 +327,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   allocated, once, or restored from ``restore_from`` (a checkpoint manager)
   straight into its placements. ``params`` are consumed.
   """
-  step_shape = (args.batch * args.grad_accum, args.seq_len)  # one step's batch: --grad-accum micro-batches
+  step_shape = (args.global_batch * args.grad_accum, args.seq_len)  # one step's batch: --grad-accum micro-batches
   step_memory = None
   sized = jax.local_devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
   if args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized:
@@ -473,7 +477,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   with _setup_phase(args, "the parameters initialised"):
     graphdef, params = arch.init_params(cfg, seed=args.seed, shardings=shardings)
   num_params = arch.tree_size(params)
-  first = data_lib.get_batch(splits.train, args.batch * args.grad_accum, args.seq_len, args.seed, 0)
+  first = data_lib.get_batch(splits.train, args.global_batch * args.grad_accum, args.seq_len, args.seed, 0)
   built = _build_step(args, cfg, graphdef, params, first, batch_layout, manager if resume else None)
   step, schedule, start_step = built.step, built.schedule, built.start_step
   del params, first
@@ -488,7 +492,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   log = progress.MetricsLog(
     os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None, enabled=_primary()
   )
-  tokens_per_step = args.batch * args.grad_accum * args.seq_len
+  tokens_per_step = args.global_batch * args.grad_accum * args.seq_len
   flops_tok = arch.flops_per_token(cfg, args.seq_len)
   peak = args.peak_flops or progress.detect_peak_flops(args.compute_dtype, jax.local_devices()[0])
   peak = peak and peak * (1 if mesh is None else mesh.size)  # MFU of the job: every chip's peak
@@ -498,7 +502,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     read = lambda part: data_lib.get_batch(tokens, batch_rows, args.seq_len, args.seed, index, stream, part)  # noqa: E731
     return read(slice(None)) if batch_layout is None else parallel.global_batch(read, batch_layout, batch_rows)
 
-  val_batches = [get_batch(splits.val, args.batch, i, data_lib.VAL_STREAM) for i in range(args.eval_batches)]
+  val_batches = [get_batch(splits.val, args.global_batch, i, data_lib.VAL_STREAM) for i in range(args.eval_batches)]
 
   def evaluate() -> float:
     step.settle()  # no optimizer thread launches while the evaluation's programs first run
@@ -510,9 +514,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
   _say(args, f"model   {args.arch} {args.preset}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
   _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
+  _say(args, parallel.mesh_line(args.mesh, args.mesh_given, args.batch, args.grad_accum, args.seq_len))
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
-       + (f", {args.grad_accum} micro-batches of {args.batch} per step" if args.grad_accum > 1 else "")
+       + (f", {args.grad_accum} micro-batches a step" if args.grad_accum > 1 else "")
        + (f", delay 1 after {args.delay_warmup} steps" if args.delay else "")
        + (f" (weights predicted from the {args.delay_predict})" if args.delay_predict else ""))  # fmt: skip
   for line in built.notes:
@@ -535,7 +540,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   t_start = time.perf_counter()
   step_no = start_step
   for it in range(start_step, args.steps):
-    loss = step(get_batch(splits.train, args.batch * args.grad_accum, it))
+    loss = step(get_batch(splits.train, args.global_batch * args.grad_accum, it))
     step_no = it + 1
     record.add(step_no, loss, step.grad_norm)
     if it == start_step:  # the first step compiles: start the clocks after it

@@ -21,6 +21,8 @@ refuses a split flush that needs more than the plan assumed.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +35,13 @@ import jax_dos
 from models import lm
 
 
+def _constrained(tree: Any, layout: tuple | None) -> Any:
+  """``tree`` laid out as ``layout`` (its leaves' shardings, flat), or as XLA likes where ``layout`` is ``None``."""
+  if layout is None:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, jax.tree.unflatten(jax.tree.structure(tree), list(layout)))
+
+
 def _grad_step(graphdef, params, batch, clip: float):
   """``(loss, grads, scale, norm)``: the raw gradients, the global-norm clip's factor (1 when ``clip`` is 0), and
   the gradients' global norm."""
@@ -42,42 +51,82 @@ def _grad_step(graphdef, params, batch, clip: float):
   return loss, grads, scale, norm
 
 
-_grad_step_on_device = jax.jit(_grad_step, static_argnums=(0, 3))
-
-
-def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batches: int):
+def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batches: int, layout: tuple | None):
   """One micro-batch of an accumulated step: ``(loss, grad_sum + grads, scale, norm)``.
 
   After the last of ``micro_batches`` micro-batches, ``scale * grad_sum`` is
   the mean gradient times the clip's factor for that mean:
   ``scale = clip_scale(|grad_sum| / k, clip) / k``. The optimizer multiplies
   by it (``grad_scale``), so the sum is never divided on the accelerator.
-  ``norm = |grad_sum| / k`` is the mean gradient's global norm.
+  ``norm = |grad_sum| / k`` is the mean gradient's global norm. ``layout``
+  (the sum's shardings, flat) puts each micro-batch's gradients where the sum
+  lies: on a mesh, a replicated parameter's are reduce-scattered into its
+  partitioned state's layout (``jax_dos.state_shardings``).
   """
   loss, grads = jax.value_and_grad(lm.loss, argnums=1)(graphdef, params, batch)
-  grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+  grad_sum = jax.tree.map(jnp.add, grad_sum, _constrained(grads, layout))
   mean = 1.0 / micro_batches
   norm = optax.global_norm(grad_sum) * mean
   clip_factor = jax_dos.clip_scale(norm, clip) if clip > 0 else jnp.float32(1)
   return loss, grad_sum, clip_factor * jnp.float32(mean), norm
 
 
-# The running sum is donated and updated in place: a micro-batch's program needs about what a one-batch step whose
-# gradients stay on the accelerator needs (6.7B: 11.3 GiB of temporaries and the 12.4 GiB sum, against 7.0 + 12.4;
-# bench/probes/accum_probe.py). A scan over the micro-batches in one program needed about two gradients' worth
-# more (CPU).
-_accumulate_step_jit = jax.jit(_accumulate_step, static_argnums=(0, 4, 5), donate_argnums=2)
-_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+@functools.cache
+def _programs(options: tuple[tuple[str, Any], ...]) -> tuple[Callable, Callable]:
+  """``(grad step, accumulate step)`` jitted under XLA ``options`` (``jax_dos.remat_compiler_options``'s: on a mesh
+  of GPUs, what keeps the rematerialisation), each compiled once a layout.
+
+  The running sum is donated and updated in place: a micro-batch's program
+  needs about what a one-batch step whose gradients stay on the accelerator
+  needs (6.7B: 11.3 GiB of temporaries and the 12.4 GiB sum, against 7.0 +
+  12.4; bench/probes/accum_probe.py). A scan over the micro-batches in one
+  program needed about two gradients' worth more (CPU).
+  """
+  opts = dict(options) or None
+  grad = jax.jit(_grad_step, static_argnums=(0, 3), compiler_options=opts)
+  accumulate = jax.jit(_accumulate_step, static_argnums=(0, 4, 5, 6), donate_argnums=2, compiler_options=opts)
+  return grad, accumulate
 
 
-def accumulated_grad_step(micro_batches: int) -> Callable[..., tuple[jax.Array, Any, jax.Array, jax.Array]]:
+def _options(sharding: Any) -> tuple[tuple[str, Any], ...]:
+  return tuple(sorted(jax_dos.remat_compiler_options(sharding).items()))
+
+
+def _zeros_tree(tree: Any) -> Any:
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+@functools.cache
+def _zeros_program(treedef: Any, layout: tuple | None) -> Callable:
+  """A jitted ``zeros_like`` of trees of ``treedef``, laid out as ``layout`` (flat shardings) where given."""
+  return jax.jit(_zeros_tree, out_shardings=None if layout is None else jax.tree.unflatten(treedef, list(layout)))
+
+
+def _zeros_in(params: Any, layout: tuple | None) -> Any:
+  """Zeros shaped as ``params``, laid out as ``layout`` (flat shardings) where given."""
+  return _zeros_program(jax.tree.structure(params), layout)(params)
+
+
+def sum_layout(params: Any, partitioned: bool) -> tuple | None:
+  """The gradient sum's shardings (flat) on a mesh: the partitioned state's (``jax_dos.state_shardings``) with
+  ``partitioned``, else the parameters' own; ``None`` off a mesh."""
+  leaves = jax.tree.leaves(params)
+  if not leaves or not isinstance(getattr(leaves[0], "sharding", None), NamedSharding):
+    return None
+  if not partitioned:
+    return tuple(x.sharding.with_memory_kind("device") for x in leaves)
+  return tuple(jax.tree.leaves(jax_dos.state_shardings(params)))
+
+
+def accumulated_grad_step(micro_batches: int, partitioned: bool = True) -> Callable[..., tuple]:
   """``grad_step(graphdef, params, batch, clip) -> (loss, grad_sum, scale, norm)`` over ``micro_batches`` parts.
 
   The batch's rows are split into ``micro_batches`` equal consecutive parts,
   run one after another (one jitted call each, so only one part's activations
   are alive at a time). ``loss`` is the mean of their losses, which is the
   whole batch's mean loss; ``grad_sum`` the sum of their gradients, in the
-  gradients' dtype, on the accelerator; ``scale * grad_sum`` is the clipped
+  gradients' dtype, on the accelerator (on a mesh, in the partitioned state's
+  layout with ``partitioned``: :func:`sum_layout`); ``scale * grad_sum`` is the clipped
   mean gradient (:func:`_accumulate_step`), what ``optimizer_step`` takes; ``norm`` the mean gradient's norm.
   """
 
@@ -86,12 +135,14 @@ def accumulated_grad_step(micro_batches: int) -> Callable[..., tuple[jax.Array, 
     if x.shape[0] % micro_batches:
       raise ValueError(f"a batch of {x.shape[0]} rows does not split into {micro_batches} equal micro-batches.")
     rows = x.shape[0] // micro_batches
-    grad_sum, losses = _zeros_like(params), []
+    layout = sum_layout(params, partitioned)
+    accumulate = _programs(_options(getattr(x, "sharding", None)))[1]
+    grad_sum, losses = _zeros_in(params, layout), []
     for i in range(micro_batches):
       part = (x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows])
       if isinstance(getattr(x, "sharding", None), NamedSharding):  # on a mesh: each part's rows over every device
         part = jax.device_put(part, (x.sharding, y.sharding))
-      loss, grad_sum, scale, norm = _accumulate_step_jit(graphdef, params, grad_sum, part, clip, micro_batches)
+      loss, grad_sum, scale, norm = accumulate(graphdef, params, grad_sum, part, clip, micro_batches, layout)
       losses.append(loss)
     return sum(losses) / micro_batches, grad_sum, scale, norm
 
@@ -107,42 +158,67 @@ def make_grad_step(
   ``jax_dos.gradient_shardings(tx, params, flush)`` says. With
   ``micro_batches > 1`` they are accumulated on the accelerator
   (:func:`accumulated_grad_step`) and flushed by none: the host subgroups'
-  sums cross to the host in the optimizer's update.
+  sums cross to the host in the optimizer's update. On a mesh a replicated
+  parameter's gradients are reduce-scattered into its partitioned state's
+  layout (with ``tx``; optax's state is replicated), and on GPUs the
+  programs keep their rematerialisation (``jax_dos.remat_compiler_options``).
   """
+  partitioned = tx is not None
   if micro_batches > 1:
-    return accumulated_grad_step(micro_batches)
+    return accumulated_grad_step(micro_batches, partitioned)
+  layout = sum_layout(params, partitioned)
   if tx is None or flush == "none":
-    return _grad_step_on_device
-  shardings = (None, jax_dos.gradient_shardings(tx, params, flush), None, None)
-  return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=shardings)
+    grads = None if layout is None else jax.tree.unflatten(jax.tree.structure(params), list(layout))
+  else:
+    grads = jax_dos.gradient_shardings(tx, params, flush)
+  options = dict(_options(_first_sharding(params))) or None
+  return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, grads, None, None), compiler_options=options)
 
 
-def flush_all_shardings(params: Any) -> Any:
-  """Each parameter's sharding in ``pinned_host`` memory: ``flush="all"``'s gradient layout, known before any plan."""
-  return jax.tree.map(lambda p: p.sharding.with_memory_kind("pinned_host") if p.size else p.sharding, params)
+def _first_sharding(tree: Any) -> Any:
+  leaves = jax.tree.leaves(tree)
+  return getattr(leaves[0], "sharding", None) if leaves else None
 
 
-def probe_shardings(params: Any, flush: str) -> Any:
+def _device_bytes(tree: Any, layout: tuple | None) -> int:
+  """Bytes one device holds of ``tree`` laid out as ``layout`` (flat shardings; whole leaves where ``None``)."""
+  leaves = jax.tree.leaves(tree)
+  if layout is None:
+    return sum(x.size * x.dtype.itemsize for x in leaves)
+  return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(leaves, layout))
+
+
+def probe_shardings(params: Any, flush: str, partitioned: bool = True) -> Any:
   """Gradient ``out_shardings`` of the program compiled to size the plan's budgets, before there is a plan.
 
   The flush's own layout where it does not depend on the plan (``"all"``:
-  host memory, ``"none"``: the parameters' own), else ``"all"``'s.
+  host memory, ``"none"``: the accelerator), else ``"all"``'s; on a mesh in
+  :func:`sum_layout`'s layout (the partitioned state's with ``partitioned``).
   """
-  return None if flush == "none" else flush_all_shardings(params)
+  layout = sum_layout(params, partitioned)
+  if layout is None:
+    layout = tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(params))
+    if flush == "none" or None in layout:
+      return None
+  kind = "device" if flush == "none" else "pinned_host"
+  leaves = jax.tree.leaves(params)
+  shardings = [s.with_memory_kind(kind) if x.size else s for x, s in zip(leaves, layout)]
+  return jax.tree.unflatten(jax.tree.structure(params), shardings)
 
 
-def step_memory_bound(compiled: Any, params: Any, flush: str) -> jax_dos.StepMemory:
+def step_memory_bound(compiled: Any, params: Any, flush: str, partitioned: bool = True) -> jax_dos.StepMemory:
   """``jax_dos.StepMemory`` of a gradient step compiled with :func:`probe_shardings`, for the given flush.
 
   Exact for ``"all"`` and ``"none"`` (their own programs). With ``"host"``
-  some gradients stay on the accelerator: all of them are counted on top of
-  the flush-all program, a guess until the plan is made, which the split's
-  own program can exceed (:func:`check_split_flush` refuses it then).
+  some gradients stay on the accelerator: all of them (each device's share)
+  are counted on top of the flush-all program, a guess until the plan is
+  made, which the split's own program can exceed (:func:`check_split_flush`
+  refuses it then).
   """
   need = jax_dos.StepMemory.of(compiled)
   if flush in ("all", "none"):
     return need
-  grads = sum(x.nbytes for x in jax.tree.leaves(params))
+  grads = _device_bytes(params, sum_layout(params, partitioned))
   return jax_dos.StepMemory(need.peak_bytes + grads, need.live_bytes + grads)
 
 
@@ -154,6 +230,7 @@ def gradient_step_memory(
   flush: str,
   micro_batches: int = 1,
   batch_sharding: Any = None,
+  partitioned: bool = True,
 ) -> jax_dos.StepMemory:
   """What the gradient step needs on the accelerator (``jax_dos.StepMemory``), from its compiled program.
 
@@ -162,19 +239,27 @@ def gradient_step_memory(
   :func:`step_memory_bound` for ``"host"``. With ``micro_batches > 1`` it is
   one micro-batch's program (``batch_shape`` is the whole batch's), plus the
   running sum it updates in place, which stays alive through the update. ``batch_sharding`` lays the batch's rows
-  out on a mesh (the figures are then each device's).
+  out on a mesh (the figures are then each device's, the gradients in :func:`sum_layout`'s layout, and the
+  programs compiled as the step compiles them: ``jax_dos.remat_compiler_options``).
   """
+  options = _options(batch_sharding)
   if micro_batches > 1:
     part_shape = (batch_shape[0] // micro_batches, batch_shape[1])
     part = (jax.ShapeDtypeStruct(part_shape, jnp.int32, sharding=batch_sharding),) * 2
-    grad_sum = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), params)
-    compiled = _accumulate_step_jit.lower(graphdef, params, grad_sum, part, clip, micro_batches).compile()
+    layout = sum_layout(params, partitioned)
+    shardings = layout or tuple(getattr(p, "sharding", None) for p in jax.tree.leaves(params))
+    grad_sum = jax.tree.unflatten(
+      jax.tree.structure(params),
+      [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s) for p, s in zip(jax.tree.leaves(params), shardings)],
+    )
+    compiled = _programs(options)[1].lower(graphdef, params, grad_sum, part, clip, micro_batches, layout).compile()
     need = jax_dos.StepMemory.of(compiled)
-    sums = sum(x.nbytes for x in jax.tree.leaves(params))
+    sums = _device_bytes(params, layout)
     return jax_dos.StepMemory(need.peak_bytes + sums, need.live_bytes + sums)
   batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * 2
-  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush), None, None))
-  return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush)
+  step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush, partitioned),
+                 None, None), compiler_options=dict(options) or None)  # fmt: skip
+  return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush, partitioned)
 
 
 def check_split_flush(compiled: Any, assumed: jax_dos.StepMemory) -> None:

@@ -7,10 +7,14 @@
   SLURM step of several tasks (which ``jax.distributed.initialize`` reads
   itself, one GPU per task); then caps each process's pinned pool at its share
   of the host's RAM (``jax_dos.share_pinned_pool``).
+* Without ``--mesh`` every device of the job trains, data-parallel
+  (:func:`default_mesh`): one process drives all of its host's GPUs, as JAX
+  does on one host; ``--devices K`` (:func:`select_devices`, before jax
+  starts) or ``CUDA_VISIBLE_DEVICES`` takes fewer.
 * ``--mesh data=D,fsdp=F`` (:func:`parse_mesh`) lays all devices of the job on
   a ``(data, fsdp)`` mesh: parameters are replicated over ``data`` and sharded
   over ``fsdp`` (:func:`param_shardings`), batch rows over both
-  (:func:`batch_sharding`). The optimizer's state of a parameter replicated
+  (:func:`batch_sharding`), ``--batch`` rows a device. The optimizer's state of a parameter replicated
   over ``data`` is partitioned over it (``jax_dos.interleaved_adam``'s default).
 * Each process reads only its own rows of a batch (:func:`process_rows`,
   :func:`global_batch`): the global batch is the same for any number of
@@ -64,6 +68,25 @@ def join_from_environment(environ: dict[str, str] | None = None) -> bool:
   return True
 
 
+def select_devices(devices: int | None, environ: dict[str, str] | None = None) -> None:
+  """``--devices K``: this process trains on its first ``K`` devices (GPUs, or ``K`` CPU devices on a CPU), set
+  before jax starts a backend; nothing for ``None``. A job of several processes gives each process its GPUs itself
+  (``JAX_LOCAL_DEVICE_IDS``, ``CUDA_VISIBLE_DEVICES``, SLURM): ``SystemExit`` saying so."""
+  if devices is None:
+    return
+  env = os.environ if environ is None else environ
+  if any(env.get(v) for v in COORDINATOR_VARS) or (all(v in env for v in SLURM_VARS) and int(env["SLURM_NTASKS"]) > 1):
+    raise SystemExit(
+      "error: --devices picks the GPUs of one process; in a job of several processes give each process its GPUs"
+      " (JAX_LOCAL_DEVICE_IDS or CUDA_VISIBLE_DEVICES) and drop --devices."
+    )
+  if devices < 1:
+    raise SystemExit(f"error: --devices must be >= 1, got {devices}.")
+  jax.config.update("jax_cuda_visible_devices", ",".join(map(str, range(devices))))  # of those CUDA shows
+  if "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", devices)  # on a CPU: that many devices
+
+
 def parse_mesh(text: str) -> dict[str, int]:
   """``"data=2,fsdp=1"`` -> ``{"data": 2, "fsdp": 1}`` (an axis not named has size 1); ``ValueError`` if malformed."""
   sizes = dict.fromkeys(MESH_AXES, 1)
@@ -81,8 +104,23 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def default_mesh() -> dict[str, int] | None:
-  """The mesh without ``--mesh``: every device data-parallel in a job of several processes, else none (one device)."""
-  return {"data": jax.device_count(), "fsdp": 1} if jax.process_count() > 1 else None
+  """The mesh without ``--mesh``: every device of the job data-parallel where it has several (one process of
+  several GPUs, or a job of several processes), else none (one device)."""
+  return {"data": jax.device_count(), "fsdp": 1} if jax.device_count() > 1 else None
+
+
+def mesh_line(sizes: dict[str, int] | None, given: bool, rows: int, micro_batches: int, seq_len: int) -> str:
+  """The run's devices and batch in one line: how many, the mesh and whether ``--mesh`` gave it, the rows a device
+  and the global batch of a step (``rows`` a device a micro-batch, ``micro_batches`` of them)."""
+  n = 1 if sizes is None else sizes["data"] * sizes["fsdp"]
+  kind = jax.devices()[0].device_kind
+  step_rows = rows * n * micro_batches
+  batch = f"{rows} rows a device a micro-batch; a step {step_rows} x {seq_len} = {step_rows * seq_len:,} tokens"
+  if sizes is None:
+    return f"devices 1 x {kind}: {batch}"
+  mesh = f"data={sizes['data']}" + (f",fsdp={sizes['fsdp']}" if sizes["fsdp"] > 1 else "")
+  how = f"--mesh {mesh}" if given else f"all {n} of the job's, data-parallel (--mesh {mesh}; --devices K for fewer)"
+  return f"devices {n} x {kind}, {how}: {batch}"
 
 
 def make_mesh(sizes: dict[str, int]) -> Mesh:
