@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -143,6 +144,8 @@ def test_train_gpt_on_two_processes_matches_one_and_resumes_on_the_overlapped_st
                            "--out", str(tmp_path / "one")], {}), processes=1, devices=4)  # fmt: skip
   outputs = launch(gpt("--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "two")))
   assert "done: step 4" in outputs[0] and "done:" not in outputs[1], outputs  # messages from process 0 only
+  for out in outputs:  # every process leaves the job together (jax.distributed.shutdown): no error line at the end
+    assert not re.search(r"^E\d{4} |Traceback|WatchTasksAsync|Connection refused", out, re.M), out
   assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["2", "4"]
   # The resumed steps: `--mesh data=2 --overlap on`, one device a process (the checkpoint restores into any mesh).
   resumed = gpt(

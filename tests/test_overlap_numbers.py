@@ -275,6 +275,14 @@ SHARDED = textwrap.dedent(
         for tree, want in zip(step.opt_state[1:], jax_dos.abstract_state(step.plan, groups)[1:]):
             for x, a in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
                 assert (x.shape, x.dtype) == (a.shape, a.dtype) and x.sharding.is_equivalent_to(a.sharding, x.ndim), a
+    # Each stage's backward program reduce-scatters a replicated parameter's gradients into its state's layout: the
+    # running sums hold each device's share. Without partitioning they keep the parameters' layout (all-reduced).
+    for partitioned in (True, False):
+        model = jax_dos.StagedModel(t.STAGES, len(groups), partition_gradients=partitioned)
+        _, sums = model.loss_and_grads(groups, batches[0], micro_batches=2)
+        for s, p in zip(jax.tree.leaves(sums), jax.tree.leaves(groups)):
+            want = (partition.state_sharding(p) if partitioned else None) or p.sharding
+            assert s.sharding.is_equivalent_to(want.with_memory_kind("device"), p.ndim), (partitioned, s.sharding)
     # partition_replicated=False: a whole copy of the state per device, in the parameters' layout.
     step, _ = t.overlapped_run(groups, batches, t.FIRES, 2, "host", tx_kw={"partition_replicated": False})
     t.check_against_reference(step, groups, batches, t.FIRES, 2)
