@@ -72,9 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- one run's process
 
 
-def train_flags(args: argparse.Namespace, mesh: str | None, gpus: int) -> list[str]:
-  """``train.gpt``'s flags for this run (``--batch`` there is the global batch: ``args.batch`` per GPU)."""
-  flags = ["--preset", args.preset, "--batch", str(args.batch * gpus), "--grad-accum", str(args.grad_accum),
+def train_flags(args: argparse.Namespace, mesh: str | None) -> list[str]:
+  """``train.gpt``'s flags for this run (``--batch`` there is rows a GPU, as here)."""
+  flags = ["--preset", args.preset, "--batch", str(args.batch), "--grad-accum", str(args.grad_accum),
            "--seq-len", str(args.seq_len), "--offload", args.offload, "--no-ckpt", "--quiet"]  # fmt: skip
   flags += SMOKE_MODEL if args.smoke else ["--remat", "--vocab-size", "50304"]
   return flags + (["--mesh", mesh] if mesh else [])
@@ -94,8 +94,7 @@ def worker(args: argparse.Namespace, mesh: str, result: str) -> None:
   from train import gradients, optimizer
 
   mesh = None if mesh == "none" else mesh
-  gpus = jax.device_count() if mesh else 1
-  targs = train_flags_lib.parse_args(train_flags(args, mesh, gpus))
+  targs = train_flags_lib.parse_args(train_flags(args, mesh))
   cfg = gpt_model.get_config(
     targs.preset, **train_flags_lib.model_overrides(targs), vocab_size=targs.vocab_size, dtype=targs.compute_dtype,
     param_dtype=targs.param_dtype, remat="full" if targs.remat == "auto" else targs.remat,  # the plain step's
@@ -104,7 +103,7 @@ def worker(args: argparse.Namespace, mesh: str, result: str) -> None:
   shardings = None if grid is None else parallel.param_shardings(grid, gpt_model.abstract_params(cfg))
   layout = None if grid is None else parallel.batch_sharding(grid)
   graphdef, params = gpt_model.init_params(cfg, seed=0, shardings=shardings)
-  step_shape = (targs.batch * targs.grad_accum, targs.seq_len)
+  step_shape = (targs.global_batch * targs.grad_accum, targs.seq_len)
   step_memory = None
   if targs.offload == "auto" and jax.local_devices()[0].memory_stats() is not None:
     step_memory = gradients.gradient_step_memory(
@@ -149,7 +148,7 @@ def worker(args: argparse.Namespace, mesh: str, result: str) -> None:
     out = {
       "mesh": mesh,
       "processes": jax.process_count(),
-      "gpus": gpus,
+      "gpus": jax.device_count() if mesh else 1,
       "params": n,
       "tokens_per_step": step_shape[0] * step_shape[1],
       "losses": [x for _, _, x in times],

@@ -33,9 +33,10 @@ use ``jax_dos.interleaved_adam(plan=<mode>)``: float32 master weights and
 moments in host memory, parameters in ``--param-dtype`` (bfloat16 by default)
 on the accelerator.
 
-``--mesh data=D,fsdp=F`` trains on every device of the job (``train/parallel.py``): one process per GPU joined
-through ``jax.distributed`` from the environment, each reading its rows of every batch; process 0 prints and
-logs. README.md, "Several GPUs", has the launch commands.
+Every device of the job trains, data-parallel, by default (``train/parallel.py``): one process drives all of its
+host's GPUs (``--devices K`` for fewer), ``--batch`` rows a device; ``--mesh data=D,fsdp=F`` lays them out
+otherwise. Several processes (hosts, SLURM) join through ``jax.distributed`` from the environment, each reading its
+rows of every batch; process 0 prints and logs. README.md, "Several GPUs", has the launch commands.
 
 Batches depend only on ``(seed, step)`` (``train/data.py``), so a checkpoint
 (parameters, optimizer state, step) resumes bit-exactly: ``N + N`` steps with
