@@ -44,6 +44,7 @@ from jax_dos.partition import state_shardings
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planning.budgets import StepMemory
 from jax_dos.planning.calibration import accelerator_calibration_cached, calibrate
+from jax_dos.planning.calibration import cache_dir as calibration_cache_dir
 from jax_dos.planning.cost_model import Calibration
 from jax_dos.planning.planner import auto_planner, make_plan
 from jax_dos.remat import PLANNED_POLICIES as PLANNED_REMAT_POLICIES
@@ -94,6 +95,7 @@ __all__ = [
   "auto_planner",
   "accelerator_calibration_cached",
   "calibrate",
+  "calibration_cache_dir",
   "cap_pinned_pool",
   "checkpoint_policy",
   "clip_scale",

@@ -93,10 +93,11 @@ def test_clip_decision_is_speculated_and_redone():
       step.settle()
     names = {s.name for s in spans}
     (decided,) = [s.end for s in spans if s.name == "decide.read"]
-    if any(s.name == "host.kernel" and s.start < decided for s in spans):  # it speculated (else: one true step)
-      assert ("host.redo" in names) == redone
-    else:
+    if not redone:  # a silent clip keeps what was speculated
       assert "host.redo" not in names
+    elif any(s.name == "host.kernel" and s.start < decided for s in spans):  # speculated before the decision existed
+      assert "host.redo" in names
+    # (a kernel started after the decision was read may still have speculated: the worker learns it a moment later)
     assert {"host.kernel", "decide.read"} <= names
     assert any(s.thread == "accelerator" and s.name.startswith("backward") for s in spans)
 

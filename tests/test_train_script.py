@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -369,3 +370,31 @@ def test_the_calibration_is_measured_apart_before_the_gpu_client_starts(tmp_path
   assert calibration.cache_path(key).exists() and jax_dos.accelerator_calibration_cached()
   assert not C.measure_apart(args, gpu=True)  # cached: no child
   assert not C.measure_apart(F.build_parser().parse_args(["--offload", "host"]), gpu=True)
+
+
+def test_the_processes_of_one_host_measure_one_calibration(tmp_path):
+  """A job's processes on one host (one per GPU) each call ``measure_apart`` before their GPU clients start: one
+  measures in a child and caches it, the others wait for its lock and read the cache (here on the CPU, made to
+  believe it is on a GPU, the child's CPU calibration renamed as an accelerator's by the first process)."""
+  code = textwrap.dedent(
+    """
+      import dataclasses
+      from jax_dos.planning import calibration
+      from train import calibration as C, flags as F
+      child = C._measure_in_child
+      def measure_as_a_gpu(args):  # the child caches the CPU's calibration: name it an accelerator's, as a GPU's is
+          ok = child(args)
+          calibration.save(dataclasses.replace(calibration.load_cached(), platform="gpu", device_kind="Some GPU"))
+          return ok
+      C._measure_in_child = measure_as_a_gpu
+      print("measured" if C.measure_apart(F.build_parser().parse_args(["--quiet"]), gpu=True) else "read")
+    """
+  )
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), JAX_PLATFORMS="cpu")
+  env.pop("JAX_DOS_CALIBRATION", None)
+  root = Path(__file__).resolve().parents[1]
+  env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+  procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+           for _ in range(2)]  # fmt: skip
+  said = sorted(p.communicate(timeout=300)[0].split()[-1] for p in procs)
+  assert said == ["measured", "read"], said

@@ -4,6 +4,8 @@ machine and cached, in a process of its own where it can be, before the run's GP
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -22,13 +24,38 @@ def measure_apart(args: argparse.Namespace, gpu: bool | None = None) -> bool:
   starts its GPU client; whether it ran and succeeded. Measured here, its pinned state (about 16 GiB) would stay in
   XLA's pool for the rest of the run, and the overlapped step would keep its state in that pool rather than in its
   own pinned memory (docs/overlap.md, "Pinned memory of our own"). Where the child fails, :func:`measure_here`
-  measures in this process."""
+  measures in this process.
+
+  One calibration a host: the processes of a job on one host (one per GPU) take a lock on the cache's folder in
+  turn, so the first measures and caches, and the others, waiting for it before they start their GPU clients, read
+  its cache."""
   if gpu is None:
     platforms = os.environ.get("JAX_PLATFORMS", "").lower()
     gpu = os.path.exists("/dev/nvidiactl") and (not platforms or "cuda" in platforms or "gpu" in platforms)
   given = os.environ.get("JAX_DOS_CALIBRATION")  # the planner reads that one instead
   if args.offload != "auto" or not gpu or given or jax_dos.accelerator_calibration_cached():
     return False
+  with _host_lock():
+    if jax_dos.accelerator_calibration_cached():  # another process of this host measured it while this one waited
+      return False
+    return _measure_in_child(args)
+
+
+@contextlib.contextmanager
+def _host_lock():
+  """This host's calibration lock (``flock`` on a file in the calibration cache's folder), held until the block ends."""
+  folder = jax_dos.calibration_cache_dir()
+  folder.mkdir(parents=True, exist_ok=True)
+  with open(folder / "calibration.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _measure_in_child(args: argparse.Namespace) -> bool:
+  """The calibration measured and cached by a child process; whether it succeeded."""
   t = time.perf_counter()
   code = "import jax_dos; print(jax_dos.calibrate().summary())"
   try:

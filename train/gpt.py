@@ -270,9 +270,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   overlapped_lib.allow_overlap_on_gpu(early)  # before jax starts its GPU client
   host_memory.cap_host_memory(early)  # XLA's pinned pool, from the run's most need
   parallel.select_devices(early.devices)  # --devices K: this process's first K devices
+  calibration.measure_apart(early)  # before this process starts its GPU client; one process a host measures
   several = parallel.join_from_environment()  # a job of several processes (jax.distributed), before any backend
-  if not several:
-    calibration.measure_apart(early)  # before this process starts its GPU client
   try:
     args = parse_args(argv)
     results = train(args)
