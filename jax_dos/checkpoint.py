@@ -498,6 +498,32 @@ class CheckpointManager:
       ValueError: ``step`` fails verification.
       TemplateMismatchError: the templates' trees differ from the checkpoint's (a ``ValueError``).
     """
+    return self._restore_step(self._verified_step(step), params, opt_state)
+
+  def restore_params(self, step: Optional[int] = None, *, params: Any) -> tuple[Any, dict]:
+    """``(params, meta)`` of a step, without its optimizer state (to export or evaluate a run's weights): the step
+    and the template ``params`` as :meth:`restore` takes them, with the same verification and errors."""
+    step = self._verified_step(step)
+    metadata = self._mgr.item_metadata(step)
+    check_tree("params", step, disk_template(params), getattr(metadata["params"], "tree", metadata["params"]))
+    items = ocp.args.Composite(params=restore_item(params), meta=ocp.args.JsonRestore())
+    out = self._mgr.restore(step, args=items)
+    return fill_empties(out["params"], params), out["meta"]
+
+  def meta(self, step: Optional[int] = None) -> dict:
+    """The ``meta`` dict saved with a step (default the newest complete one), read without verifying the step (a
+    small file; what a template is made from): :meth:`restore_params` or :meth:`restore` then verifies what it
+    reads. ``FileNotFoundError`` where there is no such step."""
+    steps = self.complete_steps()
+    if not steps or (step is not None and step not in steps):
+      raise FileNotFoundError(f"no complete checkpoint{'' if step is None else f' for step {step}'} in"
+                              f" {self.directory}; complete steps: {steps}.")  # fmt: skip
+    chosen = steps[-1] if step is None else step
+    return self._mgr.restore(chosen, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def _verified_step(self, step: Optional[int]) -> int:
+    """``step`` once its files verify, or (``None``) the newest step that verifies; ``FileNotFoundError`` or
+    ``ValueError`` as :meth:`restore` says."""
     if _is_local(self.directory) and not os.path.isdir(self.directory):
       raise FileNotFoundError(
         f"checkpoint directory {self.directory} does not exist; check the path, or start from scratch."
@@ -510,7 +536,7 @@ class CheckpointManager:
       damage = self._verify(step)
       if damage is not None:
         raise ValueError(self._set_aside(step, damage, warn=False))
-      return self._restore_step(step, params, opt_state)
+      return step
     if not steps:
       raise FileNotFoundError(f"no checkpoints in {self.directory}.")
     found = self.latest_step()  # verifies
@@ -520,7 +546,7 @@ class CheckpointManager:
         + (f", and {os.path.join(self.directory, integrity.DAMAGED_DIR)}" if self.move_damaged else "")
         + ")."
       )
-    return self._restore_step(found, params, opt_state)
+    return found
 
   def _restore_step(self, step: int, params_t: Any, opt_t: Any) -> tuple[Any, Any, dict]:
     fmt = self._mgr.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))["format"]

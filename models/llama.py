@@ -2,14 +2,20 @@
 
 Architecture (Llama 2): a token embedding, ``n_layer`` pre-norm blocks
 ``x += attn(rmsnorm(x)); x += mlp(rmsnorm(x))``, a final RMSNorm and an
-output head of its own::
+output head of its own, or the token embedding's (``tie_embeddings``)::
 
-    logits = rmsnorm(x) @ W_out                      (float32)
+    logits = rmsnorm(x) @ W_out                      (float32; W_out = W_emb^T when tied)
+
+The same module holds the Llama family's checkpoints (Llama 2 and 3, Mistral,
+Qwen2/2.5): ``models/hf.py`` reads and writes them.
 
 * attention: ``n_head`` query heads and ``n_kv_head`` key/value heads
   (grouped-query attention; ``n_kv_head = n_head`` is multi-head), rotary
   position embeddings on queries and keys (the rotate-half form, base
-  ``rope_theta``), ``jax.nn.dot_product_attention(is_causal=True)``, no biases;
+  ``rope_theta``, with Llama 3's frequency scaling where ``rope_scaling_factor``
+  is set: :func:`rope_frequencies`), ``jax.nn.dot_product_attention(is_causal=True)``;
+  biases on the query, key and value projections with ``qkv_bias`` (Qwen2's),
+  none elsewhere;
 * the MLP is SwiGLU: ``W_down(silu(W_gate x) * W_up x)``, its width
   ``ffn_dim`` (default: ``8d/3`` rounded up to a multiple of ``multiple_of``,
   Llama's rule: 11008 at ``d = 4096``);
@@ -66,6 +72,13 @@ class LlamaConfig:
   ffn_dim: int | None = None  # SwiGLU width; None: 8 d / 3 rounded up to a multiple of multiple_of
   multiple_of: int = 256
   rope_theta: float = 10000.0
+  # Llama 3's rotary frequency scaling (rope_scaling {"rope_type": "llama3", ...} in a Hugging Face config): off at None
+  rope_scaling_factor: float | None = None
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_context: int = 8192  # original_max_position_embeddings
+  qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+  tie_embeddings: bool = False  # the head is the token embedding's transpose
   norm_eps: float = 1e-5
   dtype: str = "float32"  # compute dtype of matmuls and the residual stream
   param_dtype: str = "float32"  # storage dtype of the parameters
@@ -82,6 +95,14 @@ class LlamaConfig:
       )
     if self.n_head % self.n_kv_head:
       raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}.")
+    if self.rope_scaling_factor is not None and not (
+      self.rope_scaling_factor >= 1 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+      and self.rope_original_context >= 1
+    ):  # fmt: skip
+      raise ValueError(
+        f"Llama 3 rope scaling needs factor >= 1 and 0 < low_freq_factor < high_freq_factor, got factor"
+        f" {self.rope_scaling_factor}, low {self.rope_low_freq_factor}, high {self.rope_high_freq_factor}."
+      )
     if self.ffn_dim is not None and (not isinstance(self.ffn_dim, int) or self.ffn_dim < 1):
       raise ValueError(f"LlamaConfig.ffn_dim must be a positive integer or None, got {self.ffn_dim!r}.")
     for name in ("dtype", "param_dtype"):
@@ -127,10 +148,10 @@ def get_config(preset: str, **overrides: Any) -> LlamaConfig:
 # ----------------------------------------------------------------------------- the model
 
 
-def _linear(cfg: LlamaConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(cfg: LlamaConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
   return nnx.Linear(
-      d_in, d_out, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-      kernel_init=nnx.initializers.normal(std), rngs=rngs,
+      d_in, d_out, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+      kernel_init=nnx.initializers.normal(std), bias_init=nnx.initializers.zeros, rngs=rngs,
   )  # fmt: skip
 
 
@@ -146,13 +167,29 @@ class RMSNorm(nnx.Module):
     return self.norm(x.astype(jnp.float32)).astype(out_dtype or self.out_dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
+  r"""The rotary angular frequencies :math:`\theta^{-2i/hd}`, ``i < hd/2``, in float32; with ``scaling =
+  (factor, low_freq_factor, high_freq_factor, original_context)``, Llama 3's: a frequency whose wavelength
+  :math:`\lambda = 2\pi / f` exceeds ``original_context / low_freq_factor`` is divided by ``factor``, one whose
+  wavelength is under ``original_context / high_freq_factor`` is kept, and between them
+  :math:`f' = (1 - s) f / \mathrm{factor} + s f`, :math:`s = (\mathrm{original}/\lambda - \mathrm{low}) /
+  (\mathrm{high} - \mathrm{low})`."""
+  freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  if scaling is None:
+    return freq
+  factor, low, high, original = scaling
+  wavelength = 2 * math.pi / freq
+  smooth = (original / wavelength - low) / (high - low)
+  between = (1 - smooth) * freq / factor + smooth * freq
+  return jnp.where(wavelength > original / low, freq / factor, jnp.where(wavelength < original / high, freq, between))
+
+
+def rotary(x: jax.Array, freq: jax.Array) -> jax.Array:
   """Rotary position embedding of ``x[b, t, heads, hd]`` at positions ``0 .. t-1`` (rotate-half form), in float32.
 
-  Channel pairs ``(i, i + hd/2)`` turn by the angle ``pos * theta^(-2i/hd)``.
+  Channel pairs ``(i, i + hd/2)`` turn by the angle ``pos * freq[i]`` (:func:`rope_frequencies`).
   """
-  t, hd = x.shape[1], x.shape[-1]
-  freq = theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)  # [hd/2]
+  t = x.shape[1]
   angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]  # [t, hd/2]
   cos, sin = (f(angle)[None, :, None, :] for f in (jnp.cos, jnp.sin))
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -162,10 +199,13 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.n_head, self.n_kv_head, self.head_dim, self.theta = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_theta
+    self.rope_scaling = None if cfg.rope_scaling_factor is None else (
+      cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_context
+    )  # fmt: skip
     kv = cfg.n_kv_head * cfg.head_dim
-    self.wq = _linear(cfg, cfg.d_model, cfg.d_model, 0.02, rngs)
-    self.wk = _linear(cfg, cfg.d_model, kv, 0.02, rngs)
-    self.wv = _linear(cfg, cfg.d_model, kv, 0.02, rngs)
+    self.wq = _linear(cfg, cfg.d_model, cfg.d_model, 0.02, rngs, cfg.qkv_bias)
+    self.wk = _linear(cfg, cfg.d_model, kv, 0.02, rngs, cfg.qkv_bias)
+    self.wv = _linear(cfg, cfg.d_model, kv, 0.02, rngs, cfg.qkv_bias)
     self.wo = _linear(cfg, cfg.d_model, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -173,7 +213,8 @@ class Attention(nnx.Module):
     q = checkpoint_name(self.wq(x), "qkv_proj").reshape(b, t, self.n_head, self.head_dim)
     k = checkpoint_name(self.wk(x), "qkv_proj").reshape(b, t, self.n_kv_head, self.head_dim)
     v = checkpoint_name(self.wv(x), "qkv_proj").reshape(b, t, self.n_kv_head, self.head_dim)
-    q, k = rotary(q, self.theta), rotary(k, self.theta)
+    freq = rope_frequencies(self.head_dim, self.theta, self.rope_scaling)
+    q, k = rotary(q, freq), rotary(k, freq)
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=lm.attention_impl(q))  # [b, t, h, hd]
     return checkpoint_name(self.wo(y.reshape(b, t, d)), "out_proj")
 
@@ -211,7 +252,8 @@ class Llama(nnx.Module):
                          embedding_init=nnx.initializers.normal(0.02), rngs=rngs)  # fmt: skip
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
     self.norm = RMSNorm(cfg, rngs)
-    self.head = _linear(cfg, cfg.d_model, cfg.vocab_size, 0.02, rngs)
+    if not cfg.tie_embeddings:
+      self.head = _linear(cfg, cfg.d_model, cfg.vocab_size, 0.02, rngs)
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """The token embedding: the residual stream ``x[b, t, d]`` the blocks take."""
@@ -220,8 +262,10 @@ class Llama(nnx.Module):
     return self.wte(tokens)
 
   def logits(self, x: jax.Array) -> jax.Array:
-    """The final norm and the output head: float32 logits."""
+    """The final norm and the output head (the token embedding's transpose where tied): float32 logits."""
     x = self.norm(x, out_dtype=jnp.float32)
+    if self.cfg.tie_embeddings:
+      return x @ self.wte.embedding[...].astype(jnp.float32).T
     return x @ self.head.kernel[...].astype(jnp.float32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -251,27 +295,32 @@ def abstract_params(cfg: LlamaConfig) -> dict:
 def param_count(cfg: LlamaConfig) -> int:
   r"""Parameters of the model, from the config alone.
 
-  .. math:: N = 2 V d + L (2 d^2 + 2 d d_{kv} + 3 d f + 2 d) + d
+  .. math:: N = e V d + L (2 d^2 + 2 d d_{kv} + 3 d f + 2 d + b) + d
 
-  with ``d_kv = n_kv_head * head_dim`` and ``f`` the SwiGLU width (6.74B for Llama 2 7B's shape).
+  with ``d_kv = n_kv_head * head_dim``, ``f`` the SwiGLU width, ``e = 1`` with tied embeddings (else 2) and
+  ``b = d + 2 d_kv`` with ``qkv_bias`` (else 0): 6.74B for Llama 2 7B's shape.
   """
   d, f, kv = cfg.d_model, cfg.hidden_dim, cfg.n_kv_head * cfg.head_dim
-  return 2 * cfg.vocab_size * d + cfg.n_layer * (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d) + d
+  biases = d + 2 * kv if cfg.qkv_bias else 0
+  embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * d
+  return embeddings + cfg.n_layer * (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d + biases) + d
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> int:
   r"""Training FLOPs per token (forward + backward), as ``models.gpt.flops_per_token``: :math:`6 N + 12 L d T`.
 
   ``N`` excludes the token embedding (a lookup; the untied head is a matmul
-  and counts). Rematerialisation's extra forward pass is not counted.
+  and counts, and a tied head counts the embedding once). Rematerialisation's extra forward pass is not counted.
   """
   t = cfg.block_size if seq_len is None else seq_len
-  return 6 * (param_count(cfg) - cfg.vocab_size * cfg.d_model) + 12 * cfg.n_layer * cfg.d_model * t
+  lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+  return 6 * (param_count(cfg) - lookup) + 12 * cfg.n_layer * cfg.d_model * t
 
 
 def staged(cfg: LlamaConfig) -> jax_dos.NNXStages:
   """The model as ``jax_dos.OverlappedStep``'s stages (``jax_dos.nnx_stages``), from its own modules.
 
-  Groups ``[token embedding, block 0, ..., block L-1, final norm and head]``.
+  Groups ``[token embedding, block 0, ..., block L-1, final norm and head]``; a tied head's stage uses the token
+  embedding's group too.
   """
   return lm.staged(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), cfg.block_size)

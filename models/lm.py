@@ -48,8 +48,11 @@ def tree_size(tree: Any) -> int:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean token cross-entropy (natural log) in float32."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+  """Mean token cross-entropy (natural log) in float32 over the targets ``>= 0``; a negative target (a prompt's
+  token, ``train.data.masked``) counts nothing and carries no gradient."""
+  counted = targets >= 0
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.where(counted, targets, 0))
+  return jnp.sum(jnp.where(counted, losses, 0.0)) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
 
 
 def loss(graphdef: nnx.GraphDef, params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:

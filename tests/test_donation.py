@@ -104,7 +104,8 @@ def test_an_overlapped_step_warns_of_no_unusable_donation_and_equals_optax(order
     grads = jax.tree.map(lambda *g: sum(g) / 2, *(jax.grad(loss)(params, h) for h in halves))
     updates, state = ref.update(grads, state, params)
     params = optax.apply_updates(params, updates)
-  assert max_rel_diff(masters, params) < 1e-4  # bfloat16 activations in two stages: the gradients' rounding
+  assert max_rel_diff(masters, params) < 2e-4  # bfloat16 activations in two stages: the gradients' rounding (1.1e-4
+  # seen once in about 20 runs)
 
 
 def test_the_gpt_overlapped_step_warns_of_no_unusable_donation():

@@ -7,7 +7,19 @@ Sources:
   each byte is a token (vocabulary 256). Real text on every Python install.
 * ``--data FILE.bin``: ``uint16`` tokens in nanoGPT's ``.bin`` layout (read
   with ``np.memmap``, nothing loaded up front);
-* ``--data FILE`` (any other extension): a file of text, tokenised as bytes.
+* ``--data FILE`` (any other extension): a file of text, tokenised as bytes,
+  or by the run's tokenizer where it has one (``--tokenizer``, ``--init-from``;
+  the default corpus too);
+* ``--data FILE.jsonl`` (with a tokenizer): one JSON object a line, either
+  ``{"text": ...}``, tokenised and packed with the end-of-sequence token
+  after each row, or ``{"prompt": ..., "completion": ...}``, whose prompt's
+  tokens are inputs only: the loss counts the completion's tokens (and its
+  end-of-sequence token) alone.
+
+A prompt's token ``t`` is stored as ``-1 - t`` (:func:`masked`): a window
+reads it as ``t`` in ``x`` and as the target ``-1`` in ``y``, which the loss
+skips (``models.lm.cross_entropy``). Rows are packed one after another and
+sequences are windows of the stream, as for text.
 
 The first ``1 - val_fraction`` of the tokens is the training split, the rest
 the validation split.
@@ -23,6 +35,7 @@ number of processes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -61,15 +74,58 @@ def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
   return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
-def load_tokens(path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[np.ndarray, int, str]:
+def masked(tokens: np.ndarray) -> np.ndarray:
+  """``tokens`` marked as inputs only (never a target): ``-1 - t`` each."""
+  return -1 - np.asarray(tokens, np.int32)
+
+
+def rows_of_jsonl(path: str, tokenizer) -> tuple[np.ndarray, str]:
+  """A ``.jsonl`` file's rows as one int32 stream, and the kinds of rows it held (the module docstring);
+  ``ValueError`` naming the first line that is not a row of either kind."""
+  parts, kinds = [], set()
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path} line {number}: not JSON ({e}).") from None
+      if isinstance(row, dict) and isinstance(row.get("text"), str):
+        parts.append(np.asarray([*tokenizer.encode(row["text"]), tokenizer.eos_id], np.int32))
+        kinds.add("text")
+      elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        parts.append(masked(tokenizer.encode(row["prompt"])))
+        parts.append(np.asarray([*tokenizer.encode(row["completion"], special=False), tokenizer.eos_id], np.int32))
+        kinds.add("prompt/completion")
+      else:
+        fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ValueError(
+          f'{path} line {number}: a row needs a "text" string, or "prompt" and "completion" strings;'
+          f" this one has {fields}."
+        )
+  if not parts:
+    raise ValueError(f"{path} holds no rows; give one JSON object a line.")
+  return np.concatenate(parts), " and ".join(sorted(kinds))
+
+
+def load_tokens(
+  path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, tokenizer=None
+) -> tuple[np.ndarray, int, str]:
   """Returns ``(tokens, vocab_size, description)``.
 
   ``path=None`` gives the stdlib corpus; ``*.bin`` is read as ``uint16``
   tokens (vocabulary 65536 at most: the model's ``vocab_size`` must cover the
-  largest token, checked by the caller); any other file as bytes (vocabulary 256).
+  largest token, checked by the caller); ``*.jsonl`` as rows (with a
+  ``tokenizer``: ``train.tokenizer.Tokenizer``); any other file as bytes
+  (vocabulary 256), or as text through ``tokenizer`` where given (the stdlib
+  corpus too; vocabulary the tokenizer's).
   """
   if path is None:
     tokens = stdlib_corpus(max_bytes)
+    if tokenizer is not None:
+      ids = np.asarray(tokenizer.encode(tokens.tobytes().decode("utf-8", errors="replace")), np.int32)
+      return ids, tokenizer.vocab_size, f"Python stdlib sources ({len(tokens):,} bytes, {len(ids):,} tokens)"
     return tokens, 256, f"Python stdlib sources ({len(tokens):,} bytes)"
   if not os.path.isfile(path):
     raise FileNotFoundError(
@@ -77,6 +133,11 @@ def load_tokens(path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> 
       " file, or leave --data out to train on the Python standard library's sources."
     )
   size = os.path.getsize(path)
+  if path.endswith(".jsonl"):
+    if tokenizer is None:
+      raise ValueError(f"{path}: JSONL rows are text; give a tokenizer (--tokenizer DIR, or --init-from DIR).")
+    tokens, kinds = rows_of_jsonl(path, tokenizer)
+    return tokens, tokenizer.vocab_size, f"{path} ({kinds} rows, {len(tokens):,} tokens)"
   if path.endswith(".bin"):
     if size < 2 or size % 2:
       raise ValueError(
@@ -88,6 +149,9 @@ def load_tokens(path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> 
   if size == 0:
     raise ValueError(f"data file {path!r} is empty; give a text file with some content (it is read as bytes).")
   tokens = np.fromfile(path, dtype=np.uint8)
+  if tokenizer is not None:
+    ids = np.asarray(tokenizer.encode(tokens.tobytes().decode("utf-8", errors="replace")), np.int32)
+    return ids, tokenizer.vocab_size, f"{path} ({len(tokens):,} bytes, {len(ids):,} tokens)"
   return tokens, 256, f"{path} ({len(tokens):,} bytes)"
 
 
@@ -152,7 +216,8 @@ def get_batch(
   stream: int = TRAIN_STREAM,
   rows: slice = slice(None),
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Batch number ``index``: ``(x, y)`` int32 ``[batch, seq_len]``, ``y`` = ``x`` shifted by one token.
+  """Batch number ``index``: ``(x, y)`` int32 ``[batch, seq_len]``, ``y`` = ``x`` shifted by one token, ``-1``
+  where the next token is a prompt's (:func:`masked`: not a target).
 
   Window offsets come from ``np.random.default_rng([seed, stream, index])``, so
   the batch depends only on these three numbers (``stream`` separates training
@@ -162,4 +227,6 @@ def get_batch(
   rng = np.random.default_rng([seed, stream, index])
   starts = rng.integers(0, len(tokens) - seq_len, size=batch)[rows]
   windows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts]).astype(np.int32)
+  if np.issubdtype(tokens.dtype, np.signedinteger):  # a stream with prompts' tokens in it
+    return np.where(windows[:, :-1] < 0, -1 - windows[:, :-1], windows[:, :-1]), np.maximum(windows[:, 1:], -1)
   return windows[:, :-1], windows[:, 1:]

@@ -17,6 +17,7 @@ import jax
 
 import jax_dos
 from models import gpt as gpt_model
+from models import hf
 from models import llama as llama_model
 from train import overlapped, parallel, progress
 
@@ -28,6 +29,11 @@ OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 # Learning rate per preset when --lr is not given (smaller models tolerate larger steps).
 DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4}
 FALLBACK_LR = 2e-4
+# Fine-tuning a pretrained model (--init-from), as common supervised fine-tuning recipes do (Llama 2's, Alpaca's):
+# a small peak rate, a warm-up of 3 % of the steps, a cosine decay; sequences of at most 2048 tokens.
+FINE_TUNE_LR = 2e-5
+FINE_TUNE_WARMUP = 0.03
+FINE_TUNE_SEQ_LEN = 2048
 # The flags of the learning-rate schedule: a resumed run takes the checkpoint's values of those not given.
 SCHEDULE_FLAGS = ("lr", "min_lr", "warmup", "decay_steps")
 
@@ -66,12 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     formatter_class=_HelpFormatter,
   )
   m = p.add_argument_group("model")
-  m.add_argument("--arch", default="gpt", choices=tuple(ARCHS),
-                 help="gpt (models/gpt.py: GPT-2) or llama (models/llama.py: RMSNorm, rotary, SwiGLU, grouped-query"
-                      " attention, untied head)")  # fmt: skip
-  m.add_argument("--preset", default="tiny", choices=preset_names(),
-                 help="model size: gpt's " + ", ".join(gpt_model.PRESETS) + "; llama's "
+  m.add_argument("--arch", default=None, choices=tuple(ARCHS),
+                 help="gpt (models/gpt.py: GPT-2; the default) or llama (models/llama.py: RMSNorm, rotary, SwiGLU,"
+                      " grouped-query attention; the default with --init-from)")  # fmt: skip
+  m.add_argument("--preset", default=None, choices=preset_names(),
+                 help="model size (default tiny): gpt's " + ", ".join(gpt_model.PRESETS) + "; llama's "
                       + ", ".join(llama_model.PRESETS))  # fmt: skip
+  m.add_argument("--init-from", default=None, metavar="DIR",
+                 help="start from a Hugging Face checkpoint folder (config.json and model.safetensors or its shards):"
+                      " Llama 2/3, Mistral or Qwen2/2.5, as --arch llama (models/hf.py); its config gives the model's"
+                      " shape, and the defaults become fine-tuning's: --lr 2e-05, a warm-up of 0.03 x --steps,"
+                      " --seq-len min(2048, the model's), --tokenizer DIR")  # fmt: skip
   m.add_argument("--n-layer", type=int, default=None, help="override the preset's number of blocks")
   m.add_argument("--n-head", type=int, default=None, help="override the preset's attention heads")
   m.add_argument("--d-model", type=int, default=None, help="override the preset's width")
@@ -91,8 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                       " its memory, none elsewhere (docs/overlap.md)")  # fmt: skip
 
   d = p.add_argument_group("data")
-  d.add_argument("--data", default=None, help="text file (read as bytes) or nanoGPT uint16 .bin token file;"
-                 " default: the Python standard library's sources")  # fmt: skip
+  d.add_argument("--data", default=None,
+                 help="a text file (read as bytes, or through the tokenizer where there is one), a nanoGPT uint16"
+                      " .bin token file, or a .jsonl of {\"text\": ...} rows (packed, an end-of-sequence token after"
+                      " each) or {\"prompt\": ..., \"completion\": ...} rows (the loss counts the completion's"
+                      " tokens only); default: the Python standard library's sources")  # fmt: skip
+  d.add_argument("--tokenizer", default=None, metavar="DIR",
+                 help="a folder holding a Hugging Face tokenizer.json (the tokenizers library); default: the"
+                      " --init-from folder; without one, text is read as bytes")  # fmt: skip
   d.add_argument("--batch", type=int, default=16,
                  help="sequences a device per micro-batch (per step without --grad-accum), as DeepSpeed's"
                       " train_micro_batch_size_per_gpu: a step takes batch x devices x grad-accum"
@@ -214,20 +231,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
   if args.resume and args.no_ckpt:
     err("--resume continues from a checkpoint and saves more; drop --no-ckpt.")
-  presets = ARCHS[args.arch].PRESETS
-  if args.preset not in presets:
-    err(f"--preset {args.preset} is not a preset of --arch {args.arch}; choose one of {', '.join(presets)}.")
-  shape = {**presets[args.preset], **model_overrides(args)}
-  if shape["d_model"] % shape["n_head"]:
-    err(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}.")
-  try:
-    ARCHS[args.arch].get_config(args.preset, **model_overrides(args))
-  except ValueError as e:
-    err(f"--arch {args.arch} --preset {args.preset} with these sizes: {e}")
-  block = shape["block_size"]
-  args.seq_len = block if args.seq_len is None else args.seq_len
+  if args.init_from is not None:
+    given = [f"--{name.replace('_', '-')}" for name in ("preset", "n_layer", "n_head", "d_model", "vocab_size")
+             if getattr(args, name) is not None]  # fmt: skip
+    if args.arch == "gpt" or given:
+      err(f"--init-from takes the model from {args.init_from}/config.json (a Llama-family model, --arch llama);"
+          f" drop {', '.join(given or ['--arch gpt'])}.")  # fmt: skip
+    args.arch = "llama"
+    try:
+      block = model_config(args).block_size
+    except hf.CheckpointError as e:
+      err(f"--init-from {args.init_from}: {e}")
+    args.seq_len = min(block, FINE_TUNE_SEQ_LEN) if args.seq_len is None else args.seq_len
+    args.tokenizer = args.init_from if args.tokenizer is None else args.tokenizer
+    args.lr = FINE_TUNE_LR if args.lr is None else args.lr
+    if args.warmup is None:
+      decay = args.steps if args.decay_steps is None else args.decay_steps
+      args.warmup = min(decay - 1, max(1, round(FINE_TUNE_WARMUP * decay)))
+    what = f"the model of {args.init_from}"
+  else:
+    args.arch, args.preset = args.arch or "gpt", args.preset or "tiny"
+    presets = ARCHS[args.arch].PRESETS
+    if args.preset not in presets:
+      err(f"--preset {args.preset} is not a preset of --arch {args.arch}; choose one of {', '.join(presets)}.")
+    shape = {**presets[args.preset], **model_overrides(args)}
+    if shape["d_model"] % shape["n_head"]:
+      err(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}.")
+    try:
+      ARCHS[args.arch].get_config(args.preset, **model_overrides(args))
+    except ValueError as e:
+      err(f"--arch {args.arch} --preset {args.preset} with these sizes: {e}")
+    block = shape["block_size"]
+    args.seq_len = block if args.seq_len is None else args.seq_len
+    what = f"preset {args.preset!r}"
   if not 1 <= args.seq_len <= block:
-    err(f"--seq-len {args.seq_len} must be between 1 and the block size of preset {args.preset!r} ({block}).")
+    err(f"--seq-len {args.seq_len} must be between 1 and the block size of {what} ({block}).")
   args.lr = DEFAULT_LR.get(args.preset, FALLBACK_LR) if args.lr is None else args.lr
   if args.lr <= 0:
     err(f"--lr must be > 0, got {args.lr}.")
@@ -289,9 +327,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
           " product is that, or --devices to train on fewer.")  # fmt: skip
   args.global_batch = args.batch * devices  # rows of a micro-batch over every device
   if args.out is None:
-    name = args.preset if args.arch == "gpt" or args.preset.startswith(args.arch) else f"{args.arch}-{args.preset}"
-    args.out = os.path.join("runs", name)
+    args.out = os.path.join("runs", model_name(args))
   return args
+
+
+def model_name(args: argparse.Namespace) -> str:
+  """A short name of the run's model: its preset (``llama-`` before a llama's shared one), or its checkpoint
+  folder's name."""
+  if args.init_from is not None:
+    return os.path.basename(os.path.normpath(args.init_from))
+  preset = args.preset or "tiny"
+  arch = args.arch or "gpt"
+  return preset if arch == "gpt" or preset.startswith(arch) else f"{arch}-{preset}"
+
+
+def model_config(args: argparse.Namespace, **fields: Any) -> Any:
+  """The run's model config from its flags (parsed or not: jax need not have started): ``--init-from``'s
+  ``config.json`` (``models.hf``; ``hf.CheckpointError`` naming what it cannot express), else ``--arch``'s preset
+  with the shape flags; ``fields`` set more (``vocab_size``, ``dtype``, ``param_dtype``, ``remat``)."""
+  if getattr(args, "init_from", None) is not None:
+    fields.pop("vocab_size", None)  # the checkpoint's own
+    return hf.llama_config(hf.read_config(args.init_from), **fields)
+  return model_module(args).get_config(args.preset or "tiny", **model_overrides(args), **fields)
 
 
 def resumed_schedule(args: argparse.Namespace, saved_args: dict[str, Any]) -> list[str]:
@@ -330,8 +387,10 @@ def resumed_schedule(args: argparse.Namespace, saved_args: dict[str, Any]) -> li
 
 
 def model_module(args: argparse.Namespace):
-  """The module of ``--arch``'s model (``models.gpt`` or ``models.llama``)."""
-  return ARCHS[args.arch]
+  """The module of ``--arch``'s model (``models.gpt`` or ``models.llama``; ``llama`` with ``--init-from``)."""
+  if getattr(args, "init_from", None) is not None:
+    return llama_model
+  return ARCHS[args.arch or "gpt"]
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, int]:

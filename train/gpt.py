@@ -65,15 +65,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jax_dos
+from models import hf
 from train import calibration, host_memory, parallel, progress, step_log, steps
 from train import data as data_lib
 from train import overlapped as overlapped_lib
 from train.evaluate import validation_loss
-from train.flags import build_parser, model_module, model_overrides, parse_args, resumed_schedule
+from train.flags import build_parser, model_config, model_module, model_name, parse_args, resumed_schedule
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
 from train.optimizer import make_optimizer
+from train.tokenizer import Tokenizer
 
 # Optimizer state offloaded to the host frees GPU memory for activations: take 94% of it, not jax's default 75% (a
 # 6.7B model on an 80 GB H100 ran out of memory at 75%). Set by main(), before jax first uses the GPU (which reads it
@@ -299,14 +302,31 @@ class _Built:
 
 def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
   """``(splits, vocab_size, description)`` of ``--data``, each problem an error that says what to change."""
+  tokenizer = None
+  if args.tokenizer is not None:
+    try:
+      tokenizer = Tokenizer(args.tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+      raise SystemExit(f"error: --tokenizer: {e}") from None
   try:
-    tokens, data_vocab, data_desc = data_lib.load_tokens(args.data)
+    tokens, data_vocab, data_desc = data_lib.load_tokens(args.data, tokenizer=tokenizer)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: --data: {e}") from None
-  by_data = 50304 if data_vocab > 256 else 256
-  vocab = args.vocab_size or model_module(args).PRESETS[args.preset].get("vocab_size") or by_data
-  if data_vocab > 256 and int(np.max(tokens)) >= vocab:
-    raise SystemExit(f"error: {args.data} holds token ids up to {int(np.max(tokens))}; pass --vocab-size above that.")
+  by_data = data_vocab if tokenizer is not None else 50304 if data_vocab > 256 else 256
+  if args.init_from is not None:
+    vocab = model_config(args).vocab_size
+    if data_vocab > vocab:
+      raise SystemExit(
+        f"error: --tokenizer {args.tokenizer}: its vocabulary has {data_vocab:,} tokens, more than the {vocab:,} of"
+        f" {args.init_from}'s model; give the checkpoint's own tokenizer."
+      )
+  else:
+    vocab = args.vocab_size or model_module(args).PRESETS[args.preset].get("vocab_size") or by_data
+  largest = int(np.max(tokens)) if len(tokens) else 0
+  if len(tokens) and np.issubdtype(tokens.dtype, np.signedinteger):  # a prompt's token t is stored as -1 - t
+    largest = max(largest, -1 - int(np.min(tokens)))
+  if data_vocab > 256 and largest >= vocab:
+    raise SystemExit(f"error: {args.data} holds token ids up to {largest}; pass --vocab-size above that.")
   if vocab < 256 and data_vocab == 256:
     raise SystemExit(f"error: byte-level data needs --vocab-size >= 256, got {vocab}.")
   splits = data_lib.split(tokens)
@@ -315,6 +335,19 @@ def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
   return splits, vocab, data_desc
+
+
+def _init_params(args: argparse.Namespace, cfg: Any, shardings: Any) -> tuple[Any, dict]:
+  """``(graphdef, params)``: the model's random initialisation (``--seed``), or ``--init-from``'s weights, each
+  tensor read into its sharding (``models.hf``)."""
+  arch = model_module(args)
+  if args.init_from is None:
+    return arch.init_params(cfg, seed=args.seed, shardings=shardings)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: arch.Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  try:
+    return graphdef, hf.load_params(args.init_from, cfg, shardings)
+  except hf.CheckpointError as e:
+    raise SystemExit(f"error: --init-from: {e}") from None
 
 
 def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_from) -> _Built:
@@ -423,7 +456,7 @@ def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params
   """The run's last lines (plot, clip summary, final losses) and :func:`main`'s results."""
   if args.plot and _primary():
     png = os.path.join(args.out, "loss.png")
-    progress.plot_losses(progress.read_metrics(log.path), png, title=f"{args.preset}, offload {args.offload}")
+    progress.plot_losses(progress.read_metrics(log.path), png, title=f"{model_name(args)}, offload {args.offload}")
     _say(args, f"wrote {png}")
   clip_line = record.summary()
   if clip_line:
@@ -466,16 +499,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
   # --- model, then the step: both steps' plans from shapes, one chosen, its optimizer state allocated once
   arch = model_module(args)
-  cfg = arch.get_config(
-    args.preset, **model_overrides(args), vocab_size=vocab, dtype=args.compute_dtype, param_dtype=args.param_dtype,
-    remat=plain_remat(args.remat),
-  )  # fmt: skip
+  cfg = model_config(args, vocab_size=vocab, dtype=args.compute_dtype, param_dtype=args.param_dtype,
+                     remat=plain_remat(args.remat))  # fmt: skip
   calibration.measure_here(args)
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
   shardings = None if mesh is None else parallel.param_shardings(mesh, arch.abstract_params(cfg))
   batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
-  with _setup_phase(args, "the parameters initialised"):
-    graphdef, params = arch.init_params(cfg, seed=args.seed, shardings=shardings)
+  with _setup_phase(args, "the parameters initialised" if args.init_from is None else "the checkpoint read"):
+    graphdef, params = _init_params(args, cfg, shardings)
   num_params = arch.tree_size(params)
   first = data_lib.get_batch(splits.train, args.global_batch * args.grad_accum, args.seq_len, args.seed, 0)
   built = _build_step(args, cfg, graphdef, params, first, batch_layout, manager if resume else None)
@@ -512,7 +543,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": at, "seed": args.seed, "source": data_desc}
     return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": vars(args)}
 
-  _say(args, f"model   {args.arch} {args.preset}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
+  _say(args, f"model   {args.arch} {model_name(args)}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
   _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
   _say(args, parallel.mesh_line(args.mesh, args.mesh_given, args.batch, args.grad_accum, args.seq_len))
   _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"

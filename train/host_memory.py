@@ -18,8 +18,9 @@ import ctypes.util
 import math
 
 import jax_dos
+from models import hf
 from train import overlapped
-from train.flags import model_module, model_overrides
+from train.flags import model_config, model_module, model_name
 
 ADVICE = (
   "Use a smaller --preset, keep more state on the accelerator (--offload auto or device), train with --overlap off"
@@ -34,9 +35,8 @@ def pinned_need(args: argparse.Namespace, host_memory_bytes: int | None = None) 
   if args.offload == "none":
     return 0, 0
   try:
-    arch = model_module(args)
-    n = arch.param_count(arch.get_config(args.preset, **model_overrides(args)))
-  except ValueError:  # a model shape the flags' own checks refuse, saying what to change (train.flags.parse_args)
+    n = model_module(args).param_count(model_config(args))
+  except (ValueError, hf.CheckpointError):  # a model the flags' own checks refuse, saying what to change (parse_args)
     return 0, 0
   param_bytes = 4 if args.param_dtype == "float32" else 2
   may_overlap = args.overlap != "off" and overlapped.refusal(args) is None
@@ -55,7 +55,7 @@ def cap_host_memory(args: argparse.Namespace, host_memory_bytes: int | None = No
   certain, most = pinned_need(args, host_memory_bytes)
   if not most:
     return None
-  what = f"--preset {args.preset} with --offload {args.offload}"
+  what = f"{model_name(args)} with --offload {args.offload}"
   try:
     return jax_dos.cap_pinned_pool(
       most, certain_bytes=certain, host_memory_bytes=host_memory_bytes, what=what, advice=ADVICE
