@@ -213,7 +213,7 @@ class NNXStages:
     ends = [groups[0], *groups[1 + self.num_layers :]]
     items = [(p, _at(g, p)) for paths, g in zip(self._group_paths, ends) for p in paths]
     if self.stacked:
-      blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+      blocks = jax.tree.map(_stack, *layers)
     else:
       blocks = dict(zip(self._layer_keys, layers))
     return _nest([*items, (self._blocks_path, blocks)])
@@ -221,6 +221,19 @@ class NNXStages:
   def update(self, model: Any, groups: Sequence[Any]) -> None:
     """Writes ``groups`` (``OverlappedStep.params``) into ``model``'s parameters, in place (``nnx.update``)."""
     _nnx().update(model, self.merge(groups))
+
+
+def _stack(*layers: Any) -> Any:
+  """The layers' leaves stacked along a new leading axis: arrays (a copy), or ``jax.ShapeDtypeStruct`` s (a restore
+  template, ``jax_dos.abstract_state``), each layer's sharding with the stack's axis unsharded before its own."""
+  first = layers[0]
+  if not isinstance(first, jax.ShapeDtypeStruct):
+    return jnp.stack(layers)
+  sharding = first.sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+    sharding = jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+  return jax.ShapeDtypeStruct((len(layers), *first.shape), first.dtype, sharding=sharding)
 
 
 def nnx_stages(

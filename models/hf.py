@@ -6,8 +6,9 @@
 A checkpoint folder holds ``config.json`` and ``model.safetensors``, or its
 shards and ``model.safetensors.index.json``. The architectures read: Llama 2
 and 3 (``LlamaForCausalLM``, with Llama 3's ``rope_scaling`` where given),
-Mistral (``MistralForCausalLM``, its sliding window no shorter than the
-sequences) and Qwen2/2.5 (``Qwen2ForCausalLM``: biases on q, k and v; tied
+Mistral (``MistralForCausalLM``; its sliding window becomes the model's
+``block_size``, the longest sequence it takes, within which a sliding window
+attends to every earlier token) and Qwen2/2.5 (``Qwen2ForCausalLM``: biases on q, k and v; tied
 embeddings where the config ties them). :func:`llama_config` maps a config
 onto :class:`models.llama.LlamaConfig` and refuses, naming it, any field the
 model cannot express.
@@ -107,9 +108,8 @@ def llama_config(hf: dict[str, Any], **overrides: Any) -> llama.LlamaConfig:
     refuse("head_dim", f"models/llama.py's heads are hidden_size / num_attention_heads = {d / heads:g} wide.")
   block = int(overrides.pop("block_size", None) or hf.get("max_position_embeddings", 2048))
   window = hf.get("sliding_window")
-  if window is not None and (kind != "qwen2" or hf.get("use_sliding_window")) and window < block:
-    refuse("sliding_window", f"models/llama.py attends to the whole sequence; train on sequences of at most {window}"
-                             " tokens (--seq-len) so that the window covers them.")  # fmt: skip
+  if window is not None and (kind != "qwen2" or hf.get("use_sliding_window")):
+    block = min(block, int(window))  # within its window, a sliding-window attention attends to the whole sequence
   fields: dict[str, Any] = dict(
     vocab_size=hf["vocab_size"], block_size=block, n_layer=hf["num_hidden_layers"], n_head=heads,
     n_kv_head=hf.get("num_key_value_heads") or heads, d_model=d, ffn_dim=hf["intermediate_size"],

@@ -27,8 +27,9 @@ V, D, F, LAYERS, HEADS, KV = 64, 32, 48, 2, 4, 2
 
 
 def write_checkpoint(folder: Path, kind: str, rng: np.random.Generator, dtype=np.float32) -> dict[str, np.ndarray]:
-  """A tiny checkpoint in Hugging Face's names and layout: ``kind`` ``"llama3"`` (GQA, untied head, rope_theta 5e5)
-  or ``"qwen2"`` (q/k/v biases, tied embeddings); returns its tensors."""
+  """A tiny checkpoint in Hugging Face's names and layout: ``kind`` ``"llama3"`` (GQA, untied head, rope_theta 5e5),
+  ``"qwen2"`` (q/k/v biases, tied embeddings) or ``"mistral"`` (rope_theta 1e4, a sliding window of 32 tokens of
+  64); returns its tensors."""
   folder.mkdir(parents=True, exist_ok=True)
   qwen = kind == "qwen2"
   config = {
@@ -40,6 +41,8 @@ def write_checkpoint(folder: Path, kind: str, rng: np.random.Generator, dtype=np
   }  # fmt: skip
   if qwen:
     config.update(use_sliding_window=False, sliding_window=4096, max_window_layers=2)
+  elif kind == "mistral":
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], rope_theta=10000.0, sliding_window=32)
   else:
     config.update(attention_bias=False, mlp_bias=False)
   (folder / "config.json").write_text(json.dumps(config))
@@ -66,9 +69,11 @@ def write_checkpoint(folder: Path, kind: str, rng: np.random.Generator, dtype=np
 def reference_logits(folder: Path, tokens: np.ndarray, monkeypatch) -> np.ndarray:
   """transformers' Flax Llama's logits for the checkpoint in ``folder`` (the module docstring says how)."""
   import transformers.models.llama.modeling_flax_llama as flax_llama
-  from transformers import FlaxLlamaForCausalLM
+  from transformers import FlaxLlamaForCausalLM, FlaxMistralForCausalLM
 
   config = json.loads((folder / "config.json").read_text())
+  if config["model_type"] == "mistral":  # rope_theta 1e4, transformers' own base: its model as it is
+    return np.asarray(FlaxMistralForCausalLM.from_pretrained(folder, from_pt=True)(tokens).logits)
   tensors = _read(folder / "model.safetensors")
   ref = folder.parent / (folder.name + "_reference")
   ref.mkdir(exist_ok=True)
@@ -107,13 +112,17 @@ def _close(ours: np.ndarray, theirs: np.ndarray) -> None:
   assert float(np.max(np.abs(ours - theirs))) <= 1e-4 * scale, (float(np.max(np.abs(ours - theirs))), scale)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
 def test_load_gives_transformers_logits_and_save_round_trips(tmp_path, monkeypatch, kind):
   rng = np.random.default_rng()
   folder = tmp_path / kind
   write_checkpoint(folder, kind, rng)
   tokens = rng.integers(0, V, (2, 12)).astype(np.int32)
   model = hf.load(folder)
+  if kind == "mistral":  # its window is the longest sequence it takes
+    assert model.cfg.block_size == 32
+    with pytest.raises(ValueError, match="sequence length 40 exceeds block_size 32"):
+      model(jnp.zeros((1, 40), jnp.int32))
   assert model.cfg.qkv_bias == (kind == "qwen2") and model.cfg.tie_embeddings == (kind == "qwen2")
   ours = np.asarray(model(jnp.asarray(tokens)))
   _close(ours, reference_logits(folder, tokens, monkeypatch))

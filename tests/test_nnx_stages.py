@@ -141,6 +141,34 @@ def test_a_users_transformer_trains_through_the_adapter_as_optax(stacked, clip):
   assert staged.stages[-1].groups == (LAYERS + 1, 0)  # the tied head reads the embedding's group
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stack"])
+def test_a_restore_template_in_the_models_own_layout(stacked, tmp_path):
+  """``staged.merge`` of ``jax_dos.abstract_state``'s groups: the state's shapes, dtypes, shardings and memory kinds
+  in the model's own layout (a stack's layers stacked again), which a checkpoint saved in that layout restores into,
+  one of plain optax's included."""
+  rng = np.random.default_rng()
+  model, batches = make_model(rng, stacked), make_batches(rng, 1)
+  staged = jax_dos.nnx_stages(model, batches[0], embed=embed, blocks="blocks", head=head,
+                              block=run_layer if stacked else None)  # fmt: skip
+  groups = staged.split(model)
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, plan="host")
+  plan = jax_dos.overlapped_plan(tx, staged.stages, groups)
+  template = jax_dos.abstract_state(plan, groups)
+  in_layout = jax_dos.InterleavedAdamState(template.count, *(staged.merge(t) for t in template[1:]))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  for tree in in_layout[1:]:
+    assert jax.tree.structure(tree) == jax.tree.structure(params)
+    for t, p in zip(jax.tree.leaves(tree), jax.tree.leaves(params)):
+      assert isinstance(t, jax.ShapeDtypeStruct) and t.shape == p.shape and t.sharding.memory_kind == "pinned_host"
+  ref = optax.adamw(LR)
+  with jax_dos.CheckpointManager(str(tmp_path / "ckpt")) as manager:
+    manager.save(1, params=params, opt_state=ref.init(params), force=True)
+  with jax_dos.CheckpointManager(str(tmp_path / "ckpt")) as manager:
+    restored, state, _ = manager.restore(params=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                         sharding=x.sharding), params), opt_state=in_layout)  # fmt: skip
+  assert max_rel_diff(state.master, params) == 0
+
+
 class Unstacked(Transformer):
   def __init__(self, rngs: nnx.Rngs):
     super().__init__(rngs, stacked=False)
