@@ -292,7 +292,7 @@ class StagedModel:
   def __init__(self, stages: Sequence[Stage], num_groups: int, *, partition_gradients: bool = True):
     self.stages = tuple(stages)
     self.partition_gradients = partition_gradients
-    self._layouts: dict[int, tuple] = {}  # stage -> gradient_layouts of its parameters (their shardings are fixed)
+    self._layouts: dict[tuple, tuple] = {}  # (stage, its parameters' shardings) -> their gradient_layouts
     if len(self.stages) < 2:
       raise ValueError("a staged model needs at least two stages (the first reads the batch, the last the loss).")
     for i, st in enumerate(self.stages):
@@ -338,10 +338,11 @@ class StagedModel:
     return program(*args)
 
   def layouts(self, stage: int, params: tuple) -> tuple:
-    """Stage ``stage``'s :func:`gradient_layouts` for its parameters ``params`` (found once a stage)."""
-    if stage not in self._layouts:
-      self._layouts[stage] = gradient_layouts(params, self.partition_gradients)
-    return self._layouts[stage]
+    """Stage ``stage``'s :func:`gradient_layouts` for its parameters ``params`` (found once a stage and layout)."""
+    key = (stage, tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(params)))
+    if key not in self._layouts:
+      self._layouts[key] = gradient_layouts(params, self.partition_gradients)
+    return self._layouts[key]
 
   def loss_and_grads(
     self, groups: Sequence[Any], batch: Any, micro_batches: int = 1, order: str = "stage"
