@@ -64,21 +64,22 @@ def state_layout(params: Any) -> Any:
   return jax.tree.map(layout, params)
 
 
+def state_sharding_in(x: Any, memory_kind: str) -> Sharding:
+  """The sharding of ``x``'s state (:func:`state_sharding`; ``x``'s own where it is not partitioned), in
+  ``memory_kind``."""
+  s = state_sharding(x)
+  return memory.with_kind(x, memory_kind) if s is None else s.with_memory_kind(memory_kind)
+
+
 def state_shardings(params: Any, memory_kind: str = "device") -> Any:
-  """A tree like ``params`` of the sharding each leaf's partitioned state takes (:func:`state_sharding`; the
-  parameter's own where it is not partitioned), in ``memory_kind``.
+  """A tree like ``params`` of the sharding each leaf's partitioned state takes (:func:`state_sharding_in`).
 
   It is also where a replicated parameter's gradient belongs: a gradient step
   that puts its gradients there reduce-scatters them (each device gets the
   sum of its share) instead of all-reducing them, half the bytes a device
   sends and keeps. ``params``: arrays or ``ShapeDtypeStruct`` s with shardings.
   """
-
-  def one(x):
-    s = state_sharding(x)
-    return (x.sharding if s is None else s).with_memory_kind(memory_kind)
-
-  return jax.tree.map(one, params)
+  return jax.tree.map(lambda x: state_sharding_in(x, memory_kind), params)
 
 
 def same_layout(x: jax.Array, like: jax.Array) -> bool:
@@ -95,19 +96,18 @@ def relaid(xs: list[jax.Array], likes: list[jax.Array]) -> list[jax.Array]:
   those in host memory by ``jax.device_put``.
   """
   out = list(xs)
-  moves: dict[bool, tuple[list[int], list[Sharding]]] = {True: ([], []), False: ([], [])}
+  device, host = [], []  # (index, target) of the arrays that move, by the memory they are in
   for j, (x, like) in enumerate(zip(xs, likes)):
     if not isinstance(x, jax.Array) or getattr(like, "sharding", None) is None or like is x or same_layout(x, like):
       continue
-    indices, targets = moves[memory.memory_kind(x) == "device"]
-    indices.append(j)
-    targets.append(like.sharding.with_memory_kind(x.sharding.memory_kind))
-  (on_device, device_targets), (on_host, host_targets) = moves[True], moves[False]
-  if on_device:
-    for j, y in zip(on_device, _relayout(tuple(device_targets))(*(xs[j] for j in on_device))):
+    target = like.sharding.with_memory_kind(x.sharding.memory_kind)
+    (device if memory.memory_kind(x) == "device" else host).append((j, target))
+  if device:
+    moved = _relayout(tuple(t for _, t in device))(*(xs[j] for j, _ in device))
+    for (j, _), y in zip(device, moved):
       out[j] = y
-  if on_host:
-    for j, y in zip(on_host, jax.device_put([xs[j] for j in on_host], host_targets)):
+  if host:
+    for (j, _), y in zip(host, jax.device_put([xs[j] for j, _ in host], [t for _, t in host])):
       out[j] = y
   return out
 

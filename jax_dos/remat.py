@@ -51,13 +51,13 @@ LATENCY_HIDING_SCHEDULER = "xla_gpu_enable_latency_hiding_scheduler"
 def compiler_options(sharding: Any) -> dict[str, Any]:
   """XLA options under which a gradient program laid out by ``sharding`` keeps its rematerialisation.
 
-  ``sharding``: a ``jax.sharding.Sharding`` (or a ``Mesh``) of the program's
-  batch. On GPUs, where it spans several devices, the latency-hiding
+  ``sharding``: the ``jax.sharding.Sharding`` of the program's batch (or
+  ``None``). On GPUs, where it spans several devices, the latency-hiding
   scheduler off (the module docstring says why; the collectives then run
   where the program computes them, not under later work); ``{}`` elsewhere.
   Pass it as ``jax.jit(..., compiler_options=...)``.
   """
-  devices = getattr(sharding, "device_set", None) or set(getattr(getattr(sharding, "devices", None), "flat", ()))
+  devices = getattr(sharding, "device_set", None) or ()
   if len(devices) < 2 or next(iter(devices)).platform != "gpu":
     return {}
   return {LATENCY_HIDING_SCHEDULER: False}

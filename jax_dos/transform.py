@@ -302,8 +302,7 @@ def gradient_shardings(tx: optax.GradientTransformation, params: Any, flush: str
   kinds = _gradient_kinds(opt, params, flush)
   partitioned = opt.partitions
 
-  def sharding(p, kind):
-    state = partition.state_sharding(p) if partitioned else None  # each device: its share of a replicated gradient
-    return memory.with_kind(p, kind) if state is None else state.with_memory_kind(kind)
+  def sharding(p, kind):  # partitioned: each device gets its share of a replicated gradient
+    return partition.state_sharding_in(p, kind) if partitioned else memory.with_kind(p, kind)
 
   return tree_without_variables(params, [sharding(p, k) for p, k in zip(jax.tree.leaves(params), kinds)])

@@ -22,6 +22,7 @@ NNX model's kernel is ``[in, out]`` (:data:`TRANSPOSED`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -45,8 +46,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SHARD_BYTES = 5 * 2**30  # a written shard's size at most, as transformers' save_pretrained's default
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# Config fields that do not change the model's function (ids, generation defaults, bookkeeping): read and ignored.
-IGNORED = {
+# The config fields known here: those llama_config reads, and those that do not change the model's function (ids,
+# generation defaults, bookkeeping). Any other field that is set is refused by name.
+KNOWN = {
   "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
   "pad_token_id", "initializer_range", "use_cache", "attention_dropout", "max_window_layers", "_name_or_path",
   "tokenizer_class", "pretraining_tp", "layer_types", "use_sliding_window", "sliding_window", "mlp_bias",
@@ -85,7 +87,7 @@ def llama_config(hf: dict[str, Any], **overrides: Any) -> llama.LlamaConfig:
       f"config.json: model_type {kind!r} (architectures {hf.get('architectures')}) is not one this reads; it reads"
       f" the Llama family: {', '.join(f'{k} ({v})' for k, v in ARCHITECTURES.items())}."
     )
-  unknown = sorted(k for k, v in hf.items() if k not in IGNORED and v not in (None, False, {}, []))
+  unknown = sorted(k for k, v in hf.items() if k not in KNOWN and v not in (None, False, {}, []))
   if unknown:
     raise CheckpointError(
       f"config.json: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not expressible by models/llama.py"
@@ -279,14 +281,9 @@ def _placed(value: np.ndarray, sharding: jax.sharding.Sharding, dtype: Any) -> j
   return x if x.dtype == dtype else _cast(jnp.dtype(dtype), sharding)(x)
 
 
-_casts: dict[Any, Callable] = {}
-
-
+@functools.cache
 def _cast(dtype: Any, sharding: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
-  key = (dtype, sharding)
-  if key not in _casts:
-    _casts[key] = jax.jit(lambda x: x.astype(dtype), out_shardings=sharding, donate_argnums=0)
-  return _casts[key]
+  return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding, donate_argnums=0)
 
 
 def load(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None, **overrides: Any) -> Any:
@@ -294,25 +291,26 @@ def load(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | Non
   computing in ``dtype``, its parameters stored in ``param_dtype`` (default ``dtype``); ``overrides``: more
   :class:`models.llama.LlamaConfig` fields (``remat``, a shorter ``block_size``)."""
   cfg = llama_config(read_config(path), dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-  return nnx.merge(graphdef, load_params(path, cfg))
+  return nnx.merge(llama.graphdef(cfg), load_params(path, cfg))
 
 
 # ----------------------------------------------------------------------------- writing
 
 
-def save(model: Any, path: str | os.PathLike, tokenizer_from: str | os.PathLike | None = None,
-         params: Any = None) -> Path:  # fmt: skip
-  """Writes ``model`` (a :class:`models.llama.Llama`, or its config with ``params``, the parameter tree) as a
-  Hugging Face checkpoint in ``path``: ``config.json``, safetensors shards of at most :data:`SHARD_BYTES` with
-  their index (one ``model.safetensors`` where it fits), in the parameters' dtype, and the tokenizer's files copied
-  from ``tokenizer_from``. Each tensor is fetched to the host when its shard is written. Returns ``path``."""
+def save(model: Any, path: str | os.PathLike, tokenizer_from: str | os.PathLike | None = None) -> Path:
+  """Writes ``model`` (a :class:`models.llama.Llama`) as a Hugging Face checkpoint in ``path``
+  (:func:`save_params`); returns ``path``."""
+  return save_params(model.cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), path, tokenizer_from)
+
+
+def save_params(cfg: llama.LlamaConfig, params: Any, path: str | os.PathLike,
+                tokenizer_from: str | os.PathLike | None = None) -> Path:  # fmt: skip
+  """Writes ``cfg``'s model with parameters ``params`` (``models.llama.abstract_params``' structure) in ``path``:
+  ``config.json``, safetensors shards of at most :data:`SHARD_BYTES` with their index (one ``model.safetensors``
+  where it fits), in the parameters' dtype, and the tokenizer's files copied from ``tokenizer_from``. Each tensor is
+  fetched to the host when its shard is written. Returns ``path``."""
   from safetensors.numpy import save_file
 
-  if params is None:
-    cfg, params = model.cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  else:
-    cfg = model
   out = Path(path)
   out.mkdir(parents=True, exist_ok=True)
   names = tensor_names(cfg)

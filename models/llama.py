@@ -56,7 +56,8 @@ from models import lm
 from models.lm import DTYPES, cross_entropy, loss, make_loss_fn, tree_size
 
 __all__ = ["DTYPES", "Llama", "LlamaConfig", "PRESETS", "abstract_params", "cross_entropy", "flops_per_token",
-           "get_config", "init_params", "loss", "make_loss_fn", "param_count", "staged", "tree_size"]  # fmt: skip
+           "get_config", "graphdef", "init_params", "loss", "make_loss_fn", "param_count", "staged",
+           "tree_size"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,10 +282,15 @@ def init_params(cfg: LlamaConfig, seed: int = 0, shardings: Any = None) -> tuple
   Two jitted programs (``lm.init_by_block``); ``shardings``, and the parameters committed without it, as
   ``models.gpt.init_params``'.
   """
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   if shardings is None:
     shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return graphdef, lm.init_by_block(Llama, Block, cfg, np.uint32(seed), shardings)
+  return graphdef(cfg), lm.init_by_block(Llama, Block, cfg, np.uint32(seed), shardings)
+
+
+def graphdef(cfg: LlamaConfig) -> nnx.GraphDef:
+  """The model's static graph (``nnx.split``'s first half), made from shapes: parameters merge into it
+  (``nnx.merge(graphdef(cfg), params)``)."""
+  return nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
 
 
 def abstract_params(cfg: LlamaConfig) -> dict:

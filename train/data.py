@@ -109,6 +109,11 @@ def rows_of_jsonl(path: str, tokenizer) -> tuple[np.ndarray, str]:
   return np.concatenate(parts), " and ".join(sorted(kinds))
 
 
+def _tokenized(raw: np.ndarray, tokenizer) -> np.ndarray:
+  """UTF-8 text's bytes (``raw``, ``uint8``) as the tokenizer's int32 ids."""
+  return np.asarray(tokenizer.encode(raw.tobytes().decode("utf-8", errors="replace")), np.int32)
+
+
 def load_tokens(
   path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, tokenizer=None
 ) -> tuple[np.ndarray, int, str]:
@@ -124,7 +129,7 @@ def load_tokens(
   if path is None:
     tokens = stdlib_corpus(max_bytes)
     if tokenizer is not None:
-      ids = np.asarray(tokenizer.encode(tokens.tobytes().decode("utf-8", errors="replace")), np.int32)
+      ids = _tokenized(tokens, tokenizer)
       return ids, tokenizer.vocab_size, f"Python stdlib sources ({len(tokens):,} bytes, {len(ids):,} tokens)"
     return tokens, 256, f"Python stdlib sources ({len(tokens):,} bytes)"
   if not os.path.isfile(path):
@@ -150,7 +155,7 @@ def load_tokens(
     raise ValueError(f"data file {path!r} is empty; give a text file with some content (it is read as bytes).")
   tokens = np.fromfile(path, dtype=np.uint8)
   if tokenizer is not None:
-    ids = np.asarray(tokenizer.encode(tokens.tobytes().decode("utf-8", errors="replace")), np.int32)
+    ids = _tokenized(tokens, tokenizer)
     return ids, tokenizer.vocab_size, f"{path} ({len(tokens):,} bytes, {len(ids):,} tokens)"
   return tokens, 256, f"{path} ({len(tokens):,} bytes)"
 

@@ -5,7 +5,7 @@
 
 Reads the parameters of ``RUN/ckpt`` (``jax_dos.CheckpointManager``: every
 file verified first, nothing of the optimizer state read) and writes ``DIR``
-as ``models.hf.save`` does: ``config.json``, safetensors shards in the
+as ``models.hf.save_params`` does: ``config.json``, safetensors shards in the
 parameters' dtype, and the tokenizer's files of the run (its ``--tokenizer``,
 by default its ``--init-from`` folder). ``transformers`` loads the folder. Only
 ``--arch llama`` runs (the Llama family) have a Hugging Face form here.
@@ -63,7 +63,7 @@ def export(run: str | os.PathLike, out: str | os.PathLike, step: int | None = No
   if tokenizer is not None and not os.path.isdir(tokenizer):
     print(f"note: the run's tokenizer folder {tokenizer} is not here: no tokenizer files copied", file=sys.stderr)
     tokenizer = None
-  path = hf.save(cfg, out, tokenizer_from=tokenizer, params=params)
+  path = hf.save_params(cfg, params, out, tokenizer_from=tokenizer)
   print(f"wrote {path}: step {meta.get('step')} of {run}, {sum(x.size for x in jax.tree.leaves(params)):,} parameters")
   return path
 

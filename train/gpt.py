@@ -65,7 +65,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import jax_dos
 from models import hf
@@ -343,9 +342,8 @@ def _init_params(args: argparse.Namespace, cfg: Any, shardings: Any) -> tuple[An
   arch = model_module(args)
   if args.init_from is None:
     return arch.init_params(cfg, seed=args.seed, shardings=shardings)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: arch.Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   try:
-    return graphdef, hf.load_params(args.init_from, cfg, shardings)
+    return arch.graphdef(cfg), hf.load_params(args.init_from, cfg, shardings)
   except hf.CheckpointError as e:
     raise SystemExit(f"error: --init-from: {e}") from None
 

@@ -109,13 +109,19 @@ def _zeros_in(params: Any, layout: tuple | None) -> Any:
 
 def sum_layout(params: Any, partitioned: bool) -> tuple | None:
   """The gradient sum's shardings (flat) on a mesh: the partitioned state's (``jax_dos.state_shardings``) with
-  ``partitioned``, else the parameters' own; ``None`` off a mesh."""
-  leaves = jax.tree.leaves(params)
-  if not leaves or not isinstance(getattr(leaves[0], "sharding", None), NamedSharding):
+  ``partitioned``, else the parameters' own; ``None`` off a mesh. Found once a layout of the parameters (every step
+  asks)."""
+  leaves = tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params))
+  return _sum_layout(leaves, partitioned)
+
+
+@functools.cache
+def _sum_layout(leaves: tuple, partitioned: bool) -> tuple | None:
+  if not leaves or not isinstance(leaves[0][2], NamedSharding):
     return None
   if not partitioned:
-    return tuple(x.sharding.with_memory_kind("device") for x in leaves)
-  return tuple(jax.tree.leaves(jax_dos.state_shardings(params)))
+    return tuple(sharding.with_memory_kind("device") for _, _, sharding in leaves)
+  return tuple(jax_dos.state_shardings([jax.ShapeDtypeStruct(*leaf[:2], sharding=leaf[2]) for leaf in leaves]))
 
 
 def accumulated_grad_step(micro_batches: int, partitioned: bool = True) -> Callable[..., tuple]:
