@@ -149,7 +149,10 @@ def test_init_from_trains_on_prompt_completion_rows_and_exports_what_transformer
   start = hf.load(model_dir)
   np.testing.assert_allclose(plain["losses"][1], float(lm.cross_entropy(start(jnp.asarray(x)), jnp.asarray(y))),
                              rtol=1e-5)  # fmt: skip
-  assert plain["losses"][6] < plain["losses"][1] - 0.2, plain["losses"]
+  # Trained: the loss on that same batch falls (one step's loss on its own batch is too noisy to compare).
+  trained_model = nnx.merge(nnx.graphdef(start), plain["params"])
+  trained_loss = float(lm.cross_entropy(trained_model(jnp.asarray(x)), jnp.asarray(y)))
+  assert trained_loss < plain["losses"][1] - 0.2, (trained_loss, plain["losses"])
   # Exported: config, safetensors and the tokenizer's files; transformers' logits are the trained model's.
   out = E.export(tmp_path / "plain", tmp_path / "exported")
   assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
