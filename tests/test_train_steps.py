@@ -167,7 +167,9 @@ def _plan(placements: int, predicted: dict) -> T.jax_dos.Plan:
     ("auto", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, None, True),  # 2.9 s against 2.8 + 0.9 s
     ("auto", {"step": 3.9, "exposed": 1.1}, {"total": 0.9}, None, False),  # 3.9 s against 2.8 + 0.9 s
     ("auto", {"step": 2.9, "exposed": 0.1, "step_clip_fired": 3.5}, {"total": 0.9}, None, True),
-    ("auto", {"step": 2.9, "exposed": 0.1, "step_clip_fired": 3.9}, {"total": 0.9}, None, False),  # slower fired
+    # slower fired: 3.9 s against 3.7, but expected 3.3 s with the prior's half of the steps fired
+    ("auto", {"step": 2.9, "exposed": 0.1, "step_clip_fired": 3.9}, {"total": 0.9}, None, True),
+    ("auto", {"step": 2.9, "exposed": 0.1, "step_clip_fired": 4.9}, {"total": 0.9}, None, False),  # expected 3.9 s
     ("auto", {}, {"total": 0.9}, None, False),  # no timeline: nothing to compare
     ("auto", {"step": 2.9, "exposed": 0.1}, {"total": 0.9}, "--delay 1 is a mode of the plain path", False),
     ("on", {}, {}, None, True),
@@ -180,6 +182,42 @@ def test_the_step_is_chosen_by_the_plans_predictions(mode, overlapped, plain, re
   if overlapped and plain and refusal is None:
     assert f"overlapped {overlapped['step']:.2f} s" in line  # each step's prediction is said
     assert f"plain {overlapped['step'] - overlapped['exposed'] + plain['total']:.2f} s" in line
+
+
+@pytest.mark.parametrize(
+  "fired_s, share, chosen",
+  [
+    (3.80, 1.0, True),  # every step fired: 3.80 s against plain 3.70 is within the predictions' 5 %: a tie
+    (3.90, 1.0, False),  # every step fired, 3.90 s: slower than plain by more than the error
+    (3.90, 0.7, True),  # 0.3 x 2.9 + 0.7 x 3.9 = 3.60 s expected
+    (4.50, 0.9, False),  # 4.34 s expected
+  ],
+)
+def test_auto_weighs_the_fired_and_silent_predictions_by_how_often_the_clip_fires(fired_s, share, chosen):
+  overlapped = _plan(2, {"step": 2.9, "exposed": 0.1, "step_clip_fired": fired_s})
+  got, line = S.choose("auto", _plan(2, {"total": 0.9}), overlapped, None, (share, "the run's last 50 steps"))
+  assert got == chosen, line
+  assert f"expected {(1 - share) * 2.9 + share * fired_s:.2f} s with the clip firing in {share:.0%} of steps" in line
+  assert ("a tie" in line) == (3.7 < fired_s <= 3.7 * 1.05)
+
+
+def test_the_fired_share_comes_from_the_runs_record_else_a_stated_prior():
+  assert S.fired_share(0.0) == (0.0, "no clip")
+  assert S.fired_share(1.0) == (S.FIRED_PRIOR, "prior")
+  assert S.fired_share(1.0, [{"step": 0, "val_loss": 6.2}]) == (S.FIRED_PRIOR, "prior")  # no step recorded
+  rows = [{"step": i, "loss": 1.0, "clipped": i <= 60} for i in range(1, 101)]  # fired in steps 1-60 of 100
+  share, source = S.fired_share(1.0, rows)
+  assert share == pytest.approx(10 / S.RECORD_STEPS) and source == f"the run's last {S.RECORD_STEPS} steps"
+
+
+def test_a_resumed_runs_record_is_read_from_its_metrics(tmp_path):
+  from train import gpt
+
+  rows = [{"step": 1, "loss": 2.0, "clipped": True}, {"step": 2, "loss": 1.0, "clipped": False}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
+  assert gpt._metrics_rows(str(tmp_path)) == rows  # the row cut short by a kill is left out
+  assert gpt._metrics_rows(str(tmp_path / "nowhere")) == []
+  assert S.fired_share(1.0, gpt._metrics_rows(str(tmp_path))) == (0.5, "the run's last 2 steps")
 
 
 def test_the_line_says_which_rematerialisation_the_overlapped_plan_chose():

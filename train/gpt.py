@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -348,6 +349,20 @@ def _init_params(args: argparse.Namespace, cfg: Any, shardings: Any) -> tuple[An
     raise SystemExit(f"error: --init-from: {e}") from None
 
 
+def _metrics_rows(out: str) -> list[dict[str, Any]]:
+  """The rows of the run's ``metrics.jsonl`` in ``out`` (none where it has none; a row cut short is left out)."""
+  try:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return []
+  rows = []
+  for line in lines:
+    with contextlib.suppress(ValueError):
+      rows.append(json.loads(line))
+  return rows
+
+
 def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_from) -> _Built:
   """The plain or the overlapped training step, chosen from both plans before any optimizer state exists.
 
@@ -387,7 +402,9 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       with _setup_phase(args, measured):
         times = overlapped_lib.stage_times(staged, params, part, args.remat)
     overlap_plan = overlapped_lib.plan(args, tx, staged, params, times)
-  overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None)
+  fired = steps.fired_share(args.clip, _metrics_rows(args.out) if restore_from is not None else None)
+  overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None,
+                                  fired)  # fmt: skip
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.
   plain_elsewhere = jax_dos.agreed_refusal(None if overlapped else line) is not None
   if overlapped and plain_elsewhere:

@@ -69,20 +69,22 @@ def decay_split(shapes: Sequence[Shape]) -> tuple[int, int]:
   return decay, sum(numel(s) for s in shapes) - decay
 
 
-def zero2_bytes(shapes: Sequence[Shape], grad_accum: int) -> int:
-  """ZeRO-2 with the optimizer offloaded to page-locked host memory (see the module docstring)."""
-  groups = [n for n in decay_split(shapes) if n]
+def zero2_bytes(shapes: Sequence[Shape], grad_accum: int, ranks: int = 1) -> int:
+  """ZeRO-2 with the optimizer offloaded to page-locked host memory (see the module docstring): one process's, of
+  ``ranks`` data-parallel processes that each hold ``1 / ranks`` of every group's flat partition."""
+  groups = [-(-n // ranks) for n in decay_split(shapes) if n]
   n = sum(groups)
   flat = sum(2 * pinned_bytes(4 * g) for g in groups)  # fp32 master and fp32 gradient partition per group
-  accum = sum(pinned_bytes(4 * numel(s)) for s in shapes) if grad_accum > 1 else 0
+  accum = sum(pinned_bytes(4 * -(-numel(s) // ranks)) for s in shapes) if grad_accum > 1 else 0
   return PROCESS_BYTES + flat + 8 * n + accum
 
 
-def zero3_bytes(shapes: Sequence[Shape], ratio: float) -> int:
-  """ZeRO-3 with the optimizer states of a ``ratio`` of the sub-groups on the host: ``4 + 16 ratio`` B/param."""
+def zero3_bytes(shapes: Sequence[Shape], ratio: float, ranks: int = 1) -> int:
+  """ZeRO-3 with the optimizer states of a ``ratio`` of the sub-groups on the host: ``4 + 16 ratio`` B/param, of a
+  process's ``1 / ranks`` share."""
   if not 0.0 <= ratio <= 1.0:
     raise ValueError(f"offload ratio must be in [0, 1], got {ratio}.")
-  return PROCESS_BYTES + int((4 + 16 * ratio) * sum(numel(s) for s in shapes))
+  return PROCESS_BYTES + int((4 + 16 * ratio) * sum(numel(s) for s in shapes) / ranks)
 
 
 def torchao_bytes(shapes: Sequence[Shape], itemsize: int, minimal_size: int = TORCHAO_MINIMAL_SIZE) -> int:
@@ -92,13 +94,14 @@ def torchao_bytes(shapes: Sequence[Shape], itemsize: int, minimal_size: int = TO
 
 
 def estimate(
-  system: str, shapes: Sequence[Shape], *, grad_accum: int = 1, ratio: float = 0.75, itemsize: int = 2
+  system: str, shapes: Sequence[Shape], *, grad_accum: int = 1, ratio: float = 0.75, itemsize: int = 2, ranks: int = 1
 ) -> int:
-  """Host bytes ``system`` needs for a model of these parameter shapes."""
+  """Host bytes one process of ``system`` needs for a model of these parameter shapes, of ``ranks`` data-parallel
+  processes (DeepSpeed partitions its offloaded state over them; torchao and torch run one process)."""
   if system == "zero2":
-    return zero2_bytes(shapes, grad_accum)
+    return zero2_bytes(shapes, grad_accum, ranks)
   if system == "zero3":
-    return zero3_bytes(shapes, ratio)
+    return zero3_bytes(shapes, ratio, ranks)
   if system == "torchao":
     return torchao_bytes(shapes, itemsize)
   if system == "torch":

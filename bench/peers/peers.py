@@ -30,6 +30,8 @@ Usage (GPU machine, DeepSpeed and torchao installed as bench/peers/README.md say
     python bench/peers/peers.py --system zero3 --preset gpt-6.7b --batch 8 --grad-accum 2 --out $OUT/zero3.json
     python bench/peers/peers.py --system torchao --preset gpt-6.7b --batch 8 --grad-accum 2 --out $OUT/torchao.json
     python bench/peers/peers.py --system torch --smoke --out /tmp/torch.json     # tiny model, CPU is fine
+    torchrun --standalone --nproc-per-node 2 bench/peers/peers.py --system zero2 --batch 16 --grad-accum 1 \
+      --out $OUT/zero2_2gpu.json   # one process a GPU: --batch is a GPU's; rank r > 0 writes zero2_2gpu.rank<r>.json
 
 Without a GPU, ``zero2`` and ``zero3`` run on DeepSpeed's CPU accelerator (gloo): for smoke tests only.
 """
@@ -261,6 +263,11 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def local_ranks() -> int:
+  """Processes of this job on this host (``torchrun --nproc-per-node``'s ``LOCAL_WORLD_SIZE``; 1 alone)."""
+  return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def init_distributed() -> None:
   """A one-process ``torch.distributed`` group on this machine, as a launcher would set it up."""
   if "MASTER_PORT" not in os.environ:
@@ -373,11 +380,14 @@ def host_check(args: argparse.Namespace, cfg: Any, limit: int) -> dict[str, Any]
   """
   shapes = host_memory.param_shapes(cfg)
   itemsize = 4 if cfg.param_dtype == "float32" else 2
+  ranks = local_ranks()
+  limit //= ranks  # the host's processes share it
 
   def need(grad_accum: int) -> int:
-    return host_memory.estimate(args.system, shapes, grad_accum=grad_accum, ratio=args.ratio, itemsize=itemsize)
+    return host_memory.estimate(args.system, shapes, grad_accum=grad_accum, ratio=args.ratio, itemsize=itemsize,
+                                ranks=ranks)  # fmt: skip
 
-  record = {"host_estimate_bytes": need(args.grad_accum), "host_limit_bytes": limit}
+  record = {"host_estimate_bytes": need(args.grad_accum), "host_limit_bytes": limit, "local_ranks": ranks}
   message = host_memory.refusal(
     args.system, record["host_estimate_bytes"], limit, host_memory.hint(args.system, args.batch, args.grad_accum)
   )
@@ -401,7 +411,7 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
   on_gpu = torch.cuda.is_available()
   if args.system == "torchao" and not on_gpu:
     raise SystemExit("--system torchao needs a CUDA GPU (CPUOffloadOptimizer supports CUDA and XPU only).")
-  device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+  device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
   sync = torch.cuda.synchronize if on_gpu else (lambda: None)
   torch.set_float32_matmul_precision("high")  # float32 matmuls (the head) in TF32, as XLA's default on a GPU
   if on_gpu:
@@ -471,7 +481,8 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
     tokens_per_step=tokens_per_step,
     steps=steps,
     **med,
-    tokens_per_s=tokens_per_step / med["step_s"],
+    tokens_per_s=tokens_per_step / med["step_s"],  # this process's GPU's
+    ranks=int(os.environ.get("WORLD_SIZE", "1")),
     losses=losses,
     loss_fell=losses[-1] < losses[0],
   )
@@ -493,6 +504,8 @@ def save(path: str, out: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # models.gpt imports jax: keep it off the GPU torch uses
   args = parse_args(argv)
+  if int(os.environ.get("RANK", "0")):  # a launcher's other ranks: each its own JSON beside rank 0's
+    args.out = f"{os.path.splitext(args.out)[0]}.rank{os.environ['RANK']}.json"
   out: dict[str, Any] = {"system": args.system, "host": socket.gethostname(), "python": platform.python_version()}
   out["command"] = " ".join(["python", os.path.relpath(os.path.abspath(__file__), ROOT), *sys.argv[1:]])
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -14,6 +14,10 @@ testing one explanation of the loss:
   with the sum reduce-scattered, or all-reduced (``all_reduce``);
 * ``scheduler_off_all_reduce``: the scheduler off, the sum all-reduced;
 * ``scheduler_tight``: the scheduler on under a memory limit of 15 % of the GPU;
+* ``one_full_timed``, ``mesh_full_timed``, ``mesh_full_scheduler_on_timed``:
+  one GPU's program, the script's on the mesh (scheduler off) and the scheduler
+  on, each also run (zero weights, random tokens; the median of 5 calls):
+  what turning the scheduler off costs in time;
 * ``shard_map_psum``: the per-device program (``shard_map``), its gradients
   ``psum`` -med inside it; ``shard_map_no_collective``: no collective at all.
 
@@ -23,6 +27,8 @@ than one GPU's. With ``--collectives`` it also times a 400 MB bfloat16
 all-reduce, reduce-scatter and all-gather over the devices (NCCL).
 
     python bench/probes/mesh_remat_probe.py --collectives --out $OUT/mesh_remat_probe.json
+    python bench/probes/mesh_remat_probe.py --only one_full,mesh_full,one_full_timed,mesh_full_timed,\
+      mesh_full_scheduler_on_timed --out $OUT/mesh_remat_probe.json
 """
 
 from __future__ import annotations
@@ -90,8 +96,9 @@ def script_step(preset, remat, rows, seq, mesh) -> dict:
   return {"peak_gib": need.peak_bytes / GIB, "compile_s": time.perf_counter() - t}
 
 
-def scheduled_step(preset, remat, rows, seq, mesh, options: dict, partitioned: bool = True) -> dict:
-  """That program compiled under XLA ``options`` instead of the script's (the latency-hiding scheduler on: ``{}``)."""
+def scheduled_step(preset, remat, rows, seq, mesh, options: dict, partitioned: bool = True, timed: bool = False):
+  """That program compiled under XLA ``options`` instead of the script's (the latency-hiding scheduler on: ``{}``);
+  ``timed``: also run."""
   graphdef, params, part, _ = setup(preset, remat, rows, seq, mesh)
   layout = gradients.sum_layout(params, partitioned)
   shardings = layout or tuple(p.sharding for p in jax.tree.leaves(params))
@@ -101,7 +108,26 @@ def scheduled_step(preset, remat, rows, seq, mesh, options: dict, partitioned: b
   program = gradients._programs(tuple(sorted(options.items())))[1]
   compiled = program.lower(graphdef, params, grad_sum, part, 1.0, 2, layout).compile()
   sums = gradients._device_bytes(params, layout)
-  return {**analyse(compiled, sums), "compile_s": time.perf_counter() - t}
+  row = {**analyse(compiled, sums), "compile_s": time.perf_counter() - t}
+  if timed:
+    row["step_s"] = time_program(compiled, params, grad_sum, part)
+  return row
+
+
+def time_program(compiled, params, grad_sum, part, reps: int = 5) -> float:
+  """Median seconds of ``reps`` calls of the compiled accumulate step on zero weights and random tokens."""
+  zeros = lambda s: jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)()  # noqa: E731
+  params, grad_sum = jax.tree.map(zeros, params), jax.tree.map(zeros, grad_sum)
+  tokens = tuple(jax.device_put(np.random.default_rng(i).integers(0, 50304, p.shape, dtype=np.int32), p.sharding)
+                 for i, p in enumerate(part))  # fmt: skip
+  times = []
+  for _ in range(reps + 1):
+    t = time.perf_counter()
+    out = compiled(params, grad_sum, tokens)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t)
+    grad_sum = out[1]
+  return sorted(times[1:])[reps // 2]
 
 
 def per_device_step(preset, remat, rows, seq, mesh, collective: str) -> dict:
@@ -183,6 +209,9 @@ def main() -> None:
     "mesh_full_scheduler_off_all_reduce": lambda: scheduled_step(a.preset, "full", a.rows, a.seq, mesh, off, False),
     "mesh_full_scheduler_tight": lambda: scheduled_step(
       a.preset, "full", a.rows, a.seq, mesh, {"xla_gpu_memory_limit_slop_factor": 15}),
+    "one_full_timed": lambda: scheduled_step(a.preset, "full", a.rows, a.seq, None, {}, timed=True),
+    "mesh_full_timed": lambda: scheduled_step(a.preset, "full", a.rows, a.seq, mesh, off, timed=True),
+    "mesh_full_scheduler_on_timed": lambda: scheduled_step(a.preset, "full", a.rows, a.seq, mesh, {}, timed=True),
     "shard_map_psum": lambda: per_device_step(a.preset, "full", a.rows, a.seq, mesh, "psum"),
     "shard_map_no_collective": lambda: per_device_step(a.preset, "full", a.rows, a.seq, mesh, "none"),
   }  # fmt: skip
@@ -196,13 +225,14 @@ def main() -> None:
     doc["rows"].append(row)
     with open(a.out, "w") as f:
       json.dump(doc, f, indent=1)
-  print(f"\n{'program':36s} {'peak GiB':>9s} {'temp GiB':>9s} {'gemms':>6s} {'AR':>6s} {'RS':>6s}")
+  print(f"\n{'program':36s} {'peak GiB':>9s} {'temp GiB':>9s} {'gemms':>6s} {'AR':>6s} {'RS':>6s} {'step s':>7s}")
   for r in doc["rows"]:
     if "error" in r:
       print(f"{r['name']:36s} {r['error'][:80]}")
     else:
       cols = [f"{r[k]:9.2f}" if k in r else f"{'':9s}" for k in ("peak_gib", "temp_gib")]
       cols += [f"{r[k]:6d}" if k in r else f"{'':6s}" for k in ("gemms", "all_reduces", "reduce_scatters")]
+      cols.append(f"{r['step_s']:7.3f}" if "step_s" in r else "")
       print(f"{r['name']:36s} " + " ".join(cols))
 
 
