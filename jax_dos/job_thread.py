@@ -1,11 +1,14 @@
-"""A daemon thread that runs queued jobs in order: the overlapped step's host, stream and decider workers.
+"""A daemon thread that runs queued jobs in order (the overlapped step's host, stream and decider workers), and the
+one failure event its threads share.
 
 Each job's result comes back through the ``concurrent.futures.Future`` that
-:meth:`JobThread.submit` returns. The first error a job raises is also kept in
-the thread's own :attr:`JobThread.errors` (written by that thread alone), so
-that its owner can re-raise it on its own thread, and every later job is
-skipped while ``failed()`` says some thread of the owner has failed; a job
-that has run is dropped at once, so that a finished job keeps nothing alive.
+:meth:`JobThread.submit` returns. The first error a job raises fails that
+future and is reported to the owner's :class:`Failure`, which every thread of
+the owner shares: any wait on another thread's future waits on that event too
+(:func:`result_of`), so a wait ends when its result comes or when any thread
+has failed, with no polling. Once the failure is set, every later job is
+skipped (its future cancelled). A job that has run is dropped at once, so that
+a finished job keeps nothing alive.
 """
 
 from __future__ import annotations
@@ -14,36 +17,51 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from typing import Any
 
 
-class JobThread:
-  """A daemon thread running queued jobs in order; the first error stops it and is kept for the caller.
+class Failure:
+  """The first error any thread of one owner reports: one event, as a future that waits join (:func:`result_of`).
 
-  With ``idle`` (a weak reference to its owner's method), the thread calls it
-  every ``idle_every_s`` seconds while no job is queued, and ends once the
-  owner is gone. ``wake`` is notified when an error is kept, so that a caller
-  waiting on it sees the error at once. ``failed`` (default: this thread's
-  own error) says whether to skip the jobs still queued; ``errors``: the list
-  the thread keeps its error in (a new one by default), which only this
-  thread writes.
+  Thread-safe: the future's own lock orders the reports, and the first one is kept.
+  """
+
+  def __init__(self):
+    self.future: Future = Future()
+
+  def report(self, error: BaseException) -> None:
+    """Sets the event to ``error`` unless an earlier error set it."""
+    try:
+      self.future.set_result(error)
+    except InvalidStateError:  # a thread failed first: its error is the one kept
+      pass
+
+  def error(self) -> BaseException | None:
+    """The first error reported, or ``None``."""
+    return self.future.result() if self.future.done() else None
+
+
+class JobThread:
+  """A daemon thread running queued jobs in order; a job's error fails its future and is reported to ``failure``.
+
+  ``failure``: the owner's :class:`Failure`, shared by its threads; once it is
+  set (by this thread or another), the jobs still queued are skipped. With
+  ``idle`` (a weak reference to its owner's method), the thread calls it every
+  ``idle_every_s`` seconds while no job is queued, and ends once the owner is
+  gone: the one poll, of the stream worker, which tops up its copies in when a
+  copy lands (JAX gives no callback when an array is ready; docs/overlap.md).
   """
 
   def __init__(
     self,
     name: str,
-    wake: threading.Condition,
+    failure: Failure,
     idle: weakref.WeakMethod | None = None,
     idle_every_s: float = 0.002,
-    failed: Callable[[], bool] | None = None,
-    errors: list[BaseException] | None = None,
   ):
-    self.errors: list[BaseException] = [] if errors is None else errors
     self._queue: queue.Queue = queue.Queue()
-    self._wake, self._idle, self._idle_every_s = wake, idle, idle_every_s
-    self._failed = failed or (lambda: bool(self.errors))
+    self._failure, self._idle, self._idle_every_s = failure, idle, idle_every_s
     self._stopped = False
     self._thread = threading.Thread(target=self._run, name=name, daemon=True)
     self._thread.start()
@@ -97,33 +115,27 @@ class JobThread:
         self._queue.task_done()
 
   def _call(self, fn: Callable, args: tuple, future: Future | None) -> None:
-    if self._failed():
+    if self._failure.error() is not None:
       if future is not None:
         future.cancel()
       return
     try:
       result = fn(*args)
     except BaseException as e:  # re-raised on the calling thread
-      self.errors.append(e)
       if future is not None:
         future.set_exception(e)
-      with self._wake:
-        self._wake.notify_all()
+      self._failure.report(e)
     else:
       if future is not None:
         future.set_result(result)
 
 
-def first_error(*lists: list[BaseException]) -> Callable[[], BaseException | None]:
-  """A function giving the first error kept in ``lists`` (each written by one thread), or ``None``. It holds the lists
-  only, so that a thread given it keeps no owner alive."""
-  return lambda: next((errors[0] for errors in lists if errors), None)
-
-
-def result_of(future: Future, check: Callable[[], None], poll_s: float) -> Any:
-  """``future``'s result, calling ``check`` (which raises where the result will never come) every ``poll_s``."""
-  while True:
-    try:
-      return future.result(timeout=poll_s)
-    except FutureTimeout:
-      check()
+def result_of(future: Future, failure: Failure, what: str) -> Any:
+  """``future``'s result, waited for together with ``failure``: where another thread failed first, a
+  ``RuntimeError`` saying ``what`` was waited for, from that error. No polling: one wait on both futures."""
+  wait([future, failure.future], return_when=FIRST_COMPLETED)
+  if future.done():
+    return future.result()
+  raise RuntimeError(f"another thread of the overlapped step failed while this one waited for {what}") from (
+    failure.error()
+  )

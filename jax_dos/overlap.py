@@ -46,7 +46,6 @@ kernel leaves ``host_kernels.TRAINING_CORES`` cores to the threads that launch p
 from __future__ import annotations
 
 import dataclasses
-import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -69,7 +68,7 @@ from jax_dos import (
   trace,
 )
 from jax_dos.interleaved import decay_flags, leaves_with_paths
-from jax_dos.job_thread import JobThread, first_error, result_of
+from jax_dos.job_thread import Failure, JobThread, result_of
 from jax_dos.overlap_clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
 from jax_dos.overlap_host import HostPath, HostStep
 from jax_dos.overlap_plan import (  # noqa: F401
@@ -88,8 +87,6 @@ from jax_dos.plan import partition_groups
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
-
-_WAIT_POLL_S = 0.05  # how often a wait on the workers checks them for errors
 
 
 class OverlappedStep:
@@ -273,25 +270,22 @@ class OverlappedStep:
     self._closed = False
     self._updating = False  # between a step's first hand-over and its decision
     self.grad_norm: jax.Array | None = None  # the last step's global norm of the mean gradient (before the clip)
-    self._errors: list[BaseException] = []  # (training thread) a step cut short between hand-over and decision
-    self._wake = threading.Condition()
+    # The first error of any of the step's threads (the training thread's: a step cut short between hand-over and
+    # decision); it holds no reference to the step, so a dropped step ends.
+    self._failure = Failure()
     self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
     # The first step's jobs, held until its programs have run: a program's first run initialises it, and a cuDNN
     # graph loaded then is captured from the launching stream, which a launch from another thread fails
     # (docs/measurements.md, the cuDNN race).
     self._held: list | None = []
     lows = [jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32 for x in self._params]
-    # Each thread keeps its own errors; these functions hold the lists only, not the step (a dropped step ends).
-    errors = {name: [] for name in ("decide", "host", "stream")}
-    self._first_error = first_error(self._errors, *errors.values())
-    skip = lambda failed=self._first_error: failed() is not None  # noqa: E731
-    self._host_path = HostPath(self.routes, self.hyper, self.decay, by("host"), lows, self._first_error, self.arena)
-    self._stream_path = StreamPath(self.routes, self.hyper, self.decay, by("stream"), self._first_error, self.arena,
+    self._host_path = HostPath(self.routes, self.hyper, self.decay, by("host"), lows, self._failure, self.arena)
+    self._stream_path = StreamPath(self.routes, self.hyper, self.decay, by("stream"), self._failure, self.arena,
                                    self._pinned.state_out)  # fmt: skip
-    self._host = JobThread("jax_dos-overlap-host", self._wake, failed=skip, errors=errors["host"])
+    self._host = JobThread("jax_dos-overlap-host", self._failure)
     top_up = weakref.WeakMethod(self._stream_path.top_up)
-    self._streamer = JobThread("jax_dos-overlap-stream", self._wake, top_up, IDLE_POLL_S, skip, errors["stream"])
-    self._decider = JobThread("jax_dos-overlap-decide", self._wake, failed=skip, errors=errors["decide"])
+    self._streamer = JobThread("jax_dos-overlap-stream", self._failure, top_up, IDLE_POLL_S)
+    self._decider = JobThread("jax_dos-overlap-decide", self._failure)
     self._host.submit(host_kernels.set_num_threads, None, host_kernels.TRAINING_CORES)
     overlap_process.register(self)
 
@@ -356,8 +350,8 @@ class OverlappedStep:
     try:
       losses = self._run_programs([micro_batch(batch, m, k) for m in range(k)], record, previous)
     except BaseException as e:
-      if self._updating and self._first_error() is None:  # cut short between hand-over and decision
-        self._errors.append(e)  # refuse further steps
+      if self._updating:  # cut short between hand-over and decision: refuse further steps
+        self._failure.report(e)
       raise
     return losses[0] if k == 1 else sum(losses) / k
 
@@ -413,7 +407,7 @@ class OverlappedStep:
         squares += sq
         if record.speculate is None:  # set before the step's first job is queued: the workers only read it
           if previous is not None and jax.process_count() > 1:  # every process speculates alike: waits for the
-            result_of(previous.decision, self._raise_errors, _WAIT_POLL_S)  # decision (long known by now)
+            result_of(previous.decision, self._failure, "the previous step's clip decision")  # long known by now
           record.speculate = speculates(self.speculation, previous)
         for g in self.model.groups_completing(i):
           self._hand_over(record, g, sums[g])
@@ -538,13 +532,13 @@ class OverlappedStep:
           future = self._pending.pop(s, None)
           if future is not None:
             leaves = self.plan.subgroups[s]  # gathered here: collectives from this thread, in stage order
-            new = self._layouts.to_params(result_of(future, self._raise_errors, _WAIT_POLL_S), leaves)
+            new = self._layouts.to_params(result_of(future, self._failure, "new parameters"), leaves)
             for i, x in zip(leaves, new):
               self._params[i] = x
     self._raise_errors()
 
   def _raise_errors(self) -> None:
-    error = self._first_error()
+    error = self._failure.error()
     if error is not None:
       raise RuntimeError(
         "the overlapped step's optimizer worker failed; the parameters and state are no longer usable."

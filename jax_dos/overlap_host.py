@@ -27,19 +27,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import jax
 
 from jax_dos import device_steps, host_kernels, memory, pinned_arena, trace
-from jax_dos.job_thread import result_of
+from jax_dos.job_thread import Failure, result_of
 from jax_dos.overlap_clip import StepRecord
 from jax_dos.overlap_plan import Routes
 from jax_dos.pinned_arena import PinnedArena
-
-WAIT_POLL_S = 0.05  # how often a wait on another thread checks the step's threads for errors
 
 
 @dataclasses.dataclass
@@ -77,15 +74,15 @@ class HostPath:
     hyper: the AdamW hyperparameters; ``decay``: per leaf, whether weight decay applies.
     state: leaf -> ``(master, mu, nu)`` of the host leaves (owned from here on).
     low_dtypes: per leaf, the dtype its new weights are sent in (the parameter's, bfloat16 or float32).
-    failed: says whether some thread of the step has failed (a wait on another thread gives up then).
+    failure: the step's one failure event (a wait on another thread gives up once it is set).
     arena: where its buffers live (``None``: XLA's pinned pool).
   """
 
   def __init__(
     self, routes: Routes, hyper: Any, decay: tuple[bool, ...], state: dict[int, tuple], low_dtypes: list[Any],
-    failed: Callable[[], BaseException | None], arena: PinnedArena | None = None,
+    failure: Failure, arena: PinnedArena | None = None,
   ):  # fmt: skip
-    self.routes, self.hyper, self.decay, self._failed = routes, hyper, decay, failed
+    self.routes, self.hyper, self.decay, self._failure = routes, hyper, decay, failure
     self.arena = arena
     self._low_dtypes = low_dtypes
     kw = hyper
@@ -208,11 +205,6 @@ class HostPath:
     """Subgroup ``s``'s new parameters are final: they go back to the training thread, which owns them again."""
     st.futures.pop(s).set_result(st.params.pop(s))
 
-  def _check(self) -> None:
-    error = self._failed()
-    if error is not None:
-      raise RuntimeError("another thread of the overlapped step failed") from error
-
   def finish(self, record: StepRecord) -> None:
     """(after the step's last hand-over) The decision's consequences for the host subgroups; a fired clip's redo in
     the order the next forward pass needs them, shared with the stream worker (which takes the last ones), then the
@@ -225,7 +217,7 @@ class HostPath:
       raise
 
   def _finish(self, record: StepRecord) -> None:
-    decision = result_of(record.decision, self._check, WAIT_POLL_S)
+    decision = result_of(record.decision, self._failure, "the clip decision")
     st: HostStep = record.host
     self._assign_sent(wait=True)
     on_stream = self.routes.redo_on_stream if decision.fired else frozenset()
@@ -252,7 +244,7 @@ class HostPath:
       self._assign_sent(wait=True)
       if share:  # committed below, after the swap
         with trace.span("host.wait_stream_redo"):
-          shared = result_of(record.share_done, self._check, WAIT_POLL_S)
+          shared = result_of(record.share_done, self._failure, "the stream worker's share of the redo")
     else:
       for s in st.speculated:
         self._release_grads(st, s)

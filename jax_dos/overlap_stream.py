@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -42,9 +41,9 @@ import jax
 
 from jax_dos import device_steps, memory, pinned_arena, trace
 from jax_dos.copy_out import CopyOut
-from jax_dos.job_thread import result_of
+from jax_dos.job_thread import Failure, result_of
 from jax_dos.overlap_clip import Decision, StepRecord
-from jax_dos.overlap_host import WAIT_POLL_S, ShareInput
+from jax_dos.overlap_host import ShareInput
 from jax_dos.overlap_plan import Routes
 from jax_dos.pinned_arena import PinnedArena
 
@@ -81,15 +80,15 @@ class StreamPath:
     routes: the plan as the threads read it (its ``stream_slots``: subgroups in flight at most).
     hyper: the AdamW hyperparameters; ``decay``: per leaf, whether weight decay applies.
     state: leaf -> ``(master, mu, nu)`` of the streamed leaves (owned from here on).
-    failed: says whether some thread of the step has failed (a wait on another thread gives up then).
+    failure: the step's one failure event (a wait on another thread gives up once it is set).
     arena, copier: where the streamed state lives and what copies it there (``None``: XLA's pinned pool).
   """
 
   def __init__(
     self, routes: Routes, hyper: Any, decay: tuple[bool, ...], state: dict[int, tuple],
-    failed: Callable[[], BaseException | None], arena: PinnedArena | None = None, copier: CopyOut | None = None,
+    failure: Failure, arena: PinnedArena | None = None, copier: CopyOut | None = None,
   ):  # fmt: skip
-    self.routes, self.hyper, self.decay, self._failed = routes, hyper, decay, failed
+    self.routes, self.hyper, self.decay, self._failure = routes, hyper, decay, failure
     self.arena, self._copier = arena, copier
     self._landing: dict[int, Future] = {}  # subgroup -> the copy of its new state into its buffers (an arena's)
     self.masters: dict[int, jax.Array] = {}
@@ -253,7 +252,7 @@ class StreamPath:
     """Waits for the clip decision, topping up the copies in meanwhile."""
     with trace.span(span) if span else contextlib.nullcontext():
       while not record.decision.done():
-        error = self._failed()
+        error = self._failure.error()
         if error is not None:
           raise RuntimeError("the step failed before its clip decision") from error
         self.top_up()
@@ -327,18 +326,13 @@ class StreamPath:
     if decision.fired and self.routes.redo_on_stream:
       self._host_share(record, decision)
 
-  def _check(self) -> None:
-    error = self._failed()
-    if error is not None:
-      raise RuntimeError("the host worker failed before its redo") from error
-
   def _host_share(self, record: StepRecord, decision: Decision) -> None:
     """(clip fired) Steps its share of the host subgroups (``Routes.redo_on_stream``) on the accelerator, while the
     host worker redoes the others: the work after the backward pass takes both paths. A fixed share, so that a
     subgroup's numbers never depend on which thread came first."""
     try:
       with trace.span("stream.wait_host"):
-        share = result_of(record.host_share, self._check, WAIT_POLL_S)  # the host worker is done with their buffers
+        share = result_of(record.host_share, self._failure, "the host worker's share of the redo")  # its buffers: ours
       backs = {s: self._redo_host(s, share[s], decision) for s in self.routes.by_forward_rank(share)}
       with trace.span("stream.wait_share_copies"):
         self._wait_copies()

@@ -15,8 +15,9 @@ import gc
 import subprocess
 import sys
 import textwrap
-import threading
+import time
 import weakref
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -45,7 +46,7 @@ from overlap_model import (
 )
 
 import jax_dos
-from jax_dos.job_thread import JobThread
+from jax_dos.job_thread import Failure, JobThread, result_of
 from jax_dos.overlap import STREAM_SLOTS
 
 
@@ -376,18 +377,39 @@ def test_stream_slots_change_no_number_and_a_dropped_step_ends_its_threads():
 
 
 def test_a_workers_results_come_back_through_futures_and_its_failure_skips_the_rest():
-  """A worker thread's job gives its result through a future; its first error is kept on its own list, fails its
-  future and skips the jobs queued behind it; once the thread has ended its owner runs a job itself."""
-  worker = JobThread("test-worker", threading.Condition())
+  """A worker thread's job gives its result through a future; its first error fails that future, sets the owner's
+  one failure event and skips the jobs queued behind it; once the thread has ended its owner runs a job itself."""
+  failure = Failure()
+  worker = JobThread("test-worker", failure)
   x = int(np.random.default_rng().integers(1000))
   assert worker.submit(lambda a: a + 1, x).result(timeout=60) == x + 1
+  assert failure.error() is None
   failing, later = worker.submit(lambda: 1 / 0), worker.submit(lambda: x)
   with pytest.raises(ZeroDivisionError):
     failing.result(timeout=60)
   worker.join()
-  assert later.cancelled() and isinstance(worker.errors[0], ZeroDivisionError)
+  assert later.cancelled() and isinstance(failure.error(), ZeroDivisionError)
+  failure.report(ValueError("later"))  # the first error is the one kept
+  assert isinstance(failure.error(), ZeroDivisionError)
   worker.stop()
   assert worker.ask(lambda: x) == x
+
+
+def test_a_wait_on_another_threads_future_ends_when_any_thread_fails():
+  """``result_of`` waits on the future and on the failure event at once: a result that will never come ends the wait
+  as soon as another thread fails (no polling interval to sit out), with that error as the cause."""
+  failure, never = Failure(), Future()
+  ready = Future()
+  ready.set_result(7)
+  assert result_of(ready, failure, "a result") == 7
+  other = JobThread("test-other", failure)
+  other.submit(time.sleep, 0.2)
+  other.submit(lambda: {}["missing"])
+  t = time.perf_counter()
+  with pytest.raises(RuntimeError, match="waited for new parameters") as raised:
+    result_of(never, failure, "new parameters")
+  assert isinstance(raised.value.__cause__, KeyError) and time.perf_counter() - t < 30
+  other.stop()
 
 
 def test_one_micro_batch_runs_one_stage_ahead_by_default_and_a_given_value_is_kept():
