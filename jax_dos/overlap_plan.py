@@ -8,7 +8,7 @@ optimizer's own plan and the measured stage times, for ``jax_dos.overlap``:
   and what a training script compares with the plain step's plan before it
   allocates either's state; :func:`abstract_state`: the state's shapes in the
   plan's memory kinds (a template to restore a checkpoint into);
-* :func:`make_plan`: the placements, from a user's plan or ``"auto"``: the
+* :func:`make_step_plan`: the placements, from a user's plan or ``"auto"``: the
   resident share that fits beside the step's peak with the streamed subgroups
   in flight (:func:`room_beside_step`), and with stage times the split of the
   rest between the host and stream paths that the timeline model predicts
@@ -233,7 +233,7 @@ def plan_step(
     raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(model.stages)}.")
   layout = step_layout(model, groups, owner.subgroup_size, owner.partitions)
   spec = plan if plan is not None else owner.plan_spec
-  made = make_plan(
+  made = make_step_plan(
     spec, owner, groups, layout, stage_times=stage_times,
     micro_batches=options.micro_batches, micro_batch_order=options.micro_batch_order,
     run_ahead_stages=options.run_ahead_stages, max_stream_slots=options.stream_slots,
@@ -317,7 +317,7 @@ def host_need_bound(
   return max(plain, overlapped_need) if plain_fits else overlapped_need
 
 
-def make_plan(
+def make_step_plan(
   spec: Any, owner: Any, groups: list, layout: StepLayout, *, stage_times: StageTimes | None, micro_batches: int,
   micro_batch_order: str, run_ahead_stages: int, max_stream_slots: int, host_budget_bytes: int,
   stage_policies: tuple[str, ...] | None = None,

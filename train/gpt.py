@@ -582,7 +582,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   bar = progress.make_bar(args.steps, start_step, disable=args.quiet or not _primary())  # plain lines off a terminal
   eta = progress.Eta(args.steps)
   rate = step_log.Rate(tokens_per_step, flops_tok, peak)
-  record = step_log.StepRecord(args.clip)
+  record = step_log.StepLog(args.clip)
   t_start = time.perf_counter()
   step_no = start_step
   for it in range(start_step, args.steps):

@@ -1,6 +1,6 @@
 """What the training loop records of its steps: each step's loss and gradient norm, and the rate between marks.
 
-The loop hands each step's accelerator scalars to :class:`StepRecord` and
+The loop hands each step's accelerator scalars to :class:`StepLog` and
 reads them once a log interval (one wait, not one a step: a read waits behind
 the step's copies). A step's row holds ``loss``, ``grad_norm`` (the global
 norm of the step's mean gradient, before the clip) and ``clipped`` (whether
@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 
-class StepRecord:
+class StepLog:
   """Each step's loss, gradient norm and whether the clip fired, read a log interval at a time."""
 
   def __init__(self, clip: float):
