@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 
+from jax_dos.job_thread import hand_off
+
 
 class _Cuda:
   """The CUDA driver calls a copy needs: each device's primary context (XLA's) and one stream of ours."""
@@ -83,6 +85,7 @@ class CopyOut:
     return self._executor.submit(self._copy, list(sources), list(destinations), free_sources)
 
   def _copy(self, sources: list[jax.Array], destinations: list[jax.Array], free_sources: bool) -> list[jax.Array]:
+    hand_off()
     jax.block_until_ready(sources)
     used: set[int] = set()
     for src, dst in zip(sources, destinations):

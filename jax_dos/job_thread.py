@@ -20,6 +20,31 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from typing import Any
 
+# Tests only (delay_hand_offs): called at every hand-off between the step's threads; None in a run. Set before a
+# step's threads start and read by them, never written while they run.
+_hand_off_delay: Callable[[], None] | None = None
+
+
+def delay_hand_offs(delay: Callable[[], None] | None) -> None:
+  """(tests) Calls ``delay`` on the thread at every hand-off between the overlapped step's threads, before its
+  threads start: a job queued and taken, a result handed back through a future, a wait woken, a copy begun. A
+  stress test passes random sleeps, so that every order of the threads' work that can happen comes up; ``None``
+  (the default) calls nothing."""
+  global _hand_off_delay
+  _hand_off_delay = delay
+
+
+def hand_off() -> None:
+  """A hand-off between threads: where the test hook (:func:`delay_hand_offs`) delays this thread."""
+  if _hand_off_delay is not None:
+    _hand_off_delay()
+
+
+def hand_back(future: Future, value: Any) -> None:
+  """Resolves ``future`` with ``value``, which this thread no longer holds: a hand-off."""
+  hand_off()
+  future.set_result(value)
+
 
 class Failure:
   """The first error any thread of one owner reports: one event, as a future that waits join (:func:`result_of`).
@@ -70,6 +95,7 @@ class JobThread:
     """Queues ``fn(*args)`` behind the jobs already queued; its result (or error) comes back in the future, which
     is cancelled where the job is skipped (a thread failed before)."""
     future: Future = Future()
+    hand_off()
     self._queue.put((fn, args, future))
     return future
 
@@ -120,6 +146,7 @@ class JobThread:
         future.cancel()
       return
     try:
+      hand_off()
       result = fn(*args)
     except BaseException as e:  # re-raised on the calling thread
       if future is not None:
@@ -127,13 +154,14 @@ class JobThread:
       self._failure.report(e)
     else:
       if future is not None:
-        future.set_result(result)
+        hand_back(future, result)
 
 
 def result_of(future: Future, failure: Failure, what: str) -> Any:
   """``future``'s result, waited for together with ``failure``: where another thread failed first, a
   ``RuntimeError`` saying ``what`` was waited for, from that error. No polling: one wait on both futures."""
   wait([future, failure.future], return_when=FIRST_COMPLETED)
+  hand_off()
   if future.done():
     return future.result()
   raise RuntimeError(f"another thread of the overlapped step failed while this one waited for {what}") from (

@@ -23,6 +23,7 @@ import numpy as np
 
 from jax_dos import trace
 from jax_dos.adam_math import clip_scale
+from jax_dos.job_thread import hand_back
 
 SPECULATION_MODES = ("silent", "always", "never")
 
@@ -98,7 +99,7 @@ class StepRecord:
     with trace.span("decide.read"):
       host = np.asarray(true)
     decision = Decision(host, true, not host[3] == self.spec_host()[3])
-    self.decision.set_result(decision)
+    hand_back(self.decision, decision)
     return decision
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 
 from jax_dos import device_steps, host_kernels, memory, pinned_arena, trace
-from jax_dos.job_thread import Failure, result_of
+from jax_dos.job_thread import Failure, hand_back, result_of
 from jax_dos.overlap_clip import StepRecord
 from jax_dos.overlap_plan import Routes
 from jax_dos.pinned_arena import PinnedArena
@@ -203,7 +203,7 @@ class HostPath:
   @staticmethod
   def _final(st: HostStep, s: int) -> None:
     """Subgroup ``s``'s new parameters are final: they go back to the training thread, which owns them again."""
-    st.futures.pop(s).set_result(st.params.pop(s))
+    hand_back(st.futures.pop(s), st.params.pop(s))
 
   def finish(self, record: StepRecord) -> None:
     """(after the step's last hand-over) The decision's consequences for the host subgroups; a fired clip's redo in
@@ -237,7 +237,7 @@ class HostPath:
         for i in leaves:  # its spare (a wasted speculation, or nothing) goes: the stream path's new state takes its
           for a in self.spares[i]:  # place, so that the state is never held three times (host_bytes counts two)
             a.delete()
-      record.host_share.set_result(share)  # the stream worker may step its share now
+      hand_back(record.host_share, share)  # the stream worker may step its share now
       for s in self.routes.by_forward_rank(set(st.speculated + st.deferred) - on_stream):
         with trace.span("host.redo" if s in st.speculated else "host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)

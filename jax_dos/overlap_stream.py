@@ -41,7 +41,7 @@ import jax
 
 from jax_dos import device_steps, memory, pinned_arena, trace
 from jax_dos.copy_out import CopyOut
-from jax_dos.job_thread import Failure, result_of
+from jax_dos.job_thread import Failure, hand_back, result_of
 from jax_dos.overlap_clip import Decision, StepRecord
 from jax_dos.overlap_host import ShareInput
 from jax_dos.overlap_plan import Routes
@@ -293,7 +293,7 @@ class StreamPath:
     if final:
       st.streamed.pop(s, None)
       self._commit(s, back, landed)
-      future.set_result(list(outs[0]))
+      hand_back(future, list(outs[0]))
     else:
       st.streamed[s] = Streamed(old, back, landed, grads, list(outs[0]), future)
     if not earlier:
@@ -321,7 +321,7 @@ class StreamPath:
         del st.streamed[s]
         self._free(streamed.old)
         self._commit(s, streamed.new, streamed.landed)
-        streamed.future.set_result(streamed.params)
+        hand_back(streamed.future, streamed.params)
     st.streamed.clear()
     if decision.fired and self.routes.redo_on_stream:
       self._host_share(record, decision)
@@ -339,7 +339,7 @@ class StreamPath:
     except BaseException as e:
       record.share_done.set_exception(e)
       raise
-    record.share_done.set_result(backs)
+    hand_back(record.share_done, backs)
 
   def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> list[list[jax.Array]]:
     """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns the new
@@ -357,5 +357,5 @@ class StreamPath:
       outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
       back, _ = self._copy_back(list(outs[1:]), share.into)
-    share.future.set_result(list(outs[0]))
+    hand_back(share.future, list(outs[0]))
     return back
