@@ -54,7 +54,7 @@ from jax_dos.remat import describe as describe_remat
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
-from jax_dos.timeline import RematCosts, StageTimes
+from jax_dos.timeline import PREDICTION_ERROR, RematCosts, StageTimes
 from jax_dos.transform import (
   DEFAULT_DELAY_WARMUP,
   DEFAULT_SUBGROUP_SIZE,
@@ -68,6 +68,7 @@ from jax_dos.transform import (
 )
 
 __all__ = [
+  "PREDICTION_ERROR",
   "AdamHyper",
   "abstract_state",
   "agreed_refusal",

@@ -59,6 +59,7 @@ from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
   MICRO_BATCH_ORDERS,
+  PREDICTION_ERROR,
   Rates,
   StageTimes,
   Subgroup,
@@ -388,7 +389,11 @@ def _timeline_plan(
   is tried only where the room is known and still holds a streaming slot
   of the largest subgroup beside its activations: where memory is short, or
   unknown, the plan keeps full rematerialisation. Ties keep the fewer
-  activations.
+  activations, and an assignment other than all ``"full"`` is taken only
+  where it is predicted faster than all ``"full"`` by more than the model's
+  error (``timeline.PREDICTION_ERROR``): a smaller gain is within what the
+  model cannot tell apart, and the saved activations cost room and time the
+  model does not see.
   """
   subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
   n, k = len(stage_times.forward), micro_batches
@@ -401,7 +406,7 @@ def _timeline_plan(
   state, staging = _device_bytes(moments)
   least = staging * max(sizes, default=0) * per_device  # one streaming slot of the largest subgroup
   cal = whole.calibration
-  best = None
+  best = with_full = None
   for policies in candidates:
     times, extra = stage_times, 0
     if policies is not None:
@@ -420,8 +425,12 @@ def _timeline_plan(
                                               host_budget_bytes=host_budget_bytes,
                                               host_bytes=host_bytes_per(moments, layout.held_share))  # fmt: skip
     step = times.compute_s(k) + predicted["exposed_s"]
+    if policies == full:
+      with_full = (step, policies, times, window, placements, predicted, rates, slots)
     if best is None or step < best[0] * (1 - 1e-9):
       best = (step, policies, times, window, placements, predicted, rates, slots)
+  if with_full is not None and best[0] > with_full[0] * (1 - PREDICTION_ERROR):  # no gain the model can tell
+    best = with_full
   step, policies, times, window, placements, predicted, rates, slots = best
   fired = simulate_fired(window, layout.timeline(), placements, rates)
   predicted = {"exposed": predicted["exposed_s"], "step": step,

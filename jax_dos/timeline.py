@@ -52,6 +52,9 @@ import math
 from collections.abc import Sequence
 
 MICRO_BATCH_ORDERS = ("stage", "batch")  # jax_dos.stages.schedule
+# The model's error on a step's time, relative, measured against the runs it predicted (docs/overlap.md, "How far to
+# trust a prediction"): a choice between two plans is taken on a predicted gain larger than this, not on less.
+PREDICTION_ERROR = 0.05
 
 
 @dataclasses.dataclass(frozen=True)

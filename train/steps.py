@@ -72,10 +72,6 @@ def predicted_step_s(plan: jax_dos.Plan | None, compute_s: float | None) -> floa
 # The share of steps whose clip fires, where the run has no record of its own: a run's clip fires at its start and
 # goes silent (the README's 6.7B from scratch: the norm fell from 290 to 4.8 in 25 steps under a clip of 1.0).
 FIRED_PRIOR = 0.5
-# The timeline's error on a step's time, relative, measured against committed runs of the README's 6.7B command on an
-# H100 (bench/results/train_gpt-h100: predicted 2.74 s, measured 2.62 s at 12.5k tokens/s; with --moments bfloat16
-# 2.894 s against 2.970 s): a fired step predicted within it of the plain one is a tie.
-PREDICTION_ERROR = 0.05
 RECORD_STEPS = 50  # the last steps of a resumed run's record that give its fired share
 
 
@@ -103,7 +99,7 @@ def choose(
   overlapped one is shorter with the clip silent, and either its expected step
   ``(1 - p) silent + p fired`` is shorter than the plain one (``p``, ``where``
   = ``fired``: the share of steps whose clip fires, :func:`fired_share`) or its
-  fired step is a tie with the plain one (within :data:`PREDICTION_ERROR` of
+  fired step is a tie with the plain one (within ``jax_dos.PREDICTION_ERROR``, the model's measured error of
   it; the plain step takes as long fired or silent). ``on`` takes it unless it
   is refused; ``off`` never does. The line gives each step's predicted time,
   the rematerialisation the overlapped plan chose beside its placements
@@ -132,9 +128,9 @@ def choose(
     return False, "step    plain: no timeline prediction to compare the overlapped step with (--overlap on forces it)"
   share, source = fired
   expected = silent if fired_s is None else (1 - share) * silent + share * fired_s
-  tie = fired_s is not None and fired_s <= alone * (1 + PREDICTION_ERROR)
+  tie = fired_s is not None and fired_s <= alone * (1 + jax_dos.PREDICTION_ERROR)
   faster = silent < alone and (expected < alone or tie)
   rule = f"; expected {expected:.2f} s with the clip firing in {share:.0%} of steps ({source})"
   if tie and fired_s > alone:
-    rule += f", fired within the predictions' {PREDICTION_ERROR:.0%} of plain: a tie"
+    rule += f", fired within the predictions' {jax_dos.PREDICTION_ERROR:.0%} of plain: a tie"
   return faster, f"step    {'overlapped' if faster else 'plain'} (--overlap auto){predicted[:-1]}{rule})"
