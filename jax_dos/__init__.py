@@ -11,20 +11,20 @@ to JAX/XLA. Public API::
 Jit the gradient function with ``out_shardings=(None, jax_dos.gradient_shardings(tx, params))``
 to send host subgroups' gradients to host memory during the backward pass.
 
-The package, from the ground up: ``state``, ``adam_math``, ``memory``,
-``plan``, ``trace`` and ``host_kernels``; the two ways to run a step,
-``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
+The package, from the ground up: ``state``, ``adam_math``, ``memory`` (array placement), ``host_ram`` (the
+host's RAM) and ``pinned_pool`` (XLA's pinned host pool and its cap), ``plan``, ``trace`` and ``host_kernels``; the two
+ways to run a step, ``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
 ``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
 face) with ``accumulate``, ``state_convert`` and ``checkpoint``; the overlapped step, ``stages``,
 ``timeline``, ``overlap_plan`` and ``overlap``, with ``remat`` (the
 rematerialisation policies) below them, and ``nnx_adapter`` (a Flax NNX model's stages) (docs/design.md).
 
 Importing it changes one thing outside itself: XLA's pinned host pool cap
-(``memory.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
+(``pinned_pool.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
 """
 
 from jax_dos import cpu_client as _cpu_client
-from jax_dos import memory as _memory
+from jax_dos import pinned_pool as _pinned_pool
 from jax_dos import timeline, trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
@@ -33,7 +33,6 @@ from jax_dos.checkpoint_integrity import DAMAGED_DIR
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.host_plan import HostMemory, agreed_refusal, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
-from jax_dos.memory import cap_pinned_pool, resident_estimate
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.moment_formats import state_bytes_per_param
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
@@ -41,6 +40,7 @@ from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
 from jax_dos.overlap_plan import abstract_state, host_need_bound
 from jax_dos.overlap_plan import plan_step as overlapped_plan
 from jax_dos.partition import state_shardings
+from jax_dos.pinned_pool import cap_pinned_pool, resident_estimate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
 from jax_dos.planning.budgets import StepMemory
 from jax_dos.planning.calibration import accelerator_calibration_cached, calibrate
@@ -135,7 +135,7 @@ __version__ = "0.1.0"
 
 # XLA reads its pinned-host pool cap once, when the GPU client starts, which is usually before any jax_dos call:
 # import time is the last moment it can be raised. A value the user set is kept (docs/api.md).
-_memory.raise_pinned_pool_limit()
+_pinned_pool.raise_pinned_pool_limit()
 # Several CPU devices in a process: XLA's CPU client needs more pool threads than devices, or a multi-device program
 # can hang in dispatch (cpu_client.py). Also read once, when the backend starts.
 _cpu_client.size_pool()

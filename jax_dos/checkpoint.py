@@ -86,7 +86,7 @@ import jax
 import numpy as np
 
 from jax_dos import checkpoint_integrity as integrity
-from jax_dos import checkpoint_moments, host_kernels, memory
+from jax_dos import checkpoint_moments, host_kernels, host_ram
 from jax_dos.checkpoint_processes import any_process, barrier, from_primary
 from jax_dos.checkpoint_template import (
   TemplateMismatchError,
@@ -312,7 +312,7 @@ class CheckpointManager:
     if not self.async_save:
       return "none"
     host_bytes = sum(_process_bytes(x) for x in jax.tree.leaves(trees) if _aliases_host(x))
-    too_much = self.host_copy == "auto" and host_bytes > memory.host_memory_available() // 2
+    too_much = self.host_copy == "auto" and host_bytes > host_ram.host_memory_available() // 2
     mode = "none" if host_bytes == 0 else "block" if too_much else self.host_copy.replace("auto", "copy")
     if too_much:
       log.warning("checkpoint: %.2f GiB of host state is too much to copy; saving synchronously.", host_bytes / 2**30)

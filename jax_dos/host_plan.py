@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jax_dos import memory, moment_formats
+from jax_dos import host_ram, memory, moment_formats, pinned_pool
 
 REGION_START = 2 << 20  # the BFC allocator's first region when it grows (allow_growth)
 ROUNDING = 256  # the BFC allocator's smallest unit
@@ -47,7 +47,7 @@ class HostMemory(NamedTuple):
   def here(cls, count_processes: bool = True) -> HostMemory:
     """This machine's RAM (``MemTotal``) and the job's processes on it (1 without ``count_processes``: a tree
     of this process alone, such as the calibration's, whose planning must not wait for the other processes)."""
-    return cls(memory.host_memory_total(), processes_on_this_host() if count_processes else 1)
+    return cls(host_ram.host_memory_total(), processes_on_this_host() if count_processes else 1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,7 +72,7 @@ def processes_on_this_host() -> int:
 
 def pool_share(host: HostMemory) -> int:
   """Bytes of pinned pool each process of ``host`` may hold: ``DEFAULT_POOL_FRACTION`` of its RAM, shared evenly."""
-  return int(memory.DEFAULT_POOL_FRACTION * host.ram_bytes / max(1, host.processes))
+  return int(pinned_pool.DEFAULT_POOL_FRACTION * host.ram_bytes / max(1, host.processes))
 
 
 def share_pinned_pool(host: HostMemory | None = None) -> None:
@@ -81,11 +81,11 @@ def share_pinned_pool(host: HostMemory | None = None) -> None:
   Call after ``jax.distributed.initialize`` and before the first computation (``train.gpt`` does). A value the
   user set is kept.
   """
-  if not memory.pool_limit_is_ours():
+  if not pinned_pool.pool_limit_is_ours():
     return
   host = HostMemory.here() if host is None else host
-  share, need = max(1, pool_share(host) // 2**30), memory.plan_pool_gib()
-  memory.set_pool_limit(share if need is None else min(share, need))  # a cap from the run's need may be lower
+  share, need = max(1, pool_share(host) // 2**30), pinned_pool.plan_pool_gib()
+  pinned_pool.set_pool_limit(share if need is None else min(share, need))  # a cap from the run's need may be lower
 
 
 def pool_reserved(sizes: Sequence[int], limit: int) -> int:
@@ -160,7 +160,7 @@ class HostPlan:
       f"the offloaded Adam state does not fit this host's RAM: {per} needs {gib(self.state_bytes)} of pinned host"
       f" memory ({moment_formats.state_bytes_per_param(self.moments):.3g} B a parameter it holds with {self.moments}"
       f" moments, 4 more where the host kernel updates it), and its pinned pool may hold"
-      f" {gib(self.share_bytes)} ({memory.DEFAULT_POOL_FRACTION:.0%} of {gib(host.ram_bytes)} RAM"
+      f" {gib(self.share_bytes)} ({pinned_pool.DEFAULT_POOL_FRACTION:.0%} of {gib(host.ram_bytes)} RAM"
       + (f" shared by {host.processes} processes)" if host.processes > 1 else ")")
       + ". Change one of: "
       + ("--moments bfloat16 or int8 (8 or about 6 B a parameter, not 12), " if self.moments == "float32" else "")

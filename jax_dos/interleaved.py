@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_dos import host_plan, memory, moment_formats, partition, traced
+from jax_dos import host_plan, host_ram, memory, moment_formats, partition, pinned_pool, traced
 from jax_dos.adam_math import AdamHyper
 from jax_dos.engine import Engine
 from jax_dos.plan import MEMORY_KIND, Plan, PlanSpec, agreed_across_processes, check_subgroup_size, resolve_plan
@@ -275,7 +275,7 @@ class InterleavedAdam:
       # Global arrays: every process of the job calls init, and the host's RAM holds all of theirs (a collective).
       shared = any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
       try:
-        memory.check_host_capacity(need, on_host=memory.bytes_on_this_host(need) if shared else None)
+        pinned_pool.check_host_capacity(need, on_host=host_ram.bytes_on_this_host(need) if shared else None)
         refusal = None
       except MemoryError as e:
         refusal = str(e)

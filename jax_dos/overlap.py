@@ -60,11 +60,13 @@ from jax_dos import (
   device_steps,
   host_kernels,
   host_plan,
+  host_ram,
   memory,
   overlap_plan,
   overlap_process,
   overlap_state,
   partition,
+  pinned_pool,
   trace,
 )
 from jax_dos.interleaved import decay_flags, leaves_with_paths
@@ -302,7 +304,7 @@ class OverlappedStep:
     the job's processes) the host's processes are counted together and the refusal is agreed: on every process of
     the job if on one (collectives, which every process reaches here)."""
     need = self.host_bytes()
-    on_host = memory.bytes_on_this_host(need) if spans else None
+    on_host = host_ram.bytes_on_this_host(need) if spans else None
     try:
       overlap_plan.check_host_memory(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes,
                                      self.hyper.moments, self.host_memory, on_host)  # fmt: skip
@@ -324,7 +326,7 @@ class OverlappedStep:
     """The resident set this process reaches with the step's pinned bytes (:meth:`host_bytes`), those in the arena
     outside XLA's pool (``jax_dos.resident_estimate``)."""
     need = self.host_bytes()
-    return memory.resident_estimate(need, outside_pool=need if self.arena is not None else 0)
+    return pinned_pool.resident_estimate(need, outside_pool=need if self.arena is not None else 0)
 
   # ----------------------------------------------------------------------------- one step
 

@@ -14,14 +14,14 @@ clip decision (:func:`host_bytes`).
 change, where those bytes exceed the step's budget (``host_budget_bytes``),
 this process's share of its host's pinned pool (``host_plan.pool_share``: the
 host's RAM shared by the job's processes on it), or what the host's
-processes need together against its RAM (``memory.check_host_capacity``).
+processes need together against its RAM (``pinned_pool.check_host_capacity``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jax_dos import host_plan, memory, moment_formats
+from jax_dos import host_plan, moment_formats, pinned_pool
 from jax_dos.plan import Plan
 from jax_dos.timeline import HostBytes
 
@@ -78,7 +78,7 @@ def host_refusal(need: int, host: host_plan.HostMemory, moments: str = "float32"
     f"the overlapped step's host memory does not fit this host's RAM: {per} needs {_gib(need)} of pinned host"
     f" memory (its offloaded state at {moment_formats.state_bytes_per_param(moments):.3g} B a parameter it holds"
     f" with {moments} moments, the host path's spare state and copies, the streamed speculation), and its pinned"
-    f" pool may hold {_gib(share)} ({memory.DEFAULT_POOL_FRACTION:.0%} of {_gib(host.ram_bytes)} RAM{shared})."
+    f" pool may hold {_gib(share)} ({pinned_pool.DEFAULT_POOL_FRACTION:.0%} of {_gib(host.ram_bytes)} RAM{shared})."
     " Change one of: "
     + ("moments='bfloat16' or 'int8' (--moments: 8 or about 6 B a parameter, not 12), " if moments == "float32" else "")
     + "fewer processes on this host (spread them over more hosts), a smaller model, more subgroups on the device"
@@ -97,7 +97,7 @@ def check_host_memory(
   on_host: tuple[int, int] | None = None,
 ) -> None:
   """A ``MemoryError`` naming what to change where the plan's host bytes exceed ``budget``, this process's share of
-  ``host`` (if given), or the machine (``on_host``: ``memory.bytes_on_this_host``'s figures for the host's
+  ``host`` (if given), or the machine (``on_host``: ``host_ram.bytes_on_this_host``'s figures for the host's
   processes together)."""
   need = host_bytes(plan, layout, speculation, moments)
   try:
@@ -110,6 +110,6 @@ def check_host_memory(
     refusal = None if host is None else host_refusal(need, host, moments)
     if refusal is not None:
       raise MemoryError(refusal)
-    memory.check_host_capacity(need, "the overlapped step's host memory", on_host)
+    pinned_pool.check_host_capacity(need, "the overlapped step's host memory", on_host)
   except MemoryError as e:
     raise MemoryError(f"{e}\nThe overlapped step's plan:\n{plan}") from None

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dos import memory, moment_formats, partition
+from jax_dos import host_ram, memory, moment_formats, partition, pinned_pool
 from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
 from jax_dos.overlap_memory import (
   HOST_SHARE,
@@ -282,8 +282,8 @@ def abstract_state(
 
 def default_host_budget() -> int:
   """``HOST_SHARE`` of RAM, and no more than XLA's pinned pool (on a GPU)."""
-  budget = int(HOST_SHARE * memory.host_memory_total())
-  pool = memory.pinned_pool_limit()
+  budget = int(HOST_SHARE * host_ram.host_memory_total())
+  pool = pinned_pool.pinned_pool_limit()
   return budget if pool is None else min(budget, pool)
 
 
@@ -302,7 +302,7 @@ def host_need_bound(
   more than its default host budget, ``HOST_SHARE`` of the host's RAM
   (``host_memory_bytes``, default the machine's); and the plain step's, which
   a refused overlapped step falls back to, where that fits the host beside
-  ``memory.HOST_HEADROOM_BYTES`` (13B with int8 moments on a 125.9 GiB host:
+  ``host_ram.HOST_HEADROOM_BYTES`` (13B with int8 moments on a 125.9 GiB host:
   the plain step's 120 GiB does not, and would cap XLA's pool, which takes its
   whole cap once the need passes 64 GiB, 13 GiB above the overlapped step's
   budget).
@@ -311,10 +311,10 @@ def host_need_bound(
   plain = math.ceil((state + 4 + (4 if moment_copies else 0)) * num_params)
   if not overlapped:
     return plain
-  total = memory.host_memory_total() if host_memory_bytes is None else host_memory_bytes
+  total = host_ram.host_memory_total() if host_memory_bytes is None else host_memory_bytes
   per = host_bytes_per(moments).per_parameter("host", param_bytes)
   overlapped_need = min(math.ceil(per * num_params), int(HOST_SHARE * total))
-  plain_fits = plain + memory.HOST_HEADROOM_BYTES <= total
+  plain_fits = plain + host_ram.HOST_HEADROOM_BYTES <= total
   return max(plain, overlapped_need) if plain_fits else overlapped_need
 
 

@@ -59,7 +59,7 @@ def run_checks(seed: int) -> None:
   # XLA's CPU client got enough pool threads for this process's devices (jax_dos/cpu_client.py), or it can hang.
   assert int(os.environ["PJRT_NPROC"]) >= jax_dos.cpu_client.pool_threads(LOCAL_DEVICES, 1), os.environ["PJRT_NPROC"]
   # Both processes run on this host: its RAM must hold what both need.
-  assert jax_dos.memory.bytes_on_this_host(2**20 * (1 + jax.process_index())) == (3 * 2**20, NUM_PROCESSES)
+  assert jax_dos.host_ram.bytes_on_this_host(2**20 * (1 + jax.process_index())) == (3 * 2**20, NUM_PROCESSES)
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
   local = jax.local_devices()[0]
   specs = {"fsdp": P("data", "model"), "rows": P("data"), "table": P(), "replicated": P(), "vec": P("model")}

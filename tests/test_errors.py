@@ -11,7 +11,7 @@ import pytest
 from helpers import random_tree
 
 import jax_dos
-from jax_dos import memory
+from jax_dos import host_ram, pinned_pool
 
 
 @pytest.fixture
@@ -88,16 +88,16 @@ def test_plan_budgets_must_be_sensible(params, field, value, match):
 
 
 def test_host_memory_request_that_cannot_be_met():
-  huge = {"w": jax.ShapeDtypeStruct((memory.host_memory_total() // 4,), jnp.float32)}  # 3x the RAM
+  huge = {"w": jax.ShapeDtypeStruct((host_ram.host_memory_total() // 4,), jnp.float32)}  # 3x the RAM
   with pytest.raises(MemoryError, match="does not fit this host's RAM"):  # refused by the plan, from shapes
     jax_dos.interleaved_adam(1e-3, plan="host").init(huge)
 
 
 def test_host_memory_counts_every_process_on_this_host():
-  one = memory.host_memory_total() // 2 + 1  # fits alone; two processes of it do not
-  memory.check_host_capacity(one // 4)
+  one = host_ram.host_memory_total() // 2 + 1  # fits alone; two processes of it do not
+  pinned_pool.check_host_capacity(one // 4)
   with pytest.raises(MemoryError, match="2 processes on this host together"):
-    memory.check_host_capacity(one, on_host=(2 * one, 2))
+    pinned_pool.check_host_capacity(one, on_host=(2 * one, 2))
 
 
 def test_state_from_another_optimizer_is_refused(params):
@@ -114,18 +114,18 @@ def test_multi_steps_every_k_must_be_positive():
 
 def test_state_beyond_xlas_pinned_pool_is_refused_with_the_variable_to_set(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the cap exists on GPU clients only
-  monkeypatch.setenv(memory.POOL_LIMIT_ENV, "1")
+  monkeypatch.setenv(pinned_pool.POOL_LIMIT_ENV, "1")
   state = {"w": jax.ShapeDtypeStruct((2**28,), jnp.float32)}  # 3 GiB of state + 1 GiB of host gradients
-  with pytest.raises(MemoryError, match=memory.POOL_LIMIT_ENV):
+  with pytest.raises(MemoryError, match=pinned_pool.POOL_LIMIT_ENV):
     jax_dos.interleaved_adam(1e-3, plan="host").init(state)
 
 
 def test_import_raises_the_pinned_pool_limit_unless_the_user_set_it():
   code = "import os, jax_dos; print(os.environ.get('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'))"
-  env = {k: v for k, v in os.environ.items() if k != memory.POOL_LIMIT_ENV}
+  env = {k: v for k, v in os.environ.items() if k != pinned_pool.POOL_LIMIT_ENV}
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-  assert int(out) >= memory.XLA_DEFAULT_POOL_GIB
-  env[memory.POOL_LIMIT_ENV] = "7"
+  assert int(out) >= pinned_pool.XLA_DEFAULT_POOL_GIB
+  env[pinned_pool.POOL_LIMIT_ENV] = "7"
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
   assert out.strip() == "7"
 

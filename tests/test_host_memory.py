@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import jax_dos
-from jax_dos import memory, overlap_plan
+from jax_dos import host_ram, overlap_plan, pinned_pool
+from jax_dos.pinned_pool import BFC_TABLE_FRACTION
 from models import gpt as gpt_model
 from train import host_memory
 from train.flags import build_parser
@@ -25,16 +26,16 @@ CAP = textwrap.dedent(
   """
     import math, os, sys
     import jax_dos
-    from jax_dos import memory
+    from jax_dos import pinned_pool
 
     need, ram = int(sys.argv[1]), int(sys.argv[2])
-    env = memory.POOL_LIMIT_ENV
-    assert os.environ[env] == memory._our_pool_limit  # import's cap: 90% of RAM
+    env = pinned_pool.POOL_LIMIT_ENV
+    assert os.environ[env] == pinned_pool._our_pool_limit  # import's cap: 90% of RAM
     os.environ[env] = "50"  # a value the user set is kept
     assert jax_dos.cap_pinned_pool(need, host_memory_bytes=ram) is None and os.environ[env] == "50"
-    os.environ[env] = memory._our_pool_limit
+    os.environ[env] = pinned_pool._our_pool_limit
     cap = jax_dos.cap_pinned_pool(need, host_memory_bytes=ram)
-    assert not memory._backends_started()
+    assert not pinned_pool._backends_started()
     print(cap, os.environ[env])
   """
 )
@@ -46,19 +47,19 @@ def test_the_pinned_pool_is_capped_from_the_need_before_jax_starts():
   nothing changes."""
   rng = np.random.default_rng()
   ram = int(rng.integers(100, 200)) * GiB
-  need = int(rng.integers(70 * GiB, ram - memory.HOST_HEADROOM_BYTES - memory.POOL_MARGIN_BYTES))
-  env = {k: v for k, v in os.environ.items() if k != memory.POOL_LIMIT_ENV}
+  need = int(rng.integers(70 * GiB, ram - host_ram.HOST_HEADROOM_BYTES - pinned_pool.POOL_MARGIN_BYTES))
+  env = {k: v for k, v in os.environ.items() if k != pinned_pool.POOL_LIMIT_ENV}
   root = Path(__file__).resolve().parent.parent
   out = subprocess.run([sys.executable, "-c", CAP, str(need), str(ram)], cwd=root, env=dict(env, JAX_PLATFORMS="cpu"),
                        capture_output=True, text=True, timeout=120)  # fmt: skip
   assert out.returncode == 0, out.stderr[-3000:]
   cap, value = out.stdout.split()
-  gib = math.ceil((need + memory.POOL_MARGIN_BYTES) / GiB)
+  gib = math.ceil((need + pinned_pool.POOL_MARGIN_BYTES) / GiB)
   assert int(cap) == gib * GiB and value == str(gib)
   jnp.zeros(1).block_until_ready()  # this process's backend has started
-  before = os.environ.get(memory.POOL_LIMIT_ENV)
+  before = os.environ.get(pinned_pool.POOL_LIMIT_ENV)
   assert jax_dos.cap_pinned_pool(need, host_memory_bytes=ram) is None
-  assert os.environ.get(memory.POOL_LIMIT_ENV) == before
+  assert os.environ.get(pinned_pool.POOL_LIMIT_ENV) == before
 
 
 def test_a_run_that_cannot_fit_the_hosts_ram_stops_before_anything_moves():
@@ -69,7 +70,7 @@ def test_a_run_that_cannot_fit_the_hosts_ram_stops_before_anything_moves():
   n = gpt_model.param_count(gpt_model.get_config("gpt-6.7b"))
   certain, most = host_memory.pinned_need(args)
   assert certain == 12 * n and most == 16 * n  # the state; and a gradient or weight copy each, on the plain step
-  small = certain + memory.HOST_HEADROOM_BYTES - int(np.random.default_rng().integers(1, GiB))
+  small = certain + host_ram.HOST_HEADROOM_BYTES - int(np.random.default_rng().integers(1, GiB))
   with pytest.raises(SystemExit) as e:
     host_memory.cap_host_memory(args, host_memory_bytes=small)
   message = str(e.value)
@@ -112,19 +113,19 @@ def test_the_resident_estimate_holds_the_pool_xla_opens_and_its_allocators_table
   """XLA's pinned pool opens regions of 2 MiB doubling up to its cap: the estimate holds the regions a need opens (its
   whole cap once the need passes the regions before the last), 1/32 of them and of the accelerator's pool in XLA's
   tables (under jax's default BFC allocator), and the process's own bytes."""
-  monkeypatch.delenv(memory.ALLOCATOR_ENV, raising=False)
+  monkeypatch.delenv(pinned_pool.ALLOCATOR_ENV, raising=False)
   rng = np.random.default_rng()
   cap, accelerator = int(rng.integers(70, 129)) * GiB, int(rng.integers(10, 150)) * GiB  # the 64 GiB region: the last
   mib = 2**20
   before_last = 64 * GiB - 2 * mib  # 2 MiB + 4 MiB + ... + 32 GiB: the regions below a 64 GiB one
-  rest = memory.PROCESS_BYTES + accelerator * memory.BFC_TABLE_FRACTION
+  rest = pinned_pool.PROCESS_BYTES + accelerator * BFC_TABLE_FRACTION
   above = 128 * GiB - 2 * mib  # under a cap above it, a need past 64 GiB opens the whole 64 GiB region and no more
   large = int(rng.integers(before_last + 1, min(cap, above)))
-  assert jax_dos.resident_estimate(large, cap, accelerator) == int(cap * (1 + memory.BFC_TABLE_FRACTION) + rest)
+  assert jax_dos.resident_estimate(large, cap, accelerator) == int(cap * (1 + BFC_TABLE_FRACTION) + rest)
   big_cap = int(rng.integers(129, 400)) * GiB
-  assert jax_dos.resident_estimate(large, big_cap, accelerator) == int(above * (1 + memory.BFC_TABLE_FRACTION) + rest)
+  assert jax_dos.resident_estimate(large, big_cap, accelerator) == int(above * (1 + BFC_TABLE_FRACTION) + rest)
   small = int(rng.integers(2 * mib + 1, 6 * mib))  # opens the first two regions: 6 MiB
-  assert jax_dos.resident_estimate(small, cap, accelerator) == int(6 * mib * (1 + memory.BFC_TABLE_FRACTION) + rest)
+  assert jax_dos.resident_estimate(small, cap, accelerator) == int(6 * mib * (1 + BFC_TABLE_FRACTION) + rest)
   assert jax_dos.resident_estimate(0, cap, accelerator) == int(rest)
 
 
@@ -134,22 +135,22 @@ def test_an_accelerator_allocator_without_a_table_adds_none_to_the_resident_esti
   rng = np.random.default_rng()
   cap, accelerator = int(rng.integers(70, 129)) * GiB, int(rng.integers(10, 150)) * GiB
   need = int(rng.integers(65, 69)) * GiB
-  monkeypatch.setenv(memory.ALLOCATOR_ENV, allocator)
+  monkeypatch.setenv(pinned_pool.ALLOCATOR_ENV, allocator)
   without = jax_dos.resident_estimate(need, cap, accelerator)
-  monkeypatch.setenv(memory.ALLOCATOR_ENV, "bfc")
-  assert jax_dos.resident_estimate(need, cap, accelerator) - without == int(accelerator * memory.BFC_TABLE_FRACTION)
-  assert without == int(cap * (1 + memory.BFC_TABLE_FRACTION) + memory.PROCESS_BYTES)
+  monkeypatch.setenv(pinned_pool.ALLOCATOR_ENV, "bfc")
+  assert jax_dos.resident_estimate(need, cap, accelerator) - without == int(accelerator * BFC_TABLE_FRACTION)
+  assert without == int(cap * (1 + BFC_TABLE_FRACTION) + pinned_pool.PROCESS_BYTES)
 
 
 def test_pinned_memory_of_our_own_counts_at_its_size_beside_the_pool(monkeypatch):
   """Bytes in the step's own mapping (``outside_pool``) count once, with no region rounding and no table; only the rest
   opens XLA's regions."""
-  monkeypatch.setenv(memory.ALLOCATOR_ENV, "cuda_async")
+  monkeypatch.setenv(pinned_pool.ALLOCATOR_ENV, "cuda_async")
   rng = np.random.default_rng()
   cap, accelerator = int(rng.integers(70, 129)) * GiB, int(rng.integers(10, 150)) * GiB
   need = int(rng.integers(65, 110)) * GiB + int(rng.integers(0, GiB))
-  assert jax_dos.resident_estimate(need, cap, accelerator, outside_pool=need) == need + memory.PROCESS_BYTES
+  assert jax_dos.resident_estimate(need, cap, accelerator, outside_pool=need) == need + pinned_pool.PROCESS_BYTES
   small = int(rng.integers(2 * 2**20 + 1, 6 * 2**20))  # opens XLA's first two regions: 6 MiB
-  in_pool = int(6 * 2**20 * (1 + memory.BFC_TABLE_FRACTION))
+  in_pool = int(6 * 2**20 * (1 + BFC_TABLE_FRACTION))
   estimate = jax_dos.resident_estimate(need + small, cap, accelerator, outside_pool=need)
-  assert estimate == need + in_pool + memory.PROCESS_BYTES
+  assert estimate == need + in_pool + pinned_pool.PROCESS_BYTES

@@ -13,7 +13,7 @@ import pytest
 
 import jax_dos
 from jax_dos import cpu_client, host_plan
-from jax_dos.memory import DEFAULT_POOL_FRACTION
+from jax_dos.pinned_pool import DEFAULT_POOL_FRACTION
 from models import gpt as gpt_model
 
 GIB = 2**30
@@ -124,7 +124,7 @@ def test_each_process_pool_is_capped_at_its_share_unless_the_user_set_it():
   import subprocess
   import sys
 
-  from jax_dos.memory import POOL_LIMIT_ENV
+  from jax_dos.pinned_pool import POOL_LIMIT_ENV
 
   rng = np.random.default_rng()
   host = jax_dos.HostMemory(int(rng.integers(64, 2048)) * GIB, int(rng.integers(2, 9)))

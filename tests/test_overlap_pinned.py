@@ -19,7 +19,7 @@ from overlap_model import (
 )
 
 import jax_dos
-from jax_dos import memory, overlap_stream
+from jax_dos import memory, overlap_stream, pinned_pool
 from jax_dos.overlap_host import HostPath
 
 
@@ -128,7 +128,7 @@ def test_auto_keeps_the_state_in_a_pool_already_grown(monkeypatch, measured_here
   step, _ = overlapped_run(groups, batches, FIRES, 2, plan, init=init)
   assert (step.arena is None) == (measured_here or init)
   if step.arena is not None:  # all of it in the arena: its bytes and the process's, no pool regions or table
-    assert step.resident_estimate() == step.host_bytes() + memory.PROCESS_BYTES
+    assert step.resident_estimate() == step.host_bytes() + pinned_pool.PROCESS_BYTES
   check_against_reference(step, groups, batches, FIRES, 2)
   step.close()
 

@@ -99,8 +99,9 @@ def choose(
   overlapped one is shorter with the clip silent, and either its expected step
   ``(1 - p) silent + p fired`` is shorter than the plain one (``p``, ``where``
   = ``fired``: the share of steps whose clip fires, :func:`fired_share`) or its
-  fired step is a tie with the plain one (within ``jax_dos.PREDICTION_ERROR``, the model's measured error of
-  it; the plain step takes as long fired or silent). ``on`` takes it unless it
+  fired step is a tie with the plain one (within ``jax_dos.PREDICTION_ERROR``,
+  the model's measured error, of it; the plain step takes as long fired or
+  silent). ``on`` takes it unless it
   is refused; ``off`` never does. The line gives each step's predicted time,
   the rematerialisation the overlapped plan chose beside its placements
   (``Plan.remat``), and the rule's figures.
