@@ -16,8 +16,9 @@ host's RAM) and ``pinned_pool`` (XLA's pinned host pool and its cap), ``plan``, 
 ways to run a step, ``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
 ``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
 face) with ``accumulate``, ``state_convert`` and ``checkpoint``; the overlapped step, ``stages``,
-``timeline``, ``overlap_plan`` and ``overlap``, with ``remat`` (the
-rematerialisation policies) below them, and ``nnx_adapter`` (a Flax NNX model's stages) (docs/design.md).
+``timeline`` and the package ``overlap/`` (its plan, the step, its host and stream paths, the clip decision), with
+``remat`` (the rematerialisation policies) below them, and ``nnx_adapter`` (a Flax NNX model's stages)
+(docs/design.md).
 
 Importing it changes one thing outside itself: XLA's pinned host pool cap
 (``pinned_pool.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
@@ -36,9 +37,10 @@ from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.moment_formats import state_bytes_per_param
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
-from jax_dos.overlap import NO_COMMAND_BUFFERS, OverlappedStep
-from jax_dos.overlap_plan import abstract_state, host_need_bound
-from jax_dos.overlap_plan import plan_step as overlapped_plan
+from jax_dos.overlap.plan import abstract_state, host_need_bound
+from jax_dos.overlap.plan import plan_step as overlapped_plan
+from jax_dos.overlap.process import NO_COMMAND_BUFFERS
+from jax_dos.overlap.step import OverlappedStep
 from jax_dos.partition import state_shardings
 from jax_dos.pinned_pool import cap_pinned_pool, resident_estimate
 from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan

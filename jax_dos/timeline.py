@@ -332,7 +332,7 @@ def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates:
   With the clip fired, every streamed parameter (``S``) and every host one
   (``H``) is stepped after the decision; the paths end together when the
   stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones, at
-  the concurrent rates. ``overlap_plan.stream_share_of_host`` is this share
+  the concurrent rates. ``overlap.plan.stream_share_of_host`` is this share
   for a plan.
   """
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))

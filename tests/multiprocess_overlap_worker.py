@@ -52,7 +52,7 @@ def pinned(tree) -> list[jax.Array]:
 def check_host_bytes(step) -> None:
   """The step's host bytes count the half of the state this process holds (the mesh's "data" axis spans the two
   processes): the pinned state it addresses is half the whole arrays', and is what ``host_bytes`` plans for it."""
-  from jax_dos import overlap_plan
+  from jax_dos.overlap import plan as overlap_plan
 
   state = step.opt_state
   arrays = pinned((state.master, state.mu, state.nu))

@@ -257,7 +257,7 @@ def test_the_overlapped_plan_counts_each_formats_host_bytes():
   from overlap_model import B1, B2, STAGES, WD, make_groups
   from overlap_model import LR as OVERLAP_LR
 
-  from jax_dos import overlap_plan
+  from jax_dos.overlap import plan as overlap_plan
 
   groups = make_groups(np.random.default_rng())
   sizes = jax_dos.plan.partition_groups(groups, 40)[1]

@@ -47,7 +47,7 @@ from overlap_model import (
 
 import jax_dos
 from jax_dos.job_thread import Failure, JobThread, result_of
-from jax_dos.overlap import STREAM_SLOTS
+from jax_dos.overlap.plan import STREAM_SLOTS
 
 
 def test_auto_plan_from_the_measured_timeline():
@@ -218,10 +218,10 @@ EXIT_STUCK = textwrap.dedent(
     import sys, threading
     import numpy as np
     sys.path.insert(0, "tests")
-    import jax_dos.overlap_process
+    import jax_dos.overlap.process
     import overlap_model as t
 
-    jax_dos.overlap_process.EXIT_SETTLE_S = 1.0
+    jax_dos.overlap.process.EXIT_SETTLE_S = 1.0
     rng = np.random.default_rng()
     groups = t.make_groups(rng)
     step, _ = t.overlapped_run(groups, [t.make_batch(rng)], t.NEVER, 2, "host")
@@ -326,16 +326,17 @@ def test_a_host_budget_too_small_is_refused_before_anything_moves():
 def test_rebalancing_moves_subgroups_between_host_and_stream_and_keeps_the_numbers(monkeypatch, late):
   """The boundary moves away from the path made to look late, one subgroup a step, until the first move back;
   every step equals optax."""
-  import jax_dos.overlap as overlap
+  from jax_dos.overlap.plan import REBALANCE_AFTER_STEPS
+  from jax_dos.overlap.step import OverlappedStep
 
   rng = np.random.default_rng()
-  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(5 + overlap.REBALANCE_AFTER_STEPS)]
+  groups, batches = make_groups(rng), [make_batch(rng) for _ in range(5 + REBALANCE_AFTER_STEPS)]
   plan = MIXED[: _subgroup_count(groups)]
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
   step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=FIRES,
                                 micro_batches=2, rebalance=True)  # fmt: skip
   hosts = step.plan.elements("host")
-  real = overlap.OverlappedStep._move_boundary
+  real = OverlappedStep._move_boundary
 
   def seen_late(self, ends):  # the late path finishes a second after the other in the first two steps, then early
     moves.append(self.plan.elements("host"))
@@ -344,7 +345,7 @@ def test_rebalancing_moves_subgroups_between_host_and_stream_and_keeps_the_numbe
 
   other = "stream" if late == "host" else "host"
   moves: list[int] = []
-  monkeypatch.setattr(overlap.OverlappedStep, "_move_boundary", seen_late)
+  monkeypatch.setattr(OverlappedStep, "_move_boundary", seen_late)
   for batch in batches:
     step(batch)
   check_against_reference(step, groups, batches, FIRES, 2)
@@ -413,20 +414,20 @@ def test_a_wait_on_another_threads_future_ends_when_any_thread_fails():
 
 
 def test_one_micro_batch_runs_one_stage_ahead_by_default_and_a_given_value_is_kept():
-  from jax_dos import overlap_plan
+  from jax_dos.overlap.plan import StepOptions
 
-  assert overlap_plan.StepOptions(1).run_ahead_stages == 1
-  assert overlap_plan.StepOptions(int(np.random.default_rng().integers(2, 9))).run_ahead_stages == 2
-  assert overlap_plan.StepOptions(1, run_ahead_stages=3).run_ahead_stages == 3
+  assert StepOptions(1).run_ahead_stages == 1
+  assert StepOptions(int(np.random.default_rng().integers(2, 9))).run_ahead_stages == 2
+  assert StepOptions(1, run_ahead_stages=3).run_ahead_stages == 3
   with pytest.raises(ValueError, match="run_ahead_stages"):
-    overlap_plan.StepOptions(1, run_ahead_stages=0)
+    StepOptions(1, run_ahead_stages=0)
 
 
 def test_the_fired_redos_share_counts_the_host_kernel_alone_where_the_calibration_measured_it():
   """After a fired clip's decision the host worker only runs the kernel: where the calibration measured it alone, the
   stream path's share of the host subgroups is sized from that rate (at the host path's concurrent slowdown), so a
   faster kernel keeps more of them; unmeasured (0), the host path's concurrent rate sizes it."""
-  from jax_dos import overlap_plan
+  from jax_dos.overlap import plan as overlap_plan
   from jax_dos.stages import StagedModel
 
   rng = np.random.default_rng()

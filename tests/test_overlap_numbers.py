@@ -241,7 +241,8 @@ SHARDED = textwrap.dedent(
     sys.path.insert(0, "tests")
     import dataclasses
     import jax_dos
-    from jax_dos import overlap_plan, partition
+    from jax_dos import partition
+    from jax_dos.overlap import plan as overlap_plan
     import overlap_model as t
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))

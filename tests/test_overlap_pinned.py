@@ -19,8 +19,9 @@ from overlap_model import (
 )
 
 import jax_dos
-from jax_dos import memory, overlap_stream, pinned_pool
-from jax_dos.overlap_host import HostPath
+from jax_dos import memory, pinned_pool
+from jax_dos.overlap import stream_path
+from jax_dos.overlap.host_path import HostPath
 
 
 def _pinned_bytes() -> int:
@@ -39,7 +40,7 @@ def _record_stream_puts(monkeypatch) -> list[int]:
       seen.append(_pinned_bytes() - before + sum(x.nbytes for g in groups_ for x in g))
     return put_groups(groups_, kind)
 
-  monkeypatch.setattr(overlap_stream.memory, "put_groups", counting_put_groups)
+  monkeypatch.setattr(stream_path.memory, "put_groups", counting_put_groups)
   return seen
 
 

@@ -7,7 +7,7 @@ model's ``staged(cfg)``): the embedding, one stage per block, the head.
 runs the forward and backward passes stage by stage and the AdamW update of
 each stage's parameters as soon as the backward pass has produced their
 gradients, under the rest of the backward pass and the next forward pass
-(``jax_dos/overlap.py``). The numbers are the plain path's (optax's AdamW
+(``jax_dos/overlap/step.py``). The numbers are the plain path's (optax's AdamW
 after ``clip_by_global_norm``). Its :func:`plan` is made from the
 parameters' shapes before any optimizer state exists; ``--overlap auto``, the
 default, takes it where the timeline model predicts a shorter step than the

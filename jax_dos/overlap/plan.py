@@ -1,7 +1,7 @@
 """The overlapped step's plan: where each subgroup goes, what fits beside the step's peak, the host memory it takes.
 
 Functions of the staged model's parameters (:class:`StepLayout`), the
-optimizer's own plan and the measured stage times, for ``jax_dos.overlap``:
+optimizer's own plan and the measured stage times, for ``jax_dos.overlap.step``:
 
 * :func:`plan_step`: the step's plan from shapes alone, before any optimizer
   state exists (``jax_dos.overlapped_plan``): what ``OverlappedStep`` uses,
@@ -14,7 +14,7 @@ optimizer's own plan and the measured stage times, for ``jax_dos.overlap``:
   rest between the host and stream paths that the timeline model predicts
   fastest within the host budget (``jax_dos.timeline``);
 * :func:`host_bytes`, :func:`speculation_cap`, :func:`check_host_memory`
-  (from ``jax_dos.overlap_memory``): the pinned host bytes a plan needs in
+  (from ``jax_dos.overlap.memory``): the pinned host bytes a plan needs in
   this process, how many streamed parameters the budget lets a step
   speculate on, and the refusal where they do not fit;
 * :func:`stream_share_of_host`: the host subgroups the stream path steps when
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from jax_dos import host_ram, memory, moment_formats, partition, pinned_pool
 from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
-from jax_dos.overlap_memory import (
+from jax_dos.overlap.memory import (
   HOST_SHARE,
   check_host_memory,
   fixed_host_bytes,  # noqa: F401  (the plan's host bytes, read through this module by the step and the tests)

@@ -15,10 +15,10 @@ its stage. A step (the backward pass, stage ``n-1`` down to 0):
 
 1. **Hand-over.** The groups a stage's backward pass completes go to the
    optimizer: ``host`` subgroups' gradients leave for pinned host memory and
-   queue for the host worker (``jax_dos.overlap_host``), ``stream`` subgroups
-   for the stream worker (``jax_dos.overlap_stream``), each with its
+   queue for the host worker (``jax_dos.overlap.host_path``), ``stream`` subgroups
+   for the stream worker (``jax_dos.overlap.stream_path``), each with its
    parameters and a future of the new ones; ``device`` subgroups wait here.
-2. **Speculation** (``jax_dos.overlap_clip``). The workers may assume the clip
+2. **Speculation** (``jax_dos.overlap.clip``). The workers may assume the clip
    stays silent (scale ``1/k``): the host kernel steps into spare state
    buffers, the stream path keeps the old state until the decision.
 3. **Decision.** After the last stage the accelerator computes
@@ -36,7 +36,7 @@ the host subgroups' state, spares and weight copies; the stream worker the
 streamed state and its slots; the decider resolves the step's decision; the
 copy workers (``jax_dos.copy_out``) write the arena buffers handed to them.
 Whatever crosses threads goes through a future or a job queue. The plan comes
-from ``jax_dos.overlap_plan`` and is never edited here: rebalancing asks it
+from ``jax_dos.overlap.plan`` and is never edited here: rebalancing asks it
 for a new plan and hands that to both workers. The numbers are optax's in
 every placement, the same bits in two runs. The training thread stays at most
 ``RUN_AHEAD_STAGES`` stage programs ahead of the accelerator, and the host
@@ -62,29 +62,26 @@ from jax_dos import (
   host_plan,
   host_ram,
   memory,
-  overlap_plan,
-  overlap_process,
-  overlap_state,
   partition,
   pinned_pool,
   trace,
 )
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import Failure, JobThread, result_of
-from jax_dos.overlap_clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
-from jax_dos.overlap_host import HostPath, HostStep
-from jax_dos.overlap_plan import (  # noqa: F401
+from jax_dos.overlap import plan as overlap_plan
+from jax_dos.overlap import process as overlap_process
+from jax_dos.overlap import state as overlap_state
+from jax_dos.overlap.clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
+from jax_dos.overlap.host_path import HostPath, HostStep
+from jax_dos.overlap.plan import (
   REBALANCE_AFTER_STEPS,
-  REBALANCE_GAP_S,
   REBALANCE_STEPS,
-  RUN_AHEAD_STAGES,
   STREAM_SLOTS,
   StepOptions,
   overlappable,
   step_layout,
 )
-from jax_dos.overlap_process import NO_COMMAND_BUFFERS  # noqa: F401  (jax_dos exports it from here)
-from jax_dos.overlap_stream import IDLE_POLL_S, StreamPath, StreamStep
+from jax_dos.overlap.stream_path import IDLE_POLL_S, StreamPath, StreamStep
 from jax_dos.plan import partition_groups
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
@@ -138,11 +135,11 @@ class OverlappedStep:
     stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``),
       fewer where the room beside the step's peak cannot hold them (``"auto"``).
     rebalance: move one subgroup a step across the host/stream boundary,
-      away from the path that finished later (``overlap_plan.rebalanced``),
+      away from the path that finished later (``overlap.plan.rebalanced``),
       after ``REBALANCE_AFTER_STEPS`` steps; a step that rebalances first
       waits for the last one's update to end. The numbers do not change.
     host_budget_bytes: pinned host bytes this process's step may use at most
-      (:meth:`host_bytes`); ``None``: ``overlap_plan.HOST_SHARE`` of RAM, and
+      (:meth:`host_bytes`); ``None``: ``overlap.plan.HOST_SHARE`` of RAM, and
       no more than XLA's pinned pool. Nor more than the process's share of
       its host's pinned pool (``host_plan.pool_share`` of ``tx``'s
       ``host_memory``, else of this machine's RAM and the job's processes on
@@ -161,7 +158,7 @@ class OverlappedStep:
     pinned_memory: ``"arena"``: the offloaded state, spares and copies in
       pinned memory the step maps itself, outside XLA's pinned pool (CUDA and
       the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``:
-      XLA's pool; ``"auto"`` (the default): as ``overlap_state.PinnedMemory``
+      XLA's pool; ``"auto"`` (the default): as ``overlap.state.PinnedMemory``
       says. The numbers are the same.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
@@ -295,7 +292,7 @@ class OverlappedStep:
 
   @property
   def stream_speculation(self) -> int:
-    """Streamed parameters a step may speculate on (``overlap_plan.speculation_cap``), the others waiting for the
+    """Streamed parameters a step may speculate on (``overlap.plan.speculation_cap``), the others waiting for the
     clip decision."""
     return self.routes.stream_speculation
 
@@ -316,7 +313,7 @@ class OverlappedStep:
       raise MemoryError(message)
 
   def host_bytes(self) -> int:
-    """Pinned host bytes this process's step needs at most (``overlap_plan.host_bytes``), counted in the elements of
+    """Pinned host bytes this process's step needs at most (``overlap.plan.host_bytes``), counted in the elements of
     the state it holds (its devices' shards: ``1/N`` of a state partitioned over ``N`` processes): the offloaded
     state, the host path's spare state and copies, and the streamed parameters speculated on
     (:attr:`stream_speculation` at most)."""
@@ -371,7 +368,7 @@ class OverlappedStep:
     step's update); the last micro-batch's backward program of a stage hands
     the groups it completes over to the optimizer; the last backward program
     decides the clip. Whether the workers speculate is decided at the first
-    hand-over, from ``previous`` step's decision (``overlap_clip.speculates``).
+    hand-over, from ``previous`` step's decision (``overlap.clip.speculates``).
     """
     n, k = len(self.model.stages), len(parts)
     programs = schedule(n, k, self.micro_batch_order)
@@ -504,7 +501,7 @@ class OverlappedStep:
 
   def _move_boundary(self, ends: dict[str, float]) -> None:
     """One subgroup across the boundary, toward the path whose end (``ends``: seconds) came first: the plan
-    ``overlap_plan.rebalanced`` makes, handed to both paths with the moved state (the step is settled)."""
+    ``overlap.plan.rebalanced`` makes, handed to both paths with the moved state (the step is settled)."""
     plan, to, stop = overlap_plan.rebalanced(
       self.plan, self._layout, ends, self._last_move, self._host_room, self.hyper.moments
     )

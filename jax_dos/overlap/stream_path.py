@@ -42,9 +42,9 @@ import jax
 from jax_dos import device_steps, memory, pinned_arena, trace
 from jax_dos.copy_out import CopyOut
 from jax_dos.job_thread import Failure, hand_back, result_of
-from jax_dos.overlap_clip import Decision, StepRecord
-from jax_dos.overlap_host import ShareInput
-from jax_dos.overlap_plan import Routes
+from jax_dos.overlap.clip import Decision, StepRecord
+from jax_dos.overlap.host_path import ShareInput
+from jax_dos.overlap.plan import Routes
 from jax_dos.pinned_arena import PinnedArena
 
 # How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot

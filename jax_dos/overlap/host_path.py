@@ -11,7 +11,7 @@ subgroup's parameters (which it gives up until the new ones come back) and a
 parameters once they are final. It never writes the step's parameters.
 
 When the clip fires, the stream path steps the last host subgroups in
-forward order (``overlap_plan.stream_share_of_host``): the host path hands it
+forward order (``overlap.plan.stream_share_of_host``): the host path hands it
 their untouched state, gradients and parameters through
 ``StepRecord.host_share`` and takes their new state back through
 ``StepRecord.share_done``.
@@ -34,8 +34,8 @@ import jax
 
 from jax_dos import device_steps, host_kernels, memory, pinned_arena, trace
 from jax_dos.job_thread import Failure, hand_back, result_of
-from jax_dos.overlap_clip import StepRecord
-from jax_dos.overlap_plan import Routes
+from jax_dos.overlap.clip import StepRecord
+from jax_dos.overlap.plan import Routes
 from jax_dos.pinned_arena import PinnedArena
 
 
