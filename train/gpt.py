@@ -411,9 +411,9 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     overlapped, line = False, "step    plain: another process of the job chose the plain step from its own plans"
   notes.append(line)
   if not overlapped and overlap_plan is not None and overlap_plan.placements:  # what the choice turned down
-    total = sum(overlap_plan.elements(p) for p in jax_dos.PLACEMENTS) or 1
-    shares = ", ".join(f"{p} {100 * overlap_plan.elements(p) / total:.1f}%" for p in jax_dos.PLACEMENTS
-                       if overlap_plan.elements(p))  # fmt: skip
+    held = {p: overlap_plan.elements(p) for p in jax_dos.PLACEMENTS}
+    total = sum(held.values()) or 1
+    shares = ", ".join(f"{p} {100 * n / total:.1f}%" for p, n in held.items() if n)
     notes.append(f"step    the overlapped plan not taken: {shares}")
   if overlapped:
     start_step, opt_state = 0, None

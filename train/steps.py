@@ -118,7 +118,8 @@ def choose(
                  else "") + remat)  # fmt: skip
   if alone is not None:
     shown.append(f"plain {alone:.2f} s")
-  predicted = f" (predicted step: {', '.join(shown)})" if shown else ""
+  shown = ", ".join(shown)
+  predicted = f" (predicted step: {shown})" if shown else ""
   if refusal is not None:
     return False, f"step    plain: {refusal}"
   if mode == "off":
@@ -131,7 +132,7 @@ def choose(
   expected = silent if fired_s is None else (1 - share) * silent + share * fired_s
   tie = fired_s is not None and fired_s <= alone * (1 + jax_dos.PREDICTION_ERROR)
   faster = silent < alone and (expected < alone or tie)
-  rule = f"; expected {expected:.2f} s with the clip firing in {share:.0%} of steps ({source})"
+  rule = f"expected {expected:.2f} s with the clip firing in {share:.0%} of steps ({source})"
   if tie and fired_s > alone:
     rule += f", fired within the predictions' {jax_dos.PREDICTION_ERROR:.0%} of plain: a tie"
-  return faster, f"step    {'overlapped' if faster else 'plain'} (--overlap auto){predicted[:-1]}{rule})"
+  return faster, f"step    {'overlapped' if faster else 'plain'} (--overlap auto) (predicted step: {shown}; {rule})"
