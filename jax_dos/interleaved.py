@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -93,9 +94,15 @@ _FOUND: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("jax_dos
 
 
 def leaves_with_paths(tree: Any, what: str) -> tuple[list[Any], Any]:
-  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = []
-  for path, leaf in path_leaves:
+  """``tree``'s leaves and treedef, every leaf a floating-point array (a ``TypeError`` naming the first that is not).
+
+  The paths are found only for that message: flattening an NNX state with its paths and typing each leaf cost tens
+  of milliseconds a step at 6.7B.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if all(_floating(getattr(leaf, "dtype", None)) for leaf in leaves):
+    return leaves, treedef
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = jnp.result_type(leaf)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(
@@ -103,8 +110,13 @@ def leaves_with_paths(tree: Any, what: str) -> tuple[list[Any], Any]:
         " floating-point array. Keep integer buffers out of the optimized tree (e.g. with optax.masked or a"
         " flax.nnx filter)."
       )
-    leaves.append(leaf)
   return leaves, treedef
+
+
+@functools.lru_cache(maxsize=64)
+def _floating(dtype: Any) -> bool:
+  """Whether ``dtype`` is a floating-point dtype (``None``: not an array's)."""
+  return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def is_nnx_variable(x: Any) -> bool:

@@ -86,3 +86,38 @@ def test_partitioned_state_matches_optax_and_holds_shares():
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok ") == 11, result.stdout
+
+
+SHARE_SCRIPT = textwrap.dedent(
+  """
+    import jax, numpy as np, sys
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sys.path.insert(0, "tests")
+    from overlap_model import STAGES, make_groups
+    import jax_dos
+    from jax_dos.overlap import plan as overlap_plan
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    groups = jax.device_put(make_groups(np.random.default_rng()), NamedSharding(mesh, P()))  # replicated parameters
+    model = jax_dos.StagedModel(STAGES, len(groups))
+    split = overlap_plan.step_layout(model, groups, 8, partitioned=True)
+    whole = overlap_plan.step_layout(model, groups, 8, partitioned=False)
+    assert whole.device_share == 1.0 and split.device_share == 0.5, (whole.device_share, split.device_share)
+    total = sum(split.sizes)
+    room = int(0.6 * jax_dos.plan.STATE_BYTES * total)  # a device holds half the state, not all of it
+    plan = jax_dos.Plan(split.subgroups, ("device",) * len(split.sizes), split.sizes, 4, step_room_bytes=room)
+    kept = {name: overlap_plan.room_beside_step(plan, layout.device_share, layout.sizes, layout.forward_order, 4)[0]
+            for name, layout in (("split", split), ("whole", whole))}
+    assert kept["split"] == total and kept["whole"] < total, (kept, total)
+    print("ok")
+    """
+)
+
+
+def test_the_overlapped_plan_counts_a_device_its_share_of_the_partitioned_state():
+  """On a mesh of 2, each device holds half of a replicated parameter's state: the overlapped plan keeps resident
+  what fits that half (it counted the whole state on each device, and kept half of the 6.7B state off two H100s
+  that hold all of it)."""
+  result = subprocess.run([sys.executable, "-c", SHARE_SCRIPT], cwd=ROOT, env=cpu_devices_env(2),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+  assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr

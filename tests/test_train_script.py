@@ -170,6 +170,10 @@ def test_data_too_short_for_any_sequence_says_so():
     (["--remat", "some"], "invalid choice"),
     (["--arch", "llama", "--preset", "gpt2-124m"], "not a preset of --arch llama"),
     (["--arch", "llama", "--n-head", "2", "--preset", "llama-1.1b"], "multiple of n_kv_head=4"),
+    (["--profile", "6"], "give FIRST:STOP"),
+    (["--profile", "1:3"], "step 1 compiles"),
+    (["--profile", "5:5"], "2 <= FIRST < STOP"),
+    (["--steps", "4", "--profile", "3:9"], "--steps + 1 = 5"),
   ],
 )
 def test_bad_flags_are_argparse_errors(flags, match, capsys):
@@ -398,3 +402,20 @@ def test_the_processes_of_one_host_measure_one_calibration(tmp_path):
            for _ in range(2)]  # fmt: skip
   said = sorted(p.communicate(timeout=300)[0].split()[-1] for p in procs)
   assert said == ["measured", "read"], said
+
+
+def test_a_profile_of_the_steps_asked_for_and_its_summary(tmp_path):
+  """``--profile 2:4`` traces steps 2 and 3 (jax.profiler, with a Perfetto trace), and the summary script reads it:
+  the CPU's rows and the gradient programs' names."""
+  _run(tmp_path, "run", "--steps", "4", "--profile", "2:4")
+  traces = list((tmp_path / "run" / "profile").rglob("*.trace.json.gz"))
+  assert len(traces) == 1 and list((tmp_path / "run" / "profile").rglob("perfetto_trace.json.gz"))
+  root = Path(__file__).resolve().parents[1]
+  out = subprocess.run([sys.executable, "bench/probes/trace_summary.py", str(tmp_path / "run" / "profile"), "--host",
+                        "--json", str(tmp_path / "summary.json")], cwd=root, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+  assert out.returncode == 0, out.stderr
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["span_s"] > 0 and "/host:CPU" in summary["devices"], summary.keys()
+  rows = summary["devices"]["/host:CPU"].values()
+  assert any(r["busy_s"] > 0 and r["events"] > 0 for r in rows)

@@ -201,6 +201,16 @@ def test_auto_weighs_the_fired_and_silent_predictions_by_how_often_the_clip_fire
   assert ("a tie" in line) == (3.7 < fired_s <= 3.7 * 1.05)
 
 
+def test_auto_keeps_the_plain_step_where_the_overlapped_plan_offloads_nothing():
+  """All state resident (a 6.7B model over two H100s): both steps update it after the backward pass, so the
+  overlapped step has nothing to hide however its prediction compares."""
+  resident = T.jax_dos.Plan(((0,),) * 2, ("device",) * 2, (1,) * 2, 2, {"step": 2.9, "exposed": 0.1,
+                            "step_clip_fired": 2.9})  # fmt: skip
+  chosen, line = S.choose("auto", _plan(2, {"total": 0.9}), resident, None)
+  assert not chosen and "keeps all the state on the accelerator" in line and "overlapped 2.90 s" in line, line
+  assert S.choose("on", _plan(2, {"total": 0.9}), resident, None)[0]  # --overlap on still takes it
+
+
 def test_the_fired_share_comes_from_the_runs_record_else_a_stated_prior():
   assert S.fired_share(0.0) == (0.0, "no clip")
   assert S.fired_share(1.0) == (S.FIRED_PRIOR, "prior")

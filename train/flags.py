@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="write <out>/loss.png at the end of the run (needs matplotlib: pip install -e '.[plot]');"
                       " python -m train.plot <out> plots a run's metrics.jsonl any time, without training")  # fmt: skip
   r.add_argument("--quiet", action="store_true", help="no progress bar or messages")
+  r.add_argument("--profile", default=None, metavar="FIRST:STOP",
+                 help="write a profile of steps FIRST to STOP-1 (as the log numbers them, from 1) to <out>/profile:"
+                      " jax.profiler's trace, for TensorBoard's profile plugin or ui.perfetto.dev"
+                      " (perfetto_trace.json.gz)")  # fmt: skip
   return p
 
 
@@ -310,6 +314,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     err(f"--plot: {progress.MATPLOTLIB_MISSING} (or drop --plot, and plot later with python -m train.plot <out>).")
   if args.resume and args.overwrite:
     err("--resume and --overwrite contradict each other; pick one.")
+  if args.profile is not None:
+    try:
+      first, stop = (int(x) for x in args.profile.split(":"))
+    except ValueError:
+      err(f"--profile {args.profile}: give FIRST:STOP, two step numbers, e.g. --profile 6:8 for steps 6 and 7.")
+    if not 2 <= first < stop <= args.steps + 1:
+      err(f"--profile {args.profile}: give 2 <= FIRST < STOP <= --steps + 1 = {args.steps + 1} (step 1 compiles,"
+          " so a profile starts at step 2 or later).")  # fmt: skip
+    args.profile = (first, stop)
   if args.devices is not None and args.devices > jax.local_device_count():
     err(f"--devices {args.devices}: this process has {jax.local_device_count()} device(s)"
         f" ({jax.devices()[0].device_kind}); give at most that.")  # fmt: skip

@@ -501,6 +501,31 @@ def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params
   }
 
 
+class Profile:
+  """``--profile FIRST:STOP``: jax.profiler's trace of steps ``FIRST`` to ``STOP - 1`` in ``folder``, the step
+  settled at both ends so that the trace holds those steps' work whole."""
+
+  def __init__(self, steps: tuple[int, int] | None, folder: str, step, say) -> None:
+    self._steps, self._folder, self._step, self._say, self._on = steps, folder, step, say, False
+
+  def before(self, step_no: int) -> None:
+    if self._steps is not None and step_no == self._steps[0] and not self._on:
+      self._step.settle()
+      options = jax.profiler.ProfileOptions()
+      options.python_tracer_level = 0  # the Python threads' every call would bloat the trace and slow the step
+      jax.profiler.start_trace(self._folder, create_perfetto_trace=True, profiler_options=options)
+      self._on = True
+
+  def after(self, step_no: int | None) -> None:
+    """After step ``step_no`` (``None``: the run's end, which ends a trace still open)."""
+    if self._on and (step_no is None or step_no == self._steps[1] - 1):
+      self._step.settle()
+      jax.profiler.stop_trace()
+      self._on = False
+      first, last = self._steps[0], self._steps[1] - 1
+      self._say(f"wrote the profile of {f'step {first}' if first == last else f'steps {first}-{last}'} to {self._folder}")
+
+
 def plain_remat(remat: str) -> str:
   """The plain step's block policy for ``--remat``: ``auto`` is ``full`` on an accelerator that reports its memory
   (its activations may not fit) and ``none`` elsewhere (the CPU: nothing to save); the overlapped step's plan
@@ -590,9 +615,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   record = step_log.StepLog(args.clip)
   t_start = time.perf_counter()
   step_no = start_step
+  profile = Profile(args.profile, os.path.join(args.out, "profile"), step, lambda line: _say(args, line))
   for it in range(start_step, args.steps):
+    profile.before(it + 1)
     loss = step(get_batch(splits.train, args.global_batch * args.grad_accum, it))
     step_no = it + 1
+    profile.after(step_no)
     record.add(step_no, loss, step.grad_norm)
     if it == start_step:  # the first step compiles: start the clocks after it
       step.settle()
@@ -627,6 +655,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if do_eval or do_ckpt:
       rate.restart()  # tokens/s measures training only
   bar.close()
+  profile.after(None)
   params = step.params
   step.close()
   if manager is not None:

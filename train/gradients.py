@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
@@ -42,31 +43,87 @@ def _constrained(tree: Any, layout: tuple | None) -> Any:
   return jax.lax.with_sharding_constraint(tree, jax.tree.unflatten(jax.tree.structure(tree), list(layout)))
 
 
+class _Static:
+  """A static argument whose hash is found once: jit hashes its static arguments at every call, and an NNX GraphDef
+  hashes its whole graph (about 10 ms a call at 6.7B, on the training thread at every micro-batch)."""
+
+  __slots__ = ("value", "_hash")
+
+  def __init__(self, value: Any):
+    self.value, self._hash = value, hash(value)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Static) and (other.value is self.value or other.value == self.value)
+
+
+_STATICS: dict[int, _Static] = {}  # id(value) -> its wrapper (which holds it: the id stays its own)
+
+
+def _static(value: Any) -> _Static:
+  """``value`` wrapped as :class:`_Static`, one wrapper an object (the last few objects kept)."""
+  wrapped = _STATICS.get(id(value))
+  if wrapped is None or wrapped.value is not value:
+    if len(_STATICS) >= 8:
+      _STATICS.pop(next(iter(_STATICS)))
+    wrapped = _STATICS[id(value)] = _Static(value)
+  return wrapped
+
+
+def _unwrapped(graphdef: Any) -> Any:
+  return graphdef.value if isinstance(graphdef, _Static) else graphdef
+
+
 def _grad_step(graphdef, params, batch, clip: float):
   """``(loss, grads, scale, norm)``: the raw gradients, the global-norm clip's factor (1 when ``clip`` is 0), and
   the gradients' global norm."""
-  loss, grads = jax.value_and_grad(lm.loss, argnums=1)(graphdef, params, batch)
+  loss, grads = jax.value_and_grad(lm.loss, argnums=1)(_unwrapped(graphdef), params, batch)
   norm = optax.global_norm(grads)
   scale = jax_dos.clip_scale(norm, clip) if clip > 0 else jnp.float32(1)
   return loss, grads, scale, norm
 
 
-def _accumulate_step(graphdef, params, grad_sum, batch, clip: float, micro_batches: int, layout: tuple | None):
-  """One micro-batch of an accumulated step: ``(loss, grad_sum + grads, scale, norm)``.
+def micro_batch(x: jax.Array, index: jax.Array, micro_batches: int, shards: int) -> jax.Array:
+  """Micro-batch ``index`` of ``micro_batches`` of ``x``'s rows, each of its ``shards`` row shards giving its own.
 
-  After the last of ``micro_batches`` micro-batches, ``scale * grad_sum`` is
-  the mean gradient times the clip's factor for that mean:
-  ``scale = clip_scale(|grad_sum| / k, clip) / k``. The optimizer multiplies
-  by it (``grad_scale``), so the sum is never divided on the accelerator.
-  ``norm = |grad_sum| / k`` is the mean gradient's global norm. ``layout``
-  (the sum's shardings, flat) puts each micro-batch's gradients where the sum
-  lies: on a mesh, a replicated parameter's are reduce-scattered into its
-  partitioned state's layout (``jax_dos.state_shardings``).
+  ``x`` holds ``micro_batches x R`` rows laid out over ``shards`` devices,
+  ``micro_batches x R / shards`` consecutive rows each. Micro-batch ``i``
+  takes the ``i``-th ``R / shards`` rows of every shard, so each device
+  slices the rows it already holds: no row crosses devices, and nothing
+  leaves the program. One shard: rows ``[i R, (i + 1) R)``.
   """
-  loss, grads = jax.value_and_grad(lm.loss, argnums=1)(graphdef, params, batch)
+  per_shard = x.shape[0] // (shards * micro_batches)
+  parts = x.reshape(shards, micro_batches, per_shard, *x.shape[1:])
+  return jax.lax.dynamic_index_in_dim(parts, index, axis=1, keepdims=False).reshape(shards * per_shard, *x.shape[1:])
+
+
+def _accumulate_step(graphdef, params, grad_sum, batch, index, clip: float, micro_batches: int, shards: int,
+                     layout: tuple | None, batch_layout: Any):  # fmt: skip
+  """Micro-batch ``index`` of an accumulated step: ``(loss, grad_sum + grads, scale, norm)``.
+
+  ``batch`` is the whole step's; the program takes its micro-batch itself
+  (:func:`micro_batch`). After the last of ``micro_batches`` micro-batches,
+  ``scale * grad_sum`` is the mean gradient times the clip's factor for that
+  mean: ``scale = clip_scale(|grad_sum| / k, clip) / k``. The optimizer
+  multiplies by it (``grad_scale``), so the sum is never divided on the
+  accelerator. ``norm = |grad_sum| / k`` is the mean gradient's global norm,
+  computed after the last micro-batch only (``lax.cond``: the others return
+  0 and a scale of ``1/k``, which the caller drops). ``layout`` (the sum's
+  shardings, flat) puts each micro-batch's gradients where the sum lies: on
+  a mesh, a replicated parameter's are reduce-scattered into its partitioned
+  state's layout (``jax_dos.state_shardings``).
+  """
+  part = tuple(micro_batch(x, index, micro_batches, shards) for x in batch)
+  if batch_layout is not None:
+    part = jax.lax.with_sharding_constraint(part, (batch_layout,) * len(part))
+  loss, grads = jax.value_and_grad(lm.loss, argnums=1)(_unwrapped(graphdef), params, part)
   grad_sum = jax.tree.map(jnp.add, grad_sum, _constrained(grads, layout))
   mean = 1.0 / micro_batches
-  norm = optax.global_norm(grad_sum) * mean
+  kind = jax.eval_shape(optax.global_norm, grad_sum).dtype
+  norm = jax.lax.cond(index == micro_batches - 1, lambda s: optax.global_norm(s) * mean,
+                      lambda s: jnp.zeros((), kind), grad_sum)  # fmt: skip
   clip_factor = jax_dos.clip_scale(norm, clip) if clip > 0 else jnp.float32(1)
   return loss, grad_sum, clip_factor * jnp.float32(mean), norm
 
@@ -84,7 +141,7 @@ def _programs(options: tuple[tuple[str, Any], ...]) -> tuple[Callable, Callable]
   """
   opts = dict(options) or None
   grad = jax.jit(_grad_step, static_argnums=(0, 3), compiler_options=opts)
-  accumulate = jax.jit(_accumulate_step, static_argnums=(0, 4, 5, 6), donate_argnums=2, compiler_options=opts)
+  accumulate = jax.jit(_accumulate_step, static_argnums=(0, 5, 6, 7, 8, 9), donate_argnums=2, compiler_options=opts)
   return grad, accumulate
 
 
@@ -127,28 +184,37 @@ def _sum_layout(leaves: tuple, partitioned: bool) -> tuple | None:
 def accumulated_grad_step(micro_batches: int, partitioned: bool = True) -> Callable[..., tuple]:
   """``grad_step(graphdef, params, batch, clip) -> (loss, grad_sum, scale, norm)`` over ``micro_batches`` parts.
 
-  The batch's rows are split into ``micro_batches`` equal consecutive parts,
-  run one after another (one jitted call each, so only one part's activations
-  are alive at a time). ``loss`` is the mean of their losses, which is the
+  The batch's rows are split into ``micro_batches`` equal parts, each the
+  same share of every device's rows (:func:`micro_batch`; on one device,
+  consecutive rows), run one after another (one jitted call each, taking the
+  whole batch and its part's index, so only one part's activations are alive
+  at a time and no part is copied out of the batch before). ``loss`` is the mean of their losses, which is the
   whole batch's mean loss; ``grad_sum`` the sum of their gradients, in the
   gradients' dtype, on the accelerator (on a mesh, in the partitioned state's
   layout with ``partitioned``: :func:`sum_layout`); ``scale * grad_sum`` is the clipped
   mean gradient (:func:`_accumulate_step`), what ``optimizer_step`` takes; ``norm`` the mean gradient's norm.
+  The sum's layout is found at the first call, for parameters laid out as they are then (a step's own).
   """
+  layouts: list = []  # the sum's layout, found once
 
   def grad_step(graphdef, params, batch, clip: float):
     x, y = batch
     if x.shape[0] % micro_batches:
       raise ValueError(f"a batch of {x.shape[0]} rows does not split into {micro_batches} equal micro-batches.")
-    rows = x.shape[0] // micro_batches
-    layout = sum_layout(params, partitioned)
-    accumulate = _programs(_options(getattr(x, "sharding", None)))[1]
-    grad_sum, losses = _zeros_in(params, layout), []
+    if not layouts:
+      layouts.append(sum_layout(params, partitioned))
+    layout = layouts[0]
+    sharding = getattr(x, "sharding", None)
+    batch_layout = sharding if isinstance(sharding, NamedSharding) else None
+    shards = 1 if batch_layout is None else x.shape[0] // batch_layout.shard_shape(x.shape)[0]
+    if x.shape[0] % (shards * micro_batches):
+      raise ValueError(f"a batch of {x.shape[0]} rows over {shards} devices does not split into {micro_batches}"
+                       " equal micro-batches of each device's rows.")  # fmt: skip
+    accumulate = _programs(_options(sharding))[1]
+    grad_sum, losses, static = _zeros_in(params, layout), [], _static(graphdef)
     for i in range(micro_batches):
-      part = (x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows])
-      if isinstance(getattr(x, "sharding", None), NamedSharding):  # on a mesh: each part's rows over every device
-        part = jax.device_put(part, (x.sharding, y.sharding))
-      loss, grad_sum, scale, norm = accumulate(graphdef, params, grad_sum, part, clip, micro_batches, layout)
+      loss, grad_sum, scale, norm = accumulate(static, params, grad_sum, batch, np.int32(i), clip, micro_batches,
+                                               shards, layout, batch_layout)  # fmt: skip
       losses.append(loss)
     return sum(losses) / micro_batches, grad_sum, scale, norm
 
@@ -178,7 +244,22 @@ def make_grad_step(
   else:
     grads = jax_dos.gradient_shardings(tx, params, flush)
   options = dict(_options(_first_sharding(params))) or None
-  return jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, grads, None, None), compiler_options=options)
+  return _StaticGraph(
+    jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, grads, None, None), compiler_options=options)
+  )
+
+
+class _StaticGraph:
+  """A jitted ``f(graphdef, ...)`` called, and lowered, with its graphdef hashed once (:class:`_Static`)."""
+
+  def __init__(self, jitted: Callable):
+    self._jitted = jitted
+
+  def __call__(self, graphdef, *args):
+    return self._jitted(_static(graphdef), *args)
+
+  def lower(self, graphdef, *args):
+    return self._jitted.lower(_static(graphdef), *args)
 
 
 def _first_sharding(tree: Any) -> Any:
@@ -243,29 +324,32 @@ def gradient_step_memory(
   The program compiled is :func:`probe_shardings`'s (for ``"all"`` the one the
   training loop then runs, reusing the compilation); see
   :func:`step_memory_bound` for ``"host"``. With ``micro_batches > 1`` it is
-  one micro-batch's program (``batch_shape`` is the whole batch's), plus the
+  one micro-batch's program (``batch_shape`` is the whole batch's, which it takes whole), plus the
   running sum it updates in place, which stays alive through the update. ``batch_sharding`` lays the batch's rows
   out on a mesh (the figures are then each device's, the gradients in :func:`sum_layout`'s layout, and the
   programs compiled as the step compiles them: ``jax_dos.remat_compiler_options``).
   """
   options = _options(batch_sharding)
   if micro_batches > 1:
-    part_shape = (batch_shape[0] // micro_batches, batch_shape[1])
-    part = (jax.ShapeDtypeStruct(part_shape, jnp.int32, sharding=batch_sharding),) * 2
+    batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * 2
+    shards = 1 if batch_sharding is None else batch_shape[0] // batch_sharding.shard_shape(batch_shape)[0]
     layout = sum_layout(params, partitioned)
     shardings = layout or tuple(getattr(p, "sharding", None) for p in jax.tree.leaves(params))
     grad_sum = jax.tree.unflatten(
       jax.tree.structure(params),
       [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s) for p, s in zip(jax.tree.leaves(params), shardings)],
     )
-    compiled = _programs(options)[1].lower(graphdef, params, grad_sum, part, clip, micro_batches, layout).compile()
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    accumulate = _programs(options)[1]
+    compiled = accumulate.lower(_static(graphdef), params, grad_sum, batch, index, clip, micro_batches, shards, layout,
+                                batch_sharding).compile()  # fmt: skip
     need = jax_dos.StepMemory.of(compiled)
     sums = _device_bytes(params, layout)
     return jax_dos.StepMemory(need.peak_bytes + sums, need.live_bytes + sums)
   batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * 2
   step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush, partitioned),
                  None, None), compiler_options=dict(options) or None)  # fmt: skip
-  return step_memory_bound(step.lower(graphdef, params, batch, clip).compile(), params, flush, partitioned)
+  return step_memory_bound(step.lower(_static(graphdef), params, batch, clip).compile(), params, flush, partitioned)
 
 
 def check_split_flush(compiled: Any, assumed: jax_dos.StepMemory) -> None:

@@ -96,6 +96,10 @@ def choose(
   """``(overlapped?, one line saying which step and why)`` for ``--overlap mode``.
 
   ``auto`` takes the overlapped step where both plans predict a step, the
+  overlapped plan offloads some state (with all of it resident, both steps
+  update it after the backward pass, and the overlapped step only adds its
+  stages' launches and, on a mesh, a collective a stage; timeline and
+  plain plan price neither), the
   overlapped one is shorter with the clip silent, and either its expected step
   ``(1 - p) silent + p fired`` is shorter than the plain one (``p``, ``where``
   = ``fired``: the share of steps whose clip fires, :func:`fired_share`) or its
@@ -128,6 +132,9 @@ def choose(
     return True, f"step    overlapped (--overlap on){predicted}"
   if silent is None or alone is None:
     return False, "step    plain: no timeline prediction to compare the overlapped step with (--overlap on forces it)"
+  if not overlapped.elements("host") and not overlapped.elements("stream"):
+    return False, (f"step    plain (--overlap auto): the overlapped plan keeps all the state on the accelerator, so"
+                   f" it has no offloaded update to hide{predicted}")  # fmt: skip
   share, source = fired
   expected = silent if fired_s is None else (1 - share) * silent + share * fired_s
   tie = fired_s is not None and fired_s <= alone * (1 + jax_dos.PREDICTION_ERROR)

@@ -108,7 +108,9 @@ class StepLayout:
   every subgroup in the order the backward pass hands them over;
   ``leaf_held`` the elements of each leaf's state this process holds (its
   devices' shards, summed: ``memory.process_elements``), the leaf's size
-  where not given.
+  where not given; ``leaf_on_device`` the elements of each leaf's state one
+  device holds (its shard: ``memory.device_elements``; ``1/N`` of a state
+  partitioned over ``N`` devices), the leaf's size where not given.
   """
 
   subgroups: tuple[tuple[int, ...], ...]
@@ -118,6 +120,13 @@ class StepLayout:
   leaf_bytes: tuple[int, ...]
   hand_over: tuple[int, ...] = ()
   leaf_held: tuple[int, ...] = ()
+  leaf_on_device: tuple[int, ...] = ()
+
+  @property
+  def device_share(self) -> float:
+    """Elements of state one device holds a parameter of the model: what a resident or streamed parameter costs
+    each device's memory (``1/N`` partitioned over ``N`` devices)."""
+    return sum(self.leaf_on_device or self.leaf_sizes) / (sum(self.leaf_sizes) or 1)
 
   @property
   def held(self) -> tuple[int, ...]:
@@ -200,7 +209,7 @@ def step_layout(model: StagedModel, groups: list, subgroup_size: int, partitione
   return StepLayout(
     tuple(subgroups), tuple(sizes), tuple(model.completion[g] for g in group_of),
     tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves), tuple(hand_over),
-    tuple(memory.process_elements(x) for x in state),
+    tuple(memory.process_elements(x) for x in state), tuple(memory.device_elements(x) for x in state),
   )  # fmt: skip
 
 
@@ -349,13 +358,13 @@ def make_step_plan(
     if micro_batch_order == "stage" and stage_times is not None:
       boundaries = (micro_batches - 1) * stage_times.boundary_bytes
     if stage_times is None or whole.calibration is None:
-      resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries,
-                                         owner.hyper.moments)  # fmt: skip
+      resident, slots = room_beside_step(whole, layout.device_share, sizes, forward_order, max_stream_slots,
+                                         boundaries, owner.hyper.moments)  # fmt: skip
       stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
       placements = stage_ordered_placements(forward_order, sizes, resident, stream)
       return Plan(subgroups, tuple(placements), sizes, slots, source="model+stages", calibration=whole.calibration,
                   step_room_bytes=whole.step_room_bytes)  # fmt: skip
-    return _timeline_plan(whole, groups, layout, stage_times, boundaries, stage_policies, micro_batches,
+    return _timeline_plan(whole, layout, stage_times, boundaries, stage_policies, micro_batches,
                           micro_batch_order, run_ahead_stages, max_stream_slots, host_budget_bytes,
                           owner.hyper.moments)  # fmt: skip
   if isinstance(spec, str):
@@ -372,7 +381,7 @@ def make_step_plan(
 
 
 def _timeline_plan(
-  whole: Plan, groups: list, layout: StepLayout, stage_times: StageTimes, boundaries: int,
+  whole: Plan, layout: StepLayout, stage_times: StageTimes, boundaries: int,
   stage_policies: tuple[str, ...] | None, micro_batches: int, micro_batch_order: str, run_ahead_stages: int,
   max_stream_slots: int, host_budget_bytes: int, moments: str = "float32",
 ) -> Plan:  # fmt: skip
@@ -402,7 +411,7 @@ def _timeline_plan(
     candidates = remat_candidates(stage_times)
   else:
     candidates = [stage_policies if stage_times.remat and stage_policies else None]
-  per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / (sum(sizes) or 1)
+  per_device = layout.device_share
   state, staging = _device_bytes(moments)
   least = staging * max(sizes, default=0) * per_device  # one streaming slot of the largest subgroup
   cal = whole.calibration
@@ -415,7 +424,7 @@ def _timeline_plan(
       room = None if whole.step_room_bytes is None else whole.step_room_bytes - boundaries - extra
       if policies != full and stage_times.remat_choices and (room is None or room < least):
         continue
-    resident, slots = room_beside_step(whole, groups, sizes, forward_order, max_stream_slots, boundaries + extra,
+    resident, slots = room_beside_step(whole, per_device, sizes, forward_order, max_stream_slots, boundaries + extra,
                                        moments)  # fmt: skip
     backward = stream_rate_during_backward(times, sum(sizes) / len(sizes), run_ahead_stages)
     rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
@@ -448,7 +457,7 @@ def _device_bytes(moments: str) -> tuple[float, float]:
 
 def room_beside_step(
   whole: Plan,
-  groups: list,
+  per_device: float,
   sizes: tuple[int, ...],
   forward_order: list[int],
   max_slots: int,
@@ -468,13 +477,13 @@ def room_beside_step(
   one). Resident subgroups are the first ``resident`` elements in forward
   order, so the largest one left out grows as the share shrinks: the share is
   shrunk until it holds (a few rounds). Room unknown: the plain plan's share
-  and ``max_slots``.
+  and ``max_slots``. ``per_device``: the elements of state one device holds
+  a parameter (``StepLayout.device_share``: ``1/N`` partitioned over ``N``).
   """
   resident, total, slots = whole.elements("device"), sum(sizes), max_slots
   if whole.step_room_bytes is None:
     return resident, slots
   state, staging = _device_bytes(moments)
-  per_device = (sum(memory.device_elements(x) for x in jax.tree.leaves(groups)) or 1) / total
   room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
   if resident >= total and state * total * per_device <= room:
     return resident, slots
