@@ -523,7 +523,8 @@ class Profile:
       jax.profiler.stop_trace()
       self._on = False
       first, last = self._steps[0], self._steps[1] - 1
-      self._say(f"wrote the profile of {f'step {first}' if first == last else f'steps {first}-{last}'} to {self._folder}")
+      steps = f"step {first}" if first == last else f"steps {first}-{last}"
+      self._say(f"wrote the profile of {steps} to {self._folder}")
 
 
 def plain_remat(remat: str) -> str:
