@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_dos
-from jax_dos import checkpoint_integrity
+from jax_dos.checkpoint import integrity as checkpoint_integrity
 
 LEAF = 2**24  # parameters per leaf (a 4096 x 4096 matrix)
 

@@ -15,7 +15,8 @@ The package, from the ground up: ``state``, ``adam_math``, ``memory`` (array pla
 host's RAM) and ``pinned_pool`` (XLA's pinned host pool and its cap), ``plan``, ``trace`` and ``host_kernels``; the two
 ways to run a step, ``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
 ``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
-face) with ``accumulate``, ``state_convert`` and ``checkpoint``; the overlapped step, ``stages``,
+face) with ``accumulate`` and the package ``checkpoint/`` (Orbax; optax's state and back); the overlapped step,
+``stages``,
 ``timeline`` and the package ``overlap/`` (its plan, the step, its host and stream paths, the clip decision), with
 ``remat`` (the rematerialisation policies) below them, and ``nnx_adapter`` (a Flax NNX model's stages)
 (docs/design.md).
@@ -30,7 +31,8 @@ from jax_dos import timeline, trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
-from jax_dos.checkpoint_integrity import DAMAGED_DIR
+from jax_dos.checkpoint.integrity import DAMAGED_DIR
+from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.host_plan import HostMemory, agreed_refusal, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
@@ -55,7 +57,6 @@ from jax_dos.remat import compiler_options as remat_compiler_options
 from jax_dos.remat import describe as describe_remat
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
-from jax_dos.state_convert import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.timeline import PREDICTION_ERROR, RematCosts, StageTimes
 from jax_dos.transform import (
   DEFAULT_DELAY_WARMUP,

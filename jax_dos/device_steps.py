@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_dos import adam_math
+from jax_dos import adam_math, memory
 
 
 def _update_group(grads, masters, mus, nus, params, scalars, hyper, decay):
@@ -46,3 +46,12 @@ to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
 # found no room (H100).
 assign = jax.jit(lambda olds, news: [n.astype(o.dtype) for o, n in zip(olds, news)], donate_argnums=0,
                  keep_unused=True)  # fmt: skip
+
+
+def resident_call(grads, masters, mus, nus, params, scalars, hyper, decay, new_params: bool = True) -> tuple:
+  """One jitted call of the resident update (``Plan.resident_calls``' leaves): the gradients first brought where
+  their state is (flushed ones come back from host memory), then :data:`update_params` (``new_params``: the new
+  parameters written into the old ones' buffers) or :data:`update` (the updates). The eager engine and the
+  overlapped step both update their resident state so."""
+  grads = memory.like_states(list(grads), list(masters))
+  return (update_params if new_params else update)(grads, masters, mus, nus, params, scalars, hyper, decay)

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dos import adam_math, device_steps, host_kernels, memory, trace
-from jax_dos.plan import MEMORY_KIND, RESIDENT_CALL_ELEMENTS, Plan
+from jax_dos.plan import MEMORY_KIND, Plan
 from jax_dos.step_ahead import StepAhead
 
 
@@ -193,7 +193,8 @@ class Engine:
     self.delay_predict = delay_predict if delay else None  # None, "moments" or "gradient"
     self.write_behind = bool(write_behind)
     self.leaf_placement = plan.leaf_placements()
-    self.resident_calls = self._resident_calls()
+    # resident leaves, per jitted call (Plan.resident_calls)
+    self.resident_calls = [[i for s in call for i in plan.subgroups[s]] for call in plan.resident_calls()]
     # host leaf -> the copy of its master the kernel writes for the accelerator: bfloat16 for bfloat16 params;
     # with delay_predict="moments", float32 for the others (then it holds predictions in delayed steps)
     self._lows: dict[int, jax.Array] = {}
@@ -245,10 +246,7 @@ class Engine:
     for dev_leaves in self.resident_calls:
       with trace.span("device.dispatch"):
         leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
-        leaves[0] = memory.like_states(leaves[0], leaves[1])  # flushed ones come back
-        outs = (device_steps.update_params if new_params else device_steps.update)(
-          *leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves)
-        )
+        outs = device_steps.resident_call(*leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves), new_params)
         self._scatter(dev_leaves, outs, updates, new)
 
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
@@ -278,23 +276,6 @@ class Engine:
       elif not delayed:
         _BACKGROUND.wait(self)
     return updates, new[0], new[1], new[2], device_steps.increment(count)
-
-  def _resident_calls(self) -> list[list[int]]:
-    """Resident leaves in jitted calls of at most ``RESIDENT_CALL_ELEMENTS`` elements (whole subgroups).
-
-    Bounded calls bound any temporaries XLA makes for them, and flushed
-    gradients come back to the accelerator one call at a time instead of all
-    at once (a 6.7B model keeps 3.5 B parameters resident: 7 GB of bf16
-    gradients).
-    """
-    calls, size = [[]], 0
-    for s in self.plan.indices("device"):
-      if calls[-1] and size + self.plan.sizes[s] > RESIDENT_CALL_ELEMENTS:
-        calls.append([])
-        size = 0
-      calls[-1] += self.plan.subgroups[s]
-      size += self.plan.sizes[s]
-    return [c for c in calls if c]
 
   def _low_copies(self, leaves, masters, mus, nus, params, step, synced, scalars) -> dict[int, jax.Array]:
     """The copies of the masters of ``leaves`` the kernel writes for the accelerator (host buffers the engine owns).

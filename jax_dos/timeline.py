@@ -206,7 +206,7 @@ class Collectives:
   each rank holds and updates ``1/ranks`` of the state; each stage's gradient sum is reduce-scattered after its
   backward pass (``(ranks - 1) / ranks`` of its ``grad_bytes`` a parameter on the link), and the new weights are
   all-gathered (``(ranks - 1) / ranks`` of ``param_bytes``) before the next forward pass reaches the stage
-  (``OverlappedStep`` all-reduces the sums, then slices them: ``grad_bytes`` twice the gradient's prices that). Not
+  (``OverlappedStep``'s stage programs put them in the partitioned layout, which XLA reduce-scatters). Not
   partitioned (``partition_replicated=False``): each gradient sum is all-reduced (twice a reduce-scatter's bytes),
   every rank updates the whole state, and nothing is gathered. The host path's rate is the host's, shared by its
   processes: each gets ``1 / processes_per_host`` of it.
@@ -332,7 +332,7 @@ def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates:
   With the clip fired, every streamed parameter (``S``) and every host one
   (``H``) is stepped after the decision; the paths end together when the
   stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones, at
-  the concurrent rates. ``overlap.plan.stream_share_of_host`` is this share
+  the concurrent rates. ``overlap.routes.stream_share_of_host`` is this share
   for a plan.
   """
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))

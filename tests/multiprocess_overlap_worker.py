@@ -52,7 +52,7 @@ def pinned(tree) -> list[jax.Array]:
 def check_host_bytes(step) -> None:
   """The step's host bytes count the half of the state this process holds (the mesh's "data" axis spans the two
   processes): the pinned state it addresses is half the whole arrays', and is what ``host_bytes`` plans for it."""
-  from jax_dos.overlap import plan as overlap_plan
+  from jax_dos.overlap import memory as overlap_memory
 
   state = step.opt_state
   arrays = pinned((state.master, state.mu, state.nu))
@@ -62,8 +62,8 @@ def check_host_bytes(step) -> None:
   offloaded = [i for leaves, p in zip(plan.subgroups, plan.placements) if p != "device" for i in leaves]
   assert here == 12 * sum(layout.held[i] for i in offloaded), here  # float32 master, mu and nu
   whole = dataclasses.replace(layout, leaf_held=())  # every leaf counted whole, as one process of it all would
-  assert 2 * overlap_plan.fixed_host_bytes(plan, layout) == overlap_plan.fixed_host_bytes(plan, whole)
-  assert here <= step.host_bytes() <= overlap_plan.host_bytes(plan, whole, None) // 2
+  assert 2 * overlap_memory.fixed_host_bytes(plan, layout) == overlap_memory.fixed_host_bytes(plan, whole)
+  assert here <= step.host_bytes() <= overlap_memory.host_bytes(plan, whole, None) // 2
 
 
 def run(seed: int, directory: str) -> None:

@@ -316,7 +316,7 @@ def test_a_step_that_verifies_is_not_overwritten(tmp_path):
 
 
 def test_manifest_checksums_every_segment_of_every_file(tmp_path, monkeypatch):
-  from jax_dos import checkpoint_integrity as integrity
+  from jax_dos.checkpoint import integrity
 
   tx = interleaved("host")
   monkeypatch.setattr(integrity, "SEGMENT_BYTES", 4096)  # several segments per data file
@@ -339,7 +339,7 @@ def test_a_manifest_of_the_earlier_format_still_verifies(tmp_path):
   """Manifests written before content checksums hold the CRC-32 of files up to 1 MiB; larger files go by size."""
   import zlib
 
-  from jax_dos import checkpoint_integrity as integrity
+  from jax_dos.checkpoint import integrity
 
   _save_two(tmp_path, interleaved("host"))
   step = tmp_path / "2"
@@ -402,7 +402,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import jax, jax.numpy as jnp, numpy as np
     import jax_dos
-    from jax_dos import checkpoint_integrity as integrity
+    from jax_dos.checkpoint import integrity
     from jax_dos.checkpoint import CheckpointManager
     directory, moment = sys.argv[1], sys.argv[2]
     params = {"w": jnp.arange(64.0).reshape(8, 8)}
@@ -523,7 +523,7 @@ def test_restore_into_abstract_templates(tmp_path):
 
 def test_a_disk_too_small_is_refused_before_writing(tmp_path, monkeypatch):
   # A full disk cannot be made here; the check reads shutil.disk_usage, so that is what reports one.
-  import jax_dos.checkpoint as ckpt
+  from jax_dos.checkpoint import manager as ckpt
 
   tx = interleaved("host")
   params = make_params()

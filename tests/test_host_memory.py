@@ -16,6 +16,7 @@ import pytest
 
 import jax_dos
 from jax_dos import host_ram, pinned_pool
+from jax_dos.overlap import memory as overlap_memory
 from jax_dos.overlap import plan as overlap_plan
 from jax_dos.pinned_pool import BFC_TABLE_FRACTION
 from models import gpt as gpt_model
@@ -99,16 +100,16 @@ def test_the_need_bound_is_an_all_host_overlapped_plans_need():
   plan = jax_dos.overlapped_plan(tx, stages, groups)
   layout = overlap_plan.step_layout(jax_dos.StagedModel(stages, len(groups)), groups, 8)
   n = sum(math.prod(s) for s in sizes)
-  assert jax_dos.host_need_bound(n, 2, overlapped=True, host_memory_bytes=2**50) == overlap_plan.host_bytes(
+  assert jax_dos.host_need_bound(n, 2, overlapped=True, host_memory_bytes=2**50) == overlap_memory.host_bytes(
     plan, layout, 0
   )
   ram = 100 * GiB
   assert jax_dos.host_need_bound(5 * 10**9, 2, overlapped=True, host_memory_bytes=ram) == max(
-    16 * 5 * 10**9, int(overlap_plan.HOST_SHARE * ram)
+    16 * 5 * 10**9, int(overlap_memory.HOST_SHARE * ram)
   )
   assert jax_dos.host_need_bound(n) == 16 * n
   big = int(ram / 16)  # the plain step's 16 B a parameter fill the RAM: only the overlapped step can run
-  assert jax_dos.host_need_bound(big, 2, overlapped=True, host_memory_bytes=ram) == int(overlap_plan.HOST_SHARE * ram)
+  assert jax_dos.host_need_bound(big, 2, overlapped=True, host_memory_bytes=ram) == int(overlap_memory.HOST_SHARE * ram)
   assert jax_dos.host_need_bound(big, 2, overlapped=False, host_memory_bytes=ram) == 16 * big
 
 

@@ -257,6 +257,7 @@ def test_the_overlapped_plan_counts_each_formats_host_bytes():
   from overlap_model import B1, B2, STAGES, WD, make_groups
   from overlap_model import LR as OVERLAP_LR
 
+  from jax_dos.overlap import memory as overlap_memory
   from jax_dos.overlap import plan as overlap_plan
 
   groups = make_groups(np.random.default_rng())
@@ -269,8 +270,8 @@ def test_the_overlapped_plan_counts_each_formats_host_bytes():
     tx = jax_dos.interleaved_adamw(OVERLAP_LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, moments=moments,
                                    planner=planner)  # fmt: skip
     plan = jax_dos.overlapped_plan(tx, STAGES, groups, stage_times=times, host_budget_bytes=budget)
-    cap = overlap_plan.speculation_cap(plan, layout, budget, moments)
-    assert overlap_plan.host_bytes(plan, layout, cap, moments) <= budget
+    cap = overlap_memory.speculation_cap(plan, layout, budget, moments)
+    assert overlap_memory.host_bytes(plan, layout, cap, moments) <= budget
     host[moments] = plan.elements("host")
     n = sum(sizes)
     assert jax_dos.host_need_bound(n, moments=moments) == math.ceil((mf.state_bytes_per_param(moments) + 4) * n)

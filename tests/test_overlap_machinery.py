@@ -428,6 +428,7 @@ def test_the_fired_redos_share_counts_the_host_kernel_alone_where_the_calibratio
   stream path's share of the host subgroups is sized from that rate (at the host path's concurrent slowdown), so a
   faster kernel keeps more of them; unmeasured (0), the host path's concurrent rate sizes it."""
   from jax_dos.overlap import plan as overlap_plan
+  from jax_dos.overlap import routes as overlap_routes
   from jax_dos.stages import StagedModel
 
   rng = np.random.default_rng()
@@ -441,7 +442,7 @@ def test_the_fired_redos_share_counts_the_host_kernel_alone_where_the_calibratio
   def share(kernel: float) -> set:
     measured = {**cal, "host_kernel_rate": kernel}
     plan = users.with_placements(users.placements, source="model+timeline", calibration=measured)
-    return overlap_plan.stream_share_of_host(plan, layout)
+    return overlap_routes.stream_share_of_host(plan, layout)
 
   assert share(0.0) == share(rate) and share(rate)
   assert share(3 * rate) < share(rate)  # the last ones in forward order, fewer of them

@@ -242,6 +242,7 @@ SHARDED = textwrap.dedent(
     import dataclasses
     import jax_dos
     from jax_dos import partition
+    from jax_dos.overlap import memory as overlap_memory
     from jax_dos.overlap import plan as overlap_plan
     import overlap_model as t
 
@@ -296,7 +297,7 @@ SHARDED = textwrap.dedent(
     held = sum(shard.data.nbytes for a in state for shard in a.addressable_shards)
     assert held == 2 * sum(a.nbytes for a in state) == 12 * sum(step._layout.held), held
     whole = dataclasses.replace(step._layout, leaf_held=())  # each element once
-    assert step.host_bytes() == 2 * overlap_plan.host_bytes(step.plan, whole, 0)
+    assert step.host_bytes() == 2 * overlap_memory.host_bytes(step.plan, whole, 0)
     template = jax_dos.abstract_state(step.plan, groups, partition_replicated=False)
     for x, a in zip(jax.tree.leaves(step.opt_state.master), jax.tree.leaves(template.master)):
         assert x.sharding.is_equivalent_to(a.sharding, x.ndim), a

@@ -179,7 +179,7 @@ def test_resume_survives_a_damaged_newest_checkpoint(tmp_path, recovery_runs, ki
 
 _KILLED_FIRST_SAVE = textwrap.dedent("""
     import os, signal, sys
-    from jax_dos import checkpoint_integrity
+    from jax_dos.checkpoint import integrity as checkpoint_integrity
     from train import gpt
     # SIGKILL once Orbax has committed the first checkpoint, before its manifest is written.
     checkpoint_integrity.write_manifest = lambda *a: os.kill(os.getpid(), signal.SIGKILL)

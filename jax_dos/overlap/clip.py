@@ -66,7 +66,7 @@ class StepRecord:
   is queued): whether the workers speculate this step. ``decision``: resolved
   by the decider. ``host_share``: resolved by the host worker when the clip
   fired, with the inputs of the host subgroups the stream path steps;
-  ``share_done``: resolved by the stream worker with their new state.
+  ``share_done``: resolved by the stream worker with their new state and their old one.
   ``host`` and ``stream``: each worker's own record of the step, written by
   that worker only.
   """

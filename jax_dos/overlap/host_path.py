@@ -11,10 +11,10 @@ subgroup's parameters (which it gives up until the new ones come back) and a
 parameters once they are final. It never writes the step's parameters.
 
 When the clip fires, the stream path steps the last host subgroups in
-forward order (``overlap.plan.stream_share_of_host``): the host path hands it
-their untouched state, gradients and parameters through
-``StepRecord.host_share`` and takes their new state back through
-``StepRecord.share_done``.
+forward order (``overlap.routes.stream_share_of_host``): the host path hands it
+their untouched state, gradients, parameters and spare buffers through
+``StepRecord.host_share``, keeping none of them (one holder a buffer), and
+takes their new state and the old one back through ``StepRecord.share_done``.
 
 With a :class:`~jax_dos.pinned_arena.PinnedArena` every buffer of the host
 path (state, spare state, weight copies) is one of its arrays, outside XLA's
@@ -35,7 +35,7 @@ import jax
 from jax_dos import device_steps, host_kernels, memory, pinned_arena, trace
 from jax_dos.job_thread import Failure, hand_back, result_of
 from jax_dos.overlap.clip import StepRecord
-from jax_dos.overlap.plan import Routes
+from jax_dos.overlap.routes import Routes
 from jax_dos.pinned_arena import PinnedArena
 
 
@@ -57,7 +57,9 @@ class HostStep:
 class ShareInput:
   """A host subgroup handed to the stream path after a fired clip: its untouched state ``[masters, mus, nus]``, its
   gradients in host memory, its parameters (donated to the update), the future of its new parameters and, with an
-  arena, the buffers its new state is copied into (its spare state, given up until it comes back as the state)."""
+  arena, the buffers its new state is copied into (its spare state, given up until it comes back as the state).
+  The host path holds none of them once it has handed this over (``HostPath._give_share``); the stream path hands
+  the new state and the old one back (``(new, old)``, each ``[masters, mus, nus]``)."""
 
   state: list[list[jax.Array]]
   grads: list[jax.Array]
@@ -221,23 +223,13 @@ class HostPath:
     st: HostStep = record.host
     self._assign_sent(wait=True)
     on_stream = self.routes.redo_on_stream if decision.fired else frozenset()
-    shared: dict[int, list[list[jax.Array]]] = {}
+    shared: dict[int, tuple[list, list]] = {}  # subgroup -> (its new state, its old one), handed back
     if decision.fired:
       with trace.span("host.wait_sent"):
         jax.block_until_ready(st.sent)  # the copies read the buffers the redo writes
       st.sent.clear()  # the redo writes into (donates) these
-      share = {}
-      for s in on_stream & st.grads.keys():  # handed to the stream worker, with their parameters and futures
-        leaves = self.routes.plan.subgroups[s]
-        state = [[d[i] for i in leaves] for d in (self.masters, self.mus, self.nus)]
-        share[s] = ShareInput(state, [st.grads[s][i] for i in leaves], st.params.pop(s), st.futures.pop(s))
-        if self.arena is not None:  # the stream path's new state is copied into its spare (a wasted speculation)
-          share[s].into = [[self.spares[i][k] for i in leaves] for k in range(3)]
-          continue
-        for i in leaves:  # its spare (a wasted speculation, or nothing) goes: the stream path's new state takes its
-          for a in self.spares[i]:  # place, so that the state is never held three times (host_bytes counts two)
-            a.delete()
-      hand_back(record.host_share, share)  # the stream worker may step its share now
+      share = {s: self._give_share(st, s) for s in on_stream & st.grads.keys()}
+      hand_back(record.host_share, share)  # the stream worker may step its share now: its buffers are its own
       for s in self.routes.by_forward_rank(set(st.speculated + st.deferred) - on_stream):
         with trace.span("host.redo" if s in st.speculated else "host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
@@ -261,8 +253,26 @@ class HostPath:
       for i in self.routes.plan.subgroups[s]:
         current = (self.masters[i], self.mus[i], self.nus[i])
         (self.masters[i], self.mus[i], self.nus[i]), self.spares[i] = self.spares[i], current
-    for s, back in shared.items():  # the stream path's new state; the old one is the spare (the last one deleted)
+    for s, (new, old) in shared.items():  # handed back: the stream path's new state, and the old one as the spare
       for j, i in enumerate(self.routes.plan.subgroups[s]):
-        self.spares[i] = (self.masters[i], self.mus[i], self.nus[i])
-        self.masters[i], self.mus[i], self.nus[i] = back[0][j], back[1][j], back[2][j]
-    st.grads.clear()  # each freed after its last kernel, or by the stream path (a fired clip's share)
+        self.masters[i], self.mus[i], self.nus[i] = new[0][j], new[1][j], new[2][j]
+        self.spares[i] = (old[0][j], old[1][j], old[2][j])
+    st.grads.clear()  # each freed after its last kernel (a fired clip's share: by the stream path, which held them)
+
+  def _give_share(self, st: HostStep, s: int) -> ShareInput:
+    """Host subgroup ``s`` handed to the stream worker after a fired clip: its state, gradients, parameters, future
+    and (with an arena) its spare buffers leave this path's tables, so that only the stream worker holds them until
+    it hands back the new state and the old one (:meth:`_finish`). Without an arena the spare (a wasted
+    speculation, or nothing) is freed here: the stream path's new state takes its place, so that the state is never
+    held three times (``host_bytes`` counts two)."""
+    leaves = self.routes.plan.subgroups[s]
+    state = [[table.pop(i) for i in leaves] for table in (self.masters, self.mus, self.nus)]
+    spares = [self.spares.pop(i) for i in leaves]
+    into = None
+    if self.arena is not None:  # the stream path's new state is copied into the spare
+      into = [[spare[k] for spare in spares] for k in range(3)]
+    else:
+      for a in (a for spare in spares for a in spare):
+        a.delete()
+    grads = st.grads.pop(s)
+    return ShareInput(state, [grads[i] for i in leaves], st.params.pop(s), st.futures.pop(s), into)

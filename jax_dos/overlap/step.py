@@ -68,8 +68,10 @@ from jax_dos import (
 )
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import Failure, JobThread, result_of
+from jax_dos.overlap import memory as overlap_memory
 from jax_dos.overlap import plan as overlap_plan
 from jax_dos.overlap import process as overlap_process
+from jax_dos.overlap import routes as overlap_routes
 from jax_dos.overlap import state as overlap_state
 from jax_dos.overlap.clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
 from jax_dos.overlap.host_path import HostPath, HostStep
@@ -135,11 +137,11 @@ class OverlappedStep:
     stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``),
       fewer where the room beside the step's peak cannot hold them (``"auto"``).
     rebalance: move one subgroup a step across the host/stream boundary,
-      away from the path that finished later (``overlap.plan.rebalanced``),
+      away from the path that finished later (``overlap.routes.rebalanced``),
       after ``REBALANCE_AFTER_STEPS`` steps; a step that rebalances first
       waits for the last one's update to end. The numbers do not change.
     host_budget_bytes: pinned host bytes this process's step may use at most
-      (:meth:`host_bytes`); ``None``: ``overlap.plan.HOST_SHARE`` of RAM, and
+      (:meth:`host_bytes`); ``None``: ``overlap.memory.HOST_SHARE`` of RAM, and
       no more than XLA's pinned pool. Nor more than the process's share of
       its host's pinned pool (``host_plan.pool_share`` of ``tx``'s
       ``host_memory``, else of this machine's RAM and the job's processes on
@@ -246,7 +248,7 @@ class OverlappedStep:
         raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
       self.model = StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)],
                                len(params), partition_gradients=owner.partitions)  # fmt: skip
-    self.routes = overlap_plan.routes(self.plan, self._layout, self._host_room, self.hyper.moments)
+    self.routes = overlap_routes.routes(self.plan, self._layout, self._host_room, self.hyper.moments)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
     self._params = memory.committed(list(leaves))
@@ -292,7 +294,7 @@ class OverlappedStep:
 
   @property
   def stream_speculation(self) -> int:
-    """Streamed parameters a step may speculate on (``overlap.plan.speculation_cap``), the others waiting for the
+    """Streamed parameters a step may speculate on (``overlap.memory.speculation_cap``), the others waiting for the
     clip decision."""
     return self.routes.stream_speculation
 
@@ -303,7 +305,7 @@ class OverlappedStep:
     need = self.host_bytes()
     on_host = host_ram.bytes_on_this_host(need) if spans else None
     try:
-      overlap_plan.check_host_memory(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes,
+      overlap_memory.check_host_memory(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes,
                                      self.hyper.moments, self.host_memory, on_host)  # fmt: skip
       message = None
     except MemoryError as e:
@@ -313,11 +315,11 @@ class OverlappedStep:
       raise MemoryError(message)
 
   def host_bytes(self) -> int:
-    """Pinned host bytes this process's step needs at most (``overlap.plan.host_bytes``), counted in the elements of
+    """Pinned host bytes this process's step needs at most (``overlap.memory.host_bytes``), counted in the elements of
     the state it holds (its devices' shards: ``1/N`` of a state partitioned over ``N`` processes): the offloaded
     state, the host path's spare state and copies, and the streamed parameters speculated on
     (:attr:`stream_speculation` at most)."""
-    return overlap_plan.host_bytes(self.plan, self._layout, self.stream_speculation, self.hyper.moments)
+    return overlap_memory.host_bytes(self.plan, self._layout, self.stream_speculation, self.hyper.moments)
 
   def resident_estimate(self) -> int:
     """The resident set this process reaches with the step's pinned bytes (:meth:`host_bytes`), those in the arena
@@ -480,11 +482,9 @@ class OverlappedStep:
       with trace.span("overlap.resident"):
         masters, mus, nus = ([self._resident[i][j] for i in leaves] for j in range(3))
         params = self._layouts.to_state([self._params[i] for i in leaves], leaves)
-        grads = memory.like_states([record.resident_grads.pop(i) for i in leaves], masters)
-        outs = device_steps.update_params(
-          grads, masters, mus, nus, params, scalars, self.hyper,
-          tuple(self.decay[i] for i in leaves),
-        )  # fmt: skip
+        grads = [record.resident_grads.pop(i) for i in leaves]
+        outs = device_steps.resident_call(grads, masters, mus, nus, params, scalars, self.hyper,
+                                          tuple(self.decay[i] for i in leaves))  # fmt: skip
       new = self._layouts.to_params(outs[0], leaves)  # the all-gather of a partitioned state's new weights
       for j, i in enumerate(leaves):
         self._params[i] = new[j]
@@ -501,8 +501,8 @@ class OverlappedStep:
 
   def _move_boundary(self, ends: dict[str, float]) -> None:
     """One subgroup across the boundary, toward the path whose end (``ends``: seconds) came first: the plan
-    ``overlap.plan.rebalanced`` makes, handed to both paths with the moved state (the step is settled)."""
-    plan, to, stop = overlap_plan.rebalanced(
+    ``overlap.routes.rebalanced`` makes, handed to both paths with the moved state (the step is settled)."""
+    plan, to, stop = overlap_routes.rebalanced(
       self.plan, self._layout, ends, self._last_move, self._host_room, self.hyper.moments
     )
     if stop:
@@ -511,7 +511,7 @@ class OverlappedStep:
       return
     moved = [i for s, (a, b) in enumerate(zip(self.plan.placements, plan.placements)) if a != b
              for i in plan.subgroups[s]]  # fmt: skip
-    self.plan, self.routes = plan, overlap_plan.routes(plan, self._layout, self._host_room, self.hyper.moments)
+    self.plan, self.routes = plan, overlap_routes.routes(plan, self._layout, self._host_room, self.hyper.moments)
     (giver, frm), (taker, into) = (
       ((self._streamer, self._stream_path), (self._host, self._host_path)) if to == "host"
       else ((self._host, self._host_path), (self._streamer, self._stream_path))

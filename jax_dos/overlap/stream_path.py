@@ -15,7 +15,7 @@ Speculation: a subgroup stepped on the speculated scale keeps its old state
 until the decision, for at most ``Routes.stream_speculation`` parameters a
 step; past that the worker waits for the decision. After a fired clip it
 also steps the host path's share (``StepRecord.host_share``), returning the
-new state through ``StepRecord.share_done``.
+new state and the old one through ``StepRecord.share_done``.
 
 With a :class:`~jax_dos.pinned_arena.PinnedArena` the streamed state lives
 in it, outside XLA's pinned pool, and the new state is copied into it by a
@@ -44,7 +44,7 @@ from jax_dos.copy_out import CopyOut
 from jax_dos.job_thread import Failure, hand_back, result_of
 from jax_dos.overlap.clip import Decision, StepRecord
 from jax_dos.overlap.host_path import ShareInput
-from jax_dos.overlap.plan import Routes
+from jax_dos.overlap.routes import Routes
 from jax_dos.pinned_arena import PinnedArena
 
 # How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
@@ -341,10 +341,11 @@ class StreamPath:
       raise
     hand_back(record.share_done, backs)
 
-  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> list[list[jax.Array]]:
-    """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns the new
-    state, on its way into the share's spare buffers (with an arena) or new host buffers (listed in flight): the
-    host path makes it the state."""
+  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> tuple[list[list[jax.Array]], list]:
+    """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns ``(new,
+    old)``: the new state, on its way into the share's spare buffers (with an arena) or new host buffers (listed in
+    flight), and the untouched state, both handed back to the host path (the state and the spare). The share's
+    gradients are freed here, their last holder."""
     leaves = list(self.routes.plan.subgroups[s])
     self._wait_for_slot()
     with trace.span("stream.redo_host"):
@@ -358,4 +359,4 @@ class StreamPath:
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
       back, _ = self._copy_back(list(outs[1:]), share.into)
     hand_back(share.future, list(outs[0]))
-    return back
+    return back, old

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_dos import checkpoint_moments, memory, moment_formats
+from jax_dos import memory, moment_formats
+from jax_dos.checkpoint import moments as checkpoint_moments
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.plan import MEMORY_KIND, Plan
 from jax_dos.state import InterleavedAdamState

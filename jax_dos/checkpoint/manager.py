@@ -10,7 +10,7 @@ in ``<step>.orbax-checkpoint-tmp`` and renamed when committed)::
                  master/      PyTree: fp32 master weights (<params tree>); only for jax_dos states
                  meta/        JSON: the caller's ``meta`` (data position, RNG, config, ...)
                  format/      JSON: {"format": FORMAT, "source": "interleaved" | "optax", "has_master", "num_extra",
-                                     "moments": {"format", "block", "version"}}   (checkpoint_moments.py)
+                                     "moments": {"format", "block", "version"}}   (moments.py)
                  jax_dos_manifest.json   size and CRC-32 checksums of every file, written last
     <dir>/damaged/<step>-<why>/   steps that failed verification, moved out of Orbax's sight
 
@@ -45,7 +45,7 @@ instead saves synchronously (``"block"``): slower, but never out of memory.
 Accelerator-resident arrays need nothing: Orbax copies them to host before
 ``save`` returns.
 
-Integrity (``checkpoint_integrity.py``). Once Orbax has committed a step, a
+Integrity (``integrity.py``). Once Orbax has committed a step, a
 thread writes its manifest: the size and CRC-32 checksums of every file, read
 back from disk. A step is *verified* when every file it lists is there with
 its size and checksums; a step without a manifest is incomplete (the save was
@@ -85,10 +85,12 @@ from typing import Any, Literal, Optional
 import jax
 import numpy as np
 
-from jax_dos import checkpoint_integrity as integrity
-from jax_dos import checkpoint_moments, host_kernels, host_ram
-from jax_dos.checkpoint_processes import any_process, barrier, from_primary
-from jax_dos.checkpoint_template import (
+from jax_dos import host_kernels, host_ram
+from jax_dos.checkpoint import integrity
+from jax_dos.checkpoint import moments as checkpoint_moments
+from jax_dos.checkpoint.optax_state import from_optax_adamw_state, split_adam, to_optax_adamw_state
+from jax_dos.checkpoint.processes import any_process, barrier, from_primary
+from jax_dos.checkpoint.template import (
   TemplateMismatchError,
   check_tree,
   disk_template,
@@ -98,7 +100,6 @@ from jax_dos.checkpoint_template import (
   stand_in_empties,
 )
 from jax_dos.engine import wait_for_host_updates
-from jax_dos.state_convert import from_optax_adamw_state, split_adam, to_optax_adamw_state
 
 __all__ = [
   "FORMAT",

@@ -1,0 +1,122 @@
+"""What the overlapped step's threads read of a plan, and the plan with one subgroup moved.
+
+* :func:`routes`: a plan's :class:`Routes`, one value per plan, never changed:
+  each subgroup's place in the forward order, the streamed ones' order, the
+  host subgroups the stream path steps when the clip fires
+  (:func:`stream_share_of_host`, so that both paths end their redo
+  together), the streamed parameters a step may speculate on, and the
+  resident update's jitted calls;
+* :func:`rebalanced`: the plan with one subgroup moved across the host/stream
+  boundary, a new value handed forward to the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax_dos.overlap.memory import check_host_memory, speculation_cap
+from jax_dos.overlap.plan import REBALANCE_GAP_S, StepLayout
+from jax_dos.plan import Plan
+from jax_dos.timeline import Rates, fired_share
+
+
+def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
+  """The host subgroups the stream path steps when the clip fires: the last ones in forward order (needed last).
+
+  ``jax_dos.timeline.fired_share`` at the calibrated concurrent rates (equal
+  rates without a calibration), the host's from the kernel alone where the
+  calibration measured it (after the decision the gradients are in host
+  memory and the host worker only runs the kernel; the plain engine's host
+  rate counts its copies too): the two paths end together. A fixed share, so
+  that a subgroup's numbers never depend on which thread came first. A plan
+  of the model's (``"auto"``) shares even where nothing streams:
+  :func:`room_beside_step` budgets its stream slots beside the step's peak
+  whatever the timeline then places, and after the decision the host path
+  alone would take the whole update. A user's plan shares only where it
+  streams (only then did the user give the slots room).
+  """
+  if not plan.indices("stream") and not (plan.source.startswith("model") and plan.indices("host")):
+    return set()
+  cal = plan.calibration or {}
+  host, stream = cal.get("host_rate_concurrent") or 1.0, cal.get("stream_rate_concurrent") or 1.0
+  if cal.get("host_kernel_rate") and cal.get("host_rate"):  # after the decision the host worker runs the kernel alone
+    host = cal["host_kernel_rate"] * host / cal["host_rate"]  # at the host path's slowdown beside the stream path
+  rates = Rates(host, stream, 1.0, host, stream)
+  timeline = [dataclasses.replace(g, size=n) for g, n in zip(layout.timeline(), plan.sizes)]
+  return fired_share(timeline, plan.placements, rates)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Routes:
+  """What the overlapped step's threads read of one plan: made once per plan (:func:`routes`), never changed.
+
+  ``forward_rank``: each subgroup's place in the order the forward pass needs
+  them; ``stream_order``: the streamed subgroups in hand-over order, and
+  ``stream_rank`` their places in it; ``redo_on_stream``: the host subgroups
+  the stream path steps when the clip fires (:func:`stream_share_of_host`);
+  ``stream_speculation``: streamed elements (of those this process holds) a
+  step may speculate on (:func:`speculation_cap`), ``held_sizes`` each
+  subgroup's (``StepLayout.held_sizes``).
+  """
+
+  plan: Plan
+  forward_rank: dict[int, int]
+  stream_order: tuple[int, ...]
+  stream_rank: dict[int, int]
+  redo_on_stream: frozenset[int]
+  stream_speculation: int
+  resident_calls: tuple[tuple[int, ...], ...]  # resident subgroups, per jitted update (Plan.resident_calls)
+  held_sizes: tuple[int, ...] = ()
+
+  def by_forward_rank(self, subgroups: Any) -> list[int]:
+    return sorted(subgroups, key=self.forward_rank.__getitem__)
+
+
+def routes(plan: Plan, layout: StepLayout, host_budget_bytes: int, moments: str = "float32") -> Routes:
+  """The :class:`Routes` of ``plan`` (``moments``: the optimizer's format, which sizes its host bytes)."""
+  stream_order = tuple(s for s in layout.hand_over if plan.placements[s] == "stream")
+  return Routes(
+    plan, {s: r for r, s in enumerate(layout.forward_order)}, stream_order,
+    {s: r for r, s in enumerate(stream_order)}, frozenset(stream_share_of_host(plan, layout)),
+    speculation_cap(plan, layout, host_budget_bytes, moments), plan.resident_calls(), layout.held_sizes,
+  )  # fmt: skip
+
+
+def rebalanced(
+  plan: Plan,
+  layout: StepLayout,
+  ends: dict[str, float],
+  last_move: str | None,
+  host_budget_bytes: int,
+  moments: str = "float32",
+) -> tuple[Plan | None, str | None, bool]:
+  """``(new plan, the path it moved a subgroup to, stop)``: one subgroup across the stream/host boundary.
+
+  ``ends``: when the host and stream paths (``"host"``, ``"stream"``)
+  finished their last subgroup of a step, in seconds. Where they are more
+  than ``REBALANCE_GAP_S`` apart, the subgroup next to the boundary moves to
+  the path that finished first (streamed ones are the earlier stages). No
+  move (``None``) where they are close; no move and ``stop`` where the move
+  would go back (``last_move`` the other way: the boundary has crossed the
+  balance), would leave a path empty, or would not fit the host budget.
+  """
+  host, stream = ends.get("host"), ends.get("stream")
+  if host is None or stream is None or abs(host - stream) < REBALANCE_GAP_S:
+    return None, None, False
+  to = "host" if stream > host else "stream"
+  if last_move not in (None, to):
+    return None, None, True
+  placements = list(plan.placements)
+  side = [s for s in layout.forward_order if placements[s] == ("stream" if to == "host" else "host")]
+  if len(side) < 2:  # keep each path in use
+    return None, None, True
+  placements[side[-1] if to == "host" else side[0]] = to
+  new = plan.with_placements(placements, predicted={}, source=plan.source.split("+rebalanced")[0] + "+rebalanced")
+  if to == "host":
+    try:
+      cap = speculation_cap(new, layout, host_budget_bytes, moments)
+      check_host_memory(new, layout, cap, host_budget_bytes, moments)
+    except MemoryError:
+      return None, None, True
+  return new, to, False
