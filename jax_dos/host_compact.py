@@ -34,20 +34,41 @@ _OPTS = dict(parallel=True, nogil=True, cache=True, boundscheck=False, error_mod
 _ABS, _INF = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)
 
 
+@numba.njit(inline="always")
+def _bf16_element(i, g, p, m, v, p_out, m_out, v_out, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd,
+                  neg_lr, bc1, bc2, gs, key_m, key_v, decay, load_grad, store_low, write_low, write_state):  # fmt: skip
+  mi, vi = adam_math.nb_moments(load_grad(g[i]) * gs, mf.nb_bf16_load(m[i]), mf.nb_bf16_load(v[i]), b1,
+                                one_minus_b1, b2, one_minus_b2)  # fmt: skip
+  pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, decay)
+  if write_state:
+    m_out[i] = mf.nb_bf16_store(mi, mf.nb_hash(i, key_m))
+    v_out[i] = mf.nb_bf16_store(vi, mf.nb_hash(i, key_v))
+    p_out[i] = pn
+  if write_low:
+    low[i] = store_low(pn)
+
+
 def make_bf16_kernel(load_grad, store_low):
+  """The bfloat16 step: one ``prange`` over the elements (module docstring), a loop for each pair of the flags
+  ``write_low`` and ``write_state`` with the flags constant in it. A flag tested inside the loop kept LLVM from
+  vectorizing it (a conditional 16-bit store): 6-7x slower on two cores, the same bits."""
+
   @numba.njit(**_OPTS)
   def adam_bf16(g, p, m, v, p_out, m_out, v_out, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr,
                 bc1, bc2, gs, key_m, key_v, decay, write_low, write_state):  # fmt: skip
-    for i in numba.prange(g.shape[0]):
-      mi, vi = adam_math.nb_moments(load_grad(g[i]) * gs, mf.nb_bf16_load(m[i]), mf.nb_bf16_load(v[i]), b1,
-                                    one_minus_b1, b2, one_minus_b2)  # fmt: skip
-      pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, decay)
-      if write_state:
-        m_out[i] = mf.nb_bf16_store(mi, mf.nb_hash(i, key_m))
-        v_out[i] = mf.nb_bf16_store(vi, mf.nb_hash(i, key_v))
-        p_out[i] = pn
-      if write_low:
-        low[i] = store_low(pn)
+    key_m, key_v = np.uint32(key_m), np.uint32(key_v)  # 32-bit lanes (moment_formats.nb_hash)
+    if write_state and write_low:
+      for i in numba.prange(g.shape[0]):
+        _bf16_element(i, g, p, m, v, p_out, m_out, v_out, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd,
+                      neg_lr, bc1, bc2, gs, key_m, key_v, decay, load_grad, store_low, True, True)  # fmt: skip
+    elif write_state:
+      for i in numba.prange(g.shape[0]):
+        _bf16_element(i, g, p, m, v, p_out, m_out, v_out, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd,
+                      neg_lr, bc1, bc2, gs, key_m, key_v, decay, load_grad, store_low, False, True)  # fmt: skip
+    elif write_low:
+      for i in numba.prange(g.shape[0]):
+        _bf16_element(i, g, p, m, v, p_out, m_out, v_out, low, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd,
+                      neg_lr, bc1, bc2, gs, key_m, key_v, decay, load_grad, store_low, True, False)  # fmt: skip
 
   return adam_bf16
 
@@ -62,12 +83,26 @@ def _max_of_bits(top):  # the float of the largest |x| bits of a block; NaN (qui
   return np.float32(np.nan) if top > _INF else np.uint32(top).view(np.float32)
 
 
+@numba.njit(inline="always")
+def _int8_element(lo, j, p, new_m, new_v, p_out, mc_out, vc_out, low, inv_m, inv_v, eps, eps_root, wd, neg_lr, bc1,
+                  bc2, key_m, key_v, decay, store_low, write_low, write_state):  # fmt: skip
+  i = np.uint64(lo + j)  # unsigned: no negative-index wraparound, which keeps LLVM from vectorizing
+  pn = adam_math.nb_weight(p[i], new_m[j], new_v[j], eps, eps_root, wd, neg_lr, bc1, bc2, decay)
+  if write_state:
+    mc_out[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_hash(i, key_m)))
+    vc_out[i] = mf.nb_nu_code(new_v[j], inv_v, mf.nb_unit(mf.nb_hash(i, key_v)))
+    p_out[i] = pn
+  if write_low:
+    low[i] = store_low(pn)
+
+
 def make_int8_kernel(load_grad, store_low):
   """The int8 step (module docstring): new moments, new scales, codes and weights, one block at a time."""
 
   @numba.njit(**_OPTS)
   def adam_int8(g, p, mc, mw, vc, vw, p_out, mc_out, mw_out, vc_out, vw_out, low, b1, one_minus_b1, b2, one_minus_b2,
                 eps, eps_root, wd, neg_lr, bc1, bc2, gs, key_m, key_v, decay, write_low, write_state):  # fmt: skip
+    key_m, key_v = np.uint32(key_m), np.uint32(key_v)  # 32-bit lanes (moment_formats.nb_hash)
     n = g.shape[0]
     nb = (n + B - 1) // B
     base = nb * (B // 4)  # the word of block 0's scale
@@ -85,15 +120,18 @@ def make_int8_kernel(load_grad, store_low):
           top_m, top_v = max(top_m, _abs_bits(mi)), max(top_v, _abs_bits(vi))  # v >= 0: |v| = v
         s_m, s_v = _max_of_bits(top_m), np.sqrt(_max_of_bits(top_v))  # as jnp.max: NaN if any is NaN
         inv_m, inv_v = np.float32(1) / s_m, np.float32(1) / s_v
-        for j in range(k):
-          i = np.uint64(lo + j)
-          pn = adam_math.nb_weight(p[i], new_m[j], new_v[j], eps, eps_root, wd, neg_lr, bc1, bc2, decay)
-          if write_state:
-            mc_out[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_hash(i, key_m)))
-            vc_out[i] = mf.nb_nu_code(new_v[j], inv_v, mf.nb_unit(mf.nb_hash(i, key_v)))
-            p_out[i] = pn
-          if write_low:
-            low[i] = store_low(pn)
+        if write_state and write_low:  # each loop with its flags constant (make_bf16_kernel says why)
+          for j in range(k):
+            _int8_element(lo, j, p, new_m, new_v, p_out, mc_out, vc_out, low, inv_m, inv_v, eps, eps_root, wd,
+                          neg_lr, bc1, bc2, key_m, key_v, decay, store_low, True, True)  # fmt: skip
+        elif write_state:
+          for j in range(k):
+            _int8_element(lo, j, p, new_m, new_v, p_out, mc_out, vc_out, low, inv_m, inv_v, eps, eps_root, wd,
+                          neg_lr, bc1, bc2, key_m, key_v, decay, store_low, False, True)  # fmt: skip
+        elif write_low:
+          for j in range(k):
+            _int8_element(lo, j, p, new_m, new_v, p_out, mc_out, vc_out, low, inv_m, inv_v, eps, eps_root, wd,
+                          neg_lr, bc1, bc2, key_m, key_v, decay, store_low, True, False)  # fmt: skip
         if write_state:
           for j in range(k, B):  # the padding of the last block
             mc_out[lo + j] = 0

@@ -134,28 +134,50 @@ def _store_f32(x):
   return x
 
 
+@numba.njit(inline="always")
+def _adam_element(i, g, p, m, v, low, low_m, low_v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1,
+                  bc2, gs, decay, write_low, predict, next_neg_lr, next_bc1, next_bc2, write_state, write_moments,
+                  load_grad, store_low):  # fmt: skip
+  mi, vi = adam_math.nb_moments(load_grad(g[i]) * gs, m[i], v[i], b1, one_minus_b1, b2, one_minus_b2)
+  pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, decay)
+  if write_state:
+    m[i] = mi
+    v[i] = vi
+    p[i] = pn
+  if predict:  # adam_math.predict_next, in its order
+    low[i] = store_low(adam_math.nb_weight(pn, mi, vi, eps, eps_root, wd, next_neg_lr, next_bc1, next_bc2, decay))
+  elif write_low:
+    low[i] = store_low(pn)
+  if write_moments:
+    low_m[i] = store_low(mi)
+    low_v[i] = store_low(vi)
+
+
 def _make_adam_kernel(load_grad, store_low):
   @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
   def adam_inplace(
     g, p, m, v, low, low_m, low_v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, decay,
     write_low, predict, next_neg_lr, next_bc1, next_bc2, write_state, write_moments,
   ):  # fmt: skip
-    # Keep this a prange over whole arrays: numba's parfor lowering is what lets LLVM vectorize the loop
-    # (a plain range loop, or a loop over pointer-made arrays, stayed scalar and ran 6x slower).
-    for i in numba.prange(g.shape[0]):
-      mi, vi = adam_math.nb_moments(load_grad(g[i]) * gs, m[i], v[i], b1, one_minus_b1, b2, one_minus_b2)
-      pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, decay)
-      if write_state:
-        m[i] = mi
-        v[i] = vi
-        p[i] = pn
-      if predict:  # adam_math.predict_next, in its order
-        low[i] = store_low(adam_math.nb_weight(pn, mi, vi, eps, eps_root, wd, next_neg_lr, next_bc1, next_bc2, decay))
-      elif write_low:
-        low[i] = store_low(pn)
-      if write_moments:
-        low_m[i] = store_low(mi)
-        low_v[i] = store_low(vi)
+    # Keep each a prange over whole arrays: numba's parfor lowering is what lets LLVM vectorize the loop
+    # (a plain range loop, or a loop over pointer-made arrays, stayed scalar and ran 6x slower). The engine's two
+    # calls (the state and, or not, the new weights' low copy) each have a loop with their flags constant: a flag
+    # tested in the loop kept LLVM from vectorizing a conditional 16-bit store (host_compact.make_bf16_kernel).
+    if write_state and not predict and not write_moments and write_low:
+      for i in numba.prange(g.shape[0]):
+        _adam_element(i, g, p, m, v, low, low_m, low_v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd,
+                      neg_lr, bc1, bc2, gs, decay, True, False, next_neg_lr, next_bc1, next_bc2, True, False,
+                      load_grad, store_low)  # fmt: skip
+    elif write_state and not predict and not write_moments:
+      for i in numba.prange(g.shape[0]):
+        _adam_element(i, g, p, m, v, low, low_m, low_v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd,
+                      neg_lr, bc1, bc2, gs, decay, False, False, next_neg_lr, next_bc1, next_bc2, True, False,
+                      load_grad, store_low)  # fmt: skip
+    else:
+      for i in numba.prange(g.shape[0]):
+        _adam_element(i, g, p, m, v, low, low_m, low_v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd,
+                      neg_lr, bc1, bc2, gs, decay, write_low, predict, next_neg_lr, next_bc1, next_bc2, write_state,
+                      write_moments, load_grad, store_low)  # fmt: skip
 
   return adam_inplace
 

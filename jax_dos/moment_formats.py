@@ -217,24 +217,30 @@ def decode(stored: jax.Array, shape: tuple[int, ...], moments: str, salt: int) -
 # The same maths on one element (bfloat16) or one block (int8), for host_compact.py's kernels.
 
 
-def host_key(seed: float, salt: int) -> np.uint64:
-  """:func:`_key` for the host: the seed as the kernel receives it (a float32 step scalar)."""
-  return np.uint64((int(seed) * _C_SEED + salt * _C_SALT) & _MASK)
+def host_key(seed: float, salt: int) -> np.uint32:
+  """:func:`_key` for the host: the seed as the kernel receives it (a float32 step scalar). A uint32: a kernel
+  given a 64-bit key and narrowing it inside its loop ran the bfloat16 step at half the rate (``nb_hash``)."""
+  return np.uint32((int(seed) * _C_SEED + salt * _C_SALT) & _MASK)
+
+
+_U16, _U13, _U8 = np.uint32(16), np.uint32(13), np.uint32(8)
 
 
 @numba.njit(inline="always")
 def nb_hash(i, key):
-  h = (np.uint64(i) * np.uint64(_C_IDX) + key) & np.uint64(_MASK)
-  h ^= h >> np.uint64(16)
-  h = (h * np.uint64(_M1)) & np.uint64(_MASK)
-  h ^= h >> np.uint64(13)
-  h = (h * np.uint64(_M2)) & np.uint64(_MASK)
-  return h ^ (h >> np.uint64(16))
+  """:func:`_uniform`'s uint32 of element ``i``, in 32-bit lanes: each product and sum cast back to uint32 (numba
+  widens uint32 arithmetic to 64 bits; masked 64-bit lanes halved the vector width, and the bfloat16 kernel's rate)."""
+  h = np.uint32(np.uint32(i) * np.uint32(_C_IDX) + np.uint32(key))
+  h = np.uint32(h ^ (h >> _U16))
+  h = np.uint32(h * np.uint32(_M1))
+  h = np.uint32(h ^ (h >> _U13))
+  h = np.uint32(h * np.uint32(_M2))
+  return np.uint32(h ^ (h >> _U16))
 
 
 @numba.njit(inline="always")
-def nb_unit(h):  # through int32: a uint64 -> float conversion does not vectorize
-  return np.float32(np.int32(h >> np.uint64(8))) * np.float32(2.0**-24)
+def nb_unit(h):  # through int32: a uint32 -> float conversion does not vectorize
+  return np.float32(np.int32(h >> _U8)) * np.float32(2.0**-24)
 
 
 @numba.njit(inline="always")
@@ -243,11 +249,11 @@ def nb_bf16_load(bits):
 
 
 @numba.njit(inline="always")
-def nb_bf16_store(x, h):  # stochastic rounding with the random bits h
+def nb_bf16_store(x, h):  # stochastic rounding with the random bits h (a uint32)
   bits = np.float32(x).view(np.uint32)
-  if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-    return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
-  return np.uint16(((np.uint64(bits) + (h & np.uint64(0xFFFF))) & np.uint64(_MASK)) >> np.uint64(16))
+  nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+  rounded = np.uint32(bits + (np.uint32(h) & np.uint32(0xFFFF))) >> _U16  # no carry out of 32 bits: NaN went above
+  return np.uint16(((bits >> _U16) | np.uint32(0x40)) if nan else rounded)
 
 
 @numba.njit(inline="always")
