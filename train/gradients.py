@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -59,17 +60,19 @@ class _Static:
     return isinstance(other, _Static) and (other.value is self.value or other.value == self.value)
 
 
-_STATICS: dict[int, _Static] = {}  # id(value) -> its wrapper (which holds it: the id stays its own)
+_STATICS: dict[int, _Static] = {}  # id(value) -> its wrapper (which holds it: the id stays its own); under the lock
+_STATICS_LOCK = threading.Lock()
 
 
 def _static(value: Any) -> _Static:
   """``value`` wrapped as :class:`_Static`, one wrapper an object (the last few objects kept)."""
-  wrapped = _STATICS.get(id(value))
-  if wrapped is None or wrapped.value is not value:
-    if len(_STATICS) >= 8:
-      _STATICS.pop(next(iter(_STATICS)))
-    wrapped = _STATICS[id(value)] = _Static(value)
-  return wrapped
+  with _STATICS_LOCK:
+    wrapped = _STATICS.get(id(value))
+    if wrapped is None or wrapped.value is not value:
+      if len(_STATICS) >= 8:
+        _STATICS.pop(next(iter(_STATICS)))
+      wrapped = _STATICS[id(value)] = _Static(value)
+    return wrapped
 
 
 def _unwrapped(graphdef: Any) -> Any:
