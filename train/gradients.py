@@ -184,7 +184,7 @@ def _sum_layout(leaves: tuple, partitioned: bool) -> tuple | None:
   return tuple(jax_dos.state_shardings([jax.ShapeDtypeStruct(*leaf[:2], sharding=leaf[2]) for leaf in leaves]))
 
 
-def accumulated_grad_step(micro_batches: int, partitioned: bool = True) -> Callable[..., tuple]:
+def accumulated_grad_step(micro_batches: int, layout: tuple | None) -> Callable[..., tuple]:
   """``grad_step(graphdef, params, batch, clip) -> (loss, grad_sum, scale, norm)`` over ``micro_batches`` parts.
 
   The batch's rows are split into ``micro_batches`` equal parts, each the
@@ -193,20 +193,15 @@ def accumulated_grad_step(micro_batches: int, partitioned: bool = True) -> Calla
   whole batch and its part's index, so only one part's activations are alive
   at a time and no part is copied out of the batch before). ``loss`` is the mean of their losses, which is the
   whole batch's mean loss; ``grad_sum`` the sum of their gradients, in the
-  gradients' dtype, on the accelerator (on a mesh, in the partitioned state's
-  layout with ``partitioned``: :func:`sum_layout`); ``scale * grad_sum`` is the clipped
+  gradients' dtype, on the accelerator, laid out as ``layout`` (:func:`sum_layout` of the step's parameters: on a
+  mesh, the partitioned state's layout); ``scale * grad_sum`` is the clipped
   mean gradient (:func:`_accumulate_step`), what ``optimizer_step`` takes; ``norm`` the mean gradient's norm.
-  The sum's layout is found at the first call, for parameters laid out as they are then (a step's own).
   """
-  layouts: list = []  # the sum's layout, found once
 
   def grad_step(graphdef, params, batch, clip: float):
     x, y = batch
     if x.shape[0] % micro_batches:
       raise ValueError(f"a batch of {x.shape[0]} rows does not split into {micro_batches} equal micro-batches.")
-    if not layouts:
-      layouts.append(sum_layout(params, partitioned))
-    layout = layouts[0]
     sharding = getattr(x, "sharding", None)
     batch_layout = sharding if isinstance(sharding, NamedSharding) else None
     shards = 1 if batch_layout is None else x.shape[0] // batch_layout.shard_shape(x.shape)[0]
@@ -239,9 +234,9 @@ def make_grad_step(
   programs keep their rematerialisation (``jax_dos.remat_compiler_options``).
   """
   partitioned = tx is not None
-  if micro_batches > 1:
-    return accumulated_grad_step(micro_batches, partitioned)
   layout = sum_layout(params, partitioned)
+  if micro_batches > 1:
+    return accumulated_grad_step(micro_batches, layout)
   if tx is None or flush == "none":
     grads = None if layout is None else jax.tree.unflatten(jax.tree.structure(params), list(layout))
   else:
