@@ -50,6 +50,7 @@ from jax_dos.planning.budgets import StepMemory
 from jax_dos.planning.calibration import accelerator_calibration_cached, calibrate
 from jax_dos.planning.calibration import cache_dir as calibration_cache_dir
 from jax_dos.planning.cost_model import Calibration
+from jax_dos.planning.link import measure_link, mesh_collectives
 from jax_dos.planning.planner import auto_planner, make_plan
 from jax_dos.remat import PLANNED_POLICIES as PLANNED_REMAT_POLICIES
 from jax_dos.remat import REMAT_NAMES, REMAT_POLICIES, checkpoint_policy, rematerialise
@@ -57,7 +58,7 @@ from jax_dos.remat import compiler_options as remat_compiler_options
 from jax_dos.remat import describe as describe_remat
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import PREDICTION_ERROR, RematCosts, StageTimes
+from jax_dos.timeline import PREDICTION_ERROR, Collectives, RematCosts, StageTimes
 from jax_dos.transform import (
   DEFAULT_DELAY_WARMUP,
   DEFAULT_SUBGROUP_SIZE,
@@ -77,6 +78,7 @@ __all__ = [
   "agreed_refusal",
   "Calibration",
   "CheckpointManager",
+  "Collectives",
   "DAMAGED_DIR",
   "DamagedCheckpointWarning",
   "DEFAULT_DELAY_WARMUP",
@@ -119,6 +121,8 @@ __all__ = [
   "interleaved_adam",
   "interleaved_adamw",
   "make_plan",
+  "measure_link",
+  "mesh_collectives",
   "multi_steps",
   "nnx_stages",
   "partition_leaves",

@@ -199,17 +199,17 @@ class Subgroup:
 
 @dataclasses.dataclass(frozen=True)
 class Collectives:
-  """The collectives of a data-parallel step over ``ranks`` devices, one process each, ``processes_per_host`` of them
-  sharing a host (``docs/scaling.md``).
+  """The collectives of a data-parallel step over ``ranks`` devices, ``ranks_per_host`` of them sharing a host's DRAM
+  and cores (``docs/scaling.md``): the devices of one process, or one process a device, or both.
 
-  ``link``: bytes a second each device's link moves each way (the collective's bus bandwidth). ``partitioned``:
-  each rank holds and updates ``1/ranks`` of the state; each stage's gradient sum is reduce-scattered after its
-  backward pass (``(ranks - 1) / ranks`` of its ``grad_bytes`` a parameter on the link), and the new weights are
-  all-gathered (``(ranks - 1) / ranks`` of ``param_bytes``) before the next forward pass reaches the stage
-  (``OverlappedStep``'s stage programs put them in the partitioned layout, which XLA reduce-scatters). Not
-  partitioned (``partition_replicated=False``): each gradient sum is all-reduced (twice a reduce-scatter's bytes),
-  every rank updates the whole state, and nothing is gathered. The host path's rate is the host's, shared by its
-  processes: each gets ``1 / processes_per_host`` of it.
+  ``link``: bytes a second each device's link moves each way (the collective's bus bandwidth,
+  :func:`jax_dos.measure_link`). ``partitioned``: each rank holds and updates ``1/ranks`` of the state; each stage's
+  gradient sum is reduce-scattered after its backward pass (``(ranks - 1) / ranks`` of its ``grad_bytes`` a
+  parameter on the link), and the new weights are all-gathered (``(ranks - 1) / ranks`` of ``param_bytes``) before
+  the next forward pass reaches the stage (``OverlappedStep``'s stage programs put them in the partitioned layout,
+  which XLA reduce-scatters). Not partitioned (``partition_replicated=False``): each gradient sum is all-reduced
+  (twice a reduce-scatter's bytes), every rank updates the whole state, and nothing is gathered. The host path's rate
+  is the host's, shared by its ranks: each gets ``1 / ranks_per_host`` of it; each device has its own PCIe link.
   """
 
   ranks: int
@@ -217,11 +217,11 @@ class Collectives:
   grad_bytes: int = 2
   param_bytes: int = 2
   partitioned: bool = True
-  processes_per_host: int = 1
+  ranks_per_host: int = 1
 
   def __post_init__(self):
-    if self.ranks < 1 or self.processes_per_host < 1 or not self.link > 0:
-      raise ValueError("Collectives needs ranks >= 1, processes_per_host >= 1 and a link rate > 0 bytes/s.")
+    if self.ranks < 1 or not 1 <= self.ranks_per_host <= self.ranks or not self.link > 0:
+      raise ValueError("Collectives needs ranks >= 1, 1 <= ranks_per_host <= ranks and a link rate > 0 bytes/s.")
 
   def reduce_s(self, size: int) -> float:
     """Seconds on the link to reduce the gradient sums of ``size`` parameters (a reduce-scatter or an all-reduce)."""
@@ -232,13 +232,18 @@ class Collectives:
     """Seconds on the link to all-gather the new weights of ``size`` parameters (none unless partitioned)."""
     return size * self.param_bytes * (self.ranks - 1) / self.ranks / self.link if self.partitioned else 0.0
 
+  def plain_step_s(self, size: int, micro_batches: int) -> float:
+    """Seconds the plain step's collectives add to its step over ``size`` parameters, none hidden: each
+    micro-batch's gradients reduced, then (partitioned) the new weights gathered (``docs/scaling.md``'s model)."""
+    return micro_batches * self.reduce_s(size) + self.gather_s(size)
+
   def updated(self, size: int) -> float:
     """Parameters of a ``size``-parameter subgroup this rank updates."""
     return size / self.ranks if self.partitioned else size
 
   def host_rates(self, rates: Rates) -> Rates:
     """``rates`` with the host path's shared by the host's processes."""
-    n = self.processes_per_host
+    n = self.ranks_per_host
     return dataclasses.replace(rates, host=rates.host / n, host_concurrent=rates.host_concurrent / n)
 
 
@@ -281,7 +286,7 @@ def simulate(
 
   ``times`` as the window sees them (:meth:`StageTimes.per_window`);
   ``stream_speculation``: streamed parameters speculated on at most (``None``:
-  no limit). ``collectives``: the step of one rank of a data-parallel job
+  no limit; the model's parameters). ``collectives``: the step of one rank of a data-parallel job
   (:class:`Collectives`); ``times`` are one rank's stage programs without
   them. One link carries them in order: stage ``i``'s reduction starts when
   its backward pass ends and the link is free, and its subgroups are handed
@@ -291,17 +296,7 @@ def simulate(
   for it (:func:`_next_forward`). With ``collectives`` the result also holds
   ``"reduce_end_s"`` (the last reduction's end) and ``"gather_end_s"``.
   """
-  n = len(times.forward)
-  ends = [sum(times.backward[i:]) for i in range(n)]
-  gathers = None
-  if collectives is not None:
-    stage_sizes = [sum(g.size for g in subgroups if g.stage == i) for i in range(n)]
-    gathers = [collectives.gather_s(z) for z in stage_sizes]
-    rates = collectives.host_rates(rates)
-    subgroups = [dataclasses.replace(g, size=collectives.updated(g.size)) for g in subgroups]
-    link = 0.0
-    for i in reversed(range(n)):  # the backward pass's order: each stage's reduction after its programs
-      link = ends[i] = max(link, ends[i]) + collectives.reduce_s(stage_sizes[i])
+  subgroups, rates, ends, gathers = _per_rank(times, subgroups, rates, collectives)
   backward_end = ends[0]
   both = {"host", "stream"} <= set(placements)
   rate = {
@@ -313,6 +308,8 @@ def simulate(
   free = {"host": 0.0, "stream": 0.0}
   during_backward = {"host": rate["host"], "stream": min(rate["stream"], rates.stream_backward or rate["stream"])}
   speculation = math.inf if stream_speculation is None else stream_speculation
+  if collectives is not None:  # the cap counts the model's parameters; a rank speculates on its share of them
+    speculation = collectives.updated(speculation)
   for s in order:
     path = placements[s]
     if path in free:
@@ -324,6 +321,26 @@ def simulate(
           speculation -= subgroups[s].size
       free[path] = done[s] = _finish(start, subgroups[s].size, backward_end, during_backward[path], rate[path])
   return _next_forward(times, subgroups, placements, rates, done, backward_end, free, gathers)
+
+
+def _per_rank(
+  times: StageTimes, subgroups: Sequence[Subgroup], rates: Rates, collectives: Collectives | None
+) -> tuple[Sequence[Subgroup], Rates, list[float], list[float] | None]:
+  """One rank's view of a step: ``(subgroups, rates, ends, gathers)``. ``ends[i]``: when stage ``i``'s gradients
+  are final, after its backward programs and (with ``collectives``) its reduction, on one link in the backward
+  pass's order; ``gathers``: each stage's all-gather in seconds (``None`` without ``collectives``). With
+  ``collectives`` each subgroup is the rank's share and the host path's rate its share of the host's."""
+  n = len(times.forward)
+  ends = [sum(times.backward[i:]) for i in range(n)]
+  if collectives is None:
+    return subgroups, rates, ends, None
+  stage_sizes = [sum(g.size for g in subgroups if g.stage == i) for i in range(n)]
+  gathers = [collectives.gather_s(z) for z in stage_sizes]
+  link = 0.0
+  for i in reversed(range(n)):  # the backward pass's order: each stage's reduction after its programs
+    link = ends[i] = max(link, ends[i]) + collectives.reduce_s(stage_sizes[i])
+  shares = [dataclasses.replace(g, size=collectives.updated(g.size)) for g in subgroups]
+  return shares, collectives.host_rates(rates), ends, gathers
 
 
 def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> set[int]:
@@ -349,17 +366,22 @@ def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates:
   return out
 
 
-def simulate_fired(times: StageTimes, subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> dict:
+def simulate_fired(
+  times: StageTimes, subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates,
+  collectives: Collectives | None = None,
+) -> dict:  # fmt: skip
   """:func:`simulate`'s result for a step after a fired clip (``OverlappedStep(speculation="silent")``).
 
   Nothing offloaded runs before the decision, at the backward pass's end
-  ``D``: then the host kernel steps its host subgroups in forward order, and
-  the stream path its own subgroups in hand-over order, then its share of the
-  host ones (:func:`fired_share`), both at their concurrent rates; resident
-  subgroups are updated at ``D`` as in :func:`simulate`, and the next forward
-  pass follows stage by stage.
+  ``D`` (with ``collectives``, the last stage's reduction's end): then the
+  host kernel steps its host subgroups in forward order, and the stream path
+  its own subgroups in hand-over order, then its share of the host ones
+  (:func:`fired_share`), both at their concurrent rates; resident subgroups
+  are updated at ``D`` as in :func:`simulate`, and the next forward pass
+  follows stage by stage, each stage after its all-gather.
   """
-  backward_end = sum(times.backward)
+  subgroups, rates, ends, gathers = _per_rank(times, subgroups, rates, collectives)
+  backward_end = ends[0]
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
   hand_over = sorted(range(len(subgroups)), key=lambda s: (-subgroups[s].stage, s))
   share = fired_share(subgroups, placements, rates)
@@ -376,7 +398,7 @@ def simulate_fired(times: StageTimes, subgroups: Sequence[Subgroup], placements:
       t += subgroups[s].size / max(rate[path], 1e-30)
       done[s] = t
     ends[path] = t
-  return _next_forward(times, subgroups, placements, rates, done, backward_end, ends)
+  return _next_forward(times, subgroups, placements, rates, done, backward_end, ends, gathers)
 
 
 def _next_forward(times, subgroups, placements, rates, done, backward_end, path_ends, gathers=None) -> dict:
@@ -434,7 +456,7 @@ def _finish(start: float, size: int, backward_end: float, backward_rate: float, 
 
 def choose_placements(
   times: StageTimes, subgroups: Sequence[Subgroup], device_elements: int, rates: Rates, allow_stream: bool = True,
-  host_budget_bytes: int | None = None, host_bytes: HostBytes = HostBytes(),
+  host_budget_bytes: int | None = None, host_bytes: HostBytes = HostBytes(), collectives: Collectives | None = None,
 ) -> tuple[list[str], dict]:  # fmt: skip
   """Placements predicted to hide the most update: ``(placements, simulate's result of them)``.
 
@@ -446,7 +468,8 @@ def choose_placements(
   choices whose pinned host bytes fit are kept, each streaming with the
   speculation the rest of the budget holds (the result's
   ``"stream_speculation"``); where none fits, the one needing the fewest
-  bytes, for the caller to refuse. ``times`` as in :func:`simulate`.
+  bytes, for the caller to refuse. ``times`` and ``collectives`` as in
+  :func:`simulate`.
   """
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
   placements = stage_ordered_placements(forward_order, [g.size for g in subgroups], device_elements, 0)
@@ -463,11 +486,11 @@ def choose_placements(
         need = host_bytes.fixed(subgroups, trial)
         smallest = (need, trial) if smallest is None or need < smallest[0] else smallest
         continue
-      result = dict(simulate(times, subgroups, trial, rates, cap), stream_speculation=cap)
+      result = dict(simulate(times, subgroups, trial, rates, cap, collectives), stream_speculation=cap)
       if best is None or result["exposed_s"] < best[0] - 1e-9:
         best = (result["exposed_s"], trial, result)
   if best is None:
-    return smallest[1], dict(simulate(times, subgroups, smallest[1], rates, 0), stream_speculation=0)
+    return smallest[1], dict(simulate(times, subgroups, smallest[1], rates, 0, collectives), stream_speculation=0)
   return best[1], best[2]
 
 

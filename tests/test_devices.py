@@ -79,6 +79,16 @@ SCRIPT = textwrap.dedent(
     # A CPU mesh needs no compiler option to keep its rematerialisation; one device needs none anywhere.
     assert jax_dos.remat_compiler_options(rows) == {} and jax_dos.remat_compiler_options(None) == {}
     print("ok options")
+
+    # The devices' link, measured by one all-gather: a finite rate, and a mesh's collectives (one process: both of
+    # its devices share the host); one device has none.
+    link = jax_dos.measure_link(mesh, bytes_per_device=2**20, repeats=2)
+    assert 0 < link < float("inf"), link
+    dp = jax_dos.mesh_collectives(mesh, link=link)
+    assert (dp.ranks, dp.ranks_per_host, dp.link, dp.partitioned) == (2, 2, link, True), dp
+    assert jax_dos.mesh_collectives(Mesh(np.array(jax.devices()[:1]), ("data",))) is None
+    assert jax_dos.mesh_collectives(None) is None
+    print("ok link")
   """
 )
 
@@ -88,7 +98,7 @@ def test_relayouts_and_reduce_scattered_gradients_on_two_devices():
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  assert out.stdout.count("ok ") == 3, out.stdout
+  assert out.stdout.count("ok ") == 4, out.stdout
 
 
 class _Gpus:  # what remat_compiler_options reads of a sharding: its devices, here of platform "gpu"

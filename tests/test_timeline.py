@@ -160,7 +160,7 @@ def test_a_fired_step_starts_every_offloaded_update_at_the_decision_and_shares_t
 def test_data_parallel_collectives_partitioned():
   # 2 ranks of one host, 4 B/s a link, 2 B a gradient and a weight: a stage of z parameters reduce-scatters z x 2 x 1/2
   # bytes (z / 4 s) and all-gathers as much; each rank updates z / 2 of them at the host's 2/s shared by 2 processes.
-  dp = Collectives(ranks=2, link=4.0, partitioned=True, processes_per_host=2)
+  dp = Collectives(ranks=2, link=4.0, partitioned=True, ranks_per_host=2)
   result = simulate(TIMES, [Subgroup(4, 2), Subgroup(2, 0)], ["host", "host"], RATES, collectives=dp)
   # Reductions on the link: stage 2's 1 s after its backward (2 s) ends at 3 s, stage 0's 0.5 s after 6 s at 6.5 s.
   assert result["reduce_end_s"] == result["backward_end_s"] == pytest.approx(6.5)
@@ -188,3 +188,36 @@ def test_data_parallel_collectives_replicated_and_one_rank():
   assert {k: one[k] for k in alone} == pytest.approx(alone)
   with pytest.raises(ValueError, match="ranks >= 1"):
     Collectives(0, 1.0)
+  with pytest.raises(ValueError, match="ranks_per_host <= ranks"):
+    Collectives(2, 1.0, ranks_per_host=3)
+
+
+def test_data_parallel_collectives_fired_clip():
+  # The fired step on the same 2 ranks: nothing offloaded starts before the decision, after the last reduction.
+  dp = Collectives(ranks=2, link=4.0, partitioned=True, ranks_per_host=2)
+  subgroups = [Subgroup(4, 2), Subgroup(2, 0)]
+  fired = simulate_fired(TIMES, subgroups, ["host", "host"], RATES, collectives=dp)
+  assert fired["backward_end_s"] == pytest.approx(6.5)  # the reductions end as in the silent step
+  # A rank's shares: stage 0's 1 parameter, stage 2's 2; the host's concurrent 1/s shared by 2 ranks is 0.5/s, so
+  # the stream path (2/s) takes stage 2's share (to 7.5 s) and the host stage 0's (6.5 s to 8.5 s).
+  assert fired["stream_end_s"] == pytest.approx(7.5)
+  assert fired["host_end_s"] == pytest.approx(8.5)
+  assert fired["gather_end_s"] > fired["host_end_s"]  # the last stage's weights gathered after its update
+  alone = simulate_fired(TIMES, subgroups, ["host", "host"], RATES)
+  assert alone["backward_end_s"] == pytest.approx(6.0) and "gather_end_s" not in alone
+  silent = simulate(TIMES, subgroups, ["host", "host"], RATES, collectives=dp)
+  assert silent["exposed_s"] < fired["exposed_s"]
+
+
+def test_plain_step_collectives_and_speculation_share():
+  # The plain step's collectives, none hidden: a reduce-scatter a micro-batch (z / 4 s at 2 ranks, 4 B/s), one
+  # all-gather (as long): 2 micro-batches of 8 parameters: 2 x 2 + 2 s.
+  dp = Collectives(ranks=2, link=4.0)
+  assert dp.plain_step_s(8, micro_batches=2) == pytest.approx(6.0)
+  assert Collectives(ranks=2, link=4.0, partitioned=False).plain_step_s(8, 2) == pytest.approx(8.0)
+  # A speculation cap counts the model's parameters: a rank's share of a 6-parameter subgroup is 3, within a cap of 6.
+  capped = simulate(TIMES, [Subgroup(6, 2)], ["stream"], RATES, stream_speculation=6, collectives=dp)
+  free = simulate(TIMES, [Subgroup(6, 2)], ["stream"], RATES, collectives=dp)
+  assert capped["stream_end_s"] == pytest.approx(free["stream_end_s"])
+  held = simulate(TIMES, [Subgroup(6, 2)], ["stream"], RATES, stream_speculation=5, collectives=dp)
+  assert held["stream_end_s"] > free["stream_end_s"]

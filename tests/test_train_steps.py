@@ -256,6 +256,19 @@ def test_the_choice_from_plans_made_for_a_given_device_memory():
   assert overlapped.predicted["step"] < times.compute_s(2) + plain.predicted["total"]
   chosen, line = S.choose("auto", plain, overlapped, None)
   assert chosen and "predicted step: overlapped" in line
+  # On a mesh the plans price its collectives: a link this slow (2 ranks of one host, 1 GB/s) lengthens the
+  # overlapped step's predictions, silent and fired, and the plain step's by its reductions and gather.
+  dp = T.jax_dos.Collectives(ranks=2, link=1e9, ranks_per_host=2)
+  meshed = T.jax_dos.overlapped_plan(tx, staged.stages, staged.split(params), stage_times=times, micro_batches=2,
+                                     collectives=dp)  # fmt: skip
+  assert meshed.predicted["step"] > overlapped.predicted["step"]
+  assert meshed.predicted["step_clip_fired"] > overlapped.predicted["step_clip_fired"]
+  extra = dp.plain_step_s(sum(x.size for x in jax.tree.leaves(params)), 2)
+  assert extra > 0
+  _, alone = S.choose("off", plain, overlapped, None)
+  _, priced = S.choose("off", plain, overlapped, None, plain_collectives_s=extra)
+  shown = lambda line: float(line.split("plain ")[-1].split(" s")[0])  # noqa: E731
+  assert shown(priced) == pytest.approx(shown(alone) + extra, abs=0.01)
 
 
 @pytest.mark.parametrize(

@@ -390,7 +390,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   refusal = overlapped_lib.refusal(args)
   if refusal is None and args.overlap == "auto" and jax.default_backend() != "gpu":
     refusal = "--overlap auto takes the overlapped step on a GPU only (--overlap on takes it here)"
-  overlap_plan = times = staged = None
+  overlap_plan = times = staged = collectives = None
   if refusal is None and args.overlap != "off":
     staged = model_module(args).staged(cfg)  # the model's own modules as stages
     if args.offload == "auto" and sized:
@@ -401,10 +401,18 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       measured = "the stages measured" + (", each under its remat choices" if args.remat == "auto" else "")
       with _setup_phase(args, measured):
         times = overlapped_lib.stage_times(staged, params, part, args.remat)
-    overlap_plan = overlapped_lib.plan(args, tx, staged, params, times)
+      if batch_layout is not None and batch_layout.mesh.devices.size > 1:
+        with _setup_phase(args, "the devices' link measured"):
+          collectives = jax_dos.mesh_collectives(batch_layout.mesh)
+        notes.append(f"link    {collectives.link / 1e9:.0f} GB/s a device (an all-gather's bus bandwidth) over"
+                     f" {collectives.ranks} devices, {collectives.ranks_per_host} a host")  # fmt: skip
+    overlap_plan = overlapped_lib.plan(args, tx, staged, params, times, collectives)
+  plain_collectives_s = 0.0
+  if collectives is not None:
+    plain_collectives_s = collectives.plain_step_s(sum(x.size for x in jax.tree.leaves(params)), args.grad_accum)
   fired = steps.fired_share(args.clip, _metrics_rows(args.out) if restore_from is not None else None)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None,
-                                  fired)  # fmt: skip
+                                  fired, plain_collectives_s)  # fmt: skip
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.
   plain_elsewhere = jax_dos.agreed_refusal(None if overlapped else line) is not None
   if overlapped and plain_elsewhere:

@@ -70,11 +70,16 @@ def stages(staged: jax_dos.NNXStages, remat: str) -> list[jax_dos.Stage]:
   return [dataclasses.replace(st, remat=remat) for st in made[:-1]] + made[-1:]
 
 
-def plan(args: argparse.Namespace, tx, staged: jax_dos.NNXStages, params: dict, times=None) -> jax_dos.Plan:
-  """The overlapped step's plan for the model's stages, from the parameters' shapes (no optimizer state exists)."""
+def plan(
+  args: argparse.Namespace, tx, staged: jax_dos.NNXStages, params: dict, times=None,
+  collectives: jax_dos.Collectives | None = None,
+) -> jax_dos.Plan:  # fmt: skip
+  """The overlapped step's plan for the model's stages, from the parameters' shapes (no optimizer state exists);
+  ``collectives``: the mesh's, which the timeline prices (``jax_dos.mesh_collectives``)."""
   return jax_dos.overlapped_plan(
-    tx, stages(staged, args.remat), staged.split(params), stage_times=times, micro_batches=args.grad_accum
-  )
+    tx, stages(staged, args.remat), staged.split(params), stage_times=times, micro_batches=args.grad_accum,
+    collectives=collectives,
+  )  # fmt: skip
 
 
 def abstract_state(

@@ -92,6 +92,7 @@ def choose(
   overlapped: jax_dos.Plan | None,
   refusal: str | None,
   fired: tuple[float, str] = (FIRED_PRIOR, "prior"),
+  plain_collectives_s: float = 0.0,
 ) -> tuple[bool, str]:
   """``(overlapped?, one line saying which step and why)`` for ``--overlap mode``.
 
@@ -108,13 +109,16 @@ def choose(
   silent). ``on`` takes it unless it
   is refused; ``off`` never does. The line gives each step's predicted time,
   the rematerialisation the overlapped plan chose beside its placements
-  (``Plan.remat``), and the rule's figures.
+  (``Plan.remat``), and the rule's figures. ``plain_collectives_s``: on a
+  mesh, what the plain step's reductions and gathers add to its step
+  (``jax_dos.Collectives.plain_step_s``; the overlapped plan prices its own).
   """
   compute = fired_s = None
   if overlapped is not None and "step" in overlapped.predicted:  # the forward/backward alone, as the timeline has it
     compute = overlapped.predicted["step"] - overlapped.predicted["exposed"]
     fired_s = overlapped.predicted.get("step_clip_fired")
   silent, alone = predicted_step_s(overlapped, None), predicted_step_s(plain, compute)
+  alone = None if alone is None else alone + plain_collectives_s
   shown = []
   if silent is not None:
     remat = "" if overlapped.remat is None else f", remat {jax_dos.describe_remat(overlapped.remat)}"

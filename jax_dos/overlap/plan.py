@@ -50,6 +50,7 @@ from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
   MICRO_BATCH_ORDERS,
   PREDICTION_ERROR,
+  Collectives,
   Rates,
   StageTimes,
   Subgroup,
@@ -214,6 +215,7 @@ def plan_step(
   run_ahead_stages: int | None = None,
   stream_slots: int = STREAM_SLOTS,
   host_budget_bytes: int | None = None,
+  collectives: Collectives | None = None,
 ) -> Plan:
   """The overlapped step's plan, from the groups' shapes: no optimizer state exists or is allocated.
 
@@ -223,6 +225,9 @@ def plan_step(
   (``plan.predicted["step"]`` and ``["exposed"]`` with the clip silent,
   ``["step_clip_fired"]`` after a fired clip), to compare with the plain
   step's plan (``jax_dos.get_plan``) before either's state is allocated.
+  ``collectives``: on a data-parallel mesh, its reductions and gathers
+  (``jax_dos.Collectives``), which the timeline then prices; without it the
+  prediction holds one device's programs alone.
   """
   options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
   groups = list(groups)
@@ -237,6 +242,7 @@ def plan_step(
     micro_batches=options.micro_batches, micro_batch_order=options.micro_batch_order,
     run_ahead_stages=options.run_ahead_stages, max_stream_slots=options.stream_slots,
     host_budget_bytes=options.host_budget_bytes, stage_policies=tuple(st.remat for st in model.stages),
+    collectives=collectives,
   )  # fmt: skip
   return agreed_step_plan(made) if isinstance(spec, str) and spec == "auto" else made
 
@@ -319,7 +325,7 @@ def host_need_bound(
 def make_step_plan(
   spec: Any, owner: Any, groups: list, layout: StepLayout, *, stage_times: StageTimes | None, micro_batches: int,
   micro_batch_order: str, run_ahead_stages: int, max_stream_slots: int, host_budget_bytes: int,
-  stage_policies: tuple[str, ...] | None = None,
+  stage_policies: tuple[str, ...] | None = None, collectives: Collectives | None = None,
 ) -> Plan:  # fmt: skip
   """The step's plan from ``spec`` (``"auto"``, a placement, a list of them, or a ``Plan`` within groups).
 
@@ -329,7 +335,8 @@ def make_step_plan(
   with ``stage_times`` (``source="model+timeline"``, ``predicted`` holding the
   step, :func:`_timeline_plan`: with the stages' measured policies, the
   rematerialisation too), else the plain plan's shares by stage order
-  (``"model+stages"``). ``stage_policies``: the stages' own policies.
+  (``"model+stages"``). ``stage_policies``: the stages' own policies;
+  ``collectives``: the mesh's, for the timeline (:func:`plan_step`).
   """
   subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
   if isinstance(spec, Plan):
@@ -355,7 +362,7 @@ def make_step_plan(
                   step_room_bytes=whole.step_room_bytes)  # fmt: skip
     return _timeline_plan(whole, layout, stage_times, boundaries, stage_policies, micro_batches,
                           micro_batch_order, run_ahead_stages, max_stream_slots, host_budget_bytes,
-                          owner.hyper.moments)  # fmt: skip
+                          owner.hyper.moments, collectives)  # fmt: skip
   if isinstance(spec, str):
     if spec not in PLACEMENTS:
       raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
@@ -372,7 +379,7 @@ def make_step_plan(
 def _timeline_plan(
   whole: Plan, layout: StepLayout, stage_times: StageTimes, boundaries: int,
   stage_policies: tuple[str, ...] | None, micro_batches: int, micro_batch_order: str, run_ahead_stages: int,
-  max_stream_slots: int, host_budget_bytes: int, moments: str = "float32",
+  max_stream_slots: int, host_budget_bytes: int, moments: str = "float32", collectives: Collectives | None = None,
 ) -> Plan:  # fmt: skip
   """Placements and rematerialisation chosen together: the predicted fastest step that fits.
 
@@ -421,7 +428,8 @@ def _timeline_plan(
     window = times.per_window(k, micro_batch_order)
     placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
                                               host_budget_bytes=host_budget_bytes,
-                                              host_bytes=host_bytes_per(moments, layout.held_share))  # fmt: skip
+                                              host_bytes=host_bytes_per(moments, layout.held_share),
+                                              collectives=collectives)  # fmt: skip
     step = times.compute_s(k) + predicted["exposed_s"]
     if policies == full:
       with_full = (step, policies, times, window, placements, predicted, rates, slots)
@@ -430,7 +438,7 @@ def _timeline_plan(
   if with_full is not None and best[0] > with_full[0] * (1 - PREDICTION_ERROR):  # no gain the model can tell
     best = with_full
   step, policies, times, window, placements, predicted, rates, slots = best
-  fired = simulate_fired(window, layout.timeline(), placements, rates)
+  fired = simulate_fired(window, layout.timeline(), placements, rates, collectives)
   predicted = {"exposed": predicted["exposed_s"], "step": step,
                "step_clip_fired": times.compute_s(k) + fired["exposed_s"]}  # fmt: skip
   return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,

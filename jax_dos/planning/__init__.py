@@ -7,6 +7,7 @@ From the ground up, each module importing only those below it::
     budgets.py       the accelerator memory a plan may use (StepMemory, BudgetInputs, resolve_budgets)
     search.py        the placements that minimise the predicted time (plan_sizes)
     planner.py       make_plan and auto_planner, which interleaved_adam(plan="auto") calls
+    link.py          the devices' collective link measured, and a mesh's Collectives for the timeline
 """
 
 from jax_dos.planning.budgets import BudgetInputs, Budgets, StepMemory, resolve_budgets
