@@ -208,8 +208,9 @@ class Collectives:
   parameter on the link), and the new weights are all-gathered (``(ranks - 1) / ranks`` of ``param_bytes``) before
   the next forward pass reaches the stage (``OverlappedStep``'s stage programs put them in the partitioned layout,
   which XLA reduce-scatters). Not partitioned (``partition_replicated=False``): each gradient sum is all-reduced
-  (twice a reduce-scatter's bytes), every rank updates the whole state, and nothing is gathered. The host path's rate
-  is the host's, shared by its ranks: each gets ``1 / ranks_per_host`` of it; each device has its own PCIe link.
+  (twice a reduce-scatter's bytes), every rank updates the whole state, and nothing is gathered. The host and the
+  stream paths' rates are the host's DRAM's, shared by its ranks: each gets ``1 / ranks_per_host`` of them
+  (:meth:`shared_rates`).
   """
 
   ranks: int
@@ -241,10 +242,16 @@ class Collectives:
     """Parameters of a ``size``-parameter subgroup this rank updates."""
     return size / self.ranks if self.partitioned else size
 
-  def host_rates(self, rates: Rates) -> Rates:
-    """``rates`` with the host path's shared by the host's processes."""
+  def shared_rates(self, rates: Rates) -> Rates:
+    """``rates`` a rank gets: the host and the stream paths' shared by the host's ranks (both cross the host's DRAM
+    24-28 bytes a parameter, and the DRAM binds, not the PCIe links, which add up: ``docs/scaling.md``, rule 1);
+    each device updates its resident share at its own rate."""
     n = self.ranks_per_host
-    return dataclasses.replace(rates, host=rates.host / n, host_concurrent=rates.host_concurrent / n)
+    backward = None if rates.stream_backward is None else rates.stream_backward / n
+    return dataclasses.replace(
+      rates, host=rates.host / n, host_concurrent=rates.host_concurrent / n, stream=rates.stream / n,
+      stream_concurrent=rates.stream_concurrent / n, stream_backward=backward,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +336,7 @@ def _per_rank(
   """One rank's view of a step: ``(subgroups, rates, ends, gathers)``. ``ends[i]``: when stage ``i``'s gradients
   are final, after its backward programs and (with ``collectives``) its reduction, on one link in the backward
   pass's order; ``gathers``: each stage's all-gather in seconds (``None`` without ``collectives``). With
-  ``collectives`` each subgroup is the rank's share and the host path's rate its share of the host's."""
+  ``collectives`` each subgroup is the rank's share and the offloaded paths' rates its share of the host's."""
   n = len(times.forward)
   ends = [sum(times.backward[i:]) for i in range(n)]
   if collectives is None:
@@ -340,7 +347,7 @@ def _per_rank(
   for i in reversed(range(n)):  # the backward pass's order: each stage's reduction after its programs
     link = ends[i] = max(link, ends[i]) + collectives.reduce_s(stage_sizes[i])
   shares = [dataclasses.replace(g, size=collectives.updated(g.size)) for g in subgroups]
-  return shares, collectives.host_rates(rates), ends, gathers
+  return shares, collectives.shared_rates(rates), ends, gathers
 
 
 def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> set[int]:

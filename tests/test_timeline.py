@@ -198,9 +198,10 @@ def test_data_parallel_collectives_fired_clip():
   subgroups = [Subgroup(4, 2), Subgroup(2, 0)]
   fired = simulate_fired(TIMES, subgroups, ["host", "host"], RATES, collectives=dp)
   assert fired["backward_end_s"] == pytest.approx(6.5)  # the reductions end as in the silent step
-  # A rank's shares: stage 0's 1 parameter, stage 2's 2; the host's concurrent 1/s shared by 2 ranks is 0.5/s, so
-  # the stream path (2/s) takes stage 2's share (to 7.5 s) and the host stage 0's (6.5 s to 8.5 s).
-  assert fired["stream_end_s"] == pytest.approx(7.5)
+  # A rank's shares: stage 0's 1 parameter, stage 2's 2; the host's DRAM shared by 2 ranks halves both paths'
+  # concurrent rates (host 0.5/s, stream 1/s), so the stream path takes stage 2's share (6.5 s to 8.5 s) and the host
+  # stage 0's (6.5 s to 8.5 s).
+  assert fired["stream_end_s"] == pytest.approx(8.5)
   assert fired["host_end_s"] == pytest.approx(8.5)
   assert fired["gather_end_s"] > fired["host_end_s"]  # the last stage's weights gathered after its update
   alone = simulate_fired(TIMES, subgroups, ["host", "host"], RATES)

@@ -223,8 +223,10 @@ def plan_step(
   ``OverlappedStep(tx, stages, groups, plan=<it>, ...)``. With
   ``stage_times`` it holds the timeline model's predicted step
   (``plan.predicted["step"]`` and ``["exposed"]`` with the clip silent,
-  ``["step_clip_fired"]`` after a fired clip), to compare with the plain
-  step's plan (``jax_dos.get_plan``) before either's state is allocated.
+  ``["step_clip_fired"]`` after a fired clip, ``["compute_plain"]`` the
+  forward and backward passes as the plain step runs them: every stage
+  ``"full"`` where the plan chose the rematerialisation), to compare with the
+  plain step's plan (``jax_dos.get_plan``) before either's state is allocated.
   ``collectives``: on a data-parallel mesh, its reductions and gathers
   (``jax_dos.Collectives``), which the timeline then prices; without it the
   prediction holds one device's programs alone.
@@ -439,8 +441,12 @@ def _timeline_plan(
     best = with_full
   step, policies, times, window, placements, predicted, rates, slots = best
   fired = simulate_fired(window, layout.timeline(), placements, rates, collectives)
-  predicted = {"exposed": predicted["exposed_s"], "step": step,
-               "step_clip_fired": times.compute_s(k) + fired["exposed_s"]}  # fmt: skip
+  predicted = {
+    "exposed": predicted["exposed_s"],
+    "step": step,
+    "step_clip_fired": times.compute_s(k) + fired["exposed_s"],
+    "compute_plain": (stage_times.assigned(full) if stage_times.remat_choices else stage_times).compute_s(k),
+  }
   return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
               step_room_bytes=whole.step_room_bytes, remat=policies if stage_times.remat_choices else None)  # fmt: skip
 
