@@ -18,7 +18,8 @@ ways to run a step, ``traced`` and ``engine`` (with ``step_ahead``); the optimiz
 face) with ``accumulate`` and the package ``checkpoint/`` (Orbax; optax's state and back); the overlapped step,
 ``stages``,
 ``timeline`` and the package ``overlap/`` (its plan, the step, its host and stream paths, the clip decision), with
-``remat`` (the rematerialisation policies) below them, and ``nnx_adapter`` (a Flax NNX model's stages)
+``remat`` (the rematerialisation policies), ``job_thread`` (its worker threads and their one failure event) and
+``hand_off`` (one holder a buffer between them) below them, and ``nnx_adapter`` (a Flax NNX model's stages)
 (docs/design.md).
 
 Importing it changes one thing outside itself: XLA's pinned host pool cap

@@ -6,12 +6,16 @@ already own instead: one worker thread takes each request in order, waits
 until its sources are ready (XLA's own events), and copies every shard with
 ``cuMemcpyDtoHAsync`` on a stream of its own per device, then waits for the
 streams (the CPU backend: ``memmove``). The request's ``Future`` resolves
-with the destinations once their bytes are there.
+with a :class:`~jax_dos.hand_off.HandOff` of the destinations once their
+bytes are there.
 
 Ownership: a request hands the sources and destinations to the worker; the
-future hands the destinations back. The caller neither reads nor writes the
-destinations until the future is done, and keeps the sources alive or gives
-them up (``free_sources``: the worker deletes them once copied).
+future hands the destinations back (``hand_off.receive`` takes them). The
+caller neither reads nor writes the destinations until the future is done,
+and keeps the sources alive or gives them up (``free_sources``: the worker
+deletes them once copied). The stream path, which lists its copy's
+destinations as a subgroup's state at once, reads them only once the future
+is done (``StreamPath._state``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import jax
 
+from jax_dos.hand_off import HandOff
 from jax_dos.job_thread import hand_off
 
 
@@ -76,7 +81,7 @@ class CopyOut:
 
   def submit(self, sources: list[jax.Array], destinations: list[jax.Array], free_sources: bool = False) -> Future:
     """Copies each source into its destination (same dtype and shard shapes, on the same devices), in the order
-    requested; the future resolves with ``destinations``."""
+    requested; the future resolves with a ``HandOff`` of ``destinations``."""
     for src, dst in zip(sources, destinations, strict=True):
       if src.dtype != dst.dtype or src.shape != dst.shape:
         raise ValueError(
@@ -84,7 +89,7 @@ class CopyOut:
         )
     return self._executor.submit(self._copy, list(sources), list(destinations), free_sources)
 
-  def _copy(self, sources: list[jax.Array], destinations: list[jax.Array], free_sources: bool) -> list[jax.Array]:
+  def _copy(self, sources: list[jax.Array], destinations: list[jax.Array], free_sources: bool) -> HandOff:
     hand_off()
     jax.block_until_ready(sources)
     used: set[int] = set()
@@ -106,7 +111,7 @@ class CopyOut:
     if free_sources:
       for src in sources:
         src.delete()
-    return destinations
+    return HandOff(destinations, f"{len(destinations)} buffers copied out")
 
   def close(self) -> None:
     """Waits for the copies requested and ends the worker."""

@@ -41,7 +41,8 @@ def hand_off() -> None:
 
 
 def hand_back(future: Future, value: Any) -> None:
-  """Resolves ``future`` with ``value``, which this thread no longer holds: a hand-off."""
+  """Resolves ``future`` with ``value`` for another thread to read (a job's result, the clip decision): a hand-off
+  point. Buffers travel in a ``hand_off.HandOff`` (``hand_off.send``), which one thread takes."""
   hand_off()
   future.set_result(value)
 

@@ -17,6 +17,7 @@ import pytest
 from helpers import cpu_devices_env
 
 from jax_dos.copy_out import CopyOut
+from jax_dos.hand_off import HandOffError
 from jax_dos.pinned_arena import PinnedArena
 
 
@@ -47,7 +48,7 @@ def test_freed_slots_are_reused_and_cleared_on_request():
   arena = PinnedArena(jax.devices()[:1], chunk_bytes=1 << 20)
   like = _device_array(rng, (100, 7))
   copier = CopyOut()
-  a = copier.submit([like], [arena.array_like(like)]).result()[0]
+  a = copier.submit([like], [arena.array_like(like)]).result().take()[0]
   copier.close()
   np.testing.assert_array_equal(np.asarray(a), np.asarray(like))
   address = a.unsafe_buffer_pointer()
@@ -84,8 +85,11 @@ def test_copy_out_writes_device_arrays_into_arena_arrays_in_order():
     expected = [np.asarray(s) for s in srcs]
     dsts = [arena.array_like(s) for s in srcs]
     done = copier.submit([s * 2 for s in srcs], dsts, free_sources=True)  # sources still being computed
-    out = done.result(timeout=60)
+    given = done.result(timeout=60)
+    out = given.take()  # the destinations, handed back: taken once
     assert out == dsts
+    with pytest.raises(HandOffError, match="taken already"):
+      given.take()
     for got, want in zip(out, expected):
       np.testing.assert_array_equal(np.asarray(got), want * 2)
     with pytest.raises(ValueError, match="equal dtypes and shapes"):
@@ -107,7 +111,7 @@ SHARDED = textwrap.dedent(
     arena = PinnedArena(jax.devices(), chunk_bytes=1 << 16)
     for spec in (P("data", "model"), P("data"), P()):
       x = jax.device_put(jnp.asarray(rng.standard_normal((8, 6)), jnp.float32), NamedSharding(mesh, spec))
-      a = copier.submit([x], [arena.array_like(x)]).result()[0]
+      a = copier.submit([x], [arena.array_like(x)]).result().take()[0]
       assert a.sharding.memory_kind == "pinned_host", a.sharding
       assert a.sharding.with_memory_kind("device").is_equivalent_to(x.sharding, 2), a.sharding
       np.testing.assert_array_equal(np.asarray(a), np.asarray(x))

@@ -33,7 +33,8 @@ from typing import Any
 import jax
 
 from jax_dos import device_steps, host_kernels, memory, pinned_arena, trace
-from jax_dos.job_thread import Failure, hand_back, result_of
+from jax_dos.hand_off import HandOff, receive, send
+from jax_dos.job_thread import Failure, result_of
 from jax_dos.overlap.clip import StepRecord
 from jax_dos.overlap.routes import Routes
 from jax_dos.pinned_arena import PinnedArena
@@ -95,11 +96,16 @@ class HostPath:
     self.lows: dict[int, jax.Array] = {}
     self.spares: dict[int, tuple] = {}
     self._sending: deque = deque()  # new weights on their way in: (record, subgroup, arrays, final)
-    self.take(state, routes)
+    self._own(state, routes)
 
   # ----------------------------------------------------------------------------- ownership
 
-  def take(self, state: dict[int, tuple], routes: Routes) -> None:
+  def take(self, given: HandOff[dict[int, tuple]], routes: Routes) -> None:
+    """(rebalancing) Takes these leaves' state (``leaf -> (master, mu, nu)``, handed over by the other path's
+    :meth:`give`) and ``routes``."""
+    self._own(given.take(), routes)
+
+  def _own(self, state: dict[int, tuple], routes: Routes) -> None:
     """Becomes the owner of these leaves' state, allocating their spare state and weight copies; takes ``routes``."""
     self.routes = routes
     leaves = sorted(state)
@@ -117,14 +123,15 @@ class HostPath:
   def _release(self, a: jax.Array) -> None:
     pinned_arena.release(self.arena, a)
 
-  def give(self, leaves: list[int], routes: Routes) -> dict[int, tuple]:
-    """Hands these leaves' state over (``leaf -> (master, mu, nu)``) and frees their buffers; takes ``routes``."""
+  def give(self, leaves: list[int], routes: Routes) -> HandOff[dict[int, tuple]]:
+    """Hands these leaves' state over (``leaf -> (master, mu, nu)``) and frees their other buffers; takes
+    ``routes``."""
     self.routes = routes
     out = {i: (self.masters.pop(i), self.mus.pop(i), self.nus.pop(i)) for i in leaves}
     for i in leaves:
       for a in (self.lows.pop(i), *self.spares.pop(i)):
         self._release(a)
-    return out
+    return HandOff(out, f"the host path's state of leaves {leaves}")
 
   def state(self) -> dict[int, tuple]:
     """``leaf -> (master, mu, nu)`` of the host leaves now (for the step's ``opt_state``, once settled)."""
@@ -132,15 +139,15 @@ class HostPath:
 
   # ----------------------------------------------------------------------------- a step
 
-  def update(
-    self, record: StepRecord, s: int, grads: dict[int, jax.Array] | Future, params: list[jax.Array], future: Future
-  ) -> None:
+  def update(self, record: StepRecord, s: int, given: HandOff, future: Future) -> None:
     """(a hand-over) Subgroup ``s``'s step: speculated, with the true scale where the decision is known, or kept for
-    the decision (:meth:`finish`). ``grads``: leaf -> gradient in pinned host memory, or (with an arena) the future
-    of the subgroup's gradients in its leaves' order, their buffers owned by the host path once it resolves."""
+    the decision (:meth:`finish`). ``given``: its gradients and its parameters, ``(grads, params)``; ``grads``:
+    leaf -> gradient in pinned host memory, or (with an arena) the future of the subgroup's gradients in its leaves'
+    order, sent by the copy worker (``copy_out``). ``future``: where its new parameters go back."""
+    grads, params = given.take()
     with trace.span("host.wait_grads"):
       if isinstance(grads, Future):
-        grads = dict(zip(self.routes.plan.subgroups[s], grads.result()))
+        grads = dict(zip(self.routes.plan.subgroups[s], receive(grads, None, f"subgroup {s}'s gradients")))
       else:
         jax.block_until_ready(list(grads.values()))
     st: HostStep = record.host
@@ -205,7 +212,7 @@ class HostPath:
   @staticmethod
   def _final(st: HostStep, s: int) -> None:
     """Subgroup ``s``'s new parameters are final: they go back to the training thread, which owns them again."""
-    hand_back(st.futures.pop(s), st.params.pop(s))
+    send(st.futures.pop(s), st.params.pop(s), f"subgroup {s}'s new parameters")
 
   def finish(self, record: StepRecord) -> None:
     """(after the step's last hand-over) The decision's consequences for the host subgroups; a fired clip's redo in
@@ -229,14 +236,14 @@ class HostPath:
         jax.block_until_ready(st.sent)  # the copies read the buffers the redo writes
       st.sent.clear()  # the redo writes into (donates) these
       share = {s: self._give_share(st, s) for s in on_stream & st.grads.keys()}
-      hand_back(record.host_share, share)  # the stream worker may step its share now: its buffers are its own
+      send(record.host_share, share, "the host path's share of a fired clip's redo")  # the stream worker's now
       for s in self.routes.by_forward_rank(set(st.speculated + st.deferred) - on_stream):
         with trace.span("host.redo" if s in st.speculated else "host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)
       if share:  # committed below, after the swap
         with trace.span("host.wait_stream_redo"):
-          shared = result_of(record.share_done, self._failure, "the stream worker's share of the redo")
+          shared = receive(record.share_done, self._failure, "the stream worker's share of the redo")
     else:
       for s in st.speculated:
         self._release_grads(st, s)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax_dos import device_steps, host_kernels, memory, moment_formats, partition, pinned_arena
 from jax_dos.copy_out import CopyOut
 from jax_dos.engine import host_gradients
+from jax_dos.hand_off import receive
 from jax_dos.pinned_arena import PinnedArena
 from jax_dos.plan import MEMORY_KIND, Plan
 from jax_dos.planning import calibration
@@ -111,7 +112,7 @@ def initial_state(
     masters = [memory.copy_in(a, "device") if k == "device" else None for a, k in zip(leaves, kinds)]
     for i in (i for i, k in enumerate(kinds) if k != "device"):  # one leaf at a time in accelerator memory
       f32 = memory.copy_in(leaves[i], "device")
-      masters[i] = copier.submit([f32], [arena.array_like(f32)], free_sources=True).result()[0]
+      masters[i] = receive(copier.submit([f32], [arena.array_like(f32)], free_sources=True), None, "a master")[0]
     mus, nus = (
       [moment_formats.zeros_like_in(a, k, moments) if k == "device" else arena.zeros_like(
         moment_formats.moment_struct(a, moments)) for a, k in zip(leaves, kinds)]
@@ -123,7 +124,7 @@ def initial_state(
     if memory.memory_kind(a) == kind:  # in XLA's pool (restored there, or tx.init's) it stays: a copy would hold
       return a  # it twice until its caller dropped it
     if arena is not None and kind != "device":
-      return copier.submit([a], [arena.array_like(a)]).result()[0]
+      return receive(copier.submit([a], [arena.array_like(a)]), None, "a state leaf")[0]
     return memory.copy_in(a, kind, a.dtype)
 
   place = lambda xs: [move(a, k) for a, k in zip(xs, kinds)]  # noqa: E731

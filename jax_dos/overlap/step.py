@@ -66,6 +66,7 @@ from jax_dos import (
   pinned_pool,
   trace,
 )
+from jax_dos.hand_off import HandOff, Slots, receive
 from jax_dos.interleaved import decay_flags, leaves_with_paths
 from jax_dos.job_thread import Failure, JobThread, result_of
 from jax_dos.overlap import memory as overlap_memory
@@ -251,13 +252,14 @@ class OverlappedStep:
     self.routes = overlap_routes.routes(self.plan, self._layout, self._host_room, self.hyper.moments)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
-    self._params = memory.committed(list(leaves))
+    # A parameter handed to a worker leaves a hand_off.Given in its place until the new one comes back.
+    self._params = Slots(memory.committed(list(leaves)), "parameter leaf")
     # (training thread) The state partitioned over the axes a parameter is replicated over, as tx.init's (the
     # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
-    self._layouts = partition.StepLayouts(self._params, owner.partition_replicated is not False)
+    self._layouts = partition.StepLayouts(list(self._params), owner.partition_replicated is not False)
     self._check_host_memory(spans)  # before any state moves or spare buffer is allocated
     # The offloaded state outside XLA's pinned pool (docs/overlap.md, "Pinned memory of our own"), or in it.
-    self._pinned = overlap_state.PinnedMemory.for_step(pinned_memory, self._params, opt_state)
+    self._pinned = overlap_state.PinnedMemory.for_step(pinned_memory, list(self._params), opt_state)
     self.arena = self._pinned.arena
     masters, mus, nus, self._count = overlap_state.initial_state(
       self.plan, self._layouts, self.hyper.moments, leaves, opt_state, self.arena, self._pinned.state_out
@@ -448,14 +450,14 @@ class OverlappedStep:
       future = self._pending[s] = Future()
       if placement == "host":
         with trace.span("overlap.grads_d2h"):
-          on_host = self._pinned.grads_to_host(subgroup_grads, list(leaves))
-        job = (self._host, self._host_path.update, record, s, on_host)
+          subgroup_grads = self._pinned.grads_to_host(subgroup_grads, list(leaves))
+        worker, path = self._host, self._host_path
       else:
-        job = (self._streamer, self._stream_path.update, record, s, subgroup_grads)
-      params = self._layouts.to_state([self._params[i] for i in leaves], leaves)
-      for i in leaves:  # the worker owns them until it hands the new ones back
-        self._params[i] = None
-      self._submit(*job, params, future)
+        worker, path = self._streamer, self._stream_path
+      # The worker holds them until it hands the new ones back through the future.
+      params = self._layouts.to_state(self._params.give(leaves, f"the {placement} worker"), leaves)
+      given = HandOff((subgroup_grads, params), f"subgroup {s}'s gradients and parameters")
+      self._submit(worker, path.update, record, s, given, future)
 
   def _decide(self, record: StepRecord, squares: list[jax.Array]) -> None:
     """The true gradient scale: runs the resident update with it; the decider tells the workers whether they
@@ -468,7 +470,7 @@ class OverlappedStep:
     self._submit(self._host, self._host_path.finish, record)
     self._submit(self._streamer, self._stream_path.finish, record)
     if self._held is not None:  # the first step: every program of the step has run once when this returns
-      jax.block_until_ready((true, [p for p in self._params if p is not None]))
+      jax.block_until_ready((true, self._params.held()))
       for worker, job in self._held:
         worker.submit(*job)
       self._held = None
@@ -516,8 +518,8 @@ class OverlappedStep:
       ((self._streamer, self._stream_path), (self._host, self._host_path)) if to == "host"
       else ((self._host, self._host_path), (self._streamer, self._stream_path))
     )  # fmt: skip
-    state = giver.ask(frm.give, moved, self.routes)
-    taker.ask(into.take, state, self.routes)
+    given = giver.ask(frm.give, moved, self.routes)
+    taker.ask(into.take, given, self.routes)
     self._last_move = to
 
   # ----------------------------------------------------------------------------- waiting
@@ -531,7 +533,7 @@ class OverlappedStep:
           future = self._pending.pop(s, None)
           if future is not None:
             leaves = self.plan.subgroups[s]  # gathered here: collectives from this thread, in stage order
-            new = self._layouts.to_params(result_of(future, self._failure, "new parameters"), leaves)
+            new = self._layouts.to_params(receive(future, self._failure, "new parameters"), leaves)
             for i, x in zip(leaves, new):
               self._params[i] = x
     self._raise_errors()

@@ -41,7 +41,8 @@ import jax
 
 from jax_dos import device_steps, memory, pinned_arena, trace
 from jax_dos.copy_out import CopyOut
-from jax_dos.job_thread import Failure, hand_back, result_of
+from jax_dos.hand_off import HandOff, receive, send
+from jax_dos.job_thread import Failure
 from jax_dos.overlap.clip import Decision, StepRecord
 from jax_dos.overlap.host_path import ShareInput
 from jax_dos.overlap.routes import Routes
@@ -98,21 +99,27 @@ class StreamPath:
     self._prefetched: dict[int, list] = {}  # subgroup -> its state on its way in, ahead of its gradients
     self._prefetch_next = 0  # index into routes.stream_order of the next subgroup to prefetch
     self._step_open = False  # between a step's first prefetch and its finish
-    self.take(state, routes)
+    self._own(state, routes)
 
   # ----------------------------------------------------------------------------- ownership
 
-  def take(self, state: dict[int, tuple], routes: Routes) -> None:
+  def take(self, given: HandOff[dict[int, tuple]], routes: Routes) -> None:
+    """(rebalancing) Takes these leaves' state (``leaf -> (master, mu, nu)``, handed over by the other path's
+    :meth:`give`) and ``routes``."""
+    self._own(given.take(), routes)
+
+  def _own(self, state: dict[int, tuple], routes: Routes) -> None:
     """Becomes the owner of these leaves' state; takes ``routes``."""
     self.routes = routes
     for i, (m, mu, nu) in state.items():
       self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
 
-  def give(self, leaves: list[int], routes: Routes) -> dict[int, tuple]:
+  def give(self, leaves: list[int], routes: Routes) -> HandOff[dict[int, tuple]]:
     """Hands these leaves' state over (``leaf -> (master, mu, nu)``); takes ``routes``."""
     self._wait_copies()
     self.routes = routes
-    return {i: (self.masters.pop(i), self.mus.pop(i), self.nus.pop(i)) for i in leaves}
+    out = {i: (self.masters.pop(i), self.mus.pop(i), self.nus.pop(i)) for i in leaves}
+    return HandOff(out, f"the stream path's state of leaves {leaves}")
 
   def state(self) -> dict[int, tuple]:
     """``leaf -> (master, mu, nu)`` of the streamed leaves now (for the step's ``opt_state``, once settled)."""
@@ -228,9 +235,11 @@ class StreamPath:
 
   # ----------------------------------------------------------------------------- a step
 
-  def update(self, record: StepRecord, s: int, grads: list[jax.Array], params: list[jax.Array], future: Future):
+  def update(self, record: StepRecord, s: int, given: HandOff, future: Future):
     """(a hand-over) Subgroup ``s``'s step: speculated while the step's speculation allows, else with the true
-    scale (waiting for the decision)."""
+    scale (waiting for the decision). ``given``: its gradients and its parameters, ``(grads, params)`` (on the
+    accelerator); ``future``: where its new parameters go back."""
+    grads, params = given.take()
     decision = record.decided()
     if decision is None and not self._may_speculate(record, s):
       decision = self._wait_decision(record, "stream.wait_decision")
@@ -293,7 +302,7 @@ class StreamPath:
     if final:
       st.streamed.pop(s, None)
       self._commit(s, back, landed)
-      hand_back(future, list(outs[0]))
+      send(future, list(outs[0]), f"subgroup {s}'s new parameters")
     else:
       st.streamed[s] = Streamed(old, back, landed, grads, list(outs[0]), future)
     if not earlier:
@@ -321,7 +330,7 @@ class StreamPath:
         del st.streamed[s]
         self._free(streamed.old)
         self._commit(s, streamed.new, streamed.landed)
-        hand_back(streamed.future, streamed.params)
+        send(streamed.future, streamed.params, f"subgroup {s}'s new parameters")
     st.streamed.clear()
     if decision.fired and self.routes.redo_on_stream:
       self._host_share(record, decision)
@@ -332,14 +341,14 @@ class StreamPath:
     subgroup's numbers never depend on which thread came first."""
     try:
       with trace.span("stream.wait_host"):
-        share = result_of(record.host_share, self._failure, "the host worker's share of the redo")  # its buffers: ours
+        share = receive(record.host_share, self._failure, "the host worker's share of the redo")  # its buffers: ours
       backs = {s: self._redo_host(s, share[s], decision) for s in self.routes.by_forward_rank(share)}
       with trace.span("stream.wait_share_copies"):
         self._wait_copies()
     except BaseException as e:
       record.share_done.set_exception(e)
       raise
-    hand_back(record.share_done, backs)
+    send(record.share_done, backs, "the new state and the old one of the host path's share")
 
   def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> tuple[list[list[jax.Array]], list]:
     """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns ``(new,
@@ -358,5 +367,5 @@ class StreamPath:
       outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
                                         tuple(self.decay[i] for i in leaves))  # fmt: skip
       back, _ = self._copy_back(list(outs[1:]), share.into)
-    hand_back(share.future, list(outs[0]))
+    send(share.future, list(outs[0]), f"subgroup {s}'s new parameters")
     return back, old
