@@ -14,36 +14,15 @@ in ``<step>.orbax-checkpoint-tmp`` and renamed when committed)::
                  jax_dos_manifest.json   size and CRC-32 checksums of every file, written last
     <dir>/damaged/<step>-<why>/   steps that failed verification, moved out of Orbax's sight
 
-This *canonical* form is plan-independent: every state leaf mirrors a parameter
-leaf, in flatten order, whatever its placement or memory kind. So a checkpoint
-restores into any plan, and into either optimizer: from an ``optax.adamw``
-checkpoint (no ``master``) the master weights are the saved params read again
-as float32 straight into the master's memory kind; into an ``optax.adamw``
-state the master is dropped. ``ScaleByScheduleState`` counts are not stored:
-they equal the Adam count. Other leaves of a chained state (``optax.chain``)
-are stored in flatten order as ``extra``.
+Every state leaf mirrors a parameter leaf, whatever its placement (``canonical.py``): a checkpoint restores into
+any plan, and into either optimizer.
 
 Restore places every array directly in its memory kind: the restore arguments
 are built from the template's shardings (memory kind included), so Orbax reads
 each shard from disk into a buffer of that sharding; ``pinned_host`` state
 never passes through accelerator memory.
 
-In-place hazard. Orbax's synchronous part of an async save (``save`` returning)
-only starts device-to-host copies and then holds ``np.asarray`` of each shard;
-for an array already in host memory (``pinned_host``, or anything on the CPU
-backend) that is a zero-copy view of the live buffer (checked: overwriting the
-buffer after ``save`` returns changes what is written). jax_dos's eager
-``update`` overwrites host state buffers in place, so the next step would race
-the writer. ``save`` therefore gives Orbax fresh copies of every host-resident
-array (``host_copy="copy"``: ``host_kernels.snapshot``, a copy into ordinary
-memory by all cores, finished before ``save`` returns; XLA's own host-to-host
-copy ran single-threaded at 1.7 GB/s on the H100 machine). The copy costs host
-memory equal to the host state until the write ends; at most one save is in
-flight, so at most one copy exists. If that copy does not
-fit in half the available host memory, ``host_copy="auto"`` (the default)
-instead saves synchronously (``"block"``): slower, but never out of memory.
-Accelerator-resident arrays need nothing: Orbax copies them to host before
-``save`` returns.
+Host state is guarded while Orbax writes it (``host_copy.py``): copied, or saved synchronously.
 
 Integrity (``integrity.py``). Once Orbax has committed a step, a
 thread writes its manifest: the size and CRC-32 checksums of every file, read
@@ -80,16 +59,16 @@ import os
 import shutil
 import threading
 import warnings
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
-from jax_dos import host_kernels, host_ram
-from jax_dos.checkpoint import integrity
+from jax_dos.checkpoint import canonical, integrity
+from jax_dos.checkpoint import host_copy as host_guard
 from jax_dos.checkpoint import moments as checkpoint_moments
-from jax_dos.checkpoint.optax_state import from_optax_adamw_state, split_adam, to_optax_adamw_state
-from jax_dos.checkpoint.processes import any_process, barrier, from_primary
+from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
+from jax_dos.checkpoint.processes import barrier, from_primary
 from jax_dos.checkpoint.template import (
   TemplateMismatchError,
   check_tree,
@@ -97,7 +76,6 @@ from jax_dos.checkpoint.template import (
   fill_empties,
   ocp,
   restore_item,
-  stand_in_empties,
 )
 from jax_dos.engine import wait_for_host_updates
 
@@ -110,10 +88,9 @@ __all__ = [
   "to_optax_adamw_state",
 ]
 
-FORMAT = "jax_dos.adam/1"
+FORMAT = canonical.FORMAT
 MANIFEST = integrity.MANIFEST
 _PYTREE_ITEMS = ("params", "opt_state", "master")
-HostCopy = Literal["auto", "copy", "block"]
 OTHER_PROCESS = "other-process"  # the kind of damage another process found (process 0 says what it was)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step being written
 DELETING_SUFFIX = ".deleting"  # a step retention is deleting: .<step>.deleting
@@ -127,22 +104,6 @@ def _size(nbytes: int) -> str:
 
 def _is_local(path: str) -> bool:
   return "://" not in path
-
-
-def _aliases_host(x: Any) -> bool:
-  """Whether Orbax would keep a zero-copy view of ``x``'s live buffer."""
-  if not isinstance(x, jax.Array):
-    return False
-  if x.sharding.memory_kind in ("pinned_host", "unpinned_host"):
-    return True
-  return any(d.platform == "cpu" for d in x.sharding.device_set)
-
-
-def _process_bytes(x: Any) -> int:
-  """Bytes of ``x`` held by this process's devices (all of a numpy array)."""
-  if isinstance(x, jax.Array):
-    return sum(s.data.nbytes for s in x.addressable_shards)
-  return int(getattr(x, "nbytes", 0))
 
 
 class DamagedCheckpointWarning(UserWarning):
@@ -173,7 +134,7 @@ class CheckpointManager:
     save_interval_steps: int = 1000,
     max_to_keep: Optional[int] = 3,
     async_save: bool = True,
-    host_copy: HostCopy = "auto",
+    host_copy: host_guard.HostCopy = "auto",
     move_damaged: bool = True,
   ):
     if host_copy not in ("auto", "copy", "block"):
@@ -218,29 +179,13 @@ class CheckpointManager:
     if not force and not self._mgr.should_save(step):
       return False
     wait_for_host_updates()  # a delayed host update may still be writing the state
-    parts = split_adam(opt_state)
-    canon = {"count": parts.count, "mu": parts.mu, "nu": parts.nu}
-    if parts.extra:
-      canon["extra"] = {str(i): x for i, x in enumerate(parts.extra)}
-    trees = {"params": params, "opt_state": canon}
-    if parts.master is not None:
-      trees["master"] = parts.master
-    trees = stand_in_empties(trees)
-    fmt = {
-      "format": FORMAT,
-      "source": parts.kind,
-      "has_master": parts.master is not None,
-      "num_extra": len(parts.extra),
-      "moments": checkpoint_moments.record(parts.mu),
-    }
+    trees, fmt = canonical.to_disk(params, opt_state)
 
     self.wait_until_finished()  # one save in flight: bounds the memory of host copies; applies retention
     self.check_space(trees)  # (creates a local directory)
     self._clear_step(step)
-    mode = self._guard_mode(trees)
-    if mode == "copy":
-      jax.block_until_ready(trees)  # what is copied must be computed; the copy finishes before save returns
-      trees = jax.tree.map(lambda x: host_kernels.snapshot(x) if _aliases_host(x) else x, trees)
+    mode = host_guard.guard_mode(trees, self.async_save, self.host_copy)
+    trees = host_guard.guarded(trees, mode)
     args = {name: ocp.args.PyTreeSave(tree) for name, tree in trees.items()}
     args |= {"meta": ocp.args.JsonSave(meta), "format": ocp.args.JsonSave(fmt)}
     with self._lock:
@@ -303,21 +248,6 @@ class CheckpointManager:
         f"a checkpoint needs {_size(need)} but {self.directory} has {_size(free)} free. Point the"
         " manager at a larger disk (or free space there); earlier checkpoints are untouched."
       )
-
-  def _guard_mode(self, trees: Any) -> str:
-    """``"none"``, ``"copy"`` or ``"block"``: how this save guards host-resident arrays (module docstring).
-
-    With several processes a collective: all block if one does (a process blocking alone would wait at a barrier
-    the others pass only at their next call).
-    """
-    if not self.async_save:
-      return "none"
-    host_bytes = sum(_process_bytes(x) for x in jax.tree.leaves(trees) if _aliases_host(x))
-    too_much = self.host_copy == "auto" and host_bytes > host_ram.host_memory_available() // 2
-    mode = "none" if host_bytes == 0 else "block" if too_much else self.host_copy.replace("auto", "copy")
-    if too_much:
-      log.warning("checkpoint: %.2f GiB of host state is too much to copy; saving synchronously.", host_bytes / 2**30)
-    return "block" if any_process(mode == "block") else mode
 
   def _write_pending_manifests(self) -> None:
     """Writes the manifest of every committed step saved by this manager (process 0 only; the others mark them)."""
@@ -551,20 +481,8 @@ class CheckpointManager:
 
   def _restore_step(self, step: int, params_t: Any, opt_t: Any) -> tuple[Any, Any, dict]:
     fmt = self._mgr.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))["format"]
-    parts = split_adam(opt_t)
-    if fmt["num_extra"] != len(parts.extra):
-      raise TemplateMismatchError(
-        f"checkpoint step {step} has {fmt['num_extra']} optimizer-state leaves besides Adam's, the template has"
-        f" {len(parts.extra)}; restore into an optimizer built like the one that was saved (same optax.chain)."
-      )
-    source, target = checkpoint_moments.saved(fmt), checkpoint_moments.tree_format(parts.mu)
-    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params_t)]
-    moments_t = (parts.mu, parts.nu)
-    if source != target:
-      moments_t = tuple(checkpoint_moments.disk_template(t, shapes, *source) for t in moments_t)
-    canon_t = {"count": parts.count, "mu": moments_t[0], "nu": moments_t[1]}
-    if parts.extra:
-      canon_t["extra"] = {str(i): x for i, x in enumerate(parts.extra)}
+    t = canonical.from_disk_template(step, fmt, params_t, opt_t)
+    parts, canon_t, moments_t, source, target, shapes = t.parts, t.canon, t.moments, t.source, t.target, t.shapes
     metadata = self._mgr.item_metadata(step)
     tree_of = lambda m: getattr(m, "tree", m)  # noqa: E731
     check_tree("params", step, disk_template(params_t), tree_of(metadata["params"]))

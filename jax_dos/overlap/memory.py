@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax_dos import host_plan, moment_formats, pinned_pool
+from jax_dos import host_plan, host_ram, moment_formats, pinned_pool
 from jax_dos.plan import Plan
 from jax_dos.timeline import HostBytes
 
@@ -113,3 +113,20 @@ def check_host_memory(
     pinned_pool.check_host_capacity(need, "the overlapped step's host memory", on_host)
   except MemoryError as e:
     raise MemoryError(f"{e}\nThe overlapped step's plan:\n{plan}") from None
+
+
+def check_agreed(
+  plan: Plan, layout: Any, speculation: int | None, budget: int, moments: str, host: host_plan.HostMemory, spans: bool
+) -> None:  # fmt: skip
+  """:func:`check_host_memory` for a step whose tree ``spans`` the job's processes or not: with ``spans`` the host's
+  processes are counted together and the refusal is agreed, raised on every process of the job if on one (a
+  collective, which every process reaches)."""
+  on_host = host_ram.bytes_on_this_host(host_bytes(plan, layout, speculation, moments)) if spans else None
+  try:
+    check_host_memory(plan, layout, speculation, budget, moments, host, on_host)
+    message = None
+  except MemoryError as e:
+    message = str(e)
+  message = host_plan.agreed_refusal(message) if spans else message
+  if message is not None:
+    raise MemoryError(message)

@@ -30,24 +30,16 @@ its stage. A step (the backward pass, stage ``n-1`` down to 0):
    groups' futures have resolved, so the first stages run while later ones
    are still being updated.
 
-Threads and owners (``docs/overlap.md``): the training thread alone writes
-the parameters, the resident state and the step count; the host worker owns
-the host subgroups' state, spares and weight copies; the stream worker the
-streamed state and its slots; the decider resolves the step's decision; the
-copy workers (``jax_dos.copy_out``) write the arena buffers handed to them.
-Whatever crosses threads goes through a future or a job queue. The plan comes
-from ``jax_dos.overlap.plan`` and is never edited here: rebalancing asks it
-for a new plan and hands that to both workers. The numbers are optax's in
-every placement, the same bits in two runs. The training thread stays at most
-``RUN_AHEAD_STAGES`` stage programs ahead of the accelerator, and the host
-kernel leaves ``host_kernels.TRAINING_CORES`` cores to the threads that launch programs.
+Threads and owners: ``docs/overlap.md``, "Threads and owners". The training thread alone writes the parameters,
+the resident state and the step count; each worker owns its path's buffers; every buffer crossing threads goes in a
+``hand_off.HandOff``, every result through a future. The plan (``overlap.plan``) is never edited here. The numbers
+are optax's in every placement, the same bits in two runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -60,7 +52,6 @@ from jax_dos import (
   device_steps,
   host_kernels,
   host_plan,
-  host_ram,
   memory,
   partition,
   pinned_pool,
@@ -75,6 +66,7 @@ from jax_dos.overlap import process as overlap_process
 from jax_dos.overlap import routes as overlap_routes
 from jax_dos.overlap import state as overlap_state
 from jax_dos.overlap.clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
+from jax_dos.overlap.dispatch import Dispatch
 from jax_dos.overlap.host_path import HostPath, HostStep
 from jax_dos.overlap.plan import (
   REBALANCE_AFTER_STEPS,
@@ -257,7 +249,15 @@ class OverlappedStep:
     # (training thread) The state partitioned over the axes a parameter is replicated over, as tx.init's (the
     # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
     self._layouts = partition.StepLayouts(list(self._params), owner.partition_replicated is not False)
-    self._check_host_memory(spans)  # before any state moves or spare buffer is allocated
+    overlap_memory.check_agreed(
+      self.plan,
+      self._layout,
+      self.stream_speculation,
+      self.host_budget_bytes,
+      self.hyper.moments,
+      self.host_memory,
+      spans,
+    )  # before any state moves or is made
     # The offloaded state outside XLA's pinned pool (docs/overlap.md, "Pinned memory of our own"), or in it.
     self._pinned = overlap_state.PinnedMemory.for_step(pinned_memory, list(self._params), opt_state)
     self.arena = self._pinned.arena
@@ -276,11 +276,7 @@ class OverlappedStep:
     # The first error of any of the step's threads (the training thread's: a step cut short between hand-over and
     # decision); it holds no reference to the step, so a dropped step ends.
     self._failure = Failure()
-    self._run_ahead: deque = deque()  # markers of the stage programs dispatched and maybe not yet run, oldest first
-    # The first step's jobs, held until its programs have run: a program's first run initialises it, and a cuDNN
-    # graph loaded then is captured from the launching stream, which a launch from another thread fails
-    # (docs/measurements.md, the cuDNN race).
-    self._held: list | None = []
+    self._dispatch = Dispatch(self.run_ahead_stages)  # run-ahead pacing; the first step's jobs held (dispatch.py)
     lows = [jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32 for x in self._params]
     self._host_path = HostPath(self.routes, self.hyper, self.decay, by("host"), lows, self._failure, self.arena)
     self._stream_path = StreamPath(self.routes, self.hyper, self.decay, by("stream"), self._failure, self.arena,
@@ -299,22 +295,6 @@ class OverlappedStep:
     """Streamed parameters a step may speculate on (``overlap.memory.speculation_cap``), the others waiting for the
     clip decision."""
     return self.routes.stream_speculation
-
-  def _check_host_memory(self, spans: bool) -> None:
-    """A ``MemoryError`` where the step does not fit its budget or its host; with ``spans`` (a tree laid out over
-    the job's processes) the host's processes are counted together and the refusal is agreed: on every process of
-    the job if on one (collectives, which every process reaches here)."""
-    need = self.host_bytes()
-    on_host = host_ram.bytes_on_this_host(need) if spans else None
-    try:
-      overlap_memory.check_host_memory(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes,
-                                     self.hyper.moments, self.host_memory, on_host)  # fmt: skip
-      message = None
-    except MemoryError as e:
-      message = str(e)
-    message = host_plan.agreed_refusal(message) if spans else message
-    if message is not None:
-      raise MemoryError(message)
 
   def host_bytes(self) -> int:
     """Pinned host bytes this process's step needs at most (``overlap.memory.host_bytes``), counted in the elements of
@@ -388,13 +368,13 @@ class OverlappedStep:
         self._wait_groups(st.groups)  # at once where they are final
         reached.add(i)
       if j == window and self.routes.stream_order:
-        self._submit(self._streamer, self._stream_path.prefetch)
+        self._dispatch.submit(self._streamer, self._stream_path.prefetch)
       if kind == "forward":
         with trace.span("overlap.forward"):
           x, saved[m][i] = self.model.forward(i, self._stage_params(i), inputs[m][i], parts[m])
         inputs[m][i + 1] = x
         trace.watch(f"forward {i}", x)
-        self._pace(x)
+        self._dispatch.pace(x)
         continue
       last = m == k - 1
       with trace.span("overlap.backward"):
@@ -405,7 +385,7 @@ class OverlappedStep:
       for g, s in zip(st.groups, new):
         sums[g] = s
       trace.watch(f"backward {i}", dys[m] if dys[m] is not None else new)
-      self._pace(dys[m] if dys[m] is not None else new)
+      self._dispatch.pace(dys[m] if dys[m] is not None else new)
       if last:
         squares += sq
         if record.speculate is None:  # set before the step's first job is queued: the workers only read it
@@ -417,22 +397,6 @@ class OverlappedStep:
           sums[g] = None
     self._decide(record, squares)
     return losses
-
-  def _pace(self, x: Any) -> None:
-    """Waits until at most ``run_ahead_stages`` dispatched stage programs (the last one producing ``x``) are unrun."""
-    if not jax.tree.leaves(x):
-      return
-    self._run_ahead.append(trace.ready_marker(x))
-    while len(self._run_ahead) > self.run_ahead_stages + 1:
-      with trace.span("overlap.pace"):
-        jax.block_until_ready(self._run_ahead.popleft())
-
-  def _submit(self, worker: JobThread, *job) -> None:
-    """Queues ``job`` for ``worker``, or holds it until the first step's programs have run."""
-    if self._held is not None:
-      self._held.append((worker, job))
-    else:
-      worker.submit(*job)
 
   def _hand_over(self, record: StepRecord, g: int, grads: Any) -> None:
     """Hands group ``g``'s complete gradients to its subgroups' paths (host ones leave the accelerator now), with
@@ -457,7 +421,7 @@ class OverlappedStep:
       # The worker holds them until it hands the new ones back through the future.
       params = self._layouts.to_state(self._params.give(leaves, f"the {placement} worker"), leaves)
       given = HandOff((subgroup_grads, params), f"subgroup {s}'s gradients and parameters")
-      self._submit(worker, path.update, record, s, given, future)
+      self._dispatch.submit(worker, path.update, record, s, given, future)
 
   def _decide(self, record: StepRecord, squares: list[jax.Array]) -> None:
     """The true gradient scale: runs the resident update with it; the decider tells the workers whether they
@@ -467,13 +431,10 @@ class OverlappedStep:
     true = device_steps.scalars(self.hyper, self._count, scale)
     start_copy_to_host(true)
     self._resident_update(record, true)
-    self._submit(self._host, self._host_path.finish, record)
-    self._submit(self._streamer, self._stream_path.finish, record)
-    if self._held is not None:  # the first step: every program of the step has run once when this returns
-      jax.block_until_ready((true, self._params.held()))
-      for worker, job in self._held:
-        worker.submit(*job)
-      self._held = None
+    self._dispatch.submit(self._host, self._host_path.finish, record)
+    self._dispatch.submit(self._streamer, self._stream_path.finish, record)
+    if self._dispatch.holding:  # the first step: every program of the step has run once when this returns
+      self._dispatch.release((true, self._params.held()))
     self._decider.submit(record.announce, true)
     self._count = device_steps.increment(self._count)
     self._updating = False
