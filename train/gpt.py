@@ -57,10 +57,8 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
-import warnings
 from typing import Any
 
 import jax
@@ -69,12 +67,13 @@ import numpy as np
 
 import jax_dos
 from models import hf
-from train import calibration, host_memory, parallel, progress, step_log, steps
+from train import calibration, checkpoints, host_memory, parallel, progress, step_log, steps
 from train import data as data_lib
 from train import overlapped as overlapped_lib
 from train.evaluate import validation_loss
-from train.flags import build_parser, model_config, model_module, model_name, parse_args, resumed_schedule
+from train.flags import build_parser, model_config, model_module, model_name, parse_args
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
+from train.job import primary, say
 from train.optimizer import make_optimizer
 from train.tokenizer import Tokenizer
 
@@ -87,163 +86,7 @@ GPU_MEMORY_FRACTION = "0.94"
 GPU_ALLOCATOR = "cuda_async"
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-# The config's fields a resumed run may change (how the model computes, not what it is).
-RUN_FIELDS = ("dtype", "param_dtype", "remat")
-
-
-def _open_checkpoints(args: argparse.Namespace, ckpt_dir: str) -> tuple[jax_dos.CheckpointManager | None, bool]:
-  """``(manager, resume)``: the run's checkpoint manager (``None`` with ``--no-ckpt``) and whether to restore.
-
-  Refuses to mix a new run into an earlier run's checkpoints unless told how.
-  A folder holding no complete checkpoint (a first save was interrupted) is
-  taken over by a plain run and by ``--resume``, both starting at step 0.
-  """
-  if args.no_ckpt:  # writes nothing to ckpt_dir, whatever it holds
-    if os.path.isdir(ckpt_dir) and not args.overwrite:
-      with jax_dos.CheckpointManager(ckpt_dir) as earlier:
-        if earlier.complete_steps():
-          _warn(f"note: --no-ckpt leaves the checkpoints in {ckpt_dir} alone; this run's metrics.jsonl replaces theirs")
-    return None, False
-  if args.overwrite and _primary():
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
-    for name in ("metrics.jsonl", "loss.png"):
-      if os.path.exists(os.path.join(args.out, name)):
-        os.remove(os.path.join(args.out, name))
-  _barrier("overwrite")  # the other processes look at the folder once process 0 has cleared it
-  manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
-  complete = manager.complete_steps()
-  leftovers = os.path.isdir(ckpt_dir) and any(name != jax_dos.DAMAGED_DIR for name in os.listdir(ckpt_dir))
-  if complete and not args.resume:
-    manager.close()
-    raise SystemExit(
-      f"error: {ckpt_dir} holds checkpoints of an earlier run (newest: step {complete[-1]}). Pass --resume to"
-      " continue it, --overwrite to start again, --no-ckpt to train without checkpoints, or another --out."
-    )
-  if not complete and leftovers:
-    with _damage_reported():
-      manager.latest_step()  # moves the interrupted save's committed steps aside
-    _warn(f"note: {ckpt_dir} holds no complete checkpoint (a first save was interrupted): starting at step 0.")
-    return manager, False
-  if args.resume and not complete:
-    manager.close()
-    raise SystemExit(f"error: --resume: no checkpoint in {ckpt_dir}. Run without --resume to start a new run.")
-  return manager, args.resume
-
-
-def _warn(msg: str) -> None:
-  """One line on stderr, even with --quiet: something about the run's checkpoints the user must know (process 0)."""
-  if _primary():
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _primary() -> bool:
-  """Whether this is process 0 of the job: the one that prints, logs and plots."""
-  return jax.process_index() == 0
-
-
-def _barrier(name: str) -> None:
-  """Every process of the job waits here for the others (nothing in a single process)."""
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(f"train.gpt {name}")
-
-
-def _everywhere(flag: bool) -> bool:
-  """Whether ``flag`` holds in every process of the job (a collective with several processes)."""
-  if jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-
-  return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).all())
-
-
-@contextlib.contextmanager
-def _damage_reported():
-  """Prints each damaged checkpoint the manager set aside as its one line (no traceback, no source line)."""
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always", jax_dos.DamagedCheckpointWarning)
-    try:
-      yield
-    finally:
-      for w in caught:
-        if issubclass(w.category, jax_dos.DamagedCheckpointWarning):
-          _warn(f"warning: {w.message}")
-        else:
-          warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-
-
-def _restore(manager, cfg, params, opt_state, args) -> tuple[Any, Any, int]:
-  """Restores the newest checkpoint that verifies; damaged newer ones are moved aside, one line each."""
-  ckpt_dir = manager.directory
-  try:
-    with _damage_reported():
-      params, opt_state, meta = manager.restore(params=params, opt_state=opt_state)
-  except FileNotFoundError as e:  # every step failed verification (each moved aside and reported)
-    raise SystemExit(
-      f"error: --resume: {e}\nRun without --resume to start again in {ckpt_dir}, or pass another --out."
-    ) from None
-  except ValueError as e:  # the checkpoint module's template mismatch: a different model or optimizer chain
-    raise SystemExit(
-      f"error: --resume: the checkpoint's model differs from this run's; give the same --preset, --n-layer,"
-      f" --n-head, --d-model and --vocab-size as the run that wrote it.\n{e}"
-    ) from None
-  saved_arch = meta.get("args", {}).get("arch", "gpt")
-  if saved_arch != args.arch:
-    raise SystemExit(f"error: --resume: the checkpoint is of --arch {saved_arch}, not {args.arch}.")
-  saved = meta.get("config", {})
-  fields = [k for k in cfg.to_dict() if k not in RUN_FIELDS]
-  diff = {k: (saved.get(k), getattr(cfg, k)) for k in fields if saved.get(k) != getattr(cfg, k)}
-  if diff:
-    raise SystemExit(f"error: --resume: the checkpoint's model differs from this run's (saved, now): {diff}.")
-  if meta.get("seed") != args.seed:
-    raise SystemExit(f"error: --resume: the checkpoint was trained with --seed {meta.get('seed')}, not {args.seed}.")
-  for note in resumed_schedule(args, meta.get("args", {})):
-    _say(args, note)
-  return params, opt_state, int(meta["step"])
-
-
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _host_finite(tree: Any) -> bool:
-  """Whether every element of host-resident arrays is finite (numpy over zero-copy views, in 64 Mi pieces)."""
-  for x in jax.tree.leaves(tree):
-    for shard in x.addressable_shards:
-      flat = np.asarray(shard.data).reshape(-1)
-      if not all(np.isfinite(flat[i : i + 2**26]).all() for i in range(0, flat.size, 2**26)):
-        return False
-  return True
-
-
-def _stop_non_finite(args: argparse.Namespace, manager, what: str) -> None:
-  """Ends the run with an error naming the step: nothing of this state is saved, every checkpoint is kept."""
-  where = "no checkpoint is written (--no-ckpt)"
-  if manager is not None:
-    manager.close()  # the last good save finishes and keeps its manifest
-    steps = manager.complete_steps()
-    where = (
-      f"the newest checkpoint is step {steps[-1]} in {manager.directory} (continue from it with --resume, with a"
-      " lower --lr or more --warmup)"
-      if steps
-      else "no checkpoint was written yet"
-    )
-  raise SystemExit(f"error: training stopped: {what}. Nothing of this state was saved; {where}.")
-
-
 # ----------------------------------------------------------------------------- training
-
-
-def _say(args: argparse.Namespace, msg: str) -> None:
-  if not args.quiet and _primary():
-    from tqdm import tqdm
-
-    tqdm.write(msg, file=sys.stderr)
 
 
 SLOW_SETUP_S = 5.0  # a setup phase that takes this long says so as it ends (a 6.7B model's take minutes on a GPU)
@@ -257,7 +100,7 @@ def _setup_phase(args: argparse.Namespace, what: str):
   yield
   elapsed = time.perf_counter() - t
   if elapsed >= SLOW_SETUP_S:
-    _say(args, f"setup   {what} ({elapsed:.0f} s)")
+    say(args, f"setup   {what} ({elapsed:.0f} s)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -429,7 +272,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       template = overlapped_lib.abstract_state(
         staged, overlap_plan, params, args.moments
       )  # restored straight into its placements
-      params, opt_state, start_step = _restore(restore_from, cfg, params, template, args)
+      params, opt_state, start_step = checkpoints.restore(restore_from, cfg, params, template, args)
     try:
       with _setup_phase(args, "the overlapped step built: its state allocated in its placements"):
         step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)
@@ -448,7 +291,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   with _setup_phase(args, "the optimizer state allocated in the plain step's placements"):
     opt_state, start_step = tx.init(params), 0
   if restore_from is not None:
-    params, opt_state, start_step = _restore(restore_from, cfg, params, opt_state, args)
+    params, opt_state, start_step = checkpoints.restore(restore_from, cfg, params, opt_state, args)
   if plain_plan is not None:
     notes.append(str(plain_plan))
   return _Built(steps.PlainStep(args, tx, graphdef, grad_step, params, opt_state, plain_plan), schedule, start_step,
@@ -468,31 +311,19 @@ def _postfix(row: dict[str, Any], eta: str, val_losses: dict[int, float]) -> dic
   return out
 
 
-def _save(args: argparse.Namespace, manager, step, step_no: int, meta: dict[str, Any], bar) -> None:
-  """Saves the settled parameters and state; nothing non-finite is saved (the run stops, every checkpoint kept)."""
-  step.settle()
-  params, opt_state = step.params, step.opt_state  # the next step consumes them: save returns once they are copied
-  # With --delay 1 the parameters lag the host's last update: check its masters too.
-  finite = bool(_all_finite(params)) and (not args.delay or _everywhere(_host_finite(opt_state.master)))
-  if not finite:
-    bar.close()
-    _stop_non_finite(args, manager, f"the parameters after step {step_no}'s update are not finite (inf or nan)")
-  manager.save(step_no, params=params, opt_state=opt_state, meta=meta, force=True)
-
-
 def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params, plan, params) -> dict[str, Any]:
   """The run's last lines (plot, clip summary, final losses) and :func:`main`'s results."""
-  if args.plot and _primary():
+  if args.plot and primary():
     png = os.path.join(args.out, "loss.png")
     progress.plot_losses(progress.read_metrics(log.path), png, title=f"{model_name(args)}, offload {args.offload}")
-    _say(args, f"wrote {png}")
+    say(args, f"wrote {png}")
   clip_line = record.summary()
   if clip_line:
-    _say(args, clip_line)
+    say(args, clip_line)
   losses = record.losses
   final = losses[max(losses)] if losses else None
   if final is not None:
-    _say(args, f"done: step {step_no}, train loss {final:.4f}, val loss {val_losses.get(step_no, math.nan):.4f}")
+    say(args, f"done: step {step_no}, train loss {final:.4f}, val loss {val_losses.get(step_no, math.nan):.4f}")
   return {
     "step": step_no,
     "start_step": start_step,
@@ -547,9 +378,11 @@ def plain_remat(remat: str) -> str:
 def train(args: argparse.Namespace) -> dict[str, Any]:
   """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
-  progress.show_library_notes(info=not args.quiet and _primary())  # jax_dos's notes (calibration) as plain lines
+  progress.show_library_notes(info=not args.quiet and primary())  # jax_dos's notes (calibration) as plain lines
   splits, vocab, data_desc = _load_data(args)  # its errors first: a wrong --data path is reported whatever --out holds
-  manager, resume = _open_checkpoints(args, ckpt_dir)  # before anything slow: a mistake here should fail at once
+  manager, resume = checkpoints.open_checkpoints(
+    args, ckpt_dir
+  )  # before anything slow: a mistake here should fail at once
 
   # --- model, then the step: both steps' plans from shapes, one chosen, its optimizer state allocated once
   arch = model_module(args)
@@ -575,7 +408,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   # --- output and logging
   os.makedirs(args.out, exist_ok=True)
   log = progress.MetricsLog(
-    os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None, enabled=_primary()
+    os.path.join(args.out, "metrics.jsonl"), resume_step=start_step if resume else None, enabled=primary()
   )
   tokens_per_step = args.global_batch * args.grad_accum * args.seq_len
   flops_tok = arch.flops_per_token(cfg, args.seq_len)
@@ -597,20 +430,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": at, "seed": args.seed, "source": data_desc}
     return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": vars(args)}
 
-  _say(args, f"model   {args.arch} {model_name(args)}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
-  _say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
-  _say(args, parallel.mesh_line(args.mesh, args.mesh_given, args.batch, args.grad_accum, args.seq_len))
-  _say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
+  say(args, f"model   {args.arch} {model_name(args)}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
+  say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
+  say(args, parallel.mesh_line(args.mesh, args.mesh_given, args.batch, args.grad_accum, args.seq_len))
+  say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
        + (f", {args.grad_accum} micro-batches a step" if args.grad_accum > 1 else "")
        + (f", delay 1 after {args.delay_warmup} steps" if args.delay else "")
        + (f" (weights predicted from the {args.delay_predict})" if args.delay_predict else ""))  # fmt: skip
   for line in built.notes:
-    _say(args, line)
+    say(args, line)
   if start_step:
-    _say(args, f"resumed from step {start_step} ({ckpt_dir})")
+    say(args, f"resumed from step {start_step} ({ckpt_dir})")
   if start_step >= args.steps:
-    _say(args, f"already at step {start_step} >= --steps {args.steps}: nothing to do.")
+    say(args, f"already at step {start_step} >= --steps {args.steps}: nothing to do.")
 
   # --- the loop
   val_losses: dict[int, float] = {}
@@ -618,13 +451,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     val_losses[0] = evaluate()
     log.write({"step": 0, "val_loss": val_losses[0], "time": 0.0})
 
-  bar = progress.make_bar(args.steps, start_step, disable=args.quiet or not _primary())  # plain lines off a terminal
+  bar = progress.make_bar(args.steps, start_step, disable=args.quiet or not primary())  # plain lines off a terminal
   eta = progress.Eta(args.steps)
   rate = step_log.Rate(tokens_per_step, flops_tok, peak)
   record = step_log.StepLog(args.clip)
   t_start = time.perf_counter()
   step_no = start_step
-  profile = Profile(args.profile, os.path.join(args.out, "profile"), step, lambda line: _say(args, line))
+  profile = Profile(args.profile, os.path.join(args.out, "profile"), step, lambda line: say(args, line))
   for it in range(start_step, args.steps):
     profile.before(it + 1)
     loss = step(get_batch(splits.train, args.global_batch * args.grad_accum, it))
@@ -645,7 +478,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     bad = next(((r["step"], r["loss"]) for r in rows if not math.isfinite(r["loss"])), None)
     if bad is not None:
       bar.close()
-      _stop_non_finite(args, manager, f"the training loss of step {bad[0]} is {bad[1]}")
+      checkpoints.stop_non_finite(args, manager, f"the training loss of step {bad[0]} is {bad[1]}")
     now = time.perf_counter()
     rate.mark(step_no, now)
     row = {**rows[-1], "lr": float(schedule(step_no - 1)), "tokens_per_s": rate.tokens_per_s, "mfu": rate.mfu}
@@ -657,10 +490,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     log.write(row)
     bar.set_postfix(_postfix(row, eta.text(step_no, now), val_losses), refresh=False)
     bar.update(step_no - bar.n)
-    if do_eval and not args.quiet and _primary():
+    if do_eval and not args.quiet and primary():
       bar.write(f"step {step_no}: train loss {row['loss']:.4f}, val loss {val_losses[step_no]:.4f}", file=sys.stderr)
     if do_ckpt:
-      _save(args, manager, step, step_no, meta(step_no), bar)
+      checkpoints.save(args, manager, step, step_no, meta(step_no), bar)
     if do_eval or do_ckpt:
       rate.restart()  # tokens/s measures training only
   bar.close()

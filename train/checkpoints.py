@@ -1,0 +1,152 @@
+"""The run's Orbax checkpoints: opened (refusing to mix runs), restored (checked against the run's model), saved
+(nothing non-finite), and the run stopped with every checkpoint kept."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_dos
+from train.flags import resumed_schedule
+from train.job import barrier, everywhere, primary, say, warn
+
+# The config's fields a resumed run may change (how the model computes, not what it is).
+RUN_FIELDS = ("dtype", "param_dtype", "remat")
+
+
+def open_checkpoints(args: argparse.Namespace, ckpt_dir: str) -> tuple[jax_dos.CheckpointManager | None, bool]:
+  """``(manager, resume)``: the run's checkpoint manager (``None`` with ``--no-ckpt``) and whether to restore.
+
+  Refuses to mix a new run into an earlier run's checkpoints unless told how.
+  A folder holding no complete checkpoint (a first save was interrupted) is
+  taken over by a plain run and by ``--resume``, both starting at step 0.
+  """
+  if args.no_ckpt:  # writes nothing to ckpt_dir, whatever it holds
+    if os.path.isdir(ckpt_dir) and not args.overwrite:
+      with jax_dos.CheckpointManager(ckpt_dir) as earlier:
+        if earlier.complete_steps():
+          warn(f"note: --no-ckpt leaves the checkpoints in {ckpt_dir} alone; this run's metrics.jsonl replaces theirs")
+    return None, False
+  if args.overwrite and primary():
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    for name in ("metrics.jsonl", "loss.png"):
+      if os.path.exists(os.path.join(args.out, name)):
+        os.remove(os.path.join(args.out, name))
+  barrier("overwrite")  # the other processes look at the folder once process 0 has cleared it
+  manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
+  complete = manager.complete_steps()
+  leftovers = os.path.isdir(ckpt_dir) and any(name != jax_dos.DAMAGED_DIR for name in os.listdir(ckpt_dir))
+  if complete and not args.resume:
+    manager.close()
+    raise SystemExit(
+      f"error: {ckpt_dir} holds checkpoints of an earlier run (newest: step {complete[-1]}). Pass --resume to"
+      " continue it, --overwrite to start again, --no-ckpt to train without checkpoints, or another --out."
+    )
+  if not complete and leftovers:
+    with damage_reported():
+      manager.latest_step()  # moves the interrupted save's committed steps aside
+    warn(f"note: {ckpt_dir} holds no complete checkpoint (a first save was interrupted): starting at step 0.")
+    return manager, False
+  if args.resume and not complete:
+    manager.close()
+    raise SystemExit(f"error: --resume: no checkpoint in {ckpt_dir}. Run without --resume to start a new run.")
+  return manager, args.resume
+
+
+@contextlib.contextmanager
+def damage_reported():
+  """Prints each damaged checkpoint the manager set aside as its one line (no traceback, no source line)."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", jax_dos.DamagedCheckpointWarning)
+    try:
+      yield
+    finally:
+      for w in caught:
+        if issubclass(w.category, jax_dos.DamagedCheckpointWarning):
+          warn(f"warning: {w.message}")
+        else:
+          warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def restore(
+  manager: jax_dos.CheckpointManager, cfg: Any, params: Any, opt_state: Any, args: argparse.Namespace
+) -> tuple[Any, Any, int]:
+  """Restores the newest checkpoint that verifies; damaged newer ones are moved aside, one line each."""
+  ckpt_dir = manager.directory
+  try:
+    with damage_reported():
+      params, opt_state, meta = manager.restore(params=params, opt_state=opt_state)
+  except FileNotFoundError as e:  # every step failed verification (each moved aside and reported)
+    raise SystemExit(
+      f"error: --resume: {e}\nRun without --resume to start again in {ckpt_dir}, or pass another --out."
+    ) from None
+  except ValueError as e:  # the checkpoint module's template mismatch: a different model or optimizer chain
+    raise SystemExit(
+      f"error: --resume: the checkpoint's model differs from this run's; give the same --preset, --n-layer,"
+      f" --n-head, --d-model and --vocab-size as the run that wrote it.\n{e}"
+    ) from None
+  saved_arch = meta.get("args", {}).get("arch", "gpt")
+  if saved_arch != args.arch:
+    raise SystemExit(f"error: --resume: the checkpoint is of --arch {saved_arch}, not {args.arch}.")
+  saved = meta.get("config", {})
+  fields = [k for k in cfg.to_dict() if k not in RUN_FIELDS]
+  diff = {k: (saved.get(k), getattr(cfg, k)) for k in fields if saved.get(k) != getattr(cfg, k)}
+  if diff:
+    raise SystemExit(f"error: --resume: the checkpoint's model differs from this run's (saved, now): {diff}.")
+  if meta.get("seed") != args.seed:
+    raise SystemExit(f"error: --resume: the checkpoint was trained with --seed {meta.get('seed')}, not {args.seed}.")
+  for note in resumed_schedule(args, meta.get("args", {})):
+    say(args, note)
+  return params, opt_state, int(meta["step"])
+
+
+@jax.jit
+def all_finite(tree: Any) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def host_finite(tree: Any) -> bool:
+  """Whether every element of host-resident arrays is finite (numpy over zero-copy views, in 64 Mi pieces)."""
+  for x in jax.tree.leaves(tree):
+    for shard in x.addressable_shards:
+      flat = np.asarray(shard.data).reshape(-1)
+      if not all(np.isfinite(flat[i : i + 2**26]).all() for i in range(0, flat.size, 2**26)):
+        return False
+  return True
+
+
+def stop_non_finite(args: argparse.Namespace, manager: jax_dos.CheckpointManager | None, what: str) -> None:
+  """Ends the run with an error naming the step: nothing of this state is saved, every checkpoint is kept."""
+  where = "no checkpoint is written (--no-ckpt)"
+  if manager is not None:
+    manager.close()  # the last good save finishes and keeps its manifest
+    steps = manager.complete_steps()
+    where = (
+      f"the newest checkpoint is step {steps[-1]} in {manager.directory} (continue from it with --resume, with a"
+      " lower --lr or more --warmup)"
+      if steps
+      else "no checkpoint was written yet"
+    )
+  raise SystemExit(f"error: training stopped: {what}. Nothing of this state was saved; {where}.")
+
+
+def save(
+  args: argparse.Namespace, manager: jax_dos.CheckpointManager, step: Any, step_no: int, meta: dict[str, Any], bar: Any
+) -> None:
+  """Saves the settled parameters and state; nothing non-finite is saved (the run stops, every checkpoint kept)."""
+  step.settle()
+  params, opt_state = step.params, step.opt_state  # the next step consumes them: save returns once they are copied
+  # With --delay 1 the parameters lag the host's last update: check its masters too.
+  finite = bool(all_finite(params)) and (not args.delay or everywhere(host_finite(opt_state.master)))
+  if not finite:
+    bar.close()
+    stop_non_finite(args, manager, f"the parameters after step {step_no}'s update are not finite (inf or nan)")
+  manager.save(step_no, params=params, opt_state=opt_state, meta=meta, force=True)
