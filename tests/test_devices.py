@@ -133,9 +133,9 @@ def _train(tmp_path: Path, name: str, *flags: str) -> tuple[dict[int, dict], str
 
 def test_all_devices_by_default_train_as_one_device_with_the_same_global_batch(tmp_path):
   """One process of 2 and of 4 CPU devices (``--devices K``; every device is the default) trains as one device with
-  the same 8 rows a micro-batch (``--batch`` rows a device), on the plain step and on the overlapped one, the clip
-  firing in the first step and silent after it (the overlapped step then speculates): the same losses and gradient
-  norms, to float32 rounding."""
+  the same 8 rows a micro-batch (``--batch`` rows a device), on the plain step and on the overlapped one, also with
+  the parameters sharded (``--mesh fsdp=4``, ``data=2,fsdp=2``), the clip firing in the first step and silent after
+  it (the overlapped step then speculates): the same losses and gradient norms, to float32 rounding."""
   one, _ = _train(tmp_path, "one", "--devices", "1", "--batch", "8")
   assert [one[s]["clipped"] for s in (1, 2, 3)] == [True, False, False], one
   two, said = _train(tmp_path, "two", "--devices", "2", "--batch", "4")
@@ -143,7 +143,14 @@ def test_all_devices_by_default_train_as_one_device_with_the_same_global_batch(t
   assert "a step 16 x 16 = 256 tokens" in said, said
   four, said = _train(tmp_path, "four", "--devices", "4", "--batch", "2", "--overlap", "on")
   assert "step    overlapped (--overlap on)" in said, said
-  for other in (two, four):
+  # The parameters sharded too (issue 50's layouts): over fsdp=4, and over data=2 x fsdp=2, on the overlapped step.
+  sharded = []
+  for mesh in ("fsdp=4", "data=2,fsdp=2"):
+    run, said = _train(tmp_path, mesh.replace(",", "_"), "--devices", "4", "--mesh", mesh, "--batch", "2", "--overlap",
+                       "on")  # fmt: skip
+    assert f"--mesh {'data=1,' if mesh == 'fsdp=4' else ''}{mesh}" in said and "step    overlapped" in said, said
+    sharded.append(run)
+  for other in (two, four, *sharded):
     assert sorted(other) == [1, 2, 3]
     for key in ("loss", "grad_norm"):
       np.testing.assert_allclose([other[s][key] for s in one], [one[s][key] for s in one], rtol=1e-5)

@@ -249,15 +249,9 @@ class OverlappedStep:
     # (training thread) The state partitioned over the axes a parameter is replicated over, as tx.init's (the
     # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
     self._layouts = partition.StepLayouts(list(self._params), owner.partition_replicated is not False)
-    overlap_memory.check_agreed(
-      self.plan,
-      self._layout,
-      self.stream_speculation,
-      self.host_budget_bytes,
-      self.hyper.moments,
-      self.host_memory,
-      spans,
-    )  # before any state moves or is made
+    # The host memory the step needs, checked (on every process of the job) before any state moves or is made.
+    overlap_memory.check_agreed(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes,
+                                self.hyper.moments, self.host_memory, spans)  # fmt: skip
     # The offloaded state outside XLA's pinned pool (docs/overlap.md, "Pinned memory of our own"), or in it.
     self._pinned = overlap_state.PinnedMemory.for_step(pinned_memory, list(self._params), opt_state)
     self.arena = self._pinned.arena
