@@ -75,15 +75,30 @@ def receive(future: Future, failure: Failure | None, what: str) -> Any:
 
 
 class Given:
-  """What a holder's place keeps once its buffer was handed off: using it raises :class:`HandOffError`."""
+  """What a holder's place keeps once its buffer was handed off: any use raises :class:`HandOffError`.
 
-  __slots__ = ("to", "what")
+  ``what`` names the buffer, ``to`` where it went, ``back`` how it comes back (said in the error). Reading an
+  attribute, indexing it, converting it to an array (``__jax_array__``, ``__array__``) or computing with it all
+  raise: a model whose parameters were handed to a step fails at its first use of one, with this message.
+  """
 
-  def __init__(self, what: str, to: str):
-    self.what, self.to = what, to
+  __slots__ = ("back", "to", "what")
+
+  def __init__(self, what: str, to: str, back: str = "it holds it until it hands the new one back"):
+    self.what, self.to, self.back = what, to, back
 
   def error(self) -> HandOffError:
-    return HandOffError(f"{self.what} was handed to {self.to}, which holds it until it hands the new one back.")
+    return HandOffError(f"{self.what} was handed to {self.to}: {self.back}.")
+
+  def _use(self, *args: Any, **kwargs: Any) -> Any:
+    raise self.error()
+
+  def __getattr__(self, name: str) -> Any:  # any attribute not its own: jax reads .shape, .dtype first
+    raise self.error()
+
+  __getitem__ = __jax_array__ = __array__ = __len__ = __iter__ = __float__ = __int__ = __index__ = _use
+  __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _use
+  __matmul__ = __rmatmul__ = __pow__ = __neg__ = _use
 
   def __repr__(self) -> str:
     return f"Given({self.what} -> {self.to})"

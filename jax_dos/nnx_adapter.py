@@ -7,7 +7,7 @@ whose parameters are a stack of layers along a leading axis (made with
 
     staged = jax_dos.nnx_stages(model, batch, embed=lambda m, b: m.embed(b[0]), blocks="blocks",
                                 head=lambda m, x, b: cross_entropy(m.logits(x), b[1]))
-    step = jax_dos.OverlappedStep(tx, staged.stages, staged.split(model), clip_norm=1.0, micro_batches=2)
+    step = jax_dos.OverlappedStep(tx, staged.stages, staged.give(model), clip_norm=1.0, micro_batches=2)
     for batch in data:
         step(batch)
     staged.update(model, step.params)       # the trained parameters, back in the model
@@ -47,6 +47,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dos.hand_off import Given
 from jax_dos.stages import Stage
 
 Path = tuple[Any, ...]
@@ -201,6 +202,25 @@ class NNXStages:
       raise ValueError(f"NNXStages.split: the tree is not in the model's nnx.Param layout (at {e!r}).") from None
     return [ends[0], *layers, *ends[1:]]
 
+  def give(self, model: Any) -> list[Any]:
+    """The groups of ``model``'s parameters (:meth:`split`), handed to the step that consumes them
+    (``OverlappedStep(tx, staged.stages, staged.give(model), ...)``). In each parameter's place the model keeps a
+    ``hand_off.Given``: calling the model, or any use of a parameter, raises ``HandOffError`` naming
+    :meth:`update`, until :meth:`update` writes parameters back (not ``Array has been deleted`` once the step has
+    donated them)."""
+    nnx = _nnx()
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f"NNXStages.give takes the flax.nnx.Module itself, got {type(model).__name__}.")
+    groups = self.split(model)
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    for path, variable in flat:
+      variable.value = Given(
+        f"the model's parameter {'/'.join(map(str, path))}", "the overlapped step (NNXStages.give)",
+        "put the trained parameters back with staged.update(model, step.params) before using the model",
+      )  # fmt: skip
+    nnx.update(model, nnx.from_flat_state(flat))
+    return groups
+
   def merge(self, groups: Sequence[Any]) -> dict:
     """The tree in the model's ``nnx.Param`` layout (a pure dict, as ``nnx.to_pure_dict``) of ``groups``.
 
@@ -354,6 +374,33 @@ def _check_no_sharing(container, stacked: bool, abstract: dict, name: str) -> No
     )
 
 
+def _shapes(tree: Any) -> str:
+  """``tree``'s arrays as ``dtype[shape]``, in its structure (for an error message)."""
+  shown = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else repr(a), tree)
+  return str(shown).replace("'", "")
+
+
+def _traced(what: str, trace: Callable, *args: Any, batch: Any) -> Any:
+  """``trace(*args)`` (a trace of the user's ``what`` on shapes), its errors said with what was traced and on what:
+  the blocks read by ``embed`` or ``head``, or an example batch whose structure is not each step's."""
+  try:
+    return trace(*args)
+  except TypeError as e:
+    if "ShapeDtypeStruct" in str(e) and not what.startswith("block"):
+      raise ValueError(
+        "nnx_stages: embed or head reads the blocks' parameters; the blocks run in their own stages, so embed and"
+        f" head may read only the other modules ({e})."
+      ) from e
+    error = e
+  except (ValueError, IndexError, KeyError, AttributeError) as e:
+    error = e
+  raise ValueError(
+    f"nnx_stages: {what} failed on the example batch {_shapes(batch)}: {type(error).__name__}: {error}. The example"
+    " batch must be what OverlappedStep is called with each step, e.g. (tokens, targets), not the tokens alone;"
+    " embed, the blocks and head must run on it as the model's own call does."
+  ) from error
+
+
 def _groups_of_ends(graphdef, pure, layout, layers, batch, embed, head) -> tuple[tuple, tuple, bool]:
   """``(embed's paths, the head group's paths, whether the head reads embed's group)``, traced on shapes."""
   nnx = _nnx()
@@ -365,25 +412,20 @@ def _groups_of_ends(graphdef, pure, layout, layers, batch, embed, head) -> tuple
     return fn(model, x, batch) if is_head else fn(model, batch)
 
   values = [s for _, s in layout]
-  try:
-    x = jax.eval_shape(functools.partial(call, fn=embed, is_head=False), values, None, batch)
-    seen: dict = {}
-    for fn, layer in layers:  # the last block's output, each distinct (layer, input) traced once
-      key = (fn, jax.tree.structure(layer), tuple(jax.tree.leaves(layer)), jax.tree.structure(x),
-             tuple(jax.tree.leaves(x)))  # fmt: skip
-      if key not in seen:
-        seen[key] = jax.eval_shape(fn, (layer,), x, batch)
-      x = seen[key]
-    embed_used = _used_inputs(jax.make_jaxpr(functools.partial(call, fn=embed, is_head=False))(values, None, batch),
-                              len(values))  # fmt: skip
-    closed = jax.make_jaxpr(functools.partial(call, fn=head, is_head=True))(values, x, batch)
-  except TypeError as e:
-    if "ShapeDtypeStruct" not in str(e):
-      raise
-    raise ValueError(
-      "nnx_stages: embed or head reads the blocks' parameters; the blocks run in their own stages, so embed and head"
-      f" may read only the other modules ({e})."
-    ) from e
+  traced = functools.partial(_traced, batch=batch)
+  x = traced("embed(model, batch)", jax.eval_shape, functools.partial(call, fn=embed, is_head=False), values, None,
+             batch)  # fmt: skip
+  seen: dict = {}
+  for i, (fn, layer) in enumerate(layers):  # the last block's output, each distinct (layer, input) traced once
+    key = (fn, jax.tree.structure(layer), tuple(jax.tree.leaves(layer)), jax.tree.structure(x),
+           tuple(jax.tree.leaves(x)))  # fmt: skip
+    if key not in seen:
+      seen[key] = traced(f"block {i} on embed's output {_shapes(x)}", jax.eval_shape, fn, (layer,), x, batch)
+    x = seen[key]
+  embed_used = _used_inputs(jax.make_jaxpr(functools.partial(call, fn=embed, is_head=False))(values, None, batch),
+                            len(values))  # fmt: skip
+  closed = traced(f"head(model, x, batch) on the last block's output {_shapes(x)}", jax.make_jaxpr(
+    functools.partial(call, fn=head, is_head=True)), values, x, batch)  # fmt: skip
   loss = closed.out_avals
   if len(loss) != 1 or loss[0].shape != ():
     raise ValueError(f"nnx_stages: head must return the scalar loss; it returns {[a.str_short() for a in loss]}.")

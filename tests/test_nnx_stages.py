@@ -18,6 +18,7 @@ from flax import nnx
 from helpers import max_rel_diff
 
 import jax_dos
+from jax_dos.hand_off import HandOffError
 
 VOCAB, D, HEADS, LAYERS, SEQ, ROWS = 16, 8, 2, 2, 6, 4
 LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.95
@@ -128,8 +129,11 @@ def test_a_users_transformer_trains_through_the_adapter_as_optax(stacked, clip):
   layer = run_layer if stacked else None  # a layer's own call, given (the stack) or the default (the list)
   staged = jax_dos.nnx_stages(model, batches[0], embed=embed, blocks="blocks", head=head, block=layer)
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD)
-  with jax_dos.OverlappedStep(tx, staged.stages, staged.split(model), clip_norm=clip, micro_batches=2) as step:
+  with jax_dos.OverlappedStep(tx, staged.stages, staged.give(model), clip_norm=clip, micro_batches=2) as step:
     losses = [step(batch) for batch in batches]
+    with pytest.raises(HandOffError, match=r"parameter embed/embedding was handed to the overlapped step .*"
+                       r"staged.update\(model, step.params\)"):  # fmt: skip
+      model(batches[0][0])  # the step holds the model's arrays (and has donated them)
     staged.update(model, step.params)
 
   assert max_rel_diff(nnx.to_pure_dict(nnx.state(model, nnx.Param)), expected) < 2e-5
@@ -197,3 +201,34 @@ def test_what_the_adapter_refuses_says_what_to_change(build, kwargs, match):
   batch = (jax.ShapeDtypeStruct((2, SEQ), jnp.int32),) * 2
   with pytest.raises(ValueError, match=match):
     jax_dos.nnx_stages(model, batch, **{**dict(embed=embed, blocks="blocks", head=head), **kwargs})
+
+
+def test_an_example_batch_not_the_steps_says_which_stage_failed_and_on_what():
+  """The tokens alone where each step's batch is ``(tokens, targets)``: embed reads the first row, the block gets a
+  2-D input; the error names the block, the shapes it got, the example batch and what to pass."""
+  model = nnx.eval_shape(lambda: Transformer(nnx.Rngs(0), False))
+  tokens = jax.ShapeDtypeStruct((2, SEQ), jnp.int32)
+  match = (
+    rf"block 0 on embed's output float32\[{SEQ}, {D}\] failed on the example batch int32\[2, {SEQ}\]"
+    r".*not the tokens alone"
+  )
+  with pytest.raises(ValueError, match=match):
+    jax_dos.nnx_stages(model, tokens, embed=embed, blocks="blocks", head=head)
+
+
+def test_give_leaves_the_model_unusable_until_update_and_split_leaves_it_alone():
+  rng = np.random.default_rng()
+  model, batches = make_model(rng, stacked=True), make_batches(rng, 1)
+  staged = jax_dos.nnx_stages(model, batches[0], embed=embed, blocks="blocks", head=head, block=run_layer)
+  before = model(batches[0][0])
+  groups = staged.split(model)  # for plans and templates: the model stays usable
+  np.testing.assert_array_equal(np.asarray(model(batches[0][0])), np.asarray(before))
+  given = staged.give(model)
+  for use in (lambda: model(batches[0][0]), lambda: jax.jit(lambda: model(batches[0][0]))()):
+    with pytest.raises(HandOffError, match="blocks/.* was handed to the overlapped step|embed/embedding was handed"):
+      use()
+  staged.update(model, given)  # the same parameters back, untrained
+  np.testing.assert_array_equal(np.asarray(model(batches[0][0])), np.asarray(before))
+  assert len(groups) == len(given)
+  with pytest.raises(TypeError, match="takes the flax.nnx.Module itself"):
+    staged.give(nnx.state(model, nnx.Param))
