@@ -107,6 +107,7 @@ PRESETS: dict[str, dict[str, int]] = {
   "gpt-2.7b": dict(n_layer=32, n_head=32, d_model=2560, block_size=2048),
   "gpt-6.7b": dict(n_layer=32, n_head=32, d_model=4096, block_size=2048),
   "gpt-13b": dict(n_layer=40, n_head=40, d_model=5120, block_size=2048),  # GPT-3 13B's shape
+  "gpt-30b": dict(n_layer=48, n_head=56, d_model=7168, block_size=2048),  # 30.0B: OPT-30B's shape
 }
 
 

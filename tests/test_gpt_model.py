@@ -30,7 +30,7 @@ def test_param_count_matches_abstract_model(preset):
 def test_big_presets_have_the_documented_shape():
   # Each name states its size: the count must round to it (GPT-2 vocabulary, 50257 tokens).
   for preset, billions in [("gpt2-124m", 0.124), ("gpt2-350m", 0.355), ("gpt-1.3b", 1.3), ("gpt-2.7b", 2.7),
-                           ("gpt-6.7b", 6.7)]:  # fmt: skip
+                           ("gpt-6.7b", 6.7), ("gpt-30b", 30.0)]:  # fmt: skip
     n = G.param_count(G.get_config(preset, vocab_size=50257)) / 1e9
     assert abs(n - billions) / billions < 0.08, (preset, n)
 

@@ -67,7 +67,7 @@ import numpy as np
 
 import jax_dos
 from models import hf
-from train import calibration, checkpoints, host_memory, parallel, progress, step_log, steps
+from train import calibration, checkpoints, device_memory, host_memory, parallel, progress, step_log, steps
 from train import data as data_lib
 from train import overlapped as overlapped_lib
 from train.evaluate import validation_loss
@@ -190,6 +190,21 @@ def _init_params(args: argparse.Namespace, cfg: Any, shardings: Any) -> tuple[An
     return arch.graphdef(cfg), hf.load_params(args.init_from, cfg, shardings)
   except hf.CheckpointError as e:
     raise SystemExit(f"error: --init-from: {e}") from None
+
+
+def _refuse_what_cannot_fit(args: argparse.Namespace, cfg: Any, mesh: Any) -> None:
+  """A model whose parameters and gradients cannot fit the GPUs as laid out ends here, before anything is allocated,
+  saying what would fit (``train/device_memory.py``); the CPU backend reports no memory, and nothing is checked."""
+  stats = jax.local_devices()[0].memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    return
+  arch = model_module(args)
+  fsdp, devices = (1, 1) if mesh is None else (mesh.shape["fsdp"], mesh.devices.size)
+  others = [(name, arch.param_count(arch.get_config(name, vocab_size=cfg.vocab_size))) for name in arch.PRESETS]
+  message = device_memory.refusal(model_name(args), arch.param_count(cfg), 4 if args.param_dtype == "float32" else 2,
+                                  fsdp, devices, args.offload, int(stats["bytes_limit"]), others)  # fmt: skip
+  if message is not None:
+    raise SystemExit(f"error: {message}")
 
 
 def _metrics_rows(out: str) -> list[dict[str, Any]]:
@@ -380,9 +395,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
   progress.show_library_notes(info=not args.quiet and primary())  # jax_dos's notes (calibration) as plain lines
   splits, vocab, data_desc = _load_data(args)  # its errors first: a wrong --data path is reported whatever --out holds
-  manager, resume = checkpoints.open_checkpoints(
-    args, ckpt_dir
-  )  # before anything slow: a mistake here should fail at once
+  # Before anything slow: a mistake here should fail at once.
+  manager, resume = checkpoints.open_checkpoints(args, ckpt_dir)
 
   # --- model, then the step: both steps' plans from shapes, one chosen, its optimizer state allocated once
   arch = model_module(args)
@@ -392,6 +406,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
   shardings = None if mesh is None else parallel.param_shardings(mesh, arch.abstract_params(cfg))
   batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
+  _refuse_what_cannot_fit(args, cfg, mesh)
   with _setup_phase(args, "the parameters initialised" if args.init_from is None else "the checkpoint read"):
     graphdef, params = _init_params(args, cfg, shardings)
   num_params = arch.tree_size(params)

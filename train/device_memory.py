@@ -1,0 +1,62 @@
+"""The accelerator memory a run needs before anything is allocated: a model too large for the GPUs is refused.
+
+Every GPU holds its share of the parameters and of their gradients' sum (``--param-dtype``, over the ``fsdp`` axis
+of the mesh: ``--mesh fsdp=N`` shards them, ``data`` replicates them), and with ``--offload none`` the float32
+optimizer state too (optax's AdamW: master-sized mu and nu beside float32 parameters; partitioned over the mesh's
+devices). The activations come on top (``gradient_step_memory`` measures them once the model exists). Where the
+parameters and gradients alone exceed a GPU, no plan can run: :func:`refusal` says so before anything is
+allocated, with the numbers, the ``fsdp`` degree that would hold them, and the largest preset that fits as laid
+out now (issue 50's "the largest model per machine, as the planner sees it").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+# Of a GPU's memory, what the parameters and gradients may take at most: the rest is the activations', XLA's
+# workspace's and the optimizer's (the 6.7B step on an 80 GB H100 holds 13.4 GB of each beside 19 GB of activations).
+PARAMS_SHARE = 0.8
+
+
+def need_bytes(num_params: int, param_bytes: int, fsdp: int, devices: int, offload: str) -> int:
+  """Bytes one GPU holds for the model before any activation: its ``1/fsdp`` of the parameters and of their
+  gradients' sum (``param_bytes`` each a parameter), and with ``--offload none`` its ``1/devices`` of optax's float32
+  state (mu and nu, 8 B a parameter; the parameters then float32: ``param_bytes`` 4)."""
+  need = 2 * param_bytes * num_params / fsdp
+  if offload == "none":
+    need += 8 * num_params / devices
+  return math.ceil(need)
+
+
+def refusal(
+  name: str, num_params: int, param_bytes: int, fsdp: int, devices: int, offload: str, device_bytes: int,
+  others: Iterable[tuple[str, int]] = (), what_now: Callable[[int], str] | None = None,
+) -> str | None:  # fmt: skip
+  """One message where the model cannot fit the GPUs as laid out (``None`` where it may), else what to change:
+  the ``fsdp`` degree that would hold it (within ``devices``), and the largest of ``others`` (``(name, params)``
+  presets) that fits now."""
+  need = need_bytes(num_params, param_bytes, fsdp, devices, offload)
+  room = PARAMS_SHARE * device_bytes
+  if need <= room:
+    return None
+  gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+  advice = []
+  wanted = next((f for f in range(fsdp + 1, devices + 1) if devices % f == 0 and
+                 need_bytes(num_params, param_bytes, f, devices, offload) <= room), None)  # fmt: skip
+  if wanted is not None:
+    advice.append(f"shard the parameters over {wanted} GPUs (--mesh fsdp={wanted}, or data=D,fsdp={wanted})")
+  fits = [(n, p) for n, p in others if need_bytes(p, param_bytes, fsdp, devices, offload) <= room]
+  if fits:
+    advice.append(f"train the largest preset that fits as laid out now, {max(fits, key=lambda x: x[1])[0]}")
+  if offload == "none":
+    advice.append("offload the optimizer state (--offload auto)")
+  advice.append("use GPUs with more memory")
+  state = ", with --offload none its float32 state," if offload == "none" else ""
+  return (
+    f"{name} ({num_params / 1e9:.1f} B parameters) needs {gib(need)} a GPU for its parameters and their"
+    f" gradients{state} sharded over fsdp={fsdp}, before any activation; a GPU here has {gib(device_bytes)}, of"
+    f" which they may take {PARAMS_SHARE:.0%} ({gib(room)}). Nothing was allocated. To train it: "
+    + "; or ".join(advice)
+    + "."
+  )
