@@ -11,8 +11,14 @@ out now (issue 50's "the largest model per machine, as the planner sees it").
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+
+from train.flags import model_module, model_name
 
 # Of a GPU's memory, what the parameters and gradients may take at most: the rest is the activations', XLA's
 # workspace's and the optimizer's (the 6.7B step on an 80 GB H100 holds 13.4 GB of each beside 19 GB of activations).
@@ -31,7 +37,7 @@ def need_bytes(num_params: int, param_bytes: int, fsdp: int, devices: int, offlo
 
 def refusal(
   name: str, num_params: int, param_bytes: int, fsdp: int, devices: int, offload: str, device_bytes: int,
-  others: Iterable[tuple[str, int]] = (), what_now: Callable[[int], str] | None = None,
+  others: Iterable[tuple[str, int]] = (),
 ) -> str | None:  # fmt: skip
   """One message where the model cannot fit the GPUs as laid out (``None`` where it may), else what to change:
   the ``fsdp`` degree that would hold it (within ``devices``), and the largest of ``others`` (``(name, params)``
@@ -60,3 +66,18 @@ def refusal(
     + "; or ".join(advice)
     + "."
   )
+
+
+def check(args: argparse.Namespace, cfg: Any, mesh: Any) -> None:
+  """Ends the run (``SystemExit``, :func:`refusal`'s message) where the model ``cfg`` cannot fit the GPUs as ``mesh``
+  lays it out, before anything is allocated; the CPU backend reports no memory, and nothing is checked there."""
+  stats = jax.local_devices()[0].memory_stats()
+  if not stats or "bytes_limit" not in stats:
+    return
+  arch = model_module(args)
+  fsdp, devices = (1, 1) if mesh is None else (mesh.shape["fsdp"], mesh.devices.size)
+  others = [(name, arch.param_count(arch.get_config(name, vocab_size=cfg.vocab_size))) for name in arch.PRESETS]
+  message = refusal(model_name(args), arch.param_count(cfg), 4 if args.param_dtype == "float32" else 2, fsdp,
+                    devices, args.offload, int(stats["bytes_limit"]), others)  # fmt: skip
+  if message is not None:
+    raise SystemExit(f"error: {message}")

@@ -192,21 +192,6 @@ def _init_params(args: argparse.Namespace, cfg: Any, shardings: Any) -> tuple[An
     raise SystemExit(f"error: --init-from: {e}") from None
 
 
-def _refuse_what_cannot_fit(args: argparse.Namespace, cfg: Any, mesh: Any) -> None:
-  """A model whose parameters and gradients cannot fit the GPUs as laid out ends here, before anything is allocated,
-  saying what would fit (``train/device_memory.py``); the CPU backend reports no memory, and nothing is checked."""
-  stats = jax.local_devices()[0].memory_stats()
-  if not stats or "bytes_limit" not in stats:
-    return
-  arch = model_module(args)
-  fsdp, devices = (1, 1) if mesh is None else (mesh.shape["fsdp"], mesh.devices.size)
-  others = [(name, arch.param_count(arch.get_config(name, vocab_size=cfg.vocab_size))) for name in arch.PRESETS]
-  message = device_memory.refusal(model_name(args), arch.param_count(cfg), 4 if args.param_dtype == "float32" else 2,
-                                  fsdp, devices, args.offload, int(stats["bytes_limit"]), others)  # fmt: skip
-  if message is not None:
-    raise SystemExit(f"error: {message}")
-
-
 def _metrics_rows(out: str) -> list[dict[str, Any]]:
   """The rows of the run's ``metrics.jsonl`` in ``out`` (none where it has none; a row cut short is left out)."""
   try:
@@ -406,7 +391,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
   shardings = None if mesh is None else parallel.param_shardings(mesh, arch.abstract_params(cfg))
   batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
-  _refuse_what_cannot_fit(args, cfg, mesh)
+  device_memory.check(args, cfg, mesh)  # a model the GPUs cannot hold ends here, before anything is allocated
   with _setup_phase(args, "the parameters initialised" if args.init_from is None else "the checkpoint read"):
     graphdef, params = _init_params(args, cfg, shardings)
   num_params = arch.tree_size(params)
