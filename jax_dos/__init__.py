@@ -34,13 +34,15 @@ from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
 from jax_dos.checkpoint.integrity import DAMAGED_DIR
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
+from jax_dos.collectives import Collectives
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.host_plan import HostMemory, agreed_refusal, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.moment_formats import state_bytes_per_param
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
-from jax_dos.overlap.plan import abstract_state, host_need_bound
+from jax_dos.overlap.memory import host_need_bound
+from jax_dos.overlap.plan import abstract_state
 from jax_dos.overlap.plan import plan_step as overlapped_plan
 from jax_dos.overlap.process import NO_COMMAND_BUFFERS
 from jax_dos.overlap.step import OverlappedStep
@@ -59,7 +61,7 @@ from jax_dos.remat import compiler_options as remat_compiler_options
 from jax_dos.remat import describe as describe_remat
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import PREDICTION_ERROR, Collectives, RematCosts, StageTimes
+from jax_dos.timeline import PREDICTION_ERROR, RematCosts, StageTimes
 from jax_dos.transform import (
   DEFAULT_DELAY_WARMUP,
   DEFAULT_SUBGROUP_SIZE,

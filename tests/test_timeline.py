@@ -2,8 +2,8 @@
 
 import pytest
 
+from jax_dos.collectives import Collectives
 from jax_dos.timeline import (
-  Collectives,
   HostBytes,
   Rates,
   StageTimes,

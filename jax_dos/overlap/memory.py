@@ -19,6 +19,7 @@ processes need together against its RAM (``pinned_pool.check_host_capacity``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jax_dos import host_plan, host_ram, moment_formats, pinned_pool
@@ -130,3 +131,41 @@ def check_agreed(
   message = host_plan.agreed_refusal(message) if spans else message
   if message is not None:
     raise MemoryError(message)
+
+
+def default_host_budget() -> int:
+  """``HOST_SHARE`` of RAM, and no more than XLA's pinned pool (on a GPU)."""
+  budget = int(HOST_SHARE * host_ram.host_memory_total())
+  pool = pinned_pool.pinned_pool_limit()
+  return budget if pool is None else min(budget, pool)
+
+
+def host_need_bound(
+  num_params: int, param_bytes: int = 2, *, overlapped: bool = False, moment_copies: bool = False,
+  host_memory_bytes: int | None = None, moments: str = "float32",
+) -> int:  # fmt: skip
+  """The most pinned host bytes a step of ``num_params`` parameters plans, from the count alone.
+
+  For a pool cap set before jax starts (``jax_dos.cap_pinned_pool``), when no
+  plan can be made yet. The plain step with every subgroup offloaded:
+  ``STATE_BYTES`` and a gradient or weight copy (4 B) a parameter, 4 B more
+  with ``moment_copies`` (``delay_predict="gradient"``). The overlapped step
+  (``overlapped``): the host path's ``timeline.HostBytes`` a parameter (state,
+  spare state, gradient and weight copies of ``param_bytes`` each), and no
+  more than its default host budget, ``HOST_SHARE`` of the host's RAM
+  (``host_memory_bytes``, default the machine's); and the plain step's, which
+  a refused overlapped step falls back to, where that fits the host beside
+  ``host_ram.HOST_HEADROOM_BYTES`` (13B with int8 moments on a 125.9 GiB host:
+  the plain step's 120 GiB does not, and would cap XLA's pool, which takes its
+  whole cap once the need passes 64 GiB, 13 GiB above the overlapped step's
+  budget).
+  """
+  state = moment_formats.state_bytes_per_param(moment_formats.check(moments))
+  plain = math.ceil((state + 4 + (4 if moment_copies else 0)) * num_params)
+  if not overlapped:
+    return plain
+  total = host_ram.host_memory_total() if host_memory_bytes is None else host_memory_bytes
+  per = host_bytes_per(moments).per_parameter("host", param_bytes)
+  overlapped_need = min(math.ceil(per * num_params), int(HOST_SHARE * total))
+  plain_fits = plain + host_ram.HOST_HEADROOM_BYTES <= total
+  return max(plain, overlapped_need) if plain_fits else overlapped_need

@@ -3,7 +3,7 @@
 A step on a mesh of ``N`` devices reduce-scatters its gradients and all-gathers the new weights
 (``docs/scaling.md``). Both move ``(N - 1) / N`` of the bytes over each device's link, at the link's *bus
 bandwidth* (NCCL's term): NVLink's 160-181 GB/s on two H100s, a network card's 45 GB/s between hosts. The timeline
-prices them from that one figure (``timeline.Collectives.link``), measured here with one all-gather over all of the
+prices them from that one figure (``collectives.Collectives.link``), measured here with one all-gather over all of the
 mesh's devices, in the process that trains, before the plans are made.
 """
 
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_dos.collectives import Collectives
 from jax_dos.host_plan import processes_on_this_host
-from jax_dos.timeline import Collectives
 
 LINK_PROBE_BYTES = 256 * 2**20  # each device's shard in the probe: large enough for NCCL's bus bandwidth to level off
 
