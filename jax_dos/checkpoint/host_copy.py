@@ -7,7 +7,7 @@ backend) that is a zero-copy view of the live buffer (checked: overwriting the
 buffer after ``save`` returns changes what is written). jax_dos's eager
 ``update`` overwrites host state buffers in place, so the next step would race
 the writer. ``save`` therefore gives Orbax fresh copies of every host-resident
-array (``host_copy="copy"``: ``host_kernels.snapshot``, a copy into ordinary
+array (``host_copy="copy"``: ``host_copies.snapshot``, a copy into ordinary
 memory by all cores, finished before ``save`` returns; XLA's own host-to-host
 copy ran single-threaded at 1.7 GB/s on the H100 machine). The copy costs host
 memory equal to the host state until the write ends; at most one save is in
@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import jax
 
-from jax_dos import host_kernels, host_ram
+from jax_dos import host_copies, host_ram
 from jax_dos.checkpoint.processes import any_process
 
 HostCopy = Literal["auto", "copy", "block"]
@@ -67,8 +67,8 @@ def guard_mode(trees: Any, async_save: bool, host_copy: HostCopy) -> str:
 
 def guarded(trees: Any, mode: str) -> Any:
   """``trees`` as Orbax may hold them: with ``mode == "copy"`` each host-resident array replaced by a fresh copy
-  (``host_kernels.snapshot``, by all cores, finished before this returns); otherwise as they are."""
+  (``host_copies.snapshot``, by all cores, finished before this returns); otherwise as they are."""
   if mode != "copy":
     return trees
   jax.block_until_ready(trees)  # what is copied must be computed
-  return jax.tree.map(lambda x: host_kernels.snapshot(x) if aliases_host(x) else x, trees)
+  return jax.tree.map(lambda x: host_copies.snapshot(x) if aliases_host(x) else x, trees)

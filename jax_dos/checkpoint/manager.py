@@ -41,7 +41,7 @@ Several processes (``jax.distributed``). Every process makes the same calls
 (``save``, ``restore``, ``latest_step``, ``wait_until_finished``, ``close``) in
 the same order, on a directory all of them see (Orbax's requirement). Each
 process writes the shards it addresses (Orbax; host-resident shards copied
-first by ``host_kernels.snapshot``, shard by shard). Process 0 alone writes
+first by ``host_copies.snapshot``, shard by shard). Process 0 alone writes
 the manifest, verifies steps (it reads every file) and moves damaged ones
 aside; the others take its verdict (one broadcast), so every process restores
 the same step. ``wait_until_finished`` ends at a barrier once a save is
