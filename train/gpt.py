@@ -252,7 +252,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     overlap_plan = overlapped_lib.plan(args, tx, staged, params, times, collectives)
   plain_collectives_s = 0.0
   if collectives is not None:
-    plain_collectives_s = collectives.plain_step_s(sum(x.size for x in jax.tree.leaves(params)), args.grad_accum)
+    plain_collectives_s = collectives.plain_step_s(model_module(args).tree_size(params), args.grad_accum)
   fired = steps.fired_share(args.clip, _metrics_rows(args.out) if restore_from is not None else None)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None,
                                   fired, plain_collectives_s)  # fmt: skip
