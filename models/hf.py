@@ -264,26 +264,44 @@ def load_params(path: str | os.PathLike, cfg: llama.LlamaConfig, shardings: Any 
   for name, array in _tensors(files, [hf for _, hf in names]):
     ours = where[name]
     want = _get(abstract, ours)
-    value = array.T if ours[-1] == TRANSPOSED else array
-    if value.shape != want.shape:
+    if (array.shape[::-1] if ours[-1] == TRANSPOSED else array.shape) != want.shape:
       raise CheckpointError(
         f"{path}: tensor {name} has shape {list(array.shape)}; config.json's model needs"
         f" {list(want.shape[::-1] if ours[-1] == TRANSPOSED else want.shape)}."
       )
     sharding = shardings if isinstance(shardings, jax.sharding.Sharding) else _get(shardings, ours)
-    _set(params, ours, _placed(np.ascontiguousarray(value), sharding, want.dtype))
+    _set(params, ours, _placed(array, sharding, want.dtype, transpose=ours[-1] == TRANSPOSED))
   return params
 
 
-def _placed(value: np.ndarray, sharding: jax.sharding.Sharding, dtype: Any) -> jax.Array:
-  """``value`` in ``sharding`` (each device gets its shard from the host array), cast to ``dtype`` there."""
-  x = jax.device_put(value, sharding)
-  return x if x.dtype == dtype else _cast(jnp.dtype(dtype), sharding)(x)
+def _placed(value: np.ndarray, sharding: jax.sharding.Sharding, dtype: Any, transpose: bool) -> jax.Array:
+  """``value`` (``.T`` where ``transpose``) in ``sharding``, each device given its shard from the host array, cast to
+  ``dtype`` there. A transposed tensor goes over as stored, in the transposed sharding, and is transposed by the
+  devices (a host transpose of a 7B model's matrices takes about a minute on one core); a sharding that cannot be
+  transposed (neither one device's nor named) takes the host's copy."""
+  flipped = _transposed(sharding) if transpose else sharding
+  if flipped is None:
+    value, transpose, flipped = np.ascontiguousarray(value.T), False, sharding
+  x = jax.device_put(np.ascontiguousarray(value), flipped)
+  return x if x.dtype == dtype and not transpose else _cast(jnp.dtype(dtype), sharding, transpose)(x)
+
+
+def _transposed(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
+  """The sharding of a matrix's transpose: one device's as it is, a named one with its two axes' specs swapped."""
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = (*sharding.spec, None, None)[:2]
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[::-1]),
+                                      memory_kind=sharding.memory_kind)  # fmt: skip
+  return None
 
 
 @functools.cache
-def _cast(dtype: Any, sharding: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
-  return jax.jit(lambda x: x.astype(dtype), out_shardings=sharding, donate_argnums=0)
+def _cast(dtype: Any, sharding: jax.sharding.Sharding, transpose: bool) -> Callable[[jax.Array], jax.Array]:
+  """``x -> x(.T).astype(dtype)`` into ``sharding``; the input is donated where it can be reused (no transpose)."""
+  donate = () if transpose else (0,)
+  return jax.jit(lambda x: (x.T if transpose else x).astype(dtype), out_shardings=sharding, donate_argnums=donate)
 
 
 def load(path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None, **overrides: Any) -> Any:
@@ -328,8 +346,7 @@ def save_params(cfg: llama.LlamaConfig, params: Any, path: str | os.PathLike,
     file = WEIGHTS if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
     tensors = {}
     for ours, hf in shard:
-      value = np.asarray(jax.device_get(_get(params, ours)))
-      tensors[hf] = np.ascontiguousarray(value.T if ours[-1] == TRANSPOSED else value)
+      tensors[hf] = _fetched(_get(params, ours), transpose=ours[-1] == TRANSPOSED)
       weight_map[hf] = file
     save_file(tensors, out / file, metadata={"format": "pt"})
     del tensors
@@ -342,3 +359,18 @@ def save_params(cfg: llama.LlamaConfig, params: Any, path: str | os.PathLike,
       if (Path(tokenizer_from) / name).exists():
         shutil.copy2(Path(tokenizer_from) / name, out / name)
   return out
+
+
+def _fetched(x: Any, transpose: bool) -> np.ndarray:
+  """``x`` (``.T`` where ``transpose``) as a C-contiguous host array: an accelerator's array is transposed there, before
+  it is fetched; a host array (numpy, or in host memory) by numpy."""
+  on_device = isinstance(x, jax.Array) and getattr(x.sharding, "memory_kind", None) in (None, "device")
+  if transpose and on_device:
+    x, transpose = _device_transpose(x), False
+  value = np.asarray(jax.device_get(x))
+  return np.ascontiguousarray(value.T if transpose else value)
+
+
+@jax.jit
+def _device_transpose(x: jax.Array) -> jax.Array:
+  return x.T

@@ -215,3 +215,46 @@ def test_llama3_rope_scaling_keeps_high_frequencies_and_divides_low_ones():
                            "original_max_position_embeddings": 8192}})  # fmt: skip
   assert (cfg.rope_scaling_factor, cfg.rope_original_context) == (8.0, 8192)
   assert hf.hf_config(cfg)["rope_scaling"]["factor"] == 8.0
+
+
+SHARDED_LOAD = """
+import sys
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from pathlib import Path
+sys.path.insert(0, "tests")
+from models import hf
+folder = Path(sys.argv[1])
+cfg = hf.llama_config(hf.read_config(folder), param_dtype="bfloat16")
+mesh = jax.make_mesh((2, 2), ("data", "fsdp"))
+def sharding(path, leaf):  # matrices split on both axes, the transposed ones included; one in pinned host memory
+  keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+  kind = "pinned_host" if keys[-2:] == ["w_down", "kernel"] else None
+  spec = P("fsdp", "data") if leaf.ndim == 2 else P()
+  return NamedSharding(mesh, spec, memory_kind=kind)
+from models import llama
+shardings = jax.tree_util.tree_map_with_path(sharding, llama.abstract_params(cfg))
+sharded = hf.load_params(folder, cfg, shardings)
+plain = hf.load_params(folder, cfg)
+leaves = zip(jax.tree_util.tree_leaves_with_path(sharded), jax.tree.leaves(plain), jax.tree.leaves(shardings))
+for (path, a), b, s in leaves:
+  assert a.sharding == s, (path, a.sharding, s)
+  assert a.dtype == b.dtype == np.dtype("bfloat16"), (path, a.dtype)
+  np.testing.assert_array_equal(np.asarray(a.astype("float32")), np.asarray(b.astype("float32")), err_msg=str(path))
+print("ok", len(jax.tree.leaves(sharded)))
+"""
+
+
+def test_a_checkpoint_loads_into_any_sharding_and_memory(tmp_path):
+  """Each tensor goes straight into its sharding: a named sharding of the transposed kernels (the devices transpose
+  them), one in pinned host memory, on a 2 x 2 mesh of CPU devices, equal to the one-device read."""
+  import subprocess
+  import sys
+
+  from helpers import cpu_devices_env
+
+  write_checkpoint(tmp_path / "c", "llama3", np.random.default_rng(), dtype=np.float32)
+  root = Path(__file__).resolve().parents[1]
+  out = subprocess.run([sys.executable, "-c", SHARDED_LOAD, str(tmp_path / "c")], cwd=root, env=cpu_devices_env(4),
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+  assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
