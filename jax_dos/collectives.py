@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_dos.timeline import Rates
+from jax_dos.rates import Rates
 
 
 @dataclasses.dataclass(frozen=True)

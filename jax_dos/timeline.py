@@ -50,10 +50,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-  from jax_dos.collectives import Collectives
+from jax_dos.collectives import Collectives
+from jax_dos.rates import Rates
 
 MICRO_BATCH_ORDERS = ("stage", "batch")  # jax_dos.stages.schedule
 # The model's error on a step's time, relative, measured against the runs it predicted (docs/overlap.md, "How far to
@@ -178,18 +177,6 @@ def remat_candidates(times: StageTimes) -> list[tuple[str, ...]]:
       return out
     current[best[1]] = best[2]
     out.append(tuple(current))
-
-
-@dataclasses.dataclass(frozen=True)
-class Rates:
-  """Update rates of each path, parameters per second (``Calibration``'s fields of the same meaning)."""
-
-  host: float
-  stream: float
-  device: float
-  host_concurrent: float
-  stream_concurrent: float
-  stream_backward: float | None = None  # the stream path's cap while the backward pass runs (None: no cap)
 
 
 @dataclasses.dataclass(frozen=True)
