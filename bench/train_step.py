@@ -2,7 +2,7 @@
 
 Each variant runs in its own subprocess (so each starts with empty GPU and
 pinned memory), on the same model, batch and data (the embedded corpus). ``--arch``
-picks the model as ``python -m train.gpt --arch`` does (``train.flags.model_module``:
+picks the model as ``python -m train.gpt --arch`` does (``train.flags.ARCHS``:
 ``models/gpt.py`` or ``models/llama.py``); every variant runs either, and MFU
 counts the model's own ``flops_per_token``:
 
@@ -74,7 +74,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from train_step_variant import GIB, OVERLAPPED, VARIANTS, run_in_process  # noqa: E402  (a variant's process)
 
-from train.flags import ARCHS, model_module  # noqa: E402  (imports jax; starts no backend)
+from train.flags import ARCHS  # noqa: E402  (imports jax; starts no backend)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -154,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.smoke:
     args.preset, args.batch, args.seq_len, args.vocab_size = "tiny", 4, 64, 256
     args.steps, args.warmup, args.fb_reps = 2, 2, 1
-  presets = model_module(args).PRESETS
+  presets = ARCHS[args.arch].PRESETS
   args.preset = args.preset or {"gpt": "gpt-6.7b", "llama": "llama-7b"}[args.arch]
   if args.preset not in presets:
     p.error(f"--preset {args.preset} is not a preset of --arch {args.arch}; choose one of {', '.join(presets)}.")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 import jax_dos
-from train.flags import model_module
+from train.flags import ARCHS
 
 VARIANTS = ("peak", "idiom", "host", "auto", "writebehind", "delay", "predict", "ahead", "hostdelay", "none", "overlap",
             "overlapfire", "overlapbatch")  # fmt: skip
@@ -64,7 +64,7 @@ def _peak(jax, jnp) -> dict:
 
 def model_config(args: argparse.Namespace, **fields):
   """``--arch``'s config of ``--preset`` at ``--vocab-size``, its block at least ``--seq-len`` long, with ``fields``."""
-  arch = model_module(args)
+  arch = ARCHS[args.arch]
   block = max(args.seq_len, arch.PRESETS[args.preset]["block_size"])
   return arch.get_config(args.preset, vocab_size=args.vocab_size, block_size=block, **fields)
 
@@ -74,7 +74,7 @@ def _cap_pinned_pool(args: argparse.Namespace) -> None:
   grows by doubling regions up to its cap, so the cap bounds the process's resident set (docs/overlap.md, "Memory")."""
   if args.variant in ("peak", "idiom", "none"):
     return
-  n = model_module(args).param_count(model_config(args))
+  n = ARCHS[args.arch].param_count(model_config(args))
   param_bytes = 4 if args.param_dtype == "float32" else 2
   predict = args.variant == "ahead"  # delay_predict="gradient": copies of the moments
   most = jax_dos.host_need_bound(
@@ -145,7 +145,7 @@ def _build_model(args: argparse.Namespace) -> tuple[_Model, Any]:
   device, and its parameters."""
   from train import data
 
-  arch = model_module(args)
+  arch = ARCHS[args.arch]
   cfg = model_config(
     args,
     dtype="bfloat16" if jax.default_backend() == "gpu" else "float32",

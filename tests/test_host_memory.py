@@ -21,7 +21,7 @@ from jax_dos.overlap import plan as overlap_plan
 from jax_dos.pinned_pool import BFC_TABLE_FRACTION
 from models import gpt as gpt_model
 from train import host_memory
-from train.flags import build_parser
+from train.flags import parse_args
 
 GiB = 2**30
 
@@ -69,7 +69,7 @@ def test_a_run_that_cannot_fit_the_hosts_ram_stops_before_anything_moves():
   """``--offload host`` puts the whole state on the host: a host whose RAM cannot hold it and the process's headroom
   stops the run before jax starts, with the numbers and what to change; a larger host takes it."""
   args_list = ["--preset", "gpt-6.7b", "--offload", "host", "--overlap", "off"]
-  args = build_parser().parse_args(args_list)
+  args = parse_args(args_list)
   n = gpt_model.param_count(gpt_model.get_config("gpt-6.7b"))
   certain, most = host_memory.pinned_need(args)
   assert certain == 12 * n and most == 16 * n  # the state; and a gradient or weight copy each, on the plain step
@@ -81,9 +81,9 @@ def test_a_run_that_cannot_fit_the_hosts_ram_stops_before_anything_moves():
   assert "--preset" in message and "--offload" in message
   jax.devices()  # the backend started (as it has when other tests ran first): a run that fits sets no cap then
   assert host_memory.cap_host_memory(args, host_memory_bytes=4 * small) is None
-  auto = build_parser().parse_args(["--preset", "gpt-6.7b"])  # a plan may keep state resident: nothing is certain
+  auto = parse_args(["--preset", "gpt-6.7b"])  # a plan may keep state resident: nothing is certain
   assert host_memory.pinned_need(auto, small)[0] == 0
-  int8 = build_parser().parse_args([*args_list, "--moments", "int8"])
+  int8 = parse_args([*args_list, "--moments", "int8"])
   state = jax_dos.state_bytes_per_param("int8")  # about 6 B a parameter: the float32 master and two 8-bit moments
   assert host_memory.pinned_need(int8) == (math.ceil(state * n), math.ceil((state + 4) * n))
 

@@ -3,6 +3,7 @@ the flags a resume keeps, the guards on a run's directory, and recovery from dam
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -73,16 +74,17 @@ def test_resume_with_more_steps_keeps_the_learning_rate_schedule(tmp_path):
 
 
 def test_resumed_schedule_takes_the_flags_not_given():
-  saved = vars(F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2"]))
-  args = F.parse_args(["--steps", "20"])
-  notes = F.resumed_schedule(args, saved)
+  saved = dataclasses.asdict(F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2"]))
+  given = F.parse_args(["--steps", "20"])
+  args, notes = F.resumed_schedule(given, saved)
   assert len(notes) == 1 and "--decay-steps" in notes[0] and "--warmup" in notes[0]
   assert [getattr(args, k) for k in F.SCHEDULE_FLAGS] == [saved[k] for k in F.SCHEDULE_FLAGS]
-  args = F.parse_args(["--steps", "20", "--decay-steps", "20", "--lr", "1e-3"])  # given: honoured
-  F.resumed_schedule(args, saved)
+  assert given == F.parse_args(["--steps", "20"])  # a new config: the one given is unchanged
+  assert dataclasses.replace(args, **{k: getattr(given, k) for k in F.SCHEDULE_FLAGS}) == given
+  args, _ = F.resumed_schedule(F.parse_args(["--steps", "20", "--decay-steps", "20", "--lr", "1e-3"]), saved)  # given
   assert (args.decay_steps, args.lr, args.min_lr, args.warmup) == (20, 1e-3, 1e-3 / 10, saved["warmup"])
   same = F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2", "--resume"])
-  assert F.resumed_schedule(same, saved) == []
+  assert F.resumed_schedule(same, saved) == (same, [])
   with pytest.raises(SystemExit, match="--warmup"):  # the saved warm-up does not fit the given decay
     F.resumed_schedule(F.parse_args(["--decay-steps", "3"]), saved)
 

@@ -3,6 +3,8 @@ runs, and the log, metrics and plot a run leaves."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import io
 import json
 import logging
@@ -198,6 +200,46 @@ def test_defaults():
   assert F.parse_args(["--arch", "llama", "--preset", "llama-7b"]).out == os.path.join("runs", "llama-7b")
 
 
+def test_the_config_is_frozen_one_field_a_flag_and_json():
+  """``parse_args`` gives a frozen :class:`TrainConfig`, a typed field for each flag (and each derived value), every
+  default resolved; its ``asdict`` is JSON (a checkpoint's meta saves it as ``args``)."""
+  args = F.parse_args(["--steps", "20", "--profile", "3:5"])
+  assert isinstance(args, F.TrainConfig)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    args.lr = 1.0
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    del args.steps
+  fields = {f.name for f in dataclasses.fields(F.TrainConfig)}
+  assert {a.dest for a in F.build_parser()._actions if a.dest != "help"} <= fields
+  assert {"schedule_given", "mesh_given", "global_batch"} <= fields
+  assert args.lr == F.DEFAULT_LR["tiny"] and args.warmup == 2 and args.min_lr == args.lr / 10
+  assert args.profile == (3, 5) and args.schedule_given == () and args.global_batch == args.batch
+  saved = json.loads(json.dumps(dataclasses.asdict(args)))
+  assert saved == {**dataclasses.asdict(args), "profile": [3, 5], "schedule_given": []}
+
+
+def test_main_parses_argv_once(tmp_path, monkeypatch):
+  """``train.gpt.main`` parses its command line once (what it sets before jax starts comes from that parse), and the
+  checkpoint's meta saves that config."""
+  import jax_dos
+
+  parsed = []
+  parse = argparse.ArgumentParser.parse_known_args
+
+  def counted(self, *a, **kw):
+    parsed.append(self.prog)
+    return parse(self, *a, **kw)
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", counted)
+  flags = ["--steps", "2", "--eval-every", "0"]
+  result = _run(tmp_path, "run", *flags)
+  assert result["step"] == 2 and parsed.count("python -m train.gpt") == 1
+  with jax_dos.CheckpointManager(str(tmp_path / "run" / "ckpt")) as manager:
+    saved = manager.meta()["args"]
+  args = F.parse_args([*TINY, "--out", str(tmp_path / "run"), *flags])
+  assert saved == json.loads(json.dumps(dataclasses.asdict(args)))
+
+
 def test_help_shows_only_real_defaults():
   text = F.build_parser().format_help()
   assert "(default: None)" not in text and "(default: False)" not in text
@@ -364,7 +406,7 @@ def test_the_calibration_is_measured_apart_before_the_gpu_client_starts(tmp_path
 
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   monkeypatch.delenv("JAX_DOS_CALIBRATION", raising=False)
-  args = F.build_parser().parse_args([])
+  args = F.parse_args([])
   assert not C.measure_apart(args, gpu=False)  # no GPU here: nothing to do
   assert C.measure_apart(args, gpu=True)
   assert "in a process of its own" in capsys.readouterr().out
@@ -373,7 +415,7 @@ def test_the_calibration_is_measured_apart_before_the_gpu_client_starts(tmp_path
   calibration.save(dataclasses.replace(calibration.load_cached(), platform="gpu", device_kind="Some GPU"))
   assert calibration.cache_path(key).exists() and jax_dos.accelerator_calibration_cached()
   assert not C.measure_apart(args, gpu=True)  # cached: no child
-  assert not C.measure_apart(F.build_parser().parse_args(["--offload", "host"]), gpu=True)
+  assert not C.measure_apart(F.parse_args(["--offload", "host"]), gpu=True)
 
 
 def test_the_processes_of_one_host_measure_one_calibration(tmp_path):
@@ -391,7 +433,7 @@ def test_the_processes_of_one_host_measure_one_calibration(tmp_path):
           calibration.save(dataclasses.replace(calibration.load_cached(), platform="gpu", device_kind="Some GPU"))
           return ok
       C._measure_in_child = measure_as_a_gpu
-      print("measured" if C.measure_apart(F.build_parser().parse_args(["--quiet"]), gpu=True) else "read")
+      F.parse_args(["--quiet"], lambda flags: print("measured" if C.measure_apart(flags, gpu=True) else "read"))
     """
   )
   env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), JAX_PLATFORMS="cpu")

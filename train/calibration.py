@@ -3,7 +3,6 @@ machine and cached, in a process of its own where it can be, before the run's GP
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import os
@@ -14,11 +13,12 @@ import time
 import jax
 
 import jax_dos
+from train.flags import Flags
 
 CALIBRATION_APART_S = 600  # the calibration takes 20-30 s on a GPU; a child that takes this long is given up
 
 
-def measure_apart(args: argparse.Namespace, gpu: bool | None = None) -> bool:
+def measure_apart(args: Flags, gpu: bool | None = None) -> bool:
   """On a GPU machine whose calibration is not cached (``gpu``: an NVIDIA driver here, unless ``JAX_PLATFORMS`` rules
   CUDA out), the planner's calibration measured in a process of its own, as the benchmarks do, before this process
   starts its GPU client; whether it ran and succeeded. Measured here, its pinned state (about 16 GiB) would stay in
@@ -54,7 +54,7 @@ def _host_lock():
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _measure_in_child(args: argparse.Namespace) -> bool:
+def _measure_in_child(args: Flags) -> bool:
   """The calibration measured and cached by a child process; whether it succeeded."""
   t = time.perf_counter()
   code = "import jax_dos; print(jax_dos.calibrate().summary())"
@@ -71,7 +71,7 @@ def _measure_in_child(args: argparse.Namespace) -> bool:
   return True
 
 
-def measure_here(args: argparse.Namespace) -> None:
+def measure_here(args: Flags) -> None:
   """``--offload auto`` on an accelerator: the planner's calibration (20-30 s once per machine, then cached), before
   the model exists: it runs on an empty accelerator and leaves no fragments behind for a large model's step."""
   if args.offload == "auto" and jax.default_backend() != "cpu":

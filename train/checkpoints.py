@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -15,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_dos
-from train.flags import resumed_schedule
+from train.flags import TrainConfig, resumed_schedule
 from train.job import barrier, everywhere, primary, say, warn
 
 # The config's fields a resumed run may change (how the model computes, not what it is).
 RUN_FIELDS = ("dtype", "param_dtype", "remat")
 
 
-def open_checkpoints(args: argparse.Namespace, ckpt_dir: str) -> tuple[jax_dos.CheckpointManager | None, bool]:
+def open_checkpoints(args: TrainConfig, ckpt_dir: str) -> tuple[jax_dos.CheckpointManager | None, bool]:
   """``(manager, resume)``: the run's checkpoint manager (``None`` with ``--no-ckpt``) and whether to restore.
 
   Refuses to mix a new run into an earlier run's checkpoints unless told how.
@@ -77,9 +76,11 @@ def damage_reported():
 
 
 def restore(
-  manager: jax_dos.CheckpointManager, cfg: Any, params: Any, opt_state: Any, args: argparse.Namespace
-) -> tuple[Any, Any, int]:
-  """Restores the newest checkpoint that verifies; damaged newer ones are moved aside, one line each."""
+  manager: jax_dos.CheckpointManager, cfg: Any, params: Any, opt_state: Any, args: TrainConfig
+) -> tuple[Any, Any, int, TrainConfig]:
+  """``(params, opt_state, step, args)`` of the newest checkpoint that verifies (damaged newer ones are moved aside,
+  one line each); the run's config ``args`` comes back with the resumed run's learning-rate schedule
+  (``train.flags.resumed_schedule``: a new config where it differs)."""
   ckpt_dir = manager.directory
   try:
     with damage_reported():
@@ -103,9 +104,10 @@ def restore(
     raise SystemExit(f"error: --resume: the checkpoint's model differs from this run's (saved, now): {diff}.")
   if meta.get("seed") != args.seed:
     raise SystemExit(f"error: --resume: the checkpoint was trained with --seed {meta.get('seed')}, not {args.seed}.")
-  for note in resumed_schedule(args, meta.get("args", {})):
+  args, notes = resumed_schedule(args, meta.get("args", {}))
+  for note in notes:
     say(args, note)
-  return params, opt_state, int(meta["step"])
+  return params, opt_state, int(meta["step"]), args
 
 
 @jax.jit
@@ -123,7 +125,7 @@ def host_finite(tree: Any) -> bool:
   return True
 
 
-def stop_non_finite(args: argparse.Namespace, manager: jax_dos.CheckpointManager | None, what: str) -> None:
+def stop_non_finite(args: TrainConfig, manager: jax_dos.CheckpointManager | None, what: str) -> None:
   """Ends the run with an error naming the step: nothing of this state is saved, every checkpoint is kept."""
   where = "no checkpoint is written (--no-ckpt)"
   if manager is not None:
@@ -139,7 +141,7 @@ def stop_non_finite(args: argparse.Namespace, manager: jax_dos.CheckpointManager
 
 
 def save(
-  args: argparse.Namespace, manager: jax_dos.CheckpointManager, step: Any, step_no: int, meta: dict[str, Any], bar: Any
+  args: TrainConfig, manager: jax_dos.CheckpointManager, step: Any, step_no: int, meta: dict[str, Any], bar: Any
 ) -> None:
   """Saves the settled parameters and state; nothing non-finite is saved (the run stops, every checkpoint kept)."""
   step.settle()

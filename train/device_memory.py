@@ -11,14 +11,13 @@ out now (issue 50's "the largest model per machine, as the planner sees it").
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Iterable
 from typing import Any
 
 import jax
 
-from train.flags import model_module, model_name
+from train.flags import TrainConfig, model_module, model_name
 
 # Of a GPU's memory, what the parameters and gradients may take at most: the rest is the activations', XLA's
 # workspace's and the optimizer's (the 6.7B step on an 80 GB H100 holds 13.4 GB of each beside 19 GB of activations).
@@ -68,7 +67,7 @@ def refusal(
   )
 
 
-def check(args: argparse.Namespace, cfg: Any, mesh: Any) -> None:
+def check(args: TrainConfig, cfg: Any, mesh: Any) -> None:
   """Ends the run (``SystemExit``, :func:`refusal`'s message) where the model ``cfg`` cannot fit the GPUs as ``mesh``
   lays it out, before anything is allocated; the CPU backend reports no memory, and nothing is checked there."""
   stats = jax.local_devices()[0].memory_stats()

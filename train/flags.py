@@ -1,17 +1,21 @@
 """The training script's flags: ``python -m train.gpt --help``, parsed and checked.
 
-:func:`parse_args` turns a command line into the ``argparse.Namespace`` the
-script (and the benchmarks that mirror it) run from; every inconsistency is an
-argparse error saying what to change.
+:func:`parse_args` turns a command line, parsed once, into the frozen
+:class:`TrainConfig` the script (and the benchmarks that mirror it) run from;
+every inconsistency is an argparse error saying what to change. No other
+module sees argparse's ``Namespace``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import textwrap
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, NoReturn
 
 import jax
 
@@ -36,6 +40,8 @@ FINE_TUNE_WARMUP = 0.03
 FINE_TUNE_SEQ_LEN = 2048
 # The flags of the learning-rate schedule: a resumed run takes the checkpoint's values of those not given.
 SCHEDULE_FLAGS = ("lr", "min_lr", "warmup", "decay_steps")
+SHAPE_FLAGS = ("n_layer", "n_head", "d_model")  # override the preset's
+_Error = Callable[[str], NoReturn]  # argparse's parser.error: the message, usage and exit status 2
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -213,171 +219,264 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  """Parses and checks the flags; any inconsistency is an argparse error saying what to change.
+@dataclasses.dataclass(frozen=True)
+class Flags:
+  """The command line read once and checked, with every default resolved that needs no jax backend: what
+  ``train.gpt.main`` sets before jax starts one (XLA's flags, the pinned pool's cap, the devices, the calibration)
+  is decided from this. :class:`TrainConfig` adds the values that need the backend. Never mutated."""
 
-  The default ``--compute-dtype`` depends on ``jax.default_backend()``, which starts jax's backend: set XLA's
-  environment before calling this (``train.gpt.main`` does).
-  """
+  arch: str  # gpt or llama (llama with --init-from)
+  preset: str | None  # None with --init-from: its config.json gives the model
+  init_from: str | None
+  n_layer: int | None  # None: the preset's (likewise --n-head, --d-model)
+  n_head: int | None
+  d_model: int | None
+  vocab_size: int | None  # None: the preset's, else the data's (train.gpt)
+  param_dtype: str
+  remat: str
+  data: str | None  # None: the Python standard library's sources
+  tokenizer: str | None
+  batch: int
+  seq_len: int
+  grad_accum: int
+  steps: int
+  lr: float
+  min_lr: float
+  warmup: int
+  decay_steps: int
+  beta1: float
+  beta2: float
+  weight_decay: float
+  clip: float
+  seed: int
+  offload: str
+  subgroup_size: int
+  resident_gb: float | None
+  staging_gb: float | None
+  delay: int
+  delay_warmup: int
+  moments: str
+  write_behind: bool
+  delay_predict: str | None
+  overlap: str
+  pinned_memory: str
+  grad_flush: str
+  devices: int | None
+  eval_every: int
+  eval_batches: int
+  log_every: int
+  peak_flops: float | None
+  out: str
+  ckpt_every: int
+  keep: int
+  no_ckpt: bool
+  resume: bool
+  overwrite: bool
+  plot: bool
+  quiet: bool
+  profile: tuple[int, int] | None  # (FIRST, STOP)
+  schedule_given: tuple[str, ...]  # the SCHEDULE_FLAGS the command line gave: a resumed run keeps the others' values
+  mesh_given: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Flags):
+  """A training run's configuration: ``python -m train.gpt``'s command line parsed once (:func:`parse_args`), every
+  default resolved, one typed field per flag and per value derived from them. Never mutated: a resumed run that keeps
+  its checkpoint's learning-rate schedule gets a new config (:func:`resumed_schedule`, ``dataclasses.replace``). Its
+  ``dataclasses.asdict`` is JSON, each checkpoint's meta's ``args`` (``mesh`` is a dict for that: don't change it)."""
+
+  compute_dtype: str  # default bfloat16 on a GPU, float32 otherwise
+  mesh: dict[str, int] | None  # {"data": D, "fsdp": F}; None: one device
+  global_batch: int  # rows of a micro-batch over every device: --batch x devices
+
+
+def parse_args(argv: list[str] | None = None, before_backend: Callable[[Flags], None] | None = None) -> TrainConfig:
+  """The run's :class:`TrainConfig`: ``argv`` parsed once and checked, any inconsistency an argparse error saying
+  what to change. The values that need no jax backend come first, and ``before_backend`` (if given) is called with
+  them (:class:`Flags`) to set what must be set before jax starts a backend (``train.gpt.main``); then the default
+  ``--compute-dtype``, ``--devices`` and the mesh start jax's backend: set XLA's environment before calling this."""
   parser = build_parser()
-  args = parser.parse_args(argv)
-  err = parser.error
-  args.schedule_given = [name for name in SCHEDULE_FLAGS if getattr(args, name) is not None]  # before the defaults
-  positive = ("batch", "grad_accum", "steps", "eval_batches", "log_every", "keep", "subgroup_size")
-  for name in positive:
-    if getattr(args, name) < 1:
-      err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+  values = vars(parser.parse_args(argv))  # the one parse: a plain dict from here on, resolved, then frozen
+  flags = _without_backend(values, parser.error)
+  if before_backend is not None:
+    before_backend(flags)
+  return _with_backend(flags, values["compute_dtype"], values["mesh"], parser.error)
+
+
+def _flag(name: str) -> str:
+  return f"--{name.replace('_', '-')}"
+
+
+def _without_backend(v: dict[str, Any], err: _Error) -> Flags:
+  """The :class:`Flags` of the parsed values ``v`` (each default resolved in ``v``, ``--mesh``'s text replaced by its
+  sizes); ``err`` (argparse's) for an inconsistency."""
+  v["schedule_given"] = tuple(name for name in SCHEDULE_FLAGS if v[name] is not None)  # before the defaults
+  for name in ("batch", "grad_accum", "steps", "eval_batches", "log_every", "keep", "subgroup_size"):
+    if v[name] < 1:
+      err(f"{_flag(name)} must be >= 1, got {v[name]}.")
   for name in ("eval_every", "ckpt_every", "clip", "weight_decay", "delay_warmup"):
-    if getattr(args, name) < 0:
-      err(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}.")
+    if v[name] < 0:
+      err(f"{_flag(name)} must be >= 0, got {v[name]}.")
   for name in ("n_layer", "n_head", "d_model", "vocab_size"):
-    if getattr(args, name) is not None and getattr(args, name) < 1:
-      err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-  if args.resume and args.no_ckpt:
+    if v[name] is not None and v[name] < 1:
+      err(f"{_flag(name)} must be >= 1, got {v[name]}.")
+  if v["resume"] and v["no_ckpt"]:
     err("--resume continues from a checkpoint and saves more; drop --no-ckpt.")
-  if args.init_from is not None:
-    given = [f"--{name.replace('_', '-')}" for name in ("preset", "n_layer", "n_head", "d_model", "vocab_size")
-             if getattr(args, name) is not None]  # fmt: skip
-    if args.arch == "gpt" or given:
-      err(f"--init-from takes the model from {args.init_from}/config.json (a Llama-family model, --arch llama);"
+  overrides = {k: v[k] for k in SHAPE_FLAGS if v[k] is not None}
+  if v["init_from"] is not None:
+    given = [_flag(name) for name in ("preset", *SHAPE_FLAGS, "vocab_size") if v[name] is not None]
+    if v["arch"] == "gpt" or given:
+      err(f"--init-from takes the model from {v['init_from']}/config.json (a Llama-family model, --arch llama);"
           f" drop {', '.join(given or ['--arch gpt'])}.")  # fmt: skip
-    args.arch = "llama"
+    v["arch"] = "llama"
     try:
-      block = model_config(args).block_size
+      block = hf.llama_config(hf.read_config(v["init_from"])).block_size
     except hf.CheckpointError as e:
-      err(f"--init-from {args.init_from}: {e}")
-    args.seq_len = min(block, FINE_TUNE_SEQ_LEN) if args.seq_len is None else args.seq_len
-    args.tokenizer = args.init_from if args.tokenizer is None else args.tokenizer
-    args.lr = FINE_TUNE_LR if args.lr is None else args.lr
-    if args.warmup is None:
-      decay = args.steps if args.decay_steps is None else args.decay_steps
-      args.warmup = min(decay - 1, max(1, round(FINE_TUNE_WARMUP * decay)))
-    what = f"the model of {args.init_from}"
+      err(f"--init-from {v['init_from']}: {e}")
+    v["seq_len"] = min(block, FINE_TUNE_SEQ_LEN) if v["seq_len"] is None else v["seq_len"]
+    v["tokenizer"] = v["init_from"] if v["tokenizer"] is None else v["tokenizer"]
+    v["lr"] = FINE_TUNE_LR if v["lr"] is None else v["lr"]
+    if v["warmup"] is None:
+      decay = v["steps"] if v["decay_steps"] is None else v["decay_steps"]
+      v["warmup"] = min(decay - 1, max(1, round(FINE_TUNE_WARMUP * decay)))
+    what = f"the model of {v['init_from']}"
   else:
-    args.arch, args.preset = args.arch or "gpt", args.preset or "tiny"
-    presets = ARCHS[args.arch].PRESETS
-    if args.preset not in presets:
-      err(f"--preset {args.preset} is not a preset of --arch {args.arch}; choose one of {', '.join(presets)}.")
-    shape = {**presets[args.preset], **model_overrides(args)}
+    v["arch"], v["preset"] = v["arch"] or "gpt", v["preset"] or "tiny"
+    arch, preset = v["arch"], v["preset"]
+    presets = ARCHS[arch].PRESETS
+    if preset not in presets:
+      err(f"--preset {preset} is not a preset of --arch {arch}; choose one of {', '.join(presets)}.")
+    shape = {**presets[preset], **overrides}
     if shape["d_model"] % shape["n_head"]:
       err(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}.")
     try:
-      ARCHS[args.arch].get_config(args.preset, **model_overrides(args))
+      ARCHS[arch].get_config(preset, **overrides)
     except ValueError as e:
-      err(f"--arch {args.arch} --preset {args.preset} with these sizes: {e}")
+      err(f"--arch {arch} --preset {preset} with these sizes: {e}")
     block = shape["block_size"]
-    args.seq_len = block if args.seq_len is None else args.seq_len
-    what = f"preset {args.preset!r}"
-  if not 1 <= args.seq_len <= block:
-    err(f"--seq-len {args.seq_len} must be between 1 and the block size of {what} ({block}).")
-  args.lr = DEFAULT_LR.get(args.preset, FALLBACK_LR) if args.lr is None else args.lr
-  if args.lr <= 0:
-    err(f"--lr must be > 0, got {args.lr}.")
-  args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-  if not 0 <= args.min_lr <= args.lr:
-    err(f"--min-lr must be in [0, --lr={args.lr}], got {args.min_lr}.")
-  args.decay_steps = args.steps if args.decay_steps is None else args.decay_steps
-  args.warmup = min(100, args.decay_steps // 10) if args.warmup is None else args.warmup
-  if not 0 <= args.warmup < args.decay_steps:
-    err(f"--warmup must be in [0, --decay-steps={args.decay_steps}), got {args.warmup}.")
+    v["seq_len"] = block if v["seq_len"] is None else v["seq_len"]
+    what = f"preset {preset!r}"
+  if not 1 <= v["seq_len"] <= block:
+    err(f"--seq-len {v['seq_len']} must be between 1 and the block size of {what} ({block}).")
+  v["lr"] = DEFAULT_LR.get(v["preset"], FALLBACK_LR) if v["lr"] is None else v["lr"]
+  if v["lr"] <= 0:
+    err(f"--lr must be > 0, got {v['lr']}.")
+  v["min_lr"] = v["lr"] / 10 if v["min_lr"] is None else v["min_lr"]
+  if not 0 <= v["min_lr"] <= v["lr"]:
+    err(f"--min-lr must be in [0, --lr={v['lr']}], got {v['min_lr']}.")
+  v["decay_steps"] = v["steps"] if v["decay_steps"] is None else v["decay_steps"]
+  v["warmup"] = min(100, v["decay_steps"] // 10) if v["warmup"] is None else v["warmup"]
+  if not 0 <= v["warmup"] < v["decay_steps"]:
+    err(f"--warmup must be in [0, --decay-steps={v['decay_steps']}), got {v['warmup']}.")
   for name in ("beta1", "beta2"):
-    if not 0 <= getattr(args, name) < 1:
-      err(f"--{name} must be in [0, 1), got {getattr(args, name)}.")
-  if args.peak_flops is not None and args.peak_flops <= 0:
-    err(f"--peak-flops must be > 0, got {args.peak_flops}.")
-  if args.param_dtype is None:
-    args.param_dtype = "float32" if args.offload == "none" else "bfloat16"
-  if args.offload == "none" and args.param_dtype != "float32":
+    if not 0 <= v[name] < 1:
+      err(f"--{name} must be in [0, 1), got {v[name]}.")
+  if v["peak_flops"] is not None and v["peak_flops"] <= 0:
+    err(f"--peak-flops must be > 0, got {v['peak_flops']}.")
+  offload, accum, flush = v["offload"], v["grad_accum"], v["grad_flush"]
+  moments, predict = v["moments"], v["delay_predict"]
+  if v["param_dtype"] is None:
+    v["param_dtype"] = "float32" if offload == "none" else "bfloat16"
+  if offload == "none" and v["param_dtype"] != "float32":
     err("--offload none trains float32 parameters with plain optax.adamw (no float32 master copy);"
         " use --param-dtype float32, or an offload mode for bfloat16 parameters.")  # fmt: skip
-  if args.compute_dtype is None:
-    args.compute_dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
-  if args.delay and args.offload == "none":
+  if v["delay"] and offload == "none":
     err("--delay 1 delays the host update of jax_dos; it needs an offload mode, not --offload none.")
-  if args.write_behind and (args.delay or args.offload == "none"):
+  if v["write_behind"] and (v["delay"] or offload == "none"):
     err("--write-behind defers the host state's writes of an offload mode without --delay; drop one of them.")
-  if args.grad_flush is None:
-    args.grad_flush = "host" if args.grad_accum == 1 else "none"
-  elif args.grad_accum > 1 and args.grad_flush != "none":
-    err(f"--grad-accum {args.grad_accum} sums the gradients on the accelerator, so there is nothing to flush during"
-        f" the backward pass; drop --grad-flush {args.grad_flush} (or use --grad-accum 1).")  # fmt: skip
-  if args.moments != "float32" and args.offload == "none":
-    err(f"--moments {args.moments} stores jax_dos's moments compactly; --offload none trains with optax.adamw. Pick"
+  if flush is None:
+    v["grad_flush"] = "host" if accum == 1 else "none"
+  elif accum > 1 and flush != "none":
+    err(f"--grad-accum {accum} sums the gradients on the accelerator, so there is nothing to flush during"
+        f" the backward pass; drop --grad-flush {flush} (or use --grad-accum 1).")  # fmt: skip
+  if moments != "float32" and offload == "none":
+    err(f"--moments {moments} stores jax_dos's moments compactly; --offload none trains with optax.adamw. Pick"
         " an offload mode or drop --moments.")  # fmt: skip
-  if args.moments != "float32" and args.delay_predict:
-    err(f"--delay-predict works from float32 moments; drop it or use --moments float32 (not {args.moments}).")
-  if args.delay_predict and not args.delay:
+  if moments != "float32" and predict:
+    err(f"--delay-predict works from float32 moments; drop it or use --moments float32 (not {moments}).")
+  if predict and not v["delay"]:
     err("--delay-predict predicts the weights a delayed update hands on; add --delay 1.")
-  if args.overlap == "on" and overlapped.refusal(args):
-    err(f"--overlap on: {overlapped.refusal(args)}; drop --overlap on.")
-  if args.plot and importlib.util.find_spec("matplotlib") is None:
+  if v["plot"] and importlib.util.find_spec("matplotlib") is None:
     err(f"--plot: {progress.MATPLOTLIB_MISSING} (or drop --plot, and plot later with python -m train.plot <out>).")
-  if args.resume and args.overwrite:
+  if v["resume"] and v["overwrite"]:
     err("--resume and --overwrite contradict each other; pick one.")
-  if args.profile is not None:
+  if v["profile"] is not None:
     try:
-      first, stop = (int(x) for x in args.profile.split(":"))
+      first, stop = (int(x) for x in v["profile"].split(":"))
     except ValueError:
-      err(f"--profile {args.profile}: give FIRST:STOP, two step numbers, e.g. --profile 6:8 for steps 6 and 7.")
-    if not 2 <= first < stop <= args.steps + 1:
-      err(f"--profile {args.profile}: give 2 <= FIRST < STOP <= --steps + 1 = {args.steps + 1} (step 1 compiles,"
+      err(f"--profile {v['profile']}: give FIRST:STOP, two step numbers, e.g. --profile 6:8 for steps 6 and 7.")
+    if not 2 <= first < stop <= v["steps"] + 1:
+      err(f"--profile {v['profile']}: give 2 <= FIRST < STOP <= --steps + 1 = {v['steps'] + 1} (step 1 compiles,"
           " so a profile starts at step 2 or later).")  # fmt: skip
-    args.profile = (first, stop)
-  if args.devices is not None and args.devices > jax.local_device_count():
-    err(f"--devices {args.devices}: this process has {jax.local_device_count()} device(s)"
+    v["profile"] = (first, stop)
+  v["mesh_given"] = v["mesh"] is not None
+  if v["mesh"] is not None:
+    try:
+      v["mesh"] = parallel.parse_mesh(v["mesh"])
+    except ValueError as e:
+      err(str(e))
+  if v["out"] is None:
+    v["out"] = os.path.join("runs", _model_name(v["init_from"], v["arch"], v["preset"]))
+  flags = Flags(**{f.name: v[f.name] for f in dataclasses.fields(Flags)})
+  if flags.overlap == "on" and overlapped.refusal(flags):
+    err(f"--overlap on: {overlapped.refusal(flags)}; drop --overlap on.")
+  return flags
+
+
+def _with_backend(flags: Flags, compute_dtype: str | None, mesh: dict[str, int] | None, err: _Error) -> TrainConfig:
+  """The :class:`TrainConfig` of ``flags``, ``--compute-dtype`` (``None``: by the backend) and ``--mesh``'s sizes
+  (``None``: not given), the devices checked (``err``: argparse's error); starts jax's backend."""
+  if compute_dtype is None:
+    compute_dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+  if flags.devices is not None and flags.devices > jax.local_device_count():
+    err(f"--devices {flags.devices}: this process has {jax.local_device_count()} device(s)"
         f" ({jax.devices()[0].device_kind}); give at most that.")  # fmt: skip
-  args.mesh_given = args.mesh is not None
-  try:
-    args.mesh = parallel.parse_mesh(args.mesh) if args.mesh is not None else parallel.default_mesh()
-  except ValueError as e:
-    err(str(e))
+  mesh = mesh if mesh is not None else parallel.default_mesh()
   devices = 1
-  if args.mesh is not None:
-    devices = args.mesh["data"] * args.mesh["fsdp"]
+  if mesh is not None:
+    devices = mesh["data"] * mesh["fsdp"]
     if devices != jax.device_count():
-      err(f"--mesh data={args.mesh['data']},fsdp={args.mesh['fsdp']} lays out {devices} devices; this job has"
+      err(f"--mesh data={mesh['data']},fsdp={mesh['fsdp']} lays out {devices} devices; this job has"
           f" {jax.device_count()} ({jax.process_count()} process(es) x {jax.local_device_count()}): give sizes whose"
           " product is that, or --devices to train on fewer.")  # fmt: skip
-  args.global_batch = args.batch * devices  # rows of a micro-batch over every device
-  if args.out is None:
-    args.out = os.path.join("runs", model_name(args))
-  return args
+  resolved = {f.name: getattr(flags, f.name) for f in dataclasses.fields(Flags)}
+  return TrainConfig(**resolved, compute_dtype=compute_dtype, mesh=mesh, global_batch=flags.batch * devices)
 
 
-def model_name(args: argparse.Namespace) -> str:
-  """A short name of the run's model: its preset (``llama-`` before a llama's shared one), or its checkpoint
-  folder's name."""
-  if args.init_from is not None:
-    return os.path.basename(os.path.normpath(args.init_from))
-  preset = args.preset or "tiny"
-  arch = args.arch or "gpt"
+def _model_name(init_from: str | None, arch: str, preset: str | None) -> str:
+  if init_from is not None:
+    return os.path.basename(os.path.normpath(init_from))
   return preset if arch == "gpt" or preset.startswith(arch) else f"{arch}-{preset}"
 
 
-def model_config(args: argparse.Namespace, **fields: Any) -> Any:
-  """The run's model config from its flags (parsed or not: jax need not have started): ``--init-from``'s
-  ``config.json`` (``models.hf``; ``hf.CheckpointError`` naming what it cannot express), else ``--arch``'s preset
-  with the shape flags; ``fields`` set more (``vocab_size``, ``dtype``, ``param_dtype``, ``remat``)."""
-  if getattr(args, "init_from", None) is not None:
+def model_name(flags: Flags) -> str:
+  """A short name of the run's model: its preset (``llama-`` before a llama's shared one), or its checkpoint
+  folder's name."""
+  return _model_name(flags.init_from, flags.arch, flags.preset)
+
+
+def model_config(flags: Flags, **fields: Any) -> Any:
+  """The run's model config (jax need not have started): ``--init-from``'s ``config.json`` (``models.hf``;
+  ``hf.CheckpointError`` naming what it cannot express), else ``--arch``'s preset with the shape flags; ``fields``
+  set more (``vocab_size``, ``dtype``, ``param_dtype``, ``remat``)."""
+  if flags.init_from is not None:
     fields.pop("vocab_size", None)  # the checkpoint's own
-    return hf.llama_config(hf.read_config(args.init_from), **fields)
-  return model_module(args).get_config(args.preset or "tiny", **model_overrides(args), **fields)
+    return hf.llama_config(hf.read_config(flags.init_from), **fields)
+  return model_module(flags).get_config(flags.preset, **model_overrides(flags), **fields)
 
 
-def resumed_schedule(args: argparse.Namespace, saved_args: dict[str, Any]) -> list[str]:
-  """Keeps the learning-rate schedule of the run being resumed; returns the lines to print (none if nothing changed).
+def resumed_schedule(args: TrainConfig, saved_args: dict[str, Any]) -> tuple[TrainConfig, list[str]]:
+  """``(config, lines to print)``: ``args`` with the learning-rate schedule of the run being resumed (``args`` itself,
+  and no lines, where nothing changes).
 
-  Each of ``--lr``, ``--min-lr``, ``--warmup`` and ``--decay-steps`` that this
-  command line did not give (``args.schedule_given``, recorded by
-  :func:`parse_args`) takes its value in ``saved_args`` (the ``args`` a
-  checkpoint's meta holds), in place in ``args``: a larger ``--steps`` then
-  trains on at the end of the same schedule instead of stretching it. A
-  ``--min-lr`` not given follows a given ``--lr`` (its default, lr/10). Flags
-  given are kept, and so is every flag when ``args`` has no
-  ``schedule_given`` or ``saved_args`` lacks the value. Raises
-  ``SystemExit`` naming the flags when the merged schedule is inconsistent.
+  Each of ``--lr``, ``--min-lr``, ``--warmup`` and ``--decay-steps`` that this command line did not give
+  (``args.schedule_given``) takes its value in ``saved_args`` (the ``args`` a checkpoint's meta holds), in a new config
+  (``dataclasses.replace``): a larger ``--steps`` then trains on at the end of the same schedule instead of stretching
+  it. A ``--min-lr`` not given follows a given ``--lr`` (its default, lr/10). The flags given are kept, and so is every
+  flag ``saved_args`` lacks. ``SystemExit`` naming the flags where the merged schedule is inconsistent.
   """
-  given = set(getattr(args, "schedule_given", SCHEDULE_FLAGS))
+  given = set(args.schedule_given)
   taken = {}
   for name in SCHEDULE_FLAGS:
     if name in given or (name == "min_lr" and "lr" in given) or saved_args.get(name) is None:
@@ -385,27 +484,25 @@ def resumed_schedule(args: argparse.Namespace, saved_args: dict[str, Any]) -> li
     if saved_args[name] != getattr(args, name):
       taken[name] = saved_args[name]
   if not taken:
-    return []
-  vars(args).update(taken)
-  flags = ", ".join(f"--{name.replace('_', '-')}" for name in taken)
+    return args, []
+  args = dataclasses.replace(args, **taken)
+  flags = ", ".join(_flag(name) for name in taken)
   if not 0 <= args.warmup < args.decay_steps or not 0 <= args.min_lr <= args.lr:
     raise SystemExit(
       f"error: --resume: the resumed run's {flags} and this command line's give a schedule of lr {args.lr:g} ->"
       f" {args.min_lr:g}, warm-up {args.warmup} of {args.decay_steps} steps; pass {flags} too."
     )
-  return [
+  return args, [
     f"resume: keeping the resumed run's learning-rate schedule ({flags} from its checkpoint): lr {args.lr:g} ->"
     f" {args.min_lr:g}, warm-up {args.warmup}, cosine to step {args.decay_steps}; pass {flags} to change it."
   ]
 
 
-def model_module(args: argparse.Namespace):
+def model_module(flags: Flags) -> ModuleType:
   """The module of ``--arch``'s model (``models.gpt`` or ``models.llama``; ``llama`` with ``--init-from``)."""
-  if getattr(args, "init_from", None) is not None:
-    return llama_model
-  return ARCHS[args.arch or "gpt"]
+  return ARCHS[flags.arch]
 
 
-def model_overrides(args: argparse.Namespace) -> dict[str, int]:
+def model_overrides(flags: Flags) -> dict[str, int]:
   """The model-shape flags that were given (they override the preset)."""
-  return {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model") if getattr(args, k) is not None}
+  return {k: getattr(flags, k) for k in SHAPE_FLAGS if getattr(flags, k) is not None}

@@ -51,7 +51,6 @@ are moved to ``ckpt/damaged/``, see ``docs/checkpoints.md``) and with ``--plot``
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -71,7 +70,7 @@ from train import calibration, checkpoints, device_memory, host_memory, parallel
 from train import data as data_lib
 from train import overlapped as overlapped_lib
 from train.evaluate import validation_loss
-from train.flags import build_parser, model_config, model_module, model_name, parse_args
+from train.flags import Flags, TrainConfig, model_config, model_module, model_name, parse_args
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
 from train.job import primary, say
 from train.optimizer import make_optimizer
@@ -93,7 +92,7 @@ SLOW_SETUP_S = 5.0  # a setup phase that takes this long says so as it ends (a 6
 
 
 @contextlib.contextmanager
-def _setup_phase(args: argparse.Namespace, what: str):
+def _setup_phase(args: TrainConfig, what: str):
   """Says ``setup   <what> (N s)`` when the phase took at least ``SLOW_SETUP_S``: on a GPU, a large model's
   compilations, measurements and allocations come before its first step, and the user sees where the time goes."""
   t = time.perf_counter()
@@ -104,7 +103,8 @@ def _setup_phase(args: argparse.Namespace, what: str):
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-  """Runs training. Returns a dict of results when given ``argv`` (tests, notebooks); ``None`` from the command line.
+  """Runs training on ``argv``, parsed once (``train.flags.parse_args``, setting what must be set before jax starts a
+  backend on the way). Returns a dict of results when given ``argv`` (tests, notebooks); ``None`` from the command line.
 
   Result keys: ``step`` (final), ``start_step``, ``losses`` and ``val_losses``
   (``{step: loss}`` of this invocation), ``tokens_per_s``, ``mfu`` (or
@@ -112,17 +112,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
   """
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)  # parse_args starts jax's backend
   os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", GPU_ALLOCATOR)
-  early = build_parser().parse_args(argv)  # what must be set before jax starts a backend
-  overlapped_lib.allow_overlap_on_gpu(early)  # before jax starts its GPU client
-  host_memory.cap_host_memory(early)  # XLA's pinned pool, from the run's most need
-  parallel.select_devices(early.devices)  # --devices K: this process's first K devices
-  calibration.measure_apart(early)  # before this process starts its GPU client; one process a host measures
-  several = parallel.join_from_environment()  # a job of several processes (jax.distributed), before any backend
+  joined = []  # whether this process joined a job of several processes, once before_backend has run
+
+  def before_backend(flags: Flags) -> None:  # from argv's one parse, before jax starts a backend
+    overlapped_lib.allow_overlap_on_gpu(flags)  # before jax starts its GPU client
+    host_memory.cap_host_memory(flags)  # XLA's pinned pool, from the run's most need
+    parallel.select_devices(flags.devices)  # --devices K: this process's first K devices
+    calibration.measure_apart(flags)  # before this process starts its GPU client; one process a host measures
+    joined.append(parallel.join_from_environment())  # a job of several processes (jax.distributed)
+
   try:
-    args = parse_args(argv)
-    results = train(args)
+    results = train(parse_args(argv, before_backend))
   finally:
-    if several:
+    if any(joined):
       jax.distributed.shutdown()  # every process leaves the job together: no process logs another's exit as an error
   return results if argv is not None else None
 
@@ -134,16 +136,17 @@ def cli() -> None:
 
 @dataclasses.dataclass
 class _Built:
-  """The training step :func:`_build_step` chose, its learning-rate schedule, the step it starts at, and what to
-  tell the user about it."""
+  """The training step :func:`_build_step` chose, its learning-rate schedule, the step it starts at, the run's config
+  from then on (a resumed run's keeps its checkpoint's schedule), and what to tell the user about it."""
 
   step: Any
   schedule: Any
   start_step: int
+  args: TrainConfig
   notes: list[str]
 
 
-def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
+def _load_data(args: TrainConfig) -> tuple[data_lib.Splits, int, str]:
   """``(splits, vocab_size, description)`` of ``--data``, each problem an error that says what to change."""
   tokenizer = None
   if args.tokenizer is not None:
@@ -180,7 +183,7 @@ def _load_data(args: argparse.Namespace) -> tuple[data_lib.Splits, int, str]:
   return splits, vocab, data_desc
 
 
-def _init_params(args: argparse.Namespace, cfg: Any, shardings: Any) -> tuple[Any, dict]:
+def _init_params(args: TrainConfig, cfg: Any, shardings: Any) -> tuple[Any, dict]:
   """``(graphdef, params)``: the model's random initialisation (``--seed``), or ``--init-from``'s weights, each
   tensor read into its sharding (``models.hf``)."""
   arch = model_module(args)
@@ -269,17 +272,16 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   if overlapped:
     start_step, opt_state = 0, None
     if restore_from is not None:
-      template = overlapped_lib.abstract_state(
-        staged, overlap_plan, params, args.moments
-      )  # restored straight into its placements
-      params, opt_state, start_step = checkpoints.restore(restore_from, cfg, params, template, args)
+      template = overlapped_lib.abstract_state(staged, overlap_plan, params, args.moments)  # into its placements
+      params, opt_state, start_step, args = checkpoints.restore(restore_from, cfg, params, template, args)
+      schedule.follow(args)
     try:
       with _setup_phase(args, "the overlapped step built: its state allocated in its placements"):
         step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)
       host = f"host    the step's pinned host memory: {step.host_bytes() / 2**30:.2f} GiB at most"
       if jax.default_backend() == "gpu":  # XLA's pinned pool and its allocators' tables: what the process holds
         host += f"; the process's resident set: about {step.resident_estimate() / 2**30:.1f} GiB"
-      return _Built(step, schedule, start_step, [*notes, host, str(step.plan)])
+      return _Built(step, schedule, start_step, args, [*notes, host, str(step.plan)])
     except MemoryError as e:
       if args.overlap == "on":
         raise SystemExit(f"--overlap on: {e}") from None
@@ -291,24 +293,12 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   with _setup_phase(args, "the optimizer state allocated in the plain step's placements"):
     opt_state, start_step = tx.init(params), 0
   if restore_from is not None:
-    params, opt_state, start_step = checkpoints.restore(restore_from, cfg, params, opt_state, args)
+    params, opt_state, start_step, args = checkpoints.restore(restore_from, cfg, params, opt_state, args)
+    schedule.follow(args)
   if plain_plan is not None:
     notes.append(str(plain_plan))
   return _Built(steps.PlainStep(args, tx, graphdef, grad_step, params, opt_state, plain_plan), schedule, start_step,
-                notes)  # fmt: skip
-
-
-def _postfix(row: dict[str, Any], eta: str, val_losses: dict[int, float]) -> dict[str, str]:
-  """The progress bar's fields for a logged row."""
-  out = {"eta": eta, "loss": f"{row['loss']:.3f}"}
-  if val_losses:
-    out["val"] = f"{val_losses[max(val_losses)]:.3f}"
-  if "grad_norm" in row:
-    out["|g|"] = f"{row['grad_norm']:.3g}" + ("*" if row.get("clipped") else "")
-  if row.get("tokens_per_s"):
-    out["tok/s"] = progress.fmt_rate(row["tokens_per_s"])
-  out["mfu"] = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
-  return out
+                args, notes)  # fmt: skip
 
 
 def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params, plan, params) -> dict[str, Any]:
@@ -375,8 +365,8 @@ def plain_remat(remat: str) -> str:
   return "full" if jax.local_devices()[0].memory_stats() is not None else "none"
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-  """The training run described by parsed ``args`` (see :func:`parse_args`); returns :func:`main`'s results."""
+def train(args: TrainConfig) -> dict[str, Any]:
+  """The training run ``args`` describes (:func:`parse_args`'s); returns :func:`main`'s results."""
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
   progress.show_library_notes(info=not args.quiet and primary())  # jax_dos's notes (calibration) as plain lines
   splits, vocab, data_desc = _load_data(args)  # its errors first: a wrong --data path is reported whatever --out holds
@@ -397,7 +387,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
   num_params = arch.tree_size(params)
   first = data_lib.get_batch(splits.train, args.global_batch * args.grad_accum, args.seq_len, args.seed, 0)
   built = _build_step(args, cfg, graphdef, params, first, batch_layout, manager if resume else None)
-  step, schedule, start_step = built.step, built.schedule, built.start_step
+  step, schedule, start_step, args = built.step, built.schedule, built.start_step, built.args  # args: as resumed
   del params, first
   if manager is not None:
     try:
@@ -428,7 +418,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
   def meta(at: int) -> dict[str, Any]:
     data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": at, "seed": args.seed, "source": data_desc}
-    return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": vars(args)}
+    return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": dataclasses.asdict(args)}
 
   say(args, f"model   {args.arch} {model_name(args)}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
   say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
@@ -488,7 +478,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for r in rows[:-1]:
       log.write(r)
     log.write(row)
-    bar.set_postfix(_postfix(row, eta.text(step_no, now), val_losses), refresh=False)
+    bar.set_postfix(progress.bar_fields(row, eta.text(step_no, now), val_losses), refresh=False)
     bar.update(step_no - bar.n)
     if do_eval and not args.quiet and primary():
       bar.write(f"step {step_no}: train loss {row['loss']:.4f}, val loss {val_losses[step_no]:.4f}", file=sys.stderr)

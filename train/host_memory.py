@@ -12,15 +12,13 @@ saying what to change, before anything moves.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import math
 
 import jax_dos
-from models import hf
 from train import overlapped
-from train.flags import model_config, model_module, model_name
+from train.flags import Flags, model_config, model_module, model_name
 
 ADVICE = (
   "Use a smaller --preset, keep more state on the accelerator (--offload auto or device), train with --overlap off"
@@ -28,16 +26,13 @@ ADVICE = (
 )
 
 
-def pinned_need(args: argparse.Namespace, host_memory_bytes: int | None = None) -> tuple[int, int]:
+def pinned_need(args: Flags, host_memory_bytes: int | None = None) -> tuple[int, int]:
   """``(certain, most)`` pinned host bytes the run can need, from the flags alone: ``most`` in any plan
   (``jax_dos.host_need_bound``), ``certain`` in every plan (the state itself where ``--offload`` puts it all on the
   host)."""
   if args.offload == "none":
     return 0, 0
-  try:
-    n = model_module(args).param_count(model_config(args))
-  except (ValueError, hf.CheckpointError):  # a model the flags' own checks refuse, saying what to change (parse_args)
-    return 0, 0
+  n = model_module(args).param_count(model_config(args))  # a model the flags' own checks have taken
   param_bytes = 4 if args.param_dtype == "float32" else 2
   may_overlap = args.overlap != "off" and overlapped.refusal(args) is None
   most = jax_dos.host_need_bound(
@@ -48,7 +43,7 @@ def pinned_need(args: argparse.Namespace, host_memory_bytes: int | None = None) 
   return certain, most
 
 
-def cap_host_memory(args: argparse.Namespace, host_memory_bytes: int | None = None) -> int | None:
+def cap_host_memory(args: Flags, host_memory_bytes: int | None = None) -> int | None:
   """Caps XLA's pinned pool at the run's most (:func:`pinned_need`) before jax starts; returns the cap in bytes
   (``None``: unchanged, a value the user set, or jax already started). A run that cannot fit ``host_memory_bytes``
   (default the machine's RAM) is a ``SystemExit`` naming the numbers and what to change."""

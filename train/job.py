@@ -3,11 +3,12 @@ agree on (one process: all of it trivially)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import numpy as np
+
+from train.flags import Flags
 
 
 def warn(msg: str) -> None:
@@ -38,7 +39,7 @@ def everywhere(flag: bool) -> bool:
   return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).all())
 
 
-def say(args: argparse.Namespace, msg: str) -> None:
+def say(args: Flags, msg: str) -> None:
   """A line above the progress bar (process 0, unless --quiet)."""
   if not args.quiet and primary():
     from tqdm import tqdm

@@ -7,13 +7,13 @@ grads`` (the clip's factor); the training loop steps the ``jax_dos`` one with
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import jax
 import optax
 
 import jax_dos
+from train.flags import TrainConfig
 
 
 def decay_mask(params: Any) -> Any:
@@ -24,23 +24,31 @@ def decay_mask(params: Any) -> Any:
 apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)  # --offload none: the old parameters donated
 
 
-def make_schedule(args: argparse.Namespace) -> optax.Schedule:
-  """Linear warm-up from 0 to ``--lr``, then cosine decay to ``--min-lr`` at ``--decay-steps``.
+class Schedule:
+  """Linear warm-up from 0 to ``--lr``, then cosine decay to ``--min-lr`` at ``--decay-steps``: an optax schedule
+  (``count -> learning rate``) of a config's four schedule flags, read when called.
 
-  Reads ``args`` when called, not when made: a resumed run's schedule
-  (``train.flags.resumed_schedule``, applied once the checkpoint's meta is
-  read, after the optimizer exists) is the one the optimizer and the log use.
+  The optimizer exists before a resumed run reads its checkpoint (the restore's template comes from the optimizer's
+  plan), and the resumed run may keep the checkpoint's schedule (``train.checkpoints.restore`` returns that config,
+  ``train.flags.resumed_schedule``): :meth:`follow` gives this schedule that config before the first step, so that
+  the optimizer and the log use it. No config is changed.
   """
 
-  def schedule(count: jax.Array | int) -> jax.Array:
-    return optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.decay_steps, args.min_lr)(count)
+  def __init__(self, args: TrainConfig) -> None:
+    self._args = args
 
-  return schedule
+  def follow(self, args: TrainConfig) -> None:
+    """From now on, ``args``'s schedule."""
+    self._args = args
+
+  def __call__(self, count: jax.Array | int) -> jax.Array:
+    a = self._args
+    return optax.warmup_cosine_decay_schedule(0.0, a.lr, a.warmup, a.decay_steps, a.min_lr)(count)
 
 
 def make_optimizer(
-  args: argparse.Namespace, step_memory: jax_dos.StepMemory | None = None
-) -> tuple[optax.GradientTransformation, Any]:
+  args: TrainConfig, step_memory: jax_dos.StepMemory | None = None
+) -> tuple[optax.GradientTransformation, Schedule]:
   """Returns ``(tx, schedule)``: AdamW (``optax.adamw`` for ``--offload none``, else ``jax_dos``).
 
   Both take ``update(grads, state, params, grad_scale=s)``: AdamW on ``s * grads`` (the clip's factor); the
@@ -48,7 +56,7 @@ def make_optimizer(
   ``step_memory`` (the gradient step's needs) lets ``--offload auto`` size its
   budgets exactly where ``--resident-gb``/``--staging-gb`` are not given.
   """
-  schedule = make_schedule(args)
+  schedule = Schedule(args)
   kw = dict(b1=args.beta1, b2=args.beta2, eps=1e-8, weight_decay=args.weight_decay, mask=decay_mask)
   if args.offload == "none":  # pure: jit the whole update, donating the state.
     tx = optax.adamw(schedule, **kw)
@@ -78,7 +86,7 @@ def make_optimizer(
   return tx, schedule
 
 
-def optimizer_step(args: argparse.Namespace, tx, grads, opt_state, params, scale) -> tuple[Any, Any]:
+def optimizer_step(args: TrainConfig, tx, grads, opt_state, params, scale) -> tuple[Any, Any]:
   """``(params, opt_state)`` after one AdamW step: ``jax_dos.update_params``, or optax's update and apply."""
   if args.offload == "none":
     updates, opt_state = tx.update(grads, opt_state, params, grad_scale=scale)

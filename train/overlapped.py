@@ -21,20 +21,22 @@ checkpoint does not depend on the path that wrote it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 import jax_dos
 
+if TYPE_CHECKING:  # train.flags imports this module
+  from train.flags import Flags, TrainConfig
+
 OVERLAP_MODES = ("auto", "on", "off")
 REMAT_MODES = ("auto", *jax_dos.REMAT_POLICIES)
 
 
-def refusal(args: argparse.Namespace) -> str | None:
+def refusal(args: Flags) -> str | None:
   """Why ``args`` cannot train with the overlapped step (``None`` if they can)."""
   if args.offload == "none":
     return "--offload none trains with optax.adamw on the accelerator: there is no offloaded update to overlap"
@@ -45,7 +47,7 @@ def refusal(args: argparse.Namespace) -> str | None:
   return None
 
 
-def allow_overlap_on_gpu(args: argparse.Namespace) -> None:
+def allow_overlap_on_gpu(args: Flags) -> None:
   """Turns off XLA's GPU command buffers (before jax starts) where the overlapped step may run."""
   if args.overlap != "off" and refusal(args) is None:
     flags = os.environ.get("XLA_FLAGS", "").split()
@@ -71,7 +73,7 @@ def stages(staged: jax_dos.NNXStages, remat: str) -> list[jax_dos.Stage]:
 
 
 def plan(
-  args: argparse.Namespace, tx, staged: jax_dos.NNXStages, params: dict, times=None,
+  args: TrainConfig, tx, staged: jax_dos.NNXStages, params: dict, times=None,
   collectives: jax_dos.Collectives | None = None,
 ) -> jax_dos.Plan:  # fmt: skip
   """The overlapped step's plan for the model's stages, from the parameters' shapes (no optimizer state exists);
@@ -101,7 +103,7 @@ class OverlappedTraining:
   """
 
   def __init__(
-    self, args: argparse.Namespace, tx, staged: jax_dos.NNXStages, params: dict, step_plan: jax_dos.Plan,
+    self, args: TrainConfig, tx, staged: jax_dos.NNXStages, params: dict, step_plan: jax_dos.Plan,
     opt_state: jax_dos.InterleavedAdamState | None = None, stage_times=None,
   ):  # fmt: skip
     self.staged = staged

@@ -219,3 +219,17 @@ def fmt_rate(x: float) -> str:
     if abs(x) >= scale:
       return f"{x / scale:.1f}{unit}"
   return f"{x:.0f}"
+
+
+def bar_fields(row: dict[str, Any], eta: str, val_losses: dict[int, float]) -> dict[str, str]:
+  """The progress bar's fields for a logged ``row`` of the metrics, with the time left (``eta``) and the newest
+  validation loss."""
+  out = {"eta": eta, "loss": f"{row['loss']:.3f}"}
+  if val_losses:
+    out["val"] = f"{val_losses[max(val_losses)]:.3f}"
+  if "grad_norm" in row:
+    out["|g|"] = f"{row['grad_norm']:.3g}" + ("*" if row.get("clipped") else "")
+  if row.get("tokens_per_s"):
+    out["tok/s"] = fmt_rate(row["tokens_per_s"])
+  out["mfu"] = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
+  return out

@@ -17,19 +17,19 @@ shapes before any optimizer state exists, and says why in one line.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import jax
 
 import jax_dos
+from train.flags import TrainConfig
 from train.optimizer import optimizer_step
 
 
 class PlainStep:
   """The gradient step then the optimizer's update, each step; the parameters and state are held here."""
 
-  def __init__(self, args: argparse.Namespace, tx, graphdef, grad_step, params: Any, opt_state: Any, plan=None):
+  def __init__(self, args: TrainConfig, tx, graphdef, grad_step, params: Any, opt_state: Any, plan=None):
     self._args, self._tx, self._graphdef, self._grad_step = args, tx, graphdef, grad_step
     self._params, self._opt_state, self.plan = params, opt_state, plan
     self.grad_norm: jax.Array | None = None

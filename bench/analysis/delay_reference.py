@@ -32,11 +32,12 @@ from reference import Predictor, Scaled, Step, adamw_steps  # noqa: E402
 from models import gpt as gpt_model  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import gradients  # noqa: E402
+from train.flags import TrainConfig  # noqa: E402
 from train.optimizer import decay_mask  # noqa: E402
 
 
 class Setup(NamedTuple):
-  """The train script's model, data, schedule and ``optax.adamw`` for parsed ``args``."""
+  """The train script's model, data, schedule and ``optax.adamw`` for its config ``args``."""
 
   splits: Any
   graphdef: Any
@@ -45,7 +46,7 @@ class Setup(NamedTuple):
   tx: Any  # optax.adamw, as train.gpt's --offload none builds it
 
 
-def setup(args) -> Setup:
+def setup(args: TrainConfig) -> Setup:
   """Model, data, schedule and optimizer exactly as ``python -m train.gpt`` builds them from ``args``."""
   splits = data_lib.split(data_lib.load_tokens(None)[0])
   cfg = gpt_model.get_config(args.preset, vocab_size=256, dtype=args.compute_dtype, param_dtype=args.param_dtype)
@@ -56,8 +57,9 @@ def setup(args) -> Setup:
 
 
 def delayed_run(
-  args, s: Setup, *, delayed: bool, warmup: int, predict: Predictor | None = None, losses: list | None = None
-) -> Iterator[Step]:
+  args: TrainConfig, s: Setup, *, delayed: bool, warmup: int, predict: Predictor | None = None,
+  losses: list | None = None,
+) -> Iterator[Step]:  # fmt: skip
   """``tests/reference.py``'s recursion on the real model: the train script's batches, clip and gradient step.
 
   Each step's training loss is appended to ``losses``.
