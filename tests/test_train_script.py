@@ -461,3 +461,19 @@ def test_a_profile_of_the_steps_asked_for_and_its_summary(tmp_path):
   assert summary["span_s"] > 0 and "/host:CPU" in summary["devices"], summary.keys()
   rows = summary["devices"]["/host:CPU"].values()
   assert any(r["busy_s"] > 0 and r["events"] > 0 for r in rows)
+
+
+def test_warm_up_by_model_size_and_a_run_shorter_than_it_ends_rising():
+  from train import optimizer as O
+
+  small = F.parse_args(["--steps", "500"])
+  assert (small.warmup, small.decay_steps) == (50, 500)  # min(100, steps / 10) under a billion parameters
+  large = F.parse_args(["--preset", "gpt-6.7b", "--steps", "25"])
+  assert large.warmup == F.LARGE_WARMUP and large.lr == F.DEFAULT_LR["gpt-6.7b"]
+  rates = [float(O.Schedule(large)(i)) for i in range(25)]
+  np.testing.assert_allclose(rates, [large.lr * i / F.LARGE_WARMUP for i in range(25)], rtol=1e-4)  # still rising
+  given = F.parse_args(["--preset", "gpt-6.7b", "--steps", "25", "--warmup", "5"])
+  assert given.warmup == 5 and float(O.Schedule(given)(5)) == pytest.approx(given.lr)  # the flag wins; then cosine
+  assert float(O.Schedule(given)(24)) < given.lr
+  with pytest.raises(SystemExit):
+    F.parse_args(["--warmup", "-1"])

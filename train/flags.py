@@ -30,9 +30,18 @@ ARCHS = {"gpt": gpt_model, "llama": llama_model}
 
 OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 
-# Learning rate per preset when --lr is not given (smaller models tolerate larger steps).
-DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4}
+# Learning rate per preset when --lr is not given: larger models take smaller rates, from 125M up GPT-3's (Brown et
+# al. 2020, table 2.1); a Llama of 7B takes the rate of GPT-3's 6.7B, the 30B that of its 13B (OPT-30B's too).
+DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt-1.3b": 2e-4, "gpt-2.7b": 1.6e-4,
+              "gpt-6.7b": 1.2e-4, "gpt-13b": 1e-4, "gpt-30b": 1e-4, "llama-7b": 1.2e-4}  # fmt: skip
 FALLBACK_LR = 2e-4
+# The warm-up when --warmup is not given: min(100, decay steps / 10) for a model under LARGE_MODEL parameters,
+# LARGE_WARMUP steps from there, however long the run (nanoGPT's warm-up; GPT-3 warmed up over 375M tokens). Adam's
+# first steps move every weight by about the rate, and a billion-parameter model's loss cannot take that: the 6.7B
+# GPT went 4.7 -> 13.9 after a step at 2.4e-6 (100 steps' warm-up, bench/results/overlapped_step_redesign-h100) and
+# 6.2 -> 31 at 2e-4 (2 steps'). A run shorter than its warm-up ends with the rate still rising.
+LARGE_MODEL = 10**9  # parameters: "a billion" in --help
+LARGE_WARMUP = 2000
 # Fine-tuning a pretrained model (--init-from), as common supervised fine-tuning recipes do (Llama 2's, Alpaca's):
 # a small peak rate, a warm-up of 3 % of the steps, a cosine decay; sequences of at most 2048 tokens.
 FINE_TUNE_LR = 2e-5
@@ -129,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
   o.add_argument("--steps", type=int, default=500, help="optimizer steps to train to (total, counting resumed ones)")
   o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default by preset: {_lr_default_text()}")
   o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay; default lr/10")
-  o.add_argument("--warmup", type=int, default=None, help="linear warm-up steps; default min(100, steps/10)")
+  o.add_argument("--warmup", type=int, default=None,
+                 help=f"linear warm-up steps; default min(100, steps/10), or {LARGE_WARMUP} for a model of a billion"
+                      " parameters or more (a run shorter than its warm-up ends with the rate still rising); with"
+                      " --init-from"
+                      f" {FINE_TUNE_WARMUP * 100:.0f} percent of the steps")  # fmt: skip
   o.add_argument("--decay-steps", type=int, default=None,
                  help="length of warm-up + cosine decay; default --steps (with --resume: the resumed run's, as for"
                       " --lr, --min-lr and --warmup)")  # fmt: skip
@@ -357,6 +370,10 @@ def _without_backend(v: dict[str, Any], err: _Error) -> Flags:
     block = shape["block_size"]
     v["seq_len"] = block if v["seq_len"] is None else v["seq_len"]
     what = f"preset {preset!r}"
+    if v["warmup"] is None:
+      decay = v["steps"] if v["decay_steps"] is None else v["decay_steps"]
+      large = ARCHS[arch].param_count(ARCHS[arch].get_config(preset, **overrides)) >= LARGE_MODEL
+      v["warmup"] = LARGE_WARMUP if large else min(100, decay // 10)
   if not 1 <= v["seq_len"] <= block:
     err(f"--seq-len {v['seq_len']} must be between 1 and the block size of {what} ({block}).")
   v["lr"] = DEFAULT_LR.get(v["preset"], FALLBACK_LR) if v["lr"] is None else v["lr"]
@@ -366,9 +383,8 @@ def _without_backend(v: dict[str, Any], err: _Error) -> Flags:
   if not 0 <= v["min_lr"] <= v["lr"]:
     err(f"--min-lr must be in [0, --lr={v['lr']}], got {v['min_lr']}.")
   v["decay_steps"] = v["steps"] if v["decay_steps"] is None else v["decay_steps"]
-  v["warmup"] = min(100, v["decay_steps"] // 10) if v["warmup"] is None else v["warmup"]
-  if not 0 <= v["warmup"] < v["decay_steps"]:
-    err(f"--warmup must be in [0, --decay-steps={v['decay_steps']}), got {v['warmup']}.")
+  if v["warmup"] < 0:
+    err(f"--warmup must be >= 0, got {v['warmup']}.")
   for name in ("beta1", "beta2"):
     if not 0 <= v[name] < 1:
       err(f"--{name} must be in [0, 1), got {v[name]}.")
@@ -487,7 +503,7 @@ def resumed_schedule(args: TrainConfig, saved_args: dict[str, Any]) -> tuple[Tra
     return args, []
   args = dataclasses.replace(args, **taken)
   flags = ", ".join(_flag(name) for name in taken)
-  if not 0 <= args.warmup < args.decay_steps or not 0 <= args.min_lr <= args.lr:
+  if args.warmup < 0 or not 0 <= args.min_lr <= args.lr:
     raise SystemExit(
       f"error: --resume: the resumed run's {flags} and this command line's give a schedule of lr {args.lr:g} ->"
       f" {args.min_lr:g}, warm-up {args.warmup} of {args.decay_steps} steps; pass {flags} too."

@@ -423,7 +423,9 @@ def train(args: TrainConfig) -> dict[str, Any]:
   say(args, f"model   {args.arch} {model_name(args)}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
   say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
   say(args, parallel.mesh_line(args.mesh, args.mesh_given, args.batch, args.grad_accum, args.seq_len))
-  say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} (warm-up {args.warmup}, cosine to {args.decay_steps}),"
+  shape = (f"warm-up {args.warmup}, cosine to {args.decay_steps}" if args.warmup < args.decay_steps else
+           f"warm-up {args.warmup}, longer than the run: {schedule(args.steps - 1):.3g} at its last step")  # fmt: skip
+  say(args, f"optim   AdamW lr {args.lr:g} -> {args.min_lr:g} ({shape}),"
        f" wd {args.weight_decay}, clip {args.clip}, offload {args.offload}"
        + (f", {args.grad_accum} micro-batches a step" if args.grad_accum > 1 else "")
        + (f", delay 1 after {args.delay_warmup} steps" if args.delay else "")

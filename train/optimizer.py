@@ -25,8 +25,9 @@ apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)  # --offload none
 
 
 class Schedule:
-  """Linear warm-up from 0 to ``--lr``, then cosine decay to ``--min-lr`` at ``--decay-steps``: an optax schedule
-  (``count -> learning rate``) of a config's four schedule flags, read when called.
+  """Linear warm-up from 0 to ``--lr``, then cosine decay to ``--min-lr`` at ``--decay-steps`` (the warm-up alone
+  where it is as long: the run ends with the rate rising): an optax schedule (``count -> learning rate``) of a
+  config's four schedule flags, read when called.
 
   The optimizer exists before a resumed run reads its checkpoint (the restore's template comes from the optimizer's
   plan), and the resumed run may keep the checkpoint's schedule (``train.checkpoints.restore`` returns that config,
@@ -43,6 +44,8 @@ class Schedule:
 
   def __call__(self, count: jax.Array | int) -> jax.Array:
     a = self._args
+    if a.warmup >= a.decay_steps:  # the run ends in its warm-up
+      return optax.linear_schedule(0.0, a.lr, a.warmup)(count)
     return optax.warmup_cosine_decay_schedule(0.0, a.lr, a.warmup, a.decay_steps, a.min_lr)(count)
 
 
