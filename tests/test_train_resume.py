@@ -23,6 +23,7 @@ from helpers import train_tiny as _run
 
 from train import flags as F
 from train import progress as P
+from train import schedule as S
 
 HAVE_CHECKPOINT = importlib.util.find_spec("jax_dos.checkpoint") is not None
 
@@ -76,17 +77,19 @@ def test_resume_with_more_steps_keeps_the_learning_rate_schedule(tmp_path):
 def test_resumed_schedule_takes_the_flags_not_given():
   saved = dataclasses.asdict(F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2"]))
   given = F.parse_args(["--steps", "20"])
-  args, notes = F.resumed_schedule(given, saved)
+  args, notes = S.resumed_schedule(given, saved)
   assert len(notes) == 1 and "--decay-steps" in notes[0] and "--warmup" in notes[0]
-  assert [getattr(args, k) for k in F.SCHEDULE_FLAGS] == [saved[k] for k in F.SCHEDULE_FLAGS]
+  assert [getattr(args, k) for k in S.SCHEDULE_FLAGS] == [saved[k] for k in S.SCHEDULE_FLAGS]
   assert given == F.parse_args(["--steps", "20"])  # a new config: the one given is unchanged
-  assert dataclasses.replace(args, **{k: getattr(given, k) for k in F.SCHEDULE_FLAGS}) == given
-  args, _ = F.resumed_schedule(F.parse_args(["--steps", "20", "--decay-steps", "20", "--lr", "1e-3"]), saved)  # given
+  assert dataclasses.replace(args, **{k: getattr(given, k) for k in S.SCHEDULE_FLAGS}) == given
+  args, _ = S.resumed_schedule(F.parse_args(["--steps", "20", "--decay-steps", "20", "--lr", "1e-3"]), saved)  # given
   assert (args.decay_steps, args.lr, args.min_lr, args.warmup) == (20, 1e-3, 1e-3 / 10, saved["warmup"])
   same = F.parse_args(["--steps", "10", "--warmup", "3", "--lr", "1e-2", "--resume"])
-  assert F.resumed_schedule(same, saved) == (same, [])
-  with pytest.raises(SystemExit, match="--warmup"):  # the saved warm-up does not fit the given decay
-    F.resumed_schedule(F.parse_args(["--decay-steps", "3"]), saved)
+  assert S.resumed_schedule(same, saved) == (same, [])
+  longer = S.resumed_schedule(F.parse_args(["--decay-steps", "3"]), saved)[0]  # a warm-up as long as the decay
+  assert (longer.warmup, longer.decay_steps) == (3, 3) and float(S.Schedule(longer)(2)) < longer.lr  # still rising
+  with pytest.raises(SystemExit, match="--lr"):  # the saved rate is below the given final rate
+    S.resumed_schedule(F.parse_args(["--min-lr", "2e-3"]), dataclasses.asdict(F.parse_args(["--lr", "1e-3"])))
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")

@@ -30,6 +30,7 @@ from train import gpt as T
 from train import parallel as M
 from train import plot
 from train import progress as P
+from train import schedule as S
 
 # ----------------------------------------------------------------------------- data
 
@@ -155,7 +156,7 @@ def test_data_too_short_for_any_sequence_says_so():
     (["--steps", "0"], "--steps must be >= 1"),
     (["--seq-len", "129"], "block size"),
     (["--offload", "none", "--param-dtype", "bfloat16"], "--param-dtype float32"),
-    (["--warmup", "10", "--steps", "10"], "--warmup"),
+    (["--warmup", "-1"], "--warmup"),
     (["--n-head", "3"], "divisible"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
     (["--offload", "gpu"], "invalid choice"),
@@ -212,7 +213,7 @@ def test_the_config_is_frozen_one_field_a_flag_and_json():
   fields = {f.name for f in dataclasses.fields(F.TrainConfig)}
   assert {a.dest for a in F.build_parser()._actions if a.dest != "help"} <= fields
   assert {"schedule_given", "mesh_given", "global_batch"} <= fields
-  assert args.lr == F.DEFAULT_LR["tiny"] and args.warmup == 2 and args.min_lr == args.lr / 10
+  assert args.lr == S.DEFAULT_LR["tiny"] and args.warmup == 2 and args.min_lr == args.lr / 10
   assert args.profile == (3, 5) and args.schedule_given == () and args.global_batch == args.batch
   saved = json.loads(json.dumps(dataclasses.asdict(args)))
   assert saved == {**dataclasses.asdict(args), "profile": [3, 5], "schedule_given": []}
@@ -464,16 +465,14 @@ def test_a_profile_of_the_steps_asked_for_and_its_summary(tmp_path):
 
 
 def test_warm_up_by_model_size_and_a_run_shorter_than_it_ends_rising():
-  from train import optimizer as O
-
   small = F.parse_args(["--steps", "500"])
   assert (small.warmup, small.decay_steps) == (50, 500)  # min(100, steps / 10) under a billion parameters
   large = F.parse_args(["--preset", "gpt-6.7b", "--steps", "25"])
-  assert large.warmup == F.LARGE_WARMUP and large.lr == F.DEFAULT_LR["gpt-6.7b"]
-  rates = [float(O.Schedule(large)(i)) for i in range(25)]
-  np.testing.assert_allclose(rates, [large.lr * i / F.LARGE_WARMUP for i in range(25)], rtol=1e-4)  # still rising
+  assert large.warmup == S.LARGE_WARMUP and large.lr == S.DEFAULT_LR["gpt-6.7b"]
+  rates = [float(S.Schedule(large)(i)) for i in range(25)]
+  np.testing.assert_allclose(rates, [large.lr * i / S.LARGE_WARMUP for i in range(25)], rtol=1e-4)  # still rising
   given = F.parse_args(["--preset", "gpt-6.7b", "--steps", "25", "--warmup", "5"])
-  assert given.warmup == 5 and float(O.Schedule(given)(5)) == pytest.approx(given.lr)  # the flag wins; then cosine
-  assert float(O.Schedule(given)(24)) < given.lr
+  assert given.warmup == 5 and float(S.Schedule(given)(5)) == pytest.approx(given.lr)  # the flag wins; then cosine
+  assert float(S.Schedule(given)(24)) < given.lr
   with pytest.raises(SystemExit):
     F.parse_args(["--warmup", "-1"])

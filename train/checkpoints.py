@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_dos
-from train.flags import TrainConfig, resumed_schedule
+from train.flags import TrainConfig
 from train.job import barrier, everywhere, primary, say, warn
+from train.schedule import resumed_schedule
 
 # The config's fields a resumed run may change (how the model computes, not what it is).
 RUN_FIELDS = ("dtype", "param_dtype", "remat")

@@ -24,31 +24,23 @@ from models import gpt as gpt_model
 from models import hf
 from models import llama as llama_model
 from train import overlapped, parallel, progress
+from train.schedule import (
+  DEFAULT_LR,
+  FALLBACK_LR,
+  FINE_TUNE_LR,
+  FINE_TUNE_WARMUP,
+  LARGE_MODEL,
+  LARGE_WARMUP,
+  SCHEDULE_FLAGS,
+  lr_default_text,
+)
 
 # The models --arch trains: each module has the same interface (models/lm.py).
 ARCHS = {"gpt": gpt_model, "llama": llama_model}
 
 OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 
-# Learning rate per preset when --lr is not given: larger models take smaller rates, from 125M up GPT-3's (Brown et
-# al. 2020, table 2.1); a Llama of 7B takes the rate of GPT-3's 6.7B, the 30B that of its 13B (OPT-30B's too).
-DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt-1.3b": 2e-4, "gpt-2.7b": 1.6e-4,
-              "gpt-6.7b": 1.2e-4, "gpt-13b": 1e-4, "gpt-30b": 1e-4, "llama-7b": 1.2e-4}  # fmt: skip
-FALLBACK_LR = 2e-4
-# The warm-up when --warmup is not given: min(100, decay steps / 10) for a model under LARGE_MODEL parameters,
-# LARGE_WARMUP steps from there, however long the run (nanoGPT's warm-up; GPT-3 warmed up over 375M tokens). Adam's
-# first steps move every weight by about the rate, and a billion-parameter model's loss cannot take that: the 6.7B
-# GPT went 4.7 -> 13.9 after a step at 2.4e-6 (100 steps' warm-up, bench/results/overlapped_step_redesign-h100) and
-# 6.2 -> 31 at 2e-4 (2 steps'). A run shorter than its warm-up ends with the rate still rising.
-LARGE_MODEL = 10**9  # parameters: "a billion" in --help
-LARGE_WARMUP = 2000
-# Fine-tuning a pretrained model (--init-from), as common supervised fine-tuning recipes do (Llama 2's, Alpaca's):
-# a small peak rate, a warm-up of 3 % of the steps, a cosine decay; sequences of at most 2048 tokens.
-FINE_TUNE_LR = 2e-5
-FINE_TUNE_WARMUP = 0.03
-FINE_TUNE_SEQ_LEN = 2048
-# The flags of the learning-rate schedule: a resumed run takes the checkpoint's values of those not given.
-SCHEDULE_FLAGS = ("lr", "min_lr", "warmup", "decay_steps")
+FINE_TUNE_SEQ_LEN = 2048  # --init-from's longest sequence by default, as common fine-tuning recipes
 SHAPE_FLAGS = ("n_layer", "n_head", "d_model")  # override the preset's
 _Error = Callable[[str], NoReturn]  # argparse's parser.error: the message, usage and exit status 2
 
@@ -69,14 +61,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def preset_names() -> list[str]:
   """Every architecture's presets, each name once (``tiny`` and ``small`` name one size in each), in their order."""
   return list(dict.fromkeys(name for module in ARCHS.values() for name in module.PRESETS))
-
-
-def _lr_default_text() -> str:
-  """Every preset's default --lr, presets sharing a value grouped: ``tiny 0.003, ..., gpt-1.3b/gpt-13b 0.0002``."""
-  groups: dict[float, list[str]] = {}
-  for name in preset_names():
-    groups.setdefault(DEFAULT_LR.get(name, FALLBACK_LR), []).append(name)
-  return ", ".join(f"{'/'.join(names)} {lr:g}" for lr, names in groups.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="micro-batches of --batch sequences per optimizer step, their gradients summed on the"
                       " accelerator (then crossing to the host in the update, as --grad-flush none)")  # fmt: skip
   o.add_argument("--steps", type=int, default=500, help="optimizer steps to train to (total, counting resumed ones)")
-  o.add_argument("--lr", type=float, default=None, help=f"peak learning rate; default by preset: {_lr_default_text()}")
+  o.add_argument(
+    "--lr", type=float, default=None, help=f"peak learning rate; default by preset: {lr_default_text(preset_names())}"
+  )
   o.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine decay; default lr/10")
   o.add_argument("--warmup", type=int, default=None,
                  help=f"linear warm-up steps; default min(100, steps/10), or {LARGE_WARMUP} for a model of a billion"
@@ -480,38 +466,6 @@ def model_config(flags: Flags, **fields: Any) -> Any:
     fields.pop("vocab_size", None)  # the checkpoint's own
     return hf.llama_config(hf.read_config(flags.init_from), **fields)
   return model_module(flags).get_config(flags.preset, **model_overrides(flags), **fields)
-
-
-def resumed_schedule(args: TrainConfig, saved_args: dict[str, Any]) -> tuple[TrainConfig, list[str]]:
-  """``(config, lines to print)``: ``args`` with the learning-rate schedule of the run being resumed (``args`` itself,
-  and no lines, where nothing changes).
-
-  Each of ``--lr``, ``--min-lr``, ``--warmup`` and ``--decay-steps`` that this command line did not give
-  (``args.schedule_given``) takes its value in ``saved_args`` (the ``args`` a checkpoint's meta holds), in a new config
-  (``dataclasses.replace``): a larger ``--steps`` then trains on at the end of the same schedule instead of stretching
-  it. A ``--min-lr`` not given follows a given ``--lr`` (its default, lr/10). The flags given are kept, and so is every
-  flag ``saved_args`` lacks. ``SystemExit`` naming the flags where the merged schedule is inconsistent.
-  """
-  given = set(args.schedule_given)
-  taken = {}
-  for name in SCHEDULE_FLAGS:
-    if name in given or (name == "min_lr" and "lr" in given) or saved_args.get(name) is None:
-      continue
-    if saved_args[name] != getattr(args, name):
-      taken[name] = saved_args[name]
-  if not taken:
-    return args, []
-  args = dataclasses.replace(args, **taken)
-  flags = ", ".join(_flag(name) for name in taken)
-  if args.warmup < 0 or not 0 <= args.min_lr <= args.lr:
-    raise SystemExit(
-      f"error: --resume: the resumed run's {flags} and this command line's give a schedule of lr {args.lr:g} ->"
-      f" {args.min_lr:g}, warm-up {args.warmup} of {args.decay_steps} steps; pass {flags} too."
-    )
-  return args, [
-    f"resume: keeping the resumed run's learning-rate schedule ({flags} from its checkpoint): lr {args.lr:g} ->"
-    f" {args.min_lr:g}, warm-up {args.warmup}, cosine to step {args.decay_steps}; pass {flags} to change it."
-  ]
 
 
 def model_module(flags: Flags) -> ModuleType:

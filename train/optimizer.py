@@ -14,6 +14,7 @@ import optax
 
 import jax_dos
 from train.flags import TrainConfig
+from train.schedule import Schedule
 
 
 def decay_mask(params: Any) -> Any:
@@ -22,31 +23,6 @@ def decay_mask(params: Any) -> Any:
 
 
 apply_updates = jax.jit(optax.apply_updates, donate_argnums=0)  # --offload none: the old parameters donated
-
-
-class Schedule:
-  """Linear warm-up from 0 to ``--lr``, then cosine decay to ``--min-lr`` at ``--decay-steps`` (the warm-up alone
-  where it is as long: the run ends with the rate rising): an optax schedule (``count -> learning rate``) of a
-  config's four schedule flags, read when called.
-
-  The optimizer exists before a resumed run reads its checkpoint (the restore's template comes from the optimizer's
-  plan), and the resumed run may keep the checkpoint's schedule (``train.checkpoints.restore`` returns that config,
-  ``train.flags.resumed_schedule``): :meth:`follow` gives this schedule that config before the first step, so that
-  the optimizer and the log use it. No config is changed.
-  """
-
-  def __init__(self, args: TrainConfig) -> None:
-    self._args = args
-
-  def follow(self, args: TrainConfig) -> None:
-    """From now on, ``args``'s schedule."""
-    self._args = args
-
-  def __call__(self, count: jax.Array | int) -> jax.Array:
-    a = self._args
-    if a.warmup >= a.decay_steps:  # the run ends in its warm-up
-      return optax.linear_schedule(0.0, a.lr, a.warmup)(count)
-    return optax.warmup_cosine_decay_schedule(0.0, a.lr, a.warmup, a.decay_steps, a.min_lr)(count)
 
 
 def make_optimizer(

@@ -24,31 +24,16 @@ never passes through accelerator memory.
 
 Host state is guarded while Orbax writes it (``host_copy.py``): copied, or saved synchronously.
 
-Integrity (``integrity.py``). Once Orbax has committed a step, a
-thread writes its manifest: the size and CRC-32 checksums of every file, read
-back from disk. A step is *verified* when every file it lists is there with
-its size and checksums; a step without a manifest is incomplete (the save was
-interrupted). :meth:`CheckpointManager.latest_step` and
-:meth:`CheckpointManager.restore` verify a step before Orbax reads any of it;
-one that fails is moved to ``<dir>/damaged/<step>-<why>`` (reported in one
-warning line, :class:`DamagedCheckpointWarning`) and the newest step that
-verifies is used. Its step number is then free: a later save there works.
-Retention keeps the newest ``max_to_keep`` intact steps and deletes older
-ones only after a newer step has been written and its manifest computed, so
-the newest verified checkpoint always survives until a newer one exists.
+Integrity (``integrity.py``): once Orbax has committed a step, a thread writes its manifest (every file's size and
+CRC-32 checksums, read back from disk); :meth:`CheckpointManager.latest_step` and :meth:`CheckpointManager.restore`
+verify a step before Orbax reads any of it, move one that fails to ``<dir>/damaged/<step>-<why>`` with one warning
+(:class:`DamagedCheckpointWarning`) and take the newest that verifies. Retention keeps the newest ``max_to_keep``
+intact steps and deletes older ones only once a newer step's manifest is written.
 
-Several processes (``jax.distributed``). Every process makes the same calls
-(``save``, ``restore``, ``latest_step``, ``wait_until_finished``, ``close``) in
-the same order, on a directory all of them see (Orbax's requirement). Each
-process writes the shards it addresses (Orbax; host-resident shards copied
-first by ``host_copies.snapshot``, shard by shard). Process 0 alone writes
-the manifest, verifies steps (it reads every file) and moves damaged ones
-aside; the others take its verdict (one broadcast), so every process restores
-the same step. ``wait_until_finished`` ends at a barrier once a save is
-finished: no process sees a step before its manifest exists. How an async
-save guards host state (copy or block) is agreed too: block if any process
-lacks the memory to copy. A checkpoint restores into any process count and
-mesh: Orbax reads each array's shards as the template lays them out.
+Several processes (``jax.distributed``): every process makes the same calls in the same order on a directory all of
+them see; each writes the shards it addresses; process 0 alone writes the manifest, verifies and moves damaged steps
+aside, and the others take its verdict (one broadcast); ``wait_until_finished`` ends at a barrier. A checkpoint
+restores into any process count and mesh. ``docs/checkpoints.md`` gives the reasons and the tests of each.
 """
 
 from __future__ import annotations
