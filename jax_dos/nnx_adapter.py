@@ -30,9 +30,15 @@ and ``head(model, x, batch)`` get the model rebuilt from the stage's groups
 (``nnx.merge``), each layer's stage ``block(layer, x, batch)`` (default
 ``layer(x)``) the layer's module.
 
-The stages are pure functions of the parameters: a model holding other state
-(``nnx.Dropout``'s or a module's own RNG streams, batch statistics, caches,
-plain arrays) is refused, with the paths that hold it.
+Randomness: the stages draw from the model's own RNG streams
+(``nnx.Dropout(rate, rngs=...)``'s, an ``nnx.Rngs`` a module keeps) the keys
+the plain path draws (``nnx.value_and_grad`` over the model, once per
+micro-batch), in the forward program and its rematerialised backward alike:
+their keys and counters are ``Stage.inputs``, taken by :meth:`NNXStages.give`
+and written back by :meth:`NNXStages.update` (``jax_dos.stage_rng``: the
+contract, and what it refuses). A ``block`` taking a fourth parameter gets the
+layer's index, ``block(layer, x, batch, index)`` (an int32 scalar). Other
+state (batch statistics, caches, plain arrays) is refused, with its paths.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jax_dos import stage_rng
 from jax_dos.hand_off import Given
 from jax_dos.stages import Stage
 
@@ -116,12 +123,23 @@ class _ByValue:
     return cached
 
 
+class _Stage(_ByValue):
+  """A stage function: ``run(params, x, batch, keys, counters, index) -> (out, counters after)`` with the RNG
+  streams' keys and counters it reads (``keys``, ``counts``: their paths), called with ``Stage.inputs``."""
+
+  def __call__(self, params: tuple, x: Any, batch: Any, inputs: Any = None) -> Any:
+    return self.run(params, x, batch, *stage_rng.unpack(inputs))[0]  # type: ignore[attr-defined]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class _EndStage(_ByValue):
+class _EndStage(_Stage):
   """The embedding's or the head's stage: the model rebuilt from the stage's groups, the blocks shapes only.
 
-  ``layout`` is every parameter's ``(path, shape)`` in the model's layout,
-  ``paths`` the paths of each group of the stage (in the stage's order).
+  ``layout`` is every parameter's and RNG key's and counter's ``(path,
+  shape)`` in the model's layout, ``paths`` the paths of each group of the
+  stage (in the stage's order), ``keys`` and ``counts`` those of the RNG
+  streams it reads, ``absent`` the others' (``stage_rng.stand_in``; the rest
+  of the blocks stays shapes).
   """
 
   graphdef: Any
@@ -129,29 +147,44 @@ class _EndStage(_ByValue):
   paths: tuple[tuple[Path, ...], ...]
   fn: Callable
   head: bool
+  keys: tuple[Path, ...] = ()
+  counts: tuple[Path, ...] = ()
+  absent: tuple[tuple[Path, jax.ShapeDtypeStruct], ...] = ()
 
-  def model(self, groups: Sequence[dict]) -> Any:
+  def run(self, params: tuple, x: Any, batch: Any, keys: tuple, counts: tuple, index: Any) -> tuple[Any, tuple]:
     values = dict(self.layout)
-    for paths, group in zip(self.paths, groups):
+    for paths, group in zip(self.paths, params):
       values.update((p, _at(group, p)) for p in paths)
-    return _nnx().merge(self.graphdef, _nest(list(values.items())))
-
-  def __call__(self, params: tuple, x: Any, batch: Any) -> Any:
-    model = self.model(params)
-    return self.fn(model, x, batch) if self.head else self.fn(model, batch)
+    values.update([*zip(self.keys, keys), *zip(self.counts, counts)])
+    values.update((p, stage_rng.stand_in(s)) for p, s in self.absent)
+    model = _nnx().merge(self.graphdef, _nest(list(values.items())))
+    out = self.fn(model, x, batch) if self.head else self.fn(model, batch)
+    return out, stage_rng.counters(model, self.counts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _LayerStage(_ByValue):
-  """One layer's stage: ``block(layer, x, batch)``, the layer's module rebuilt from its group."""
+class _LayerStage(_Stage):
+  """One layer's stage: ``block(layer, x, batch)`` (with ``index``: ``block(layer, x, batch, index)``), the layer's
+  module rebuilt from its group, the RNG keys and counters it reads (``keys``, ``counts``), stand-ins for those it
+  does not (``absent``, ``stage_rng.stand_in``)."""
 
   graphdef: Any
   block: Callable | None
+  keys: tuple[Path, ...] = ()
+  counts: tuple[Path, ...] = ()
+  absent: tuple[tuple[Path, jax.ShapeDtypeStruct], ...] = ()
+  index: bool = False
 
-  def __call__(self, params: tuple, x: Any, batch: Any) -> Any:
+  def run(self, params: tuple, x: Any, batch: Any, keys: tuple, counts: tuple, index: Any) -> tuple[Any, tuple]:
     (group,) = params
-    layer = _nnx().merge(self.graphdef, group)
-    return layer(x) if self.block is None else self.block(layer, x, batch)
+    absent = [(p, stage_rng.stand_in(s)) for p, s in self.absent]
+    leaves = [*_flatten(group), *zip(self.keys, keys), *zip(self.counts, counts), *absent]
+    layer = _nnx().merge(self.graphdef, _nest(leaves))
+    if self.block is None:
+      out = layer(x)
+    else:
+      out = self.block(layer, x, batch, index) if self.index else self.block(layer, x, batch)
+    return out, stage_rng.counters(layer, self.counts)
 
 
 class NNXStages:
@@ -170,8 +203,9 @@ class NNXStages:
   model, as ``nnx.update``.
   """
 
-  def __init__(self, stages, layout, group_paths, blocks_path, layer_keys, stacked):
+  def __init__(self, stages, layout, group_paths, blocks_path, layer_keys, stacked, streams=None):
     self.stages: tuple[Stage, ...] = tuple(stages)
+    self._streams: stage_rng.Streams | None = streams  # the RNG streams the stages draw from
     self._layout: tuple[tuple[Path, Any], ...] = layout
     self._group_paths: tuple[tuple[Path, ...], ...] = group_paths  # embed's and head's groups
     self._blocks_path: Path = blocks_path
@@ -207,11 +241,13 @@ class NNXStages:
     (``OverlappedStep(tx, staged.stages, staged.give(model), ...)``). In each parameter's place the model keeps a
     ``hand_off.Given``: calling the model, or any use of a parameter, raises ``HandOffError`` naming
     :meth:`update`, until :meth:`update` writes parameters back (not ``Array has been deleted`` once the step has
-    donated them)."""
+    donated them). The stages draw from the model's RNG streams as they stand now (their keys and counters)."""
     nnx = _nnx()
     if not isinstance(model, nnx.Module):
       raise TypeError(f"NNXStages.give takes the flax.nnx.Module itself, got {type(model).__name__}.")
     groups = self.split(model)
+    if self._streams is not None:
+      self._streams.capture(model)  # the stages draw from the model's streams as they stand now
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     for path, variable in flat:
       variable.value = Given(
@@ -239,8 +275,11 @@ class NNXStages:
     return _nest([*items, (self._blocks_path, blocks)])
 
   def update(self, model: Any, groups: Sequence[Any]) -> None:
-    """Writes ``groups`` (``OverlappedStep.params``) into ``model``'s parameters, in place (``nnx.update``)."""
-    _nnx().update(model, self.merge(groups))
+    """Writes ``groups`` (``OverlappedStep.params``) into ``model``'s parameters, in place (``nnx.update``), and its
+    RNG counters where they were drawn from: as the plain path leaves them after the steps taken since
+    :meth:`give` (``jax_dos.stage_rng``)."""
+    tree, counters = self.merge(groups), {} if self._streams is None else self._streams.counters()
+    _nnx().update(model, _nest([*_flatten(tree), *counters.items()]) if counters else tree)
 
 
 def _stack(*layers: Any) -> Any:
@@ -269,7 +308,7 @@ def nnx_stages(
 
   Args:
     model: an ``nnx.Module`` (or ``nnx.eval_shape`` of one: only shapes are
-      read) holding ``nnx.Param`` s only.
+      read) holding ``nnx.Param`` s and RNG streams only.
     batch: an example batch, arrays or ``jax.ShapeDtypeStruct`` s of any
       batch size: what ``OverlappedStep`` is called with.
     embed: ``embed(model, batch) -> x``, the first stage, through the model's
@@ -283,7 +322,8 @@ def nnx_stages(
       from the last block's output. It may read ``embed``'s parameters (tied
       weights), but not the blocks.
     block: ``block(layer, x, batch) -> x`` runs one layer (default
-      ``layer(x)``).
+      ``layer(x)``); ``block(layer, x, batch, index)`` (a fourth positional
+      parameter) also gets the layer's index, an int32 scalar.
 
   Returns an :class:`NNXStages`; its stages' functions are the same for
   layers of one structure, so all layers share one compiled program.
@@ -297,15 +337,15 @@ def nnx_stages(
     container = functools.reduce(getattr, blocks_path, model)
   except AttributeError:
     raise ValueError(f"nnx_stages: the model has no attribute {blocks!r} (blocks=, the repeated blocks).") from None
-  graphdef, state = nnx.split(model, nnx.Param)
-  pure = _abstract(nnx.to_pure_dict(state))
+  graphdef, state, _ = nnx.split(model, nnx.Param, nnx.RngState)
+  pure, rng = _abstract(nnx.to_pure_dict(state)), stage_rng.leaves(model)
   stacked = isinstance(container, nnx.Module) and not isinstance(container, nnx.List)
   _check_no_sharing(container, stacked, _at(pure, blocks_path), blocks)
-  layers, layer_keys = _layers(container, _at(pure, blocks_path), stacked, blocks, block)
-  full = tuple(_flatten(pure))
-  layout = tuple((p, s) for p, s in full if p[: len(blocks_path)] != blocks_path)
-  ends = _groups_of_ends(graphdef, pure, layout, layers, _abstract(batch), embed, head)
-  embed_paths, head_paths, head_reads_embed = ends
+  layers, layer_keys = _layers(model, container, _at(pure, blocks_path), stacked, blocks, block, blocks_path)
+  full = (*_flatten(pure), *rng[0], *rng[1])  # every parameter, key and counter: the end stages' model
+  layout = tuple((p, s) for p, s in _flatten(pure) if p[: len(blocks_path)] != blocks_path)
+  found = _groups_of_ends(graphdef, full, layout, rng, layers, _abstract(batch), embed, head)
+  embed_paths, head_paths, head_reads_embed, uses = found
   n = len(layers)
   if not head_paths:  # the head reads embed's parameters only
     group_paths, head_groups, head_stage_paths = (embed_paths,), (0,), (embed_paths,)
@@ -313,37 +353,45 @@ def nnx_stages(
     group_paths, head_groups, head_stage_paths = (embed_paths, head_paths), (n + 1, 0), (head_paths, embed_paths)
   else:
     group_paths, head_groups, head_stage_paths = (embed_paths, head_paths), (n + 1,), (head_paths,)
-  stages = [
-    Stage(_EndStage(graphdef, full, (embed_paths,), embed, head=False), (0,)),
-    *(Stage(fn, (1 + i,)) for i, (fn, _) in enumerate(layers)),
-    Stage(_EndStage(graphdef, full, head_stage_paths, head, head=True), head_groups),
-  ]
-  return NNXStages(stages, layout, group_paths, blocks_path, layer_keys, stacked)
+  read = tuple(tuple(p for p, _ in x) for x in rng)  # the end stages traced reading every key and counter
+  ends = [(_EndStage(graphdef, full, paths, fn, is_head, *read), None, *rng, *([(p, None) for p in x] for x in read))
+          for paths, fn, is_head in (((embed_paths,), embed, False), (head_stage_paths, head, True))]  # fmt: skip
+  fns, draws = stage_rng.drawing([ends[0], *layers, ends[1]], [uses[0], *uses[1], uses[2]])
+  streams = stage_rng.Streams(draws, [None, *(i if fn.index else None for i, fn in enumerate(fns[1:-1])), None])
+  streams.capture(model)
+  groups, inputs = [(0,), *((1 + i,) for i in range(n)), head_groups], streams.inputs_of
+  stages = [Stage(fn, g, inputs=i) for fn, g, i in zip(fns, groups, inputs)]
+  used = any(i is not None for i in inputs)
+  return NNXStages(stages, layout, group_paths, blocks_path, layer_keys, stacked, streams if used else None)
 
 
 def _refuse_other_state(model: Any) -> None:
   nnx = _nnx()
-  other = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
+  other = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
   if len(other):
     found = ", ".join(f"{'/'.join(map(str, p))} ({type(v).__name__})" for p, v in list(other)[:6])
     more = f" and {len(other) - 6} more" if len(other) > 6 else ""
     raise ValueError(
-      f"nnx_stages: the model holds state other than nnx.Param: {found}{more}. Its stages are pure functions of"
-      " the parameters, so RNG streams (dropout), batch statistics, caches and plain arrays cannot reach them."
-      " Build the model without that state (e.g. no nnx.Dropout with rngs, RMSNorm/LayerNorm for BatchNorm,"
+      f"nnx_stages: the model holds state other than nnx.Param and RNG streams: {found}{more}. Its stages are"
+      " functions of the parameters and the RNG streams' keys and counters, so batch statistics, caches and plain"
+      " arrays cannot reach them. Build the model without that state (e.g. RMSNorm/LayerNorm for BatchNorm,"
       " constants computed in __call__), or train it on the plain path (nnx.value_and_grad, then the eager"
       " update: docs/api.md, 'Flax NNX')."
     )
 
 
-def _layers(container, abstract: dict, stacked: bool, name: str, block) -> tuple[list, tuple]:
-  """``([(stage function, the layer's abstract group)], keys)``: one function per distinct layer structure."""
+def _layers(model, container, abstract: dict, stacked: bool, name: str, block, blocks_path) -> tuple[list, tuple]:
+  """``([(stage function, the layer's abstract group, its RNG keys, counters and their ids)], keys)``
+  (``stage_rng.of_layers``): one function per distinct layer structure, given its every key and counter to read."""
   nnx = _nnx()
   functions: dict[Any, _LayerStage] = {}
+  index = stage_rng.takes_index(block)
 
-  def stage_fn(module) -> _LayerStage:
+  def layer(module, group, keys, counts, key_ids, count_ids) -> tuple:
     graphdef = nnx.graphdef(module)
-    return functions.setdefault(graphdef, _LayerStage(graphdef, block))
+    paths = tuple(p for p, _ in keys), tuple(p for p, _ in counts)
+    fn = functions.setdefault(graphdef, _LayerStage(graphdef, block, *paths, index=index))
+    return fn, group, keys, counts, key_ids, count_ids
 
   if stacked:
     leaves = jax.tree.leaves(abstract)
@@ -354,12 +402,13 @@ def _layers(container, abstract: dict, stacked: bool, name: str, block) -> tuple
         f" parameters' leading axes are {sorted(map(str, sizes))}: a stack has the layer count as every parameter's"
         " leading axis. Give an nnx.List of blocks otherwise."
       )
-    fn, layer = stage_fn(container), jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract)
-    return [(fn, layer)] * sizes.pop(), ()
+    size, group = sizes.pop(), jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract)
+    return [layer(container, group, *rng) for rng in stage_rng.of_layers(model, container, size, blocks_path,
+                                                                          name)], ()  # fmt: skip
   if not isinstance(container, Sequence) or not all(isinstance(m, nnx.Module) for m in container) or not container:
     raise ValueError(f"nnx_stages: blocks={name!r} must be an nnx.List of modules or one stacked module.")
-  keys = tuple(range(len(container)))
-  return [(stage_fn(m), abstract[k]) for k, m in zip(keys, container)], keys
+  keys, rngs = tuple(range(len(container))), stage_rng.of_layers(model, container, None, blocks_path, name)
+  return [layer(m, abstract[k], *rng) for k, m, rng in zip(keys, container, rngs)], keys
 
 
 def _check_no_sharing(container, stacked: bool, abstract: dict, name: str) -> None:
@@ -401,37 +450,44 @@ def _traced(what: str, trace: Callable, *args: Any, batch: Any) -> Any:
   ) from error
 
 
-def _groups_of_ends(graphdef, pure, layout, layers, batch, embed, head) -> tuple[tuple, tuple, bool]:
-  """``(embed's paths, the head group's paths, whether the head reads embed's group)``, traced on shapes."""
-  nnx = _nnx()
-  paths = [p for p, _ in layout]
-  blocks = [(p, s) for p, s in _flatten(pure) if p not in dict(layout)]
+def _groups_of_ends(graphdef, full, layout, rng, layers, batch, embed, head) -> tuple[tuple, tuple, bool, tuple]:
+  """``(embed's paths, the head group's paths, whether the head reads embed's group, RNG uses)``, traced on shapes.
 
-  def call(values, x, batch, fn, is_head):
-    model = nnx.merge(graphdef, _nest([*zip(paths, values), *blocks]))
-    return fn(model, x, batch) if is_head else fn(model, batch)
+  The RNG uses are ``(embed's, each layer's, the head's)``, each ``stage_rng.uses``': the keys and counters the
+  stage reads (of the model's, of its layer's) and the keys it draws from each counter in one call.
+  """
+  paths, (keys, counts) = tuple(p for p, _ in layout), rng
+  group, traced = _nest(layout), functools.partial(_traced, batch=batch)
 
-  values = [s for _, s in layout]
-  traced = functools.partial(_traced, batch=batch)
-  x = traced("embed(model, batch)", jax.eval_shape, functools.partial(call, fn=embed, is_head=False), values, None,
-             batch)  # fmt: skip
+  def trace(what, fn, params, x, keys, counts, index=None):
+    closed, (out, _) = traced(what, jax.make_jaxpr(fn.run, return_shape=True), params, x, batch, keys, counts, index)
+    first = len(jax.tree.leaves((params, x, batch)))
+    ranges = range(first, first + len(keys)), range(first + len(keys), first + len(keys) + len(counts))
+    return closed, out, stage_rng.uses(closed, *ranges, len(jax.tree.leaves(out)), what.split(" on ")[0])
+
+  def end(fn, is_head):
+    return _EndStage(graphdef, full, (paths,), fn, is_head, tuple(p for p, _ in keys), tuple(p for p, _ in counts))
+
+  values = ((group,), [s for _, s in keys], [s for _, s in counts])
+  e_closed, x, embed_use = trace("embed(model, batch)", end(embed, False), values[0], None, *values[1:])
   seen: dict = {}
-  for i, (fn, layer) in enumerate(layers):  # the last block's output, each distinct (layer, input) traced once
+  layer_uses = []
+  for i, (fn, layer, layer_keys, layer_counts, _, _) in enumerate(layers):  # each distinct (layer, input) once
     key = (fn, jax.tree.structure(layer), tuple(jax.tree.leaves(layer)), jax.tree.structure(x),
            tuple(jax.tree.leaves(x)))  # fmt: skip
     if key not in seen:
-      seen[key] = traced(f"block {i} on embed's output {_shapes(x)}", jax.eval_shape, fn, (layer,), x, batch)
-    x = seen[key]
-  embed_used = _used_inputs(jax.make_jaxpr(functools.partial(call, fn=embed, is_head=False))(values, None, batch),
-                            len(values))  # fmt: skip
-  closed = traced(f"head(model, x, batch) on the last block's output {_shapes(x)}", jax.make_jaxpr(
-    functools.partial(call, fn=head, is_head=True)), values, x, batch)  # fmt: skip
-  loss = closed.out_avals
-  if len(loss) != 1 or loss[0].shape != ():
-    raise ValueError(f"nnx_stages: head must return the scalar loss; it returns {[a.str_short() for a in loss]}.")
-  head_used = _used_inputs(closed, len(values))
+      index = jax.ShapeDtypeStruct((), jnp.int32) if fn.index else None
+      seen[key] = trace(f"block {i} on embed's output {_shapes(x)}", fn, (layer,), x, [s for _, s in layer_keys],
+                        [s for _, s in layer_counts], index)[1:]  # fmt: skip
+    x, use = seen[key]
+    layer_uses.append(use)
+  closed, loss, head_use = trace(f"head(model, x, batch) on the last block's output {_shapes(x)}", end(head, True),
+                                 values[0], x, *values[1:])  # fmt: skip
+  if len(jax.tree.leaves(loss)) != 1 or jax.tree.leaves(loss)[0].shape != ():
+    raise ValueError(f"nnx_stages: head must return the scalar loss; it returns {_shapes(loss)}.")
+  embed_used, head_used = _used_inputs(e_closed, len(paths)), _used_inputs(closed, len(paths))
   if not embed_used:
     raise ValueError("nnx_stages: embed reads no parameter; the first stage needs parameters of its own.")
   embed_paths = tuple(paths[i] for i in embed_used)
   rest = tuple(p for i, p in enumerate(paths) if i not in set(embed_used))
-  return embed_paths, rest, bool(set(head_used) & set(embed_used))
+  return embed_paths, rest, bool(set(head_used) & set(embed_used)), (embed_use, layer_uses, head_use)

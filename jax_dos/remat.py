@@ -36,6 +36,8 @@ from typing import Any
 
 import jax
 
+from jax_dos import memory
+
 # The matmul outputs a model tags (jax.ad_checkpoint.checkpoint_name) for the "minimal" and "offload" policies.
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 REMAT_POLICIES = ("full", "minimal", "none", "offload")
@@ -102,3 +104,35 @@ def describe(policies: tuple[str, ...]) -> str:
     return next(iter(counts))
   (first, n), *rest = sorted(counts.items(), key=lambda item: (item[0] == "full", -item[1]))
   return f"{first} on {n} of {len(policies)} stages, " + ", ".join(f"{p} on {m}" for p, m in rest)
+
+
+@jax.tree_util.register_pytree_node_class
+class Saved:
+  """The residuals a stage's forward program keeps for its backward program under a policy other than ``"full"``
+  (``jax_dos.stages``).
+
+  ``arrays`` are the leaves of the ``jax.vjp`` function that are not the
+  stage's own inputs; ``treedef`` is that function's tree, and ``sources``
+  says, per leaf, which input leaf of ``(params, x, batch, inputs)`` it is
+  (``-1``: the next of ``arrays``). The backward program gets the inputs
+  anyway, so they are neither returned nor held twice.
+  """
+
+  def __init__(self, arrays: tuple, treedef: Any, sources: tuple[int, ...]):
+    self.arrays, self.treedef, self.sources = tuple(arrays), treedef, sources
+
+  def tree_flatten(self):
+    return self.arrays, (self.treedef, self.sources)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children, *aux)
+
+  def vjp(self, params: tuple, x: Any, batch: Any, inputs: Any = None) -> Callable:
+    """The stage's vjp function, its inputs put back among the saved arrays."""
+    given, arrays = jax.tree.leaves((params, x, batch, inputs)), iter(self.arrays)
+    return jax.tree.unflatten(self.treedef, [next(arrays) if s < 0 else given[s] for s in self.sources])
+
+  def device_bytes(self) -> int:
+    """Accelerator bytes (per device) of the saved arrays; those the policy offloaded to the host count none."""
+    return sum(memory.device_elements(a) * a.dtype.itemsize for a in self.arrays if memory.memory_kind(a) == "device")

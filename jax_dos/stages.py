@@ -19,7 +19,7 @@ backward program recomputes ``f_i`` under ``jax.vjp`` (activation
 checkpointing per stage, as ``jax.checkpoint`` per block does); under another
 policy the forward program runs ``jax.vjp`` of ``jax.checkpoint(f_i,
 policy)`` and returns, beside ``x_{i+1}``, the residuals the policy saves
-(:class:`Saved`: the vjp function's arrays, less those that are the stage's
+(``remat.Saved``: the vjp function's arrays, less those that are the stage's
 own inputs), and the backward program applies that vjp function to them,
 recomputing only what the policy did not save. The last stage has no forward
 program (its backward program computes the loss), so its policy is unused.
@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dos import memory, partition
-from jax_dos.remat import check_policy, rematerialise
+from jax_dos.remat import Saved, check_policy, rematerialise
 from jax_dos.timeline import MICRO_BATCH_ORDERS, RematCosts, StageTimes
 
 
@@ -78,11 +78,20 @@ class Stage:
   rematerialisation policy (``jax_dos.remat.REMAT_POLICIES``; the module
   docstring says what each keeps); an overlapped step's plan may choose
   another (``Plan.remat``).
+
+  ``inputs``: what the stage reads beside them and is not trained (random
+  keys and counters, a layer's index), or ``None``. A stage with ``inputs``
+  is called ``fn(params, x, batch, inputs.at(m))`` for micro-batch ``m`` of
+  the coming step (a tree of arrays, the same in the micro-batch's forward
+  and backward programs: a recomputed forward draws the same random numbers),
+  and ``inputs.advance(micro_batches)`` once a step's programs are dispatched
+  (``jax_dos.stage_rng``: an NNX model's RNG streams).
   """
 
-  fn: Callable[[tuple, Any, Any], Any]
+  fn: Callable[..., Any]
   groups: tuple[int, ...]
   remat: str = "full"
+  inputs: Any = None
 
   def __post_init__(self):
     groups = tuple(self.groups)
@@ -92,55 +101,24 @@ class Stage:
     check_policy(self.remat)
 
 
-@jax.tree_util.register_pytree_node_class
-class Saved:
-  """The residuals a stage's forward program keeps for its backward program under a policy other than ``"full"``.
-
-  ``arrays`` are the leaves of the ``jax.vjp`` function that are not the
-  stage's own inputs; ``treedef`` is that function's tree, and ``sources``
-  says, per leaf, which input leaf of ``(params, x, batch)`` it is (``-1``:
-  the next of ``arrays``). The backward program gets the inputs anyway, so
-  they are neither returned nor held twice.
-  """
-
-  def __init__(self, arrays: tuple, treedef: Any, sources: tuple[int, ...]):
-    self.arrays, self.treedef, self.sources = tuple(arrays), treedef, sources
-
-  def tree_flatten(self):
-    return self.arrays, (self.treedef, self.sources)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(children, *aux)
-
-  def vjp(self, params: tuple, x: Any, batch: Any) -> Callable:
-    """The stage's vjp function, its inputs put back among the saved arrays."""
-    inputs, arrays = jax.tree.leaves((params, x, batch)), iter(self.arrays)
-    return jax.tree.unflatten(self.treedef, [next(arrays) if s < 0 else inputs[s] for s in self.sources])
-
-  def device_bytes(self) -> int:
-    """Accelerator bytes (per device) of the saved arrays; those the policy offloaded to the host count none."""
-    return sum(memory.device_elements(a) * a.dtype.itemsize for a in self.arrays if memory.memory_kind(a) == "device")
-
-
 def _sum_of_squares(tree: Any) -> jax.Array:
   return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)), jnp.float32(0))
 
 
-def _forward(fn, params, x, batch):
-  return fn(params, x, batch)
+def _forward(fn, params, x, batch, inputs):
+  return fn(params, x, batch) if inputs is None else fn(params, x, batch, inputs)
 
 
-def _stage_vjp(fn, policy: str, params, x, batch) -> tuple[Any, Callable]:
+def _stage_vjp(fn, policy: str, params, x, batch, inputs) -> tuple[Any, Callable]:
   """``jax.vjp`` of the stage under ``policy``, over the parameters (and ``x``, where the stage has one)."""
   if x is None:
-    return jax.vjp(rematerialise(lambda p: fn(p, None, batch), policy), params)
-  return jax.vjp(rematerialise(lambda p, x: fn(p, x, batch), policy), params, x)
+    return jax.vjp(rematerialise(lambda p: _forward(fn, p, None, batch, inputs), policy), params)
+  return jax.vjp(rematerialise(lambda p, x: _forward(fn, p, x, batch, inputs), policy), params, x)
 
 
-def _forward_saving(fn, policy: str, params, x, batch):
+def _forward_saving(fn, policy: str, params, x, batch, inputs):
   """``(y, Saved)``: the stage's output and the residuals ``policy`` keeps for its backward program."""
-  y, vjp = _stage_vjp(fn, policy, params, x, batch)
+  y, vjp = _stage_vjp(fn, policy, params, x, batch, inputs)
   leaves, treedef = jax.tree.flatten(vjp)
   # A constant the stage closes over (a numpy table) becomes a saved array like any other residual.
   leaves = [jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a for a in leaves]
@@ -149,21 +127,21 @@ def _forward_saving(fn, policy: str, params, x, batch):
       f"this jax ({jax.__version__}) returns a vjp function that is not a tree of arrays, so a stage's forward program"
       f" cannot hand its residuals to its backward program; use remat='full' for the stages (--remat full)."
     )
-  where = {id(a): j for j, a in enumerate(jax.tree.leaves((params, x, batch)))}
+  where = {id(a): j for j, a in enumerate(jax.tree.leaves((params, x, batch, inputs)))}
   sources = tuple(where.get(id(a), -1) for a in leaves)
   return y, Saved(tuple(a for a, s in zip(leaves, sources) if s < 0), treedef, sources)
 
 
-def _backward(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums):
+def _backward(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums, inputs):
   """``(loss or None, new sums, dx or None, sums of squares of the completed groups)`` for one stage."""
-  y, vjp = _stage_vjp(fn, "none", params, x, batch)
+  y, vjp = _stage_vjp(fn, "none", params, x, batch, inputs)
   return _summed(vjp(jnp.ones_like(y) if dy is None else dy), x, complete, layouts, sums, y if dy is None else None)
 
 
-def _backward_saved(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums, saved: Saved):
+def _backward_saved(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums, saved: Saved, inputs):
   """:func:`_backward` of a stage whose forward program kept ``saved``: nothing it saved is recomputed."""
   del fn
-  return _summed(saved.vjp(params, x, batch)(dy), x, complete, layouts, sums, None)
+  return _summed(saved.vjp(params, x, batch, inputs)(dy), x, complete, layouts, sums, None)
 
 
 def _laid_out(tree: Any, layout: tuple | None) -> Any:
@@ -232,10 +210,10 @@ _jit_backward_saved = jax.jit(_backward_saved, static_argnums=(0, 1, 2), donate_
 _jit_backward_saved_keep_dy = jax.jit(_backward_saved, static_argnums=(0, 1, 2), donate_argnums=(7,))
 
 
-def _forward_call(st: Stage, params: tuple, x: Any, batch: Any) -> tuple[Any, Saved | None]:
+def _forward_call(st: Stage, params: tuple, x: Any, batch: Any, inputs: Any = None) -> tuple[Any, Saved | None]:
   if st.remat == "full":
-    return _jit_forward(st.fn, params, x, batch), None
-  return _jit_forward_saving(st.fn, st.remat, params, x, batch)
+    return _jit_forward(st.fn, params, x, batch, inputs), None
+  return _jit_forward_saving(st.fn, st.remat, params, x, batch, inputs)
 
 
 def gradient_layouts(params: tuple, partitioned: bool) -> tuple:
@@ -254,17 +232,18 @@ def gradient_layouts(params: tuple, partitioned: bool) -> tuple:
 
 
 def _backward_call(
-  st: Stage, complete: tuple[bool, ...], params, x, batch, dy, sums, saved, layouts: tuple | None = None
+  st: Stage, complete: tuple[bool, ...], params, x, batch, dy, sums, saved, layouts: tuple | None = None, inputs=None
 ) -> tuple[Callable, tuple]:
   """The jitted backward program for stage ``st`` and its arguments (to run, or to lower for its memory);
-  ``layouts``: :func:`gradient_layouts`' (``None``: each group's as XLA likes)."""
+  ``layouts``: :func:`gradient_layouts`' (``None``: each group's as XLA likes); ``inputs``: the stage's
+  (``Stage.inputs``)."""
   layouts = (None,) * len(st.groups) if layouts is None else layouts
   donate = dy is None or (x is not None and _same_types(x, dy))
   if saved is not None:
     program = _jit_backward_saved if donate else _jit_backward_saved_keep_dy
-    return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), saved)
+    return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), saved, inputs)
   program = _jit_backward if donate else _jit_backward_keep_dy
-  return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums))
+  return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), inputs)
 
 
 def _same_types(a: Any, b: Any) -> bool:
@@ -310,13 +289,24 @@ class StagedModel:
     """The groups whose gradient is complete once ``stage``'s backward pass has run."""
     return tuple(g for g in self.stages[stage].groups if self.completion[g] == stage)
 
-  def forward(self, stage: int, params: tuple, x: Any, batch: Any) -> tuple[Any, Saved | None]:
+  def inputs(self, stage: int, micro_batch: int = 0) -> Any:
+    """Stage ``stage``'s :attr:`Stage.inputs` for micro-batch ``micro_batch`` of the coming step (``None``: none)."""
+    st = self.stages[stage]
+    return None if st.inputs is None else st.inputs.at(micro_batch)
+
+  def advance(self, micro_batches: int) -> None:
+    """A step of ``micro_batches`` was taken: each stage's :attr:`Stage.inputs` moves on (random counters)."""
+    for st in self.stages:
+      if st.inputs is not None:
+        st.inputs.advance(micro_batches)
+
+  def forward(self, stage: int, params: tuple, x: Any, batch: Any, micro_batch: int = 0) -> tuple[Any, Saved | None]:
     """``(y, saved)``: stage ``stage``'s output and what its policy keeps for its backward pass (``None`` under
-    ``"full"``), dispatched asynchronously."""
-    return _forward_call(self.stages[stage], params, x, batch)
+    ``"full"``), dispatched asynchronously; ``micro_batch`` picks the stage's :meth:`inputs`."""
+    return _forward_call(self.stages[stage], params, x, batch, self.inputs(stage, micro_batch))
 
   def backward(
-    self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool, saved: Saved | None = None
+    self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool, saved=None, micro_batch=0
   ) -> tuple[Any, tuple, Any, tuple]:
     """Stage ``stage``'s backward pass; ``sums`` are consumed, and ``dy`` where ``dx`` can take its buffers.
 
@@ -330,11 +320,13 @@ class StagedModel:
     ``(loss, sums, dx, squares)``: the loss for the last stage (else
     ``None``), the new sums, the cotangent of ``x`` (``None`` for the first
     stage) and, with ``last`` (the last micro-batch), the float32 sums of
-    squares of the groups this stage completes.
+    squares of the groups this stage completes. ``micro_batch`` picks the
+    stage's :meth:`inputs`: its forward program's.
     """
     st = self.stages[stage]
     complete = tuple(last and self.completion[g] == stage for g in st.groups)
-    program, args = _backward_call(st, complete, params, x, batch, dy, sums, saved, self.layouts(stage, params))
+    program, args = _backward_call(st, complete, params, x, batch, dy, sums, saved, self.layouts(stage, params),
+                                   self.inputs(stage, micro_batch))  # fmt: skip
     return program(*args)
 
   def layouts(self, stage: int, params: tuple) -> tuple:
@@ -354,7 +346,8 @@ class StagedModel:
     ``order`` by the very programs the overlapped step runs (the last
     micro-batch's also square the complete gradients). On a GPU, two programs
     computing the same gradient may pick different matmul algorithms and
-    round it differently.
+    round it differently. Stages with :attr:`Stage.inputs` draw the coming
+    step's random numbers; :meth:`advance` moves them on (the step does).
     """
     n, k = len(self.stages), micro_batches
     parts = [micro_batch(batch, m, k) for m in range(k)]
@@ -366,10 +359,10 @@ class StagedModel:
       st = self.stages[i]
       params = tuple(groups[g] for g in st.groups)
       if kind == "forward":
-        inputs[m][i + 1], saved[m][i] = self.forward(i, params, inputs[m][i], parts[m])
+        inputs[m][i + 1], saved[m][i] = self.forward(i, params, inputs[m][i], parts[m], m)
         continue
       out, new, dys[m], _ = self.backward(i, params, inputs[m][i], parts[m], dys[m],
-                                          tuple(sums[g] for g in st.groups), m == k - 1, saved[m][i])  # fmt: skip
+                                          tuple(sums[g] for g in st.groups), m == k - 1, saved[m][i], m)  # fmt: skip
       inputs[m][i] = saved[m][i] = None
       losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):
@@ -454,7 +447,8 @@ class StagedModel:
     last = self.stages[-1]
     last_params = tuple(groups[g] for g in last.groups)
     last_temp = _temp_bytes(*_backward_call(last, (False,) * len(last.groups), last_params, x, batch, None,
-                                            (None,) * len(last.groups), None, layouts[n - 1]))  # fmt: skip
+                                            (None,) * len(last.groups), None, layouts[n - 1],
+                                            self.inputs(n - 1)))  # fmt: skip
     costs = {}
     for p in names:
       rows = []
@@ -476,12 +470,13 @@ def _temp_bytes(program: Callable, args: tuple) -> int:
 def _measure_stage(st: Stage, groups: list, x: Any, batch: Any, layouts: tuple) -> tuple[float, float, int, int]:
   """``(forward s, backward s, saved bytes, backward temporaries)`` of one stage alone (the second of two runs)."""
   params, temp = tuple(groups[g] for g in st.groups), None
+  inputs = None if st.inputs is None else st.inputs.at(0)
   for _ in range(2):
     t = time.perf_counter()
-    y, saved = jax.block_until_ready(_forward_call(st, params, x, batch))
+    y, saved = jax.block_until_ready(_forward_call(st, params, x, batch, inputs))
     forward = time.perf_counter() - t
     program, args = _backward_call(st, (False,) * len(params), params, x, batch, jnp.ones_like(y),
-                                   (None,) * len(params), saved, layouts)  # fmt: skip
+                                   (None,) * len(params), saved, layouts, inputs)  # fmt: skip
     temp = _temp_bytes(program, args) if temp is None else temp  # before the run donates dy
     t = time.perf_counter()
     jax.block_until_ready(program(*args))

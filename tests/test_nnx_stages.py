@@ -179,22 +179,15 @@ class Unstacked(Transformer):
     self.blocks = Block(rngs)  # one block: not a stack
 
 
-class Dropped(nnx.Module):
-  def __init__(self, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-    self.blocks = nnx.List([nnx.Dropout(0.1, rngs=rngs)])
-
-
 @pytest.mark.parametrize(
   "build, kwargs, match",
   [
-    (Dropped, {}, r"state other than nnx.Param: blocks/0/rngs/count \(RngCount\).*RNG streams \(dropout\)"),
     (lambda rngs: Transformer(rngs, False), dict(blocks="layers"), "no attribute 'layers'"),
     (lambda rngs: Unstacked(rngs), {}, r"taken as a stack of layers .* leading axes are \['16', '8'\]"),
     (lambda rngs: Transformer(rngs, False), dict(embed=lambda m, b: m.blocks[0](m.embed(b[0]))), "reads the blocks"),
     (lambda rngs: Transformer(rngs, False), dict(head=lambda m, x, b: m.logits(x)), "scalar loss"),
   ],
-  ids=["dropout", "no_attribute", "one_block", "embed_reads_blocks", "head_not_a_loss"],
+  ids=["no_attribute", "one_block", "embed_reads_blocks", "head_not_a_loss"],
 )
 def test_what_the_adapter_refuses_says_what_to_change(build, kwargs, match):
   model = nnx.eval_shape(lambda: build(nnx.Rngs(0)))

@@ -365,7 +365,7 @@ class OverlappedStep:
         self._dispatch.submit(self._streamer, self._stream_path.prefetch)
       if kind == "forward":
         with trace.span("overlap.forward"):
-          x, saved[m][i] = self.model.forward(i, self._stage_params(i), inputs[m][i], parts[m])
+          x, saved[m][i] = self.model.forward(i, self._stage_params(i), inputs[m][i], parts[m], m)
         inputs[m][i + 1] = x
         trace.watch(f"forward {i}", x)
         self._dispatch.pace(x)
@@ -373,7 +373,7 @@ class OverlappedStep:
       last = m == k - 1
       with trace.span("overlap.backward"):
         out, new, dys[m], sq = self.model.backward(i, self._stage_params(i), inputs[m][i], parts[m], dys[m],
-                                                   tuple(sums[g] for g in st.groups), last, saved[m][i])  # fmt: skip
+                                                   tuple(sums[g] for g in st.groups), last, saved[m][i], m)  # fmt: skip
       inputs[m][i] = saved[m][i] = None
       losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):
@@ -389,6 +389,7 @@ class OverlappedStep:
         for g in self.model.groups_completing(i):
           self._hand_over(record, g, sums[g])
           sums[g] = None
+    self.model.advance(k)  # the stages' random counters: the next step's forward calls draw anew
     self._decide(record, squares)
     return losses
 

@@ -1,0 +1,280 @@
+"""Dropout in a user's own Flax NNX model trained through ``jax_dos.nnx_stages``: the plain NNX path's masks.
+
+The reference is the plain path: ``nnx.grad`` of each micro-batch's loss over the model itself (each a forward call
+drawing from the model's RNG streams), their mean, ``nnx.Optimizer`` with ``optax.chain(clip_by_global_norm,
+adamw)``, all under ``nnx.jit``. The model has dropout after the embedding and before the head (one
+``nnx.Dropout``, drawn from by the first and the last stage) and twice in each block (one ``nnx.Dropout`` called
+twice): each block forking its own stream (an ``nnx.List``, or a stack made with ``nnx.split_rngs`` and ``nnx.vmap``
+and run with ``nnx.scan``), or every module drawing from one ``nnx.Rngs`` they all keep (``shared``: the stream
+counts on across the layers in call order). The blocks rematerialise themselves (``nnx.remat``), as a plain
+model often does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import max_rel_diff
+
+import jax_dos
+
+VOCAB, D, HEADS, LAYERS, SEQ, ROWS = 16, 8, 2, 2, 6, 4
+LR, WD, B1, B2, CLIP = 1e-2, 0.1, 0.9, 0.95, 1.0
+DROP = 0.25
+LAYOUTS = ("list", "stack", "shared")
+
+
+class Block(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs, shared: bool = False):
+    self.norm1, self.norm2 = nnx.RMSNorm(D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
+    self.qkv = nnx.Linear(D, 3 * D, use_bias=False, rngs=rngs)
+    self.out = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+    self.up, self.down = nnx.Linear(D, 2 * D, rngs=rngs), nnx.Linear(2 * D, D, rngs=rngs)
+    self.shared = shared
+    if shared:  # the stream every module keeps
+      self.rngs, self.drop = rngs, nnx.Dropout(DROP)
+    else:  # its own stream, forked from rngs
+      self.drop = nnx.Dropout(DROP, rngs=rngs)
+
+  def dropped(self, x):
+    return self.drop(x, rngs=self.rngs) if self.shared else self.drop(x)
+
+  @nnx.remat  # the counters' draws are found through jax.checkpoint too
+  def __call__(self, x):
+    b, t, _ = x.shape
+    q, k, v = (a.reshape(b, t, HEADS, D // HEADS) for a in jnp.split(self.qkv(self.norm1(x)), 3, axis=-1))
+    x = x + self.dropped(self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, D)))
+    return x + self.dropped(self.down(jax.nn.gelu(self.up(self.norm2(x)))))
+
+
+class Transformer(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs, layout: str):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.layout = layout
+    if layout == "stack":
+      self.blocks = nnx.split_rngs(splits=LAYERS)(nnx.vmap(Block, in_axes=0, out_axes=0))(rngs)
+    else:
+      self.blocks = nnx.List([Block(rngs, shared=layout == "shared") for _ in range(LAYERS)])
+    self.norm = nnx.RMSNorm(D, rngs=rngs)
+    if layout == "shared":
+      self.rngs, self.drop = rngs, nnx.Dropout(DROP)
+    else:
+      self.drop = nnx.Dropout(DROP, rngs=rngs)
+
+  def dropped(self, x):
+    return self.drop(x, rngs=self.rngs) if self.layout == "shared" else self.drop(x)
+
+  def embedded(self, tokens):
+    return self.dropped(self.embed(tokens))
+
+  def logits(self, x):
+    return self.embed.attend(self.dropped(self.norm(x)))  # tied to the embedding
+
+  def __call__(self, tokens):
+    x = self.embedded(tokens)
+    if self.layout == "stack":
+      x = nnx.scan(lambda block, x: block(x), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
+    else:
+      for block in self.blocks:
+        x = block(x)
+    return self.logits(x)
+
+
+def cross_entropy(logits, targets):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def loss_fn(model, batch):
+  return cross_entropy(model(batch[0]), batch[1])
+
+
+def embed(model, batch):
+  return model.embedded(batch[0])
+
+
+def head(model, x, batch):
+  return cross_entropy(model.logits(x), batch[1])
+
+
+def run_layer(layer, x, batch):
+  return layer(x)
+
+
+def make_model(layout: str, dropout_seed: int = 1) -> Transformer:
+  """The model: its parameters from ``params=0`` (the same for any ``dropout_seed``), its streams from the seed."""
+  return Transformer(nnx.Rngs(params=0, dropout=dropout_seed), layout)
+
+
+def staged_of(model, batch, **kwargs):
+  block = run_layer if model.layout == "stack" else None
+  return jax_dos.nnx_stages(model, batch, **{**dict(embed=embed, blocks="blocks", head=head, block=block), **kwargs})
+
+
+def make_batches(rng: np.random.Generator, steps: int) -> list:
+  tokens = rng.integers(0, VOCAB, (steps, ROWS, SEQ + 1))
+  return [(jnp.asarray(t[:, :-1], jnp.int32), jnp.asarray(t[:, 1:], jnp.int32)) for t in tokens]
+
+
+def halves(batch):
+  return [jax.tree.map(lambda a, m=m: a[m * ROWS // 2 : (m + 1) * ROWS // 2], batch) for m in range(2)]
+
+
+@nnx.jit
+def plain_grads(model, batch):
+  """The mean of the two micro-batches' gradients, each ``nnx.grad`` of the model's own loss: two forward calls."""
+  return jax.tree.map(lambda a, b: (a + b) / 2, *(nnx.grad(loss_fn)(model, h) for h in halves(batch)))
+
+
+@nnx.jit
+def plain_step(model, optimizer, batch):
+  optimizer.update(model, plain_grads(model, batch))
+
+
+def rng_state(model) -> dict:
+  return nnx.to_pure_dict(nnx.state(model, nnx.RngCount))
+
+
+def params(model) -> dict:
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dropout_trains_through_the_stages_as_the_plain_nnx_model(layout):
+  batches = make_batches(np.random.default_rng(), 3)
+  model = make_model(layout)
+  reference = nnx.clone(model)
+  optimizer = nnx.Optimizer(reference, optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(
+    LR, b1=B1, b2=B2, weight_decay=WD)), wrt=nnx.Param)  # fmt: skip
+  for batch in batches:
+    plain_step(reference, optimizer, batch)
+
+  staged = staged_of(model, batches[0])
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD)
+  with jax_dos.OverlappedStep(tx, staged.stages, staged.give(model), clip_norm=CLIP, micro_batches=2) as step:
+    losses = [step(batch) for batch in batches]
+    staged.update(model, step.params)
+
+  assert max_rel_diff(params(model), params(reference)) < 2e-5
+  assert np.all(np.isfinite(jax.device_get(losses)))
+  # The counters written back: the plain path's after 3 steps of 2 forward calls (2 draws a call from the
+  # model's stream, 2 from each block's; all 6 from the one stream where they share it).
+  listed = lambda model: jax.tree.map(lambda a: np.asarray(a).tolist(), rng_state(model))  # noqa: E731
+  assert listed(model) == listed(reference)
+  assert all(st.inputs is not None for st in staged.stages)
+  assert len({s.fn for s in staged.stages[1:-1]}) == 1  # one program for every layer
+
+
+def test_another_dropout_seed_draws_other_masks():
+  """The test above can fail: the model with other streams (the same parameters) trains to other numbers."""
+  batches = make_batches(np.random.default_rng(), 2)
+  model, other = make_model("list"), make_model("list", dropout_seed=2)
+  assert max_rel_diff(params(model), params(other)) == 0
+  sums = []
+  for m in (model, other):
+    staged = staged_of(m, batches[0])
+    sums.append(staged.merge(jax_dos.StagedModel(staged.stages, staged.num_groups).loss_and_grads(
+      staged.split(m), batches[0], micro_batches=2)[1]))  # fmt: skip
+  expected = jax.tree.map(lambda g: 2 * g, nnx.to_pure_dict(plain_grads(nnx.clone(model), batches[0])))
+  assert max_rel_diff(sums[0], expected) < 1e-5
+  assert max_rel_diff(sums[1], expected) > 1e-2
+
+
+@pytest.mark.parametrize("remat", ["full", "minimal", "none"])
+@pytest.mark.parametrize("order", ["stage", "batch"])
+@pytest.mark.parametrize("layout", ["list", "shared"])
+def test_a_recomputed_forward_draws_the_same_masks(remat, order, layout):
+  """Under each rematerialisation policy and micro-batch order, the stages' gradients of a step and of the next
+  are the plain path's: the backward program recomputes the forward with the forward's keys."""
+  batches = make_batches(np.random.default_rng(), 2)
+  model = make_model(layout)
+  reference = nnx.clone(model)
+  staged = staged_of(model, batches[0])
+  stages = [dataclasses.replace(st, remat=remat) for st in staged.stages]
+  staged_model, groups = jax_dos.StagedModel(stages, staged.num_groups), staged.give(model)
+  for batch in batches:
+    _, sums = staged_model.loss_and_grads(groups, batch, micro_batches=2, order=order)
+    staged_model.advance(2)  # as the overlapped step does after a step
+    expected = jax.tree.map(lambda g: 2 * g, nnx.to_pure_dict(plain_grads(reference, batch)))
+    assert max_rel_diff(staged.merge(sums), expected) < 1e-5
+
+
+def test_eval_mode_uses_no_randomness():
+  """A model in eval mode (``nnx.Dropout`` deterministic) gives stages with no random inputs: any seed trains alike,
+  as the plain path in eval mode."""
+  batch = make_batches(np.random.default_rng(), 1)[0]
+  got = []
+  for seed in (1, 2):
+    model = make_model("list", dropout_seed=seed)
+    model.eval()
+    staged = staged_of(model, batch)
+    assert all(st.inputs is None for st in staged.stages)
+    got.append(staged.merge(jax_dos.StagedModel(staged.stages, staged.num_groups).loss_and_grads(
+      staged.split(model), batch, micro_batches=2)[1]))  # fmt: skip
+  expected = jax.tree.map(lambda g: 2 * g, nnx.to_pure_dict(plain_grads(model, batch)))
+  assert max_rel_diff(got[0], expected) < 1e-5 and max_rel_diff(got[1], got[0]) == 0
+
+
+def test_the_layer_index_reaches_a_block_that_takes_it():
+  """``block(layer, x, batch, index)``: the layer's index, an int32 scalar, in one program for every layer."""
+  batch = make_batches(np.random.default_rng(), 1)[0]
+  model = make_model("list")
+  model.eval()
+  staged = staged_of(model, batch, block=lambda layer, x, batch, index: layer(x) * (1 + index))
+  assert len({s.fn for s in staged.stages[1:-1]}) == 1
+  loss, _ = jax_dos.StagedModel(staged.stages, staged.num_groups).loss_and_grads(staged.split(model), batch)
+  x = model.embedded(batch[0])
+  for i, block in enumerate(model.blocks):
+    x = block(x) * (1 + i)
+  np.testing.assert_allclose(float(loss), float(cross_entropy(model.logits(x), batch[1])), rtol=1e-6)
+
+
+class Normed(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.blocks = nnx.List([nnx.BatchNorm(D, rngs=rngs)])
+
+
+class CountsByData(nnx.Module):
+  """Counts its stream up by its input's data: no fixed number of draws per call."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear, self.stream = nnx.Linear(D, D, rngs=rngs), rngs.dropout.fork()
+
+  def __call__(self, x):
+    self.stream.count[...] += (jnp.sum(x) > 0).astype(jnp.uint32)
+    return self.linear(x)
+
+
+def unsplit_stack(rngs: nnx.Rngs) -> Transformer:
+  model = Transformer(rngs, "stack")
+  model.blocks.drop.rngs = rngs.dropout.fork()  # one stream for the whole stack: not a slice per layer
+  return model
+
+
+def counts_by_data(rngs: nnx.Rngs) -> Transformer:
+  model = Transformer(rngs, "list")
+  model.blocks = nnx.List([CountsByData(rngs) for _ in range(LAYERS)])
+  return model
+
+
+@pytest.mark.parametrize(
+  "build, match",
+  [
+    (Normed, r"state other than nnx.Param and RNG streams: blocks/0/mean \(BatchStat\).*batch statistics"),
+    (unsplit_stack, r"RNG stream blocks/drop/rngs/key of the stack 'blocks' is not split per layer \(leading axis"
+     r" \[\] for 2 layers.*nnx.split_rngs\(splits=2\)"),
+    (counts_by_data, r"block 0 advances an RNG counter by an amount that depends on its data"),
+  ],
+  ids=["batch_stats", "unsplit_stack", "counts_by_data"],
+)  # fmt: skip
+def test_what_the_adapter_refuses_of_a_models_state_says_what_to_change(build, match):
+  model = build(nnx.Rngs(params=0, dropout=1))
+  batch = (jax.ShapeDtypeStruct((2, SEQ), jnp.int32),) * 2
+  with pytest.raises(ValueError, match=match):
+    jax_dos.nnx_stages(model, batch, embed=embed, blocks="blocks", head=head, block=run_layer)
