@@ -9,26 +9,14 @@ adamw)``'s exact numbers. One call is one step::
         loss = step(batch)
     groups, opt_state = step.params, step.opt_state   # settled: for evaluation and checkpoints
 
-The ``k`` micro-batches run stage-major by default (``jax_dos.stages.schedule``),
-so each group's gradient is complete once the one backward pass has passed
-its stage. A step (the backward pass, stage ``n-1`` down to 0):
-
-1. **Hand-over.** The groups a stage's backward pass completes go to the
-   optimizer: ``host`` subgroups' gradients leave for pinned host memory and
-   queue for the host worker (``jax_dos.overlap.host_path``), ``stream`` subgroups
-   for the stream worker (``jax_dos.overlap.stream_path``), each with its
-   parameters and a future of the new ones; ``device`` subgroups wait here.
-2. **Speculation** (``jax_dos.overlap.clip``). The workers may assume the clip
-   stays silent (scale ``1/k``): the host kernel steps into spare state
-   buffers, the stream path keeps the old state until the decision.
-3. **Decision.** After the last stage the accelerator computes
-   ``clip_scale(|g| / k, c) / k``; the resident update runs with it here, and
-   the decider thread reads it. Where it is not the speculated ``1/k`` bit for
-   bit (the clip fired, or a non-finite norm), every speculated subgroup is
-   stepped again from its untouched state, in forward order.
-4. **Early forward.** The next forward pass dispatches each stage once its
-   groups' futures have resolved, so the first stages run while later ones
-   are still being updated.
+A step, the backward pass running stage ``n-1`` down to 0 (``docs/overlap.md``, "Micro-batches stage-major" and
+"Exact numbers although the norm comes last"): the groups a stage's backward pass completes are **handed over**,
+``host`` subgroups' gradients to pinned host memory and the host worker (``overlap.host_path``), ``stream`` ones to
+the stream worker (``overlap.stream_path``), each with its parameters and a future of the new ones; the workers
+**speculate** that the clip stays silent (``overlap.clip``: scale ``1/k``, the old state kept); after the last stage
+the accelerator computes ``clip_scale(|g| / k, c) / k``, the **decision**: the resident update runs with it here,
+and where it is not the speculated scale bit for bit every speculated subgroup is stepped again from its untouched
+state; the **next forward pass** runs each stage once its groups' futures have resolved.
 
 Threads and owners: ``docs/overlap.md``, "Threads and owners". The training thread alone writes the parameters,
 the resident state and the step count; each worker owns its path's buffers; every buffer crossing threads goes in a
@@ -87,91 +75,64 @@ class OverlappedStep:
   """Training steps of a staged model whose AdamW update overlaps the backward and the next forward pass.
 
   Args:
-    tx: a ``jax_dos.interleaved_adam`` (or ``interleaved_adamw``) transformation,
-      without ``delay`` or ``write_behind``. Its hyperparameters, mask and
-      ``subgroup_size`` are used; its ``plan`` gives the placements (a
-      placement name, one per subgroup of ``jax_dos.plan.partition_groups``, a
-      ``Plan`` whose subgroups stay within groups, or ``"auto"``).
+    tx: a ``jax_dos.interleaved_adam`` (or ``interleaved_adamw``) transformation, without ``delay`` or ``write_behind``.
+      Its hyperparameters, mask and ``subgroup_size`` are used; its ``plan`` gives the placements (a placement name, one
+      per subgroup of ``jax_dos.plan.partition_groups``, a ``Plan`` whose subgroups stay within groups, or ``"auto"``).
     stages: the model's :class:`jax_dos.Stage` s in forward order.
-    params: the parameter groups, a list of trees (``stages`` refer to them by
-      index). Consumed: the step owns and updates them.
-    opt_state: ``tx.init(params)`` or a restored state for ``params``
-      (consumed), or ``None``: a fresh state (float32 copies of ``params``,
-      zero moments), allocated once, straight in the step's own placements.
-      A state in other placements is moved into them.
-    clip_norm: ``optax.clip_by_global_norm``'s ``max_norm`` before AdamW, or
-      ``None`` for no clip.
-    micro_batches: a step's batch is split into this many equal consecutive
-      parts along its leading axis; their gradients are summed in place and
-      the update takes their mean (the whole batch's mean gradient).
-    micro_batch_order: ``"stage"`` (every micro-batch through a stage before
-      the next stage: the update's window is the whole backward pass, and
-      the forward pass keeps every micro-batch's stage inputs) or
-      ``"batch"`` (micro-batch after micro-batch: the window is the last
-      micro-batch's backward pass, one micro-batch's inputs kept)
+    params: the parameter groups, a list of trees (``stages`` refer to them by index). Consumed: the step owns and
+      updates them.
+    opt_state: ``tx.init(params)`` or a restored state for ``params`` (consumed), or ``None``: a fresh state (float32
+      copies of ``params``, zero moments), allocated once, straight in the step's own placements. A state in other
+      placements is moved into them.
+    clip_norm: ``optax.clip_by_global_norm``'s ``max_norm`` before AdamW, or ``None`` for no clip.
+    micro_batches: a step's batch is split into this many equal consecutive parts along its leading axis; their
+      gradients are summed in place and the update takes their mean (the whole batch's mean gradient).
+    micro_batch_order: ``"stage"`` (every micro-batch through a stage before the next stage: the update's window is the
+      whole backward pass, and the forward pass keeps every micro-batch's stage inputs) or ``"batch"`` (micro-batch
+      after micro-batch: the window is the last micro-batch's backward pass, one micro-batch's inputs kept)
       (``jax_dos.stages.schedule``).
-    plan: overrides ``tx``'s plan (same forms). ``jax_dos.overlapped_plan``
-      makes the step's plan from shapes before any state exists (to compare
-      it with the plain step's, and to restore a checkpoint straight into its
-      placements and layout with ``jax_dos.abstract_state``); pass it here.
-    stage_times: the stages' measured times (``StagedModel.measure_times``).
-      With them, ``"auto"`` places subgroups by the step's timeline
-      (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner
-      would, and records the predicted step in ``plan.predicted``; without
-      them it keeps ``tx``'s planner's shares, by stage order. Measured with
-      ``policies``, ``"auto"`` also chooses each stage's rematerialisation
-      policy beside the placements (``plan.remat``), and the step runs its
-      stages under them.
-    run_ahead_stages: how many stage programs the training thread may have
-      dispatched beyond the one the accelerator runs (default
-      ``RUN_AHEAD_STAGES``, one with one micro-batch).
-      Fewer: the workers' programs and copies wait less behind the stage
-      programs; more: the accelerator is less likely to wait for a dispatch.
-    stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``),
-      fewer where the room beside the step's peak cannot hold them (``"auto"``).
-    rebalance: move one subgroup a step across the host/stream boundary,
-      away from the path that finished later (``overlap.routes.rebalanced``),
-      after ``REBALANCE_AFTER_STEPS`` steps; a step that rebalances first
-      waits for the last one's update to end. The numbers do not change.
-    host_budget_bytes: pinned host bytes this process's step may use at most
-      (:meth:`host_bytes`); ``None``: ``overlap.memory.HOST_SHARE`` of RAM, and
-      no more than XLA's pinned pool. Nor more than the process's share of
-      its host's pinned pool (``host_plan.pool_share`` of ``tx``'s
-      ``host_memory``, else of this machine's RAM and the job's processes on
-      it). The stream path speculates on what the rest holds
-      (:attr:`stream_speculation`). Where the step does not fit, a
-      ``MemoryError`` with the numbers before anything moves, on every
-      process of the job: ``params`` and ``opt_state`` stay usable on the
-      plain path.
-    speculation: ``"silent"`` (the default): the workers speculate that the
-      clip stays silent only where the last step's clip was silent; after a
-      fired step they wait for the decision and step every subgroup once,
-      with the true scale, in the order the next forward pass needs them (a
-      fired clip makes a speculation wasted work that competes for host DRAM
-      and the link). ``"always"``: speculate every step. ``"never"``: wait for
-      every decision. The numbers are the same in all three.
-    pinned_memory: ``"arena"``: the offloaded state, spares and copies in
-      pinned memory the step maps itself, outside XLA's pinned pool (CUDA and
-      the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``:
-      XLA's pool; ``"auto"`` (the default): as ``overlap.state.PinnedMemory``
-      says. The numbers are the same.
+    plan: overrides ``tx``'s plan (same forms). ``jax_dos.overlapped_plan`` makes the step's plan from shapes before any
+      state exists (to compare it with the plain step's, and to restore a checkpoint straight into its placements and
+      layout with ``jax_dos.abstract_state``); pass it here.
+    stage_times: the stages' measured times (``StagedModel.measure_times``). With them, ``"auto"`` places subgroups by
+      the step's timeline (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner would, and records the
+      predicted step in ``plan.predicted``; without them it keeps ``tx``'s planner's shares, by stage order. Measured
+      with ``policies``, ``"auto"`` also chooses each stage's rematerialisation policy beside the placements
+      (``plan.remat``), and the step runs its stages under them.
+    run_ahead_stages: how many stage programs the training thread may have dispatched beyond the one the accelerator
+      runs (default ``RUN_AHEAD_STAGES``, one with one micro-batch). Fewer: the workers' programs and copies wait less
+      behind the stage programs; more: the accelerator is less likely to wait for a dispatch.
+    stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``), fewer where the room beside the step's peak
+      cannot hold them (``"auto"``).
+    rebalance: move one subgroup a step across the host/stream boundary, away from the path that finished later
+      (``overlap.routes.rebalanced``), after ``REBALANCE_AFTER_STEPS`` steps; a step that rebalances first waits for the
+      last one's update to end. The numbers do not change.
+    host_budget_bytes: pinned host bytes this process's step may use at most (:meth:`host_bytes`); ``None``:
+      ``overlap.memory.HOST_SHARE`` of RAM, and no more than XLA's pinned pool. Nor more than the process's share of its
+      host's pinned pool (``host_plan.pool_share`` of ``tx``'s ``host_memory``, else of this machine's RAM and the job's
+      processes on it). The stream path speculates on what the rest holds (:attr:`stream_speculation`). Where the step
+      does not fit, a ``MemoryError`` with the numbers before anything moves, on every process of the job: ``params``
+      and ``opt_state`` stay usable on the plain path.
+    speculation: ``"silent"`` (the default): the workers speculate that the clip stays silent only where the last step's
+      clip was silent; after a fired step they wait for the decision and step every subgroup once, with the true scale,
+      in the order the next forward pass needs them (a fired clip makes a speculation wasted work that competes for host
+      DRAM and the link). ``"always"``: speculate every step. ``"never"``: wait for every decision. The numbers are the
+      same in all three.
+    pinned_memory: ``"arena"``: the offloaded state, spares and copies in pinned memory the step maps itself, outside
+      XLA's pinned pool (CUDA and the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``: XLA's pool;
+      ``"auto"`` (the default): as ``overlap.state.PinnedMemory`` says. The numbers are the same.
 
-  A call ``step(batch) -> loss`` takes one step: the mean loss of the batch
-  (an accelerator scalar), with the parameters it was computed at being the
-  previous step's. It returns once the backward pass is dispatched; reading
-  the loss waits behind the state's copies to the host, so read a few steps'
-  losses at a time. :attr:`params` and :attr:`opt_state` wait for the pending
-  update and return the current trees; the state equals
-  ``optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(...))``'s on
-  the same gradients, to float32 rounding, in every placement, and the same
-  bits in two runs of the same steps.
+  A call ``step(batch) -> loss`` takes one step: the mean loss of the batch (an accelerator scalar), with the parameters
+  it was computed at being the previous step's. It returns once the backward pass is dispatched; reading the loss waits
+  behind the state's copies to the host, so read a few steps' losses at a time. :attr:`params` and :attr:`opt_state`
+  wait for the pending update and return the current trees; the state equals
+  ``optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(...))``'s on the same gradients, to float32 rounding,
+  in every placement, and the same bits in two runs of the same steps.
 
-  Run other accelerator programs (an evaluation) after :meth:`settle`: a
-  program's first run loads it, and on a GPU a cuDNN graph loaded while
-  another thread launches work fails its stream capture. The step commits
-  the parameters and holds its first step's worker jobs until that step's
-  programs have run, so that its own programs are loaded with no other
-  thread launching.
+  Run other accelerator programs (an evaluation) after :meth:`settle`: a program's first run loads it, and on a GPU a
+  cuDNN graph loaded while another thread launches work fails its stream capture. The step commits the parameters and
+  holds its first step's worker jobs until that step's programs have run, so that its own programs are loaded with no
+  other thread launching.
   """
 
   def __init__(
