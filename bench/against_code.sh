@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The README's 6.7B command on this code against the same command on other code, on one GPU, in one call: a
 # redesign's "speed unchanged". BEFORE is a folder holding the other code's jax_dos/, models/, train/ and
-# bench/tools/ (e.g. `git archive COMMIT jax_dos models train bench/tools | tar -x -C .before`, carried to the
-# machine). Runs alternate, ours then before for the first clip setting, before then ours for the next (so that a
-# drift of the machine weighs on both), through bench/readme_command.sh (timed from outside).
+# bench/tools/ (e.g. `git archive COMMIT jax_dos models train bench/tools | tar -x -C .before && echo COMMIT >
+# .before/COMMIT`, carried to the machine). Runs alternate, ours then before for the first clip setting, before then
+# ours for the next (so that a drift of the machine weighs on both), through bench/readme_command.sh (timed from
+# outside).
 #   CLIPS: "silent fired" (default): silent = --clip 1e6, fired = the default clip 1.0 (fires at 6.7B's start)
 #   STEPS: steps a run (default 15); EXTRA: more flags for every run
 # Usage: OUT=/abs/dir BEFORE=.before [CLIPS="silent fired"] [STEPS=15] [DEADLINE_S=580] bash bench/against_code.sh
@@ -13,7 +14,9 @@ export OUT=${OUT:?an absolute OUT} STEPS=${STEPS:-15}
 before=$(cd "${BEFORE:?the other code folder}" && pwd)
 T0=$(date +%s)
 mkdir -p "$OUT"
-(cd "$before" && git rev-parse HEAD 2>/dev/null; cat "$before/COMMIT" 2>/dev/null) > "$OUT/before_commit.txt"
+# The other code's commit: its COMMIT file (a `git archive` has no .git of its own), else its checkout's HEAD.
+cat "$before/COMMIT" 2>/dev/null > "$OUT/before_commit.txt" ||
+  (cd "$before" && git rev-parse HEAD) > "$OUT/before_commit.txt"
 flip=0
 for clip in ${CLIPS:-silent fired}; do
   extra=${EXTRA:-}
@@ -26,7 +29,8 @@ for clip in ${CLIPS:-silent fired}; do
     if [[ $code == ours ]]; then
       EXTRA="$extra" NAME="${clip}_$code" PLAIN=0 DEADLINE_S=$left bash bench/readme_command.sh
     else
-      (cd "$before" && EXTRA="$extra" NAME="${clip}_$code" PLAIN=0 DEADLINE_S=$left bash "$OLDPWD/bench/readme_command.sh")
+      (cd "$before" && EXTRA="$extra" NAME="${clip}_$code" PLAIN=0 DEADLINE_S=$left \
+        bash "$OLDPWD/bench/readme_command.sh")
     fi
   done
 done

@@ -20,7 +20,8 @@ left() { echo $(( ${DEADLINE_S:-570} - ($(date +%s) - T0) )); }
  "optax", optax.__version__, "safetensors", safetensors.__version__, "tokenizers", tokenizers.__version__)'
  git rev-parse HEAD 2>/dev/null) > "$OUT/device.txt" 2>&1
 rm -rf "$ckpt"
-python3 bench/pretrained_checkpoint.py --preset "$preset" --out "$ckpt" --rows "$rows" 2>&1 | tail -3 | tee "$OUT/checkpoint.txt"
+python3 bench/pretrained_checkpoint.py --preset "$preset" --out "$ckpt" --rows "$rows" 2>&1 | tail -3 |
+  tee "$OUT/checkpoint.txt"
 run() {  # name, flags...
   local name=$1; shift
   python3 bench/tools/run_timed.py --deadline-s "$(left)" --json "$OUT/$name.json" --log "$OUT/$name.log" -- \
