@@ -350,7 +350,7 @@ def _without_backend(v: dict[str, Any], err: _Error) -> Flags:
     if shape["d_model"] % shape["n_head"]:
       err(f"--d-model {shape['d_model']} must be divisible by --n-head {shape['n_head']}.")
     try:
-      ARCHS[arch].get_config(preset, **overrides)
+      model_cfg = ARCHS[arch].get_config(preset, **overrides)
     except ValueError as e:
       err(f"--arch {arch} --preset {preset} with these sizes: {e}")
     block = shape["block_size"]
@@ -358,7 +358,7 @@ def _without_backend(v: dict[str, Any], err: _Error) -> Flags:
     what = f"preset {preset!r}"
     if v["warmup"] is None:
       decay = v["steps"] if v["decay_steps"] is None else v["decay_steps"]
-      large = ARCHS[arch].param_count(ARCHS[arch].get_config(preset, **overrides)) >= LARGE_MODEL
+      large = ARCHS[arch].param_count(model_cfg) >= LARGE_MODEL
       v["warmup"] = LARGE_WARMUP if large else min(100, decay // 10)
   if not 1 <= v["seq_len"] <= block:
     err(f"--seq-len {v['seq_len']} must be between 1 and the block size of {what} ({block}).")
