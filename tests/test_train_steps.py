@@ -255,7 +255,7 @@ def test_the_line_says_which_rematerialisation_the_overlapped_plan_chose():
   remat = ("full", "minimal", "minimal", "full")
   overlapped = dataclasses.replace(_plan(2, {"step": 2.9, "exposed": 0.1}), remat=remat)
   _, line = S.choose("auto", _plan(2, {"total": 0.9}), overlapped, None)
-  assert "overlapped 2.90 s, remat minimal on 2 of 4 stages, full on 2" in line
+  assert "overlapped 2.90 s (forward/backward 2.80 s), remat minimal on 2 of 4 stages, full on 2" in line
   _, line = S.choose("auto", _plan(2, {"total": 0.9}), _plan(2, {"step": 2.9, "exposed": 0.1}), None)
   assert "remat" not in line  # the stages' own policies: nothing chosen
 

@@ -123,8 +123,9 @@ def choose(
   shown = []
   if silent is not None:
     remat = "" if overlapped.remat is None else f", remat {jax_dos.describe_remat(overlapped.remat)}"
-    shown.append(f"overlapped {silent:.2f} s" + (f" ({fired_s:.2f} s after a fired clip)" if fired_s is not None
-                 else "") + remat)  # fmt: skip
+    own = silent - overlapped.predicted["exposed"]  # its forward and backward, as the plan measured its stages
+    shown.append(f"overlapped {silent:.2f} s (forward/backward {own:.2f} s" + (f"; {fired_s:.2f} s after a fired clip)"
+                 if fired_s is not None else ")") + remat)  # fmt: skip
   if alone is not None:
     shown.append(f"plain {alone:.2f} s")
   shown = ", ".join(shown)
