@@ -240,7 +240,11 @@ class InterleavedAdam:
         if self.planner is None:
           raise ValueError("plan='auto' needs a planner: pass planner=jax_dos.auto_planner() (interleaved_adam does).")
         planned = partition.state_layout(params) if self.partitions else params
-        plan = agreed_across_processes(self.planner(planned, self.subgroup_size))
+        relaid = [(s, p) for s, p in zip(jax.tree.leaves(planned), leaves) if s is not p]
+        extra = {}
+        if relaid and getattr(self.planner, "counts_relayout", False):  # what the update holds to gather them
+          extra["relayout_elements"] = tuple(sum(memory.device_elements(x[k]) for x in relaid) for k in (0, 1))
+        plan = agreed_across_processes(self.planner(planned, self.subgroup_size, **extra))
         if (self.delay or self.write_behind) and plan.indices("stream"):
           # Delayed (or written-behind) host work overlaps the next forward/backward pass, streamed work does not:
           # stream nothing.
@@ -354,6 +358,10 @@ class InterleavedAdam:
       # State laid out otherwise than its parameters (partitioned): the engine works on the state's shards, and
       # the new parameters (or updates) go back to the parameters' layout.
       engine_params = partition.relaid(param_leaves, masters)
+      if new_params:  # consumed: a replicated parameter's slice is what the update reads, and its gathered new
+        for old, mine in zip(param_leaves, engine_params):  # weights take the old ones' place (budgets.py's R)
+          if mine is not old:
+            old.delete()
       args = (grads, masters, mus, nus, engine_params)
       out = self._engine(plan, decay).update(*args, state.count, grad_scale, new_params)
       if any(a is not b for a, b in zip(engine_params, param_leaves)):

@@ -64,7 +64,10 @@ SCRIPT = textwrap.dedent(
         g = {k: jax.device_put(jnp.asarray(rng.standard_normal(shapes[k]), jnp.float32), params[k].sharding)
              for k in shapes}
         if name == "update_params":
+          old = p
           p, state = jax_dos.update_params(tx, grad_fn(g), state, p)
+          # consumed, the replicated ones too: their gathered new weights take the old ones' place on the devices
+          assert all(x.is_deleted() for x in old.values()), {k: x.is_deleted() for k, x in old.items()}
         else:
           u, state = tx.update(grad_fn(g), state, p)
           p = optax.apply_updates(p, u)
@@ -74,6 +77,20 @@ SCRIPT = textwrap.dedent(
       assert max_rel_diff(p, ref_p) <= 1e-6 and max_rel_diff(state.master, ref_p) <= 1e-6, name
       check_layout(state, p, name)
       print("ok", name)
+
+    # The planner is told what a partitioned state's update holds on each device beside it: the relaid leaves'
+    # elements in the state's layout and in the parameters' (planning/budgets.py's R).
+    seen = []
+    def planner(planned, subgroup_size, relayout_elements=(0, 0)):
+      seen.append(relayout_elements)
+      return jax_dos.resolve_plan(plans[-1], planned, subgroup_size)
+    planner.counts_relayout = True
+    jax_dos.interleaved_adam(1e-2, subgroup_size=1, plan="auto", planner=planner).init(params)
+    relaid = [k for k in shapes if share[k] == 4 and params[k].addressable_shards[0].data.size * 4 != np.prod(shapes[k])]
+    assert sorted(relaid) == ["replicated", "rows", "vec"], relaid
+    want = (sum(np.prod(shapes[k]) // 4 for k in relaid), sum(params[k].addressable_shards[0].data.size for k in relaid))
+    assert seen == [want], (seen, want)
+    print("ok relayout")
     """
 )
 
@@ -85,7 +102,7 @@ def test_partitioned_state_matches_optax_and_holds_shares():
   command = [sys.executable, "-c", SCRIPT]
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.count("ok ") == 11, result.stdout
+  assert result.stdout.count("ok ") == 12, result.stdout
 
 
 SHARE_SCRIPT = textwrap.dedent(

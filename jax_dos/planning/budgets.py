@@ -10,8 +10,14 @@ of a float32 update per parameter::
 
     resident <= F - P                                  (forward/backward: state beside activations)
     resident + max(0, resident g/12 - L) + staging     (update: activations gone, fp32 updates made,
-        <= F - L - U N                                  resident gradients back from the host unless
+        <= F - L - U N - R                              resident gradients back from the host unless
                                                         the step kept them on the accelerator, in L)
+
+with ``R`` what the update holds for a state partitioned over ``data`` while its parameters are replicated: the
+new weights' shards, ``p N`` with ``p`` the parameters' itemsize, beside the weights gathered from them (which
+replace the old weights the update consumes), or, without ``params_in_place``, the float32 updates gathered back
+to the parameters' layout. On two H200s the 13B GPT's plain step, planned without it, ran out of memory in its
+first all-gather.
 
 ``U`` is 0 with ``params_in_place`` (``jax_dos.update_params`` makes no update
 tree), and two streaming slots are kept unless the whole state fits.
@@ -101,6 +107,9 @@ class BudgetInputs:
       update per parameter.
     ahead_bytes: accelerator bytes per parameter of the state copies sent ahead (``delay_predict="gradient"``);
       0: none are, and the ahead budget is ``None``.
+    relayout_bytes: accelerator bytes a device holds through the update for a state laid out otherwise than its
+      parameters (partitioned over ``data``): the new weights' shards beside the gathered weights (the old ones are
+      consumed), or the float32 updates gathered back to the parameters' layout.
     step_memory: the training step's needs (exact budgets), or ``None`` (fractions of the free memory).
     free_bytes: accelerator memory free; ``None``: the accelerator's now, else the calibration's.
     resident_budget_bytes, staging_budget_bytes: explicit budgets.
@@ -112,6 +121,7 @@ class BudgetInputs:
   grad_itemsize: int = 4
   params_in_place: bool = False
   ahead_bytes: int = 0
+  relayout_bytes: int = 0
   step_memory: StepMemory | None = None
   free_bytes: int | None = None
   resident_budget_bytes: int | None = None
@@ -149,7 +159,7 @@ def _step_budgets(b: BudgetInputs, free: int) -> Budgets:
   update_bytes = 0 if b.params_in_place else UPDATE_BYTES
   live, grad_share = b.step_memory.live_bytes, b.grad_itemsize / STATE_BYTES
   fb_room = usable - b.step_memory.peak_bytes
-  update_room = usable - live - update_bytes * b.device_elements
+  update_room = usable - live - update_bytes * b.device_elements - b.relayout_bytes
 
   def update_need(resident: int) -> int:  # resident gradients come back unless the step kept them (counted in L)
     return resident + max(0, int(grad_share * resident) - live)

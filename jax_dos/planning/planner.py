@@ -20,6 +20,7 @@ from jax_dos.plan import STAGING_BYTES, STATE_BYTES, Plan, partition_leaves
 from jax_dos.planning.budgets import (
   DEFAULT_RESIDENT_FRACTION,
   DEFAULT_STAGING_FRACTION,
+  UPDATE_BYTES,
   BudgetInputs,
   StepMemory,
   resolve_budgets,
@@ -43,6 +44,7 @@ def make_plan(
   params_in_place: bool = False,
   ahead_copies: bool = False,
   moments: str = "float32",
+  relayout_elements: tuple[int, int] = (0, 0),
 ) -> Plan:
   """The model's :class:`~jax_dos.plan.Plan` for ``params``.
 
@@ -50,6 +52,8 @@ def make_plan(
   ones win), placements as :func:`~jax_dos.planning.search.plan_sizes` chooses them.
   ``moments``: the optimizer's format; its state takes ``moment_formats.state_bytes_per_param`` bytes a
   parameter (12, 8, about 6) resident or in flight, and the rates are ``Calibration.for_moments``'.
+  ``relayout_elements``: of the leaves whose state is laid out otherwise than their parameters (partitioned), the
+  elements a device holds in the state's layout and in the parameters' (``budgets.BudgetInputs.relayout_bytes``).
   """
   cal = as_calibration(calibration).for_moments(moment_formats.check(moments))
   subgroups, sizes = partition_leaves(params, subgroup_size)
@@ -62,6 +66,7 @@ def make_plan(
     grad_itemsize=itemsize,
     params_in_place=params_in_place,
     ahead_bytes=3 * itemsize if ahead_copies else 0,  # copies of master, mu and nu in the parameters' dtype
+    relayout_bytes=itemsize * relayout_elements[0] if params_in_place else UPDATE_BYTES * relayout_elements[1],
     step_memory=step_memory,
     resident_budget_bytes=resident_budget_bytes,
     staging_budget_bytes=staging_budget_bytes,
@@ -112,9 +117,10 @@ def auto_planner(calibration: CalibrationSpec = None, **plan_kwargs) -> Callable
     calibration = as_calibration(calibration)  # fail early on a bad override
   held: list[Calibration] = []
 
-  def planner(params: Any, subgroup_size: int) -> Plan:
+  def planner(params: Any, subgroup_size: int, relayout_elements: tuple[int, int] = (0, 0)) -> Plan:
     if not held:
       held.append(get_calibration(calibration))
-    return make_plan(params, subgroup_size, held[0], **plan_kwargs)
+    return make_plan(params, subgroup_size, held[0], relayout_elements=relayout_elements, **plan_kwargs)
 
+  planner.counts_relayout = True  # interleaved_adam tells it what a partitioned state's update holds
   return planner
