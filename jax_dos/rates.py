@@ -15,3 +15,4 @@ class Rates:
   host_concurrent: float
   stream_concurrent: float
   stream_backward: float | None = None  # the stream path's cap while the backward pass runs (None: no cap)
+  host_kernel: float = 0.0  # the host kernel alone, at the host's DRAM speed (0: not measured)

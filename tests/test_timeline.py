@@ -1,8 +1,10 @@
 """The overlapped step's timeline model (``jax_dos.timeline``): worked cases and the placements it picks."""
 
+import dataclasses
+
 import pytest
 
-from jax_dos.collectives import Collectives
+from jax_dos.collectives import STREAM_DRAM_SHARE, Collectives
 from jax_dos.timeline import (
   HostBytes,
   Rates,
@@ -208,6 +210,28 @@ def test_data_parallel_collectives_fired_clip():
   assert alone["backward_end_s"] == pytest.approx(6.0) and "gather_end_s" not in alone
   silent = simulate(TIMES, subgroups, ["host", "host"], RATES, collectives=dp)
   assert silent["exposed_s"] < fired["exposed_s"]
+
+
+def test_ranks_of_one_host_share_its_dram_not_their_links():
+  # The host kernel alone at k = 4/s: the host's DRAM moves 4 kernel parameters a second. Two ranks: each kernel
+  # parameter takes 2/4 s of DRAM, and the host path's copies (1/h - 1/k = 1/2 - 1/4 s) run on each rank's own link.
+  dp = Collectives(ranks=2, link=4.0, ranks_per_host=2)
+  rates = dataclasses.replace(RATES, host_kernel=4.0, stream_backward=3.0)
+  shared = dp.shared_rates(rates)
+  assert shared.host == pytest.approx(1 / (2 / 4 + 1 / 2 - 1 / 4))
+  assert shared.stream == pytest.approx(min(4.0, 4 / (STREAM_DRAM_SHARE * 2)))  # the DRAM binds: 2.22/s
+  # Both paths on both ranks ask for 2 (1 + 0.9 x 2) = 5.6 > 4 kernel parameters a second: scaled to fit.
+  fits = 4 / (2 * (1.0 + STREAM_DRAM_SHARE * 2.0))
+  assert shared.host_concurrent == pytest.approx(1.0 * fits)
+  assert shared.stream_concurrent == pytest.approx(2.0 * fits)
+  assert shared.stream_backward == pytest.approx(shared.stream)
+  # A DRAM fast enough for both ranks leaves each its own rates; one rank, or no kernel rate measured (every rate
+  # shared, as if the DRAM bound every path), as before.
+  fast = dp.shared_rates(dataclasses.replace(RATES, host=2.0, host_kernel=1e9))
+  assert (fast.host, fast.stream, fast.host_concurrent, fast.stream_concurrent) == pytest.approx((2.0, 4.0, 1.0, 2.0))
+  assert Collectives(ranks=2, link=4.0).shared_rates(rates) == rates
+  blind = dp.shared_rates(RATES)
+  assert (blind.host, blind.stream, blind.host_concurrent, blind.stream_concurrent) == (1.0, 2.0, 0.5, 1.0)
 
 
 def test_plain_step_collectives_and_speculation_share():

@@ -387,7 +387,7 @@ def _timeline_plan(
                                        moments)  # fmt: skip
     backward = stream_rate_during_backward(times, sum(sizes) / len(sizes), run_ahead_stages)
     rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
-                  cal["stream_rate_concurrent"], backward)  # fmt: skip
+                  cal["stream_rate_concurrent"], backward, cal.get("host_kernel_rate", 0.0))  # fmt: skip
     window = times.per_window(k, micro_batch_order)
     placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
                                               host_budget_bytes=host_budget_bytes,
