@@ -13,6 +13,9 @@ model often does.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +23,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import max_rel_diff
+from helpers import cpu_devices_env, max_rel_diff
 
 import jax_dos
 
@@ -28,6 +31,7 @@ VOCAB, D, HEADS, LAYERS, SEQ, ROWS = 16, 8, 2, 2, 6, 4
 LR, WD, B1, B2, CLIP = 1e-2, 0.1, 0.9, 0.95, 1.0
 DROP = 0.25
 LAYOUTS = ("list", "stack", "shared")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Block(nnx.Module):
@@ -146,8 +150,13 @@ def params(model) -> dict:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dropout_trains_through_the_stages_as_the_plain_nnx_model(layout):
-  batches = make_batches(np.random.default_rng(), 3)
-  model = make_model(layout)
+  trains_as_the_plain_model(layout, make_batches(np.random.default_rng(), 3))
+
+
+def trains_as_the_plain_model(layout: str, batches: list, place=lambda model: model) -> None:
+  """Three steps of the overlapped step and of the plain path from one model (laid out by ``place``) on
+  ``batches``: the same parameters to float32 rounding and the same counters."""
+  model = place(make_model(layout))
   reference = nnx.clone(model)
   optimizer = nnx.Optimizer(reference, optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(
     LR, b1=B1, b2=B2, weight_decay=WD)), wrt=nnx.Param)  # fmt: skip
@@ -168,6 +177,37 @@ def test_dropout_trains_through_the_stages_as_the_plain_nnx_model(layout):
   assert listed(model) == listed(reference)
   assert all(st.inputs is not None for st in staged.stages)
   assert len({s.fn for s in staged.stages[1:-1]}) == 1  # one program for every layer
+
+
+MESH_SCRIPT = """
+import sys
+sys.path.insert(0, "tests")
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import test_stage_rng as t
+
+mesh = Mesh(np.array(jax.devices()), ("data",))
+rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+
+def place(model):  # the parameters (and the streams' keys and counters) replicated over the mesh
+  nnx.update(model, jax.device_put(nnx.state(model), replicated))
+  return model
+
+for layout in ("stack", "shared"):  # a stream split per layer, one stream counted on across the layers
+  batches = [jax.device_put(b, rows) for b in t.make_batches(np.random.default_rng(), 3)]
+  t.trains_as_the_plain_model(layout, batches, place)
+  print("ok", layout)
+"""
+
+
+def test_dropout_on_a_data_parallel_mesh_is_the_plain_models():
+  """On 2 devices, the batch's rows over them and the model replicated, the stages draw the plain path's masks:
+  the same numbers as the plain NNX model trained on the same mesh (a mask does not depend on the layout)."""
+  result = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=ROOT, env=cpu_devices_env(2), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert result.stdout.count("ok ") == 2, result.stdout
 
 
 def test_another_dropout_seed_draws_other_masks():
