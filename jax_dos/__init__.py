@@ -31,7 +31,7 @@ from jax_dos import pinned_pool as _pinned_pool
 from jax_dos import timeline, trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
-from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning
+from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning, TemplateMismatchError
 from jax_dos.checkpoint.integrity import DAMAGED_DIR
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.collectives import Collectives
@@ -115,6 +115,7 @@ __all__ = [
   "Stage",
   "StagedModel",
   "StageTimes",
+  "TemplateMismatchError",
   "get_plan",
   "gradient_memory_kinds",
   "gradient_shardings",

@@ -41,6 +41,7 @@ RUN_FIRST = (
   "tests/test_overlap_numbers.py::test_sharded_on_four_devices",
   "tests/test_overlap_machinery.py::test_leaving_python",
   "tests/test_bench_smoke.py",
+  "tests/test_train_resume.py::test_a_checkpoint_saved_on_two_devices",
   "tests/test_train_resume.py::test_resume_is_bit_exact",
   "tests/test_sharding.py",
   "tests/test_train_resume.py::test_a_first_save_killed_midway",

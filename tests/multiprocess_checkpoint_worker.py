@@ -6,8 +6,13 @@ each, gloo) that train a few steps with partitioned state (the default) on a (da
 place, and restore into the same layout, bit-exact. Process 0 writes the global arrays it saved (gathered) to
 ``DIR/expected.npz``, then damages the newest step: both processes must agree on the older one.
 
+Both processes then restore it with bfloat16 moments (the format converted onto the mesh, each process converting
+and placing its shards, several reads of a few leaves): the moments equal the saved ones converted by
+``moment_formats``' own functions, the rest bit-exact.
+
 ``python tests/multiprocess_checkpoint_worker.py single DIR`` restores that checkpoint in one process, on a 2 x 2
-mesh of its 4 devices and on one device, and compares with ``DIR/expected.npz`` bit-exact.
+mesh of its 4 devices and on one device, and compares with ``DIR/expected.npz`` bit-exact; and on one device with
+int8 moments (the conversion issue 50's 13B checkpoint takes from 2 GPUs to 1).
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ DTYPES = {"fsdp": jnp.float32, "table": jnp.bfloat16, "bias": jnp.float32}
 PLAN = ["host", "stream", "device"]
 
 
-def optimizer():
+def optimizer(moments: str = "float32", plan=PLAN):
   import jax_dos
 
-  return jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=PLAN)
+  return jax_dos.interleaved_adam(1e-2, weight_decay=0.1, subgroup_size=1, plan=plan, moments=moments)
 
 
 def template(shardings: dict) -> dict:
@@ -47,6 +52,24 @@ def flat(params, state) -> dict[str, jax.Array]:
   """The arrays a checkpoint holds, by name."""
   trees = {"params": params, "master": state.master, "mu": state.mu, "nu": state.nu}
   return {f"{t}/{k}": tree[k] for t, tree in trees.items() for k in SHAPES} | {"count": state.count}
+
+
+def check_converted(params, state, expected, moments: str) -> None:
+  """``params``, master and count bit-exact against ``expected`` (the float32 state saved); ``mu`` and ``nu`` equal
+  the saved ones encoded in ``moments`` by ``moment_formats.host_encode`` (the step count as the seed), shard by
+  shard (each process its own)."""
+  from jax_dos import moment_formats as mf
+
+  count = int(np.asarray(expected["count"]).reshape(-1)[0])  # (gathered from each process)
+  for name, x in flat(params, state).items():
+    want = expected[name.replace("/", ".")]
+    moment, key = name.split("/")[0], name.split("/")[-1]
+    if moment in ("mu", "nu"):
+      salt = ("mu", "nu").index(moment)
+      want = mf.host_encode(want, moments, float(count), salt).reshape(mf.stored_shape(SHAPES[key], moments))
+      assert x.dtype == mf.stored_dtype(moments), (name, x.dtype)
+    for shard in x.addressable_shards:
+      np.testing.assert_array_equal(bits(shard.data), bits(want[shard.index]), err_msg=f"{moments} {name}")
 
 
 def train_and_save(seed: int, directory: str) -> None:
@@ -105,6 +128,18 @@ def train_and_save(seed: int, directory: str) -> None:
       np.testing.assert_array_equal(bits(shard.data), bits(expected[name][shard.index]), err_msg=name)
   print("ok restored in 2 processes", flush=True)
 
+  # (b) Into bfloat16 moments on the same mesh: each process converts the leaves and puts its own shards, reading
+  # about one leaf's moments at a time.
+  from jax_dos.checkpoint import moments as checkpoint_moments
+
+  checkpoint_moments.CONVERT_BYTES = 2 * 4 * 12  # mu and nu of the small leaves (float32), each read apart
+  bf16 = optimizer("bfloat16")
+  with jax_dos.CheckpointManager(directory) as manager:
+    params, state, _ = manager.restore(params=fresh, opt_state=bf16.init(fresh))
+  check_converted(params, state, {k.replace("/", "."): v for k, v in expected.items()}, "bfloat16")
+  jax.block_until_ready(jax_dos.update_params(bf16, jax.tree.map(jnp.ones_like, params), state, params))
+  print("ok converted in 2 processes", flush=True)
+
 
 def restore_in_one_process(directory: str) -> None:
   from jax.sharding import NamedSharding
@@ -128,6 +163,13 @@ def restore_in_one_process(directory: str) -> None:
     for name, x in flat(params, state).items():
       np.testing.assert_array_equal(bits(x), expected[name.replace("/", ".")], err_msg=f"{label} {name}")
     print("ok restored in one process on", label, flush=True)
+  # Saved on 2 processes' 4 devices, restored on one device with int8 moments (each leaf's moments whole there).
+  fresh = template(layouts["one device"])
+  int8 = optimizer("int8", plan="host")
+  with jax_dos.CheckpointManager(directory) as manager:
+    params, state, _ = manager.restore(params=fresh, opt_state=int8.init(fresh))
+  check_converted(params, state, expected, "int8")  # (and trained on: test_train_resume.py, through the script)
+  print("ok restored in one process with int8 moments", flush=True)
 
 
 if __name__ == "__main__":

@@ -94,3 +94,16 @@ def test_train_gpt_resumes_in_another_format(tmp_path, capsys):
   assert second["start_step"] == 2 and second["step"] == 3
   assert "saved as int8 (blocks of 256) and are restored as bfloat16" in capsys.readouterr().err
   assert all(np.isfinite(v) for v in {**first["losses"], **second["losses"]}.values())
+  # A checkpoint whose moments a later jax_dos wrote (a newer version of their format; its manifest rewritten, so
+  # that it verifies): refused in the checkpoint module's words, not as another model, and left where it is.
+  from jax_dos.checkpoint import integrity
+
+  step_dir = tmp_path / "run" / "ckpt" / "3"
+  record = json.loads((step_dir / "format" / "metadata").read_text())
+  record["moments"]["version"] += 1
+  (step_dir / "format" / "metadata").write_text(json.dumps(record))
+  integrity.write_manifest(str(step_dir), 3)
+  with pytest.raises(SystemExit, match="Restore with a newer jax_dos") as refused:
+    gpt.main([*tiny, "--moments", "bfloat16", "--steps", "4", "--resume"])
+  assert "model differs" not in str(refused.value) and "unchanged" in str(refused.value), refused.value
+  assert sorted(os.listdir(tmp_path / "run" / "ckpt")) == ["2", "3"]

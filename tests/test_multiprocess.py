@@ -91,16 +91,17 @@ def test_two_processes_match_optax():
 
 
 def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(tmp_path):
-  """Each process writes its shards; the step restores bit-exact into 2 processes, and into 1 on other layouts."""
+  """Each process writes its shards; the step restores bit-exact into 2 processes, and into 1 on other layouts; and
+  with its moments converted: to bfloat16 in the 2 processes, to int8 on one device."""
   seed = str(np.random.default_rng().integers(2**31))
   for out in run_processes(CHECKPOINT_WORKER, seed, str(tmp_path)):
-    assert "ok restored in 2 processes" in out, out
+    assert "ok restored in 2 processes" in out and "ok converted in 2 processes" in out, out
   env = cpu_devices_env(4)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   command = [sys.executable, str(CHECKPOINT_WORKER), "single", str(tmp_path)]
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
   assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.count("ok restored in one process") == 2, result.stdout
+  assert result.stdout.count("ok restored in one process") == 3, result.stdout
 
 
 def test_overlapped_step_on_two_processes_matches_optax_agrees_on_one_plan_and_resumes(tmp_path):

@@ -13,11 +13,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import optax
 import pytest
-from helpers import TINY
+from helpers import TINY, cpu_devices_env
 from helpers import same_tree as _same_tree
 from helpers import train_tiny as _run
 
@@ -25,6 +26,7 @@ from train import flags as F
 from train import progress as P
 from train import schedule as S
 
+ROOT = Path(__file__).resolve().parents[1]
 HAVE_CHECKPOINT = importlib.util.find_spec("jax_dos.checkpoint") is not None
 
 
@@ -92,6 +94,24 @@ def test_resumed_schedule_takes_the_flags_not_given():
     S.resumed_schedule(F.parse_args(["--min-lr", "2e-3"]), dataclasses.asdict(F.parse_args(["--lr", "1e-3"])))
 
 
+def test_a_resume_that_changes_the_rows_of_a_step_says_how_to_keep_them():
+  """Another device count with the same ``--batch`` (``--batch`` is rows a device) changes the step's batch: a note
+  (not an error) with the flags that keep it."""
+  from train import checkpoints as C
+
+  on = lambda devices, *flags: dataclasses.replace(F.parse_args(list(flags)), global_batch=int(flags[1]) * devices)  # noqa: E731
+  saved = dataclasses.asdict(on(2, "--batch", "2"))  # 4 rows a step
+  note = C.batch_note(on(1, "--batch", "2"), saved)
+  assert "took 4 rows a step (2 a device x 2 device(s)" in note and "this one takes 2" in note, note
+  assert note.endswith("Give --batch 4 to keep them."), note
+  assert C.batch_note(on(1, "--batch", "4"), saved) is None  # 4 rows on one device: the same batches
+  assert C.batch_note(on(1, "--batch", "2", "--grad-accum", "2"), saved) is None  # or in 2 micro-batches
+  assert "--batch and --grad-accum whose product with this run's 3 device(s) is 4" in C.batch_note(
+    on(3, "--batch", "1"), saved
+  )
+  assert C.batch_note(on(1, "--batch", "2"), {}) is None  # a checkpoint that does not say
+
+
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")
 def test_overlapped_step_trains_and_its_checkpoint_resumes_on_the_plain_path(tmp_path):
   overlapped = _run(tmp_path, "run", "--steps", "4", "--overlap", "on", "--eval-every", "0", "--log-every", "1")
@@ -101,6 +121,39 @@ def test_overlapped_step_trains_and_its_checkpoint_resumes_on_the_plain_path(tmp
   assert plain["start_step"] == 4 and plain["plan"].startswith("Plan (model)")
   with pytest.raises(SystemExit):
     _run(tmp_path, "bad", "--overlap", "on", "--delay", "1")
+
+
+DEVICES_WORKER = Path(__file__).resolve().parent / "resume_devices_worker.py"
+
+
+def test_a_checkpoint_saved_on_two_devices_resumes_on_one_and_in_other_moment_formats(tmp_path):
+  """Issue 50's N -> M devices through the script (``tests/resume_devices_worker.py`` says what runs where): saved on
+  ``--mesh data=2`` (plain step) and ``--mesh fsdp=2`` (overlapped), resumed on one device and, with bfloat16
+  moments, on ``data=2``. What each resume restored was checked in its process: the parameters and master weights
+  bit for bit, the moments too or converted as ``moment_formats`` converts them. Here, the losses: the same format
+  continues as the uninterrupted run on 2 devices, to float32 rounding; a converted one takes step 3 (from the
+  restored parameters) as that run, and step 4 (after one update with rounded moments) close to it."""
+  said = ""
+  for stage, devices in (("two", 2), ("one", 1)):
+    env = cpu_devices_env(devices)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, str(DEVICES_WORKER), stage, str(tmp_path)]
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    said += out.stdout
+  checks = ("saved", "r2bf16", "int8 on a mesh refused", "r2to1", "r2int8")
+  assert all(f"ok {check}\n" in said for check in checks), said
+
+  def losses(name: str) -> dict[int, float]:
+    rows = map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+  for saved, resumed, converted in (("s2off", "r2to1", False), ("s2off", "r2bf16", True), ("s2on", "r2int8", True)):
+    whole, split = losses(saved), losses(resumed)
+    assert sorted(whole) == sorted(split) == [1, 2, 3, 4], (whole, split)
+    assert [split[s] for s in (1, 2)] == [whole[s] for s in (1, 2)]  # the log of the steps before the checkpoint
+    np.testing.assert_allclose(split[3], whole[3], rtol=1e-5, err_msg=resumed)
+    np.testing.assert_allclose(split[4], whole[4], rtol=1e-3 if converted else 1e-5, err_msg=resumed)
 
 
 @pytest.mark.skipif(not HAVE_CHECKPOINT, reason="jax_dos.checkpoint is not in this checkout yet")

@@ -90,11 +90,13 @@ def restore(
     raise SystemExit(
       f"error: --resume: {e}\nRun without --resume to start again in {ckpt_dir}, or pass another --out."
     ) from None
-  except ValueError as e:  # the checkpoint module's template mismatch: a different model or optimizer chain
+  except jax_dos.TemplateMismatchError as e:  # a different model or optimizer chain
     raise SystemExit(
       f"error: --resume: the checkpoint's model differs from this run's; give the same --preset, --n-layer,"
       f" --n-head, --d-model and --vocab-size as the run that wrote it.\n{e}"
     ) from None
+  except ValueError as e:  # what else the checkpoint module refuses (a newer format, ...): its own words
+    raise SystemExit(f"error: --resume: {e}\nThe checkpoints in {ckpt_dir} are unchanged.") from None
   saved_arch = meta.get("args", {}).get("arch", "gpt")
   if saved_arch != args.arch:
     raise SystemExit(f"error: --resume: the checkpoint is of --arch {saved_arch}, not {args.arch}.")
@@ -106,9 +108,32 @@ def restore(
   if meta.get("seed") != args.seed:
     raise SystemExit(f"error: --resume: the checkpoint was trained with --seed {meta.get('seed')}, not {args.seed}.")
   args, notes = resumed_schedule(args, meta.get("args", {}))
-  for note in notes:
-    say(args, note)
+  for note in [*notes, batch_note(args, meta.get("args", {}))]:
+    if note:
+      say(args, note)
   return params, opt_state, int(meta["step"]), args
+
+
+def batch_note(args: TrainConfig, saved_args: dict[str, Any]) -> str | None:
+  """The line a resumed run prints where its steps take another number of rows than the run it resumes (another
+  device count with the same ``--batch``, say), with the flags that keep them; ``None`` where they agree (or the
+  checkpoint does not say). Not an error: a run may change its batch on purpose."""
+  try:
+    saved_rows = int(saved_args["global_batch"]) * int(saved_args.get("grad_accum", 1))
+    saved_devices = int(saved_args["global_batch"]) // int(saved_args["batch"])
+  except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    return None
+  devices, rows = args.global_batch // args.batch, args.global_batch * args.grad_accum
+  if saved_rows == rows:
+    return None
+  keep = f"--batch and --grad-accum whose product with this run's {devices} device(s) is {saved_rows}"
+  if saved_rows % (devices * args.grad_accum) == 0:
+    keep = f"--batch {saved_rows // (devices * args.grad_accum)}"
+  return (
+    f"resume: the resumed run took {saved_rows} rows a step ({saved_args['batch']} a device x {saved_devices}"
+    f" device(s) x {saved_args.get('grad_accum', 1)} micro-batch(es)), this one takes {rows} ({args.batch} x"
+    f" {devices} x {args.grad_accum}): its steps read other batches. Give {keep} to keep them."
+  )
 
 
 @jax.jit

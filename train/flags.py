@@ -442,6 +442,10 @@ def _with_backend(flags: Flags, compute_dtype: str | None, mesh: dict[str, int] 
       err(f"--mesh data={mesh['data']},fsdp={mesh['fsdp']} lays out {devices} devices; this job has"
           f" {jax.device_count()} ({jax.process_count()} process(es) x {jax.local_device_count()}): give sizes whose"
           " product is that, or --devices to train on fewer.")  # fmt: skip
+  if flags.moments == "int8" and devices > 1:
+    err(f"--moments int8 keeps each parameter's moments whole on one device; this run lays its parameters over"
+        f" {devices} devices (--mesh data={mesh['data']},fsdp={mesh['fsdp']}). Use --moments bfloat16 on a mesh (a"
+        " checkpoint of any format resumes in it), or train on one device (--devices 1).")  # fmt: skip
   resolved = {f.name: getattr(flags, f.name) for f in dataclasses.fields(Flags)}
   return TrainConfig(**resolved, compute_dtype=compute_dtype, mesh=mesh, global_batch=flags.batch * devices)
 

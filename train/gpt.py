@@ -291,9 +291,12 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32, sharding=batch_layout),) * 2
     check_split_flush(grad_step.lower(graphdef, params, batch, args.clip).compile(), step_memory)
   with _setup_phase(args, "the optimizer state allocated in the plain step's placements"):
-    opt_state, start_step = tx.init(params), 0
+    opt_state, start_step = tx.init(params), 0  # (its checks: a plan the host cannot hold is refused here)
   if restore_from is not None:
-    params, opt_state, start_step, args = checkpoints.restore(restore_from, cfg, params, opt_state, args)
+    # Restored into the state's shapes and placements, the state itself freed first: the host holds it once.
+    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), opt_state)
+    del opt_state
+    params, opt_state, start_step, args = checkpoints.restore(restore_from, cfg, params, template, args)
     schedule.follow(args)
   if plain_plan is not None:
     notes.append(str(plain_plan))

@@ -48,8 +48,9 @@ def to_disk(params: Any, opt_state: Any) -> tuple[dict[str, Any], dict[str, Any]
 @dataclasses.dataclass(frozen=True)
 class DiskTemplate:
   """What a restore of step's canonical state reads into: the template's Adam ``parts``, the ``canon`` tree as on
-  disk (its moments in the saved format ``source``, converted to ``target`` after; ``moments`` the two moment
-  templates as read), and the parameters' ``shapes``."""
+  disk (its moments in the saved format ``source``; where that is not ``target``, the template's, ``moments`` are
+  the two moment trees' stored shapes and dtypes, read apart and converted: ``moments.convert_leaf``), and the
+  parameters' ``shapes``."""
 
   parts: AdamParts
   canon: dict[str, Any]

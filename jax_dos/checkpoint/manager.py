@@ -33,7 +33,9 @@ intact steps and deletes older ones only once a newer step's manifest is written
 Several processes (``jax.distributed``): every process makes the same calls in the same order on a directory all of
 them see; each writes the shards it addresses; process 0 alone writes the manifest, verifies and moves damaged steps
 aside, and the others take its verdict (one broadcast); ``wait_until_finished`` ends at a barrier. A checkpoint
-restores into any process count and mesh. ``docs/checkpoints.md`` gives the reasons and the tests of each.
+restores into any process count and mesh, and into another moment format (``moments.py``: converted a group of
+leaves at a time, each process placing its own shards). ``docs/checkpoints.md`` gives the reasons and the tests of
+each.
 """
 
 from __future__ import annotations
@@ -55,14 +57,17 @@ from jax_dos.checkpoint import moments as checkpoint_moments
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.checkpoint.processes import barrier, from_primary
 from jax_dos.checkpoint.template import (
+  PLACEHOLDER,
   TemplateMismatchError,
   check_tree,
   disk_template,
   fill_empties,
   ocp,
+  read_as_numpy,
   restore_item,
 )
 from jax_dos.engine import wait_for_host_updates
+from jax_dos.moment_formats import stored_dtype
 
 __all__ = [
   "FORMAT",
@@ -467,16 +472,19 @@ class CheckpointManager:
   def _restore_step(self, step: int, params_t: Any, opt_t: Any) -> tuple[Any, Any, dict]:
     fmt = self._mgr.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))["format"]
     t = canonical.from_disk_template(step, fmt, params_t, opt_t)
-    parts, canon_t, moments_t, source, target, shapes = t.parts, t.canon, t.moments, t.source, t.target, t.shapes
+    parts, canon_t, source, target = t.parts, t.canon, t.source, t.target
     metadata = self._mgr.item_metadata(step)
     tree_of = lambda m: getattr(m, "tree", m)  # noqa: E731
     check_tree("params", step, disk_template(params_t), tree_of(metadata["params"]))
     check_tree("optimizer state (count, mu, nu)", step, disk_template(canon_t), tree_of(metadata["opt_state"]))
 
+    converting = source != target  # the moments are read apart, a group of leaves at a time (_converted_moments)
+    unread = lambda tree: jax.tree.map(lambda _: PLACEHOLDER, tree)  # noqa: E731
+    read_t = {**canon_t, "mu": unread(canon_t["mu"]), "nu": unread(canon_t["nu"])} if converting else canon_t
     want_master = parts.kind == "interleaved"
     items = {
       "params": restore_item(params_t),
-      "opt_state": restore_item(canon_t),
+      "opt_state": restore_item(read_t),
       "meta": ocp.args.JsonRestore(),
     }
     if want_master and fmt["has_master"]:
@@ -489,14 +497,35 @@ class CheckpointManager:
       check_tree("params (as master weights)", step, disk_template(parts.master), tree_of(metadata["params"]))
       master = self._mgr.restore(step, args=ocp.args.Composite(params=restore_item(parts.master)))["params"]
       master = fill_empties(master, parts.master)
-    c = fill_empties(out["opt_state"], canon_t)
-    if moments_t[0] is not parts.mu:  # stored in another format: converted to the template's
-      count = int(np.asarray(c["count"]))
-      c["mu"], c["nu"] = (
-        checkpoint_moments.convert(c[k], t, shapes, source, count, salt)
-        for salt, (k, t) in enumerate((("mu", parts.mu), ("nu", parts.nu)))
-      )
+    c = fill_empties(out["opt_state"], read_t)
+    if converting:  # stored in another format: converted to the template's
+      c["mu"], c["nu"] = self._converted_moments(step, t)
       checkpoint_moments.say_converted(step, source, target)
     extra = [c["extra"][str(i)] for i in range(len(parts.extra))] if parts.extra else []
     params = fill_empties(out["params"], params_t)
     return params, parts.rebuild(c["count"], master, c["mu"], c["nu"], extra), out["meta"]
+
+  def _converted_moments(self, step: int, t: canonical.DiskTemplate) -> tuple[Any, Any]:
+    """Step ``step``'s moments, stored as ``t.source``, in the templates' format, shardings and memory kinds
+    (``checkpoint.moments``): read a group of leaves at a time as numpy arrays, whole in every process, each leaf
+    converted on the host and put shard by shard where its template says."""
+    canon = disk_template(t.canon)  # as on disk: the moments' stored shapes, zero-size leaves' stand-ins
+    paths = [path for path, _ in jax.tree.flatten_with_path(canon)[0]]
+    first = {k: next(i for i, p in enumerate(paths) if p[0].key == k) for k in ("count", "mu", "nu")}
+    templates = [jax.tree.leaves(x) for x in (t.parts.mu, t.parts.nu)]
+    stored = [tuple(x.shape) for x in jax.tree.leaves(t.moments[0])]
+    out: list[list[Any]] = [[None] * len(stored), [None] * len(stored)]
+    for group in checkpoint_moments.reads(stored, stored_dtype(t.source[0])):
+      wanted = {first[k] + i for k in ("mu", "nu") for i in group if np.prod(t.shapes[i], dtype=np.int64)}
+      read = self._mgr.restore(step, args=ocp.args.Composite(opt_state=read_as_numpy(canon, wanted | {first["count"]})))
+      leaves = jax.tree.leaves(read["opt_state"])
+      count = int(leaves[first["count"]])
+      for salt, k in enumerate(("mu", "nu")):
+        for i in group:
+          x = leaves[first[k] + i]
+          out[salt][i] = checkpoint_moments.convert_leaf(
+            None if x is PLACEHOLDER else x, templates[salt][i], t.shapes[i], t.source[0], count, salt
+          )
+      del read, leaves  # this group's stored moments: freed before the next group is read
+    trees = (t.parts.mu, t.parts.nu)
+    return tuple(jax.tree.unflatten(jax.tree.structure(tree), leaves) for tree, leaves in zip(trees, out))

@@ -3,13 +3,18 @@
 A checkpoint's ``format`` JSON records ``"moments": {"format": "float32" |
 "bfloat16" | "int8", "block": <int8 elements per scale>, "version": 1}``
 (a checkpoint without it holds float32 moments). Restoring into a template of
-the same format (and block) reads the stored bits as they are. Restoring into
-another format reads the stored moments in their own format, decodes them to
-float32 and encodes them in the template's (``moment_formats``: the rounding
-of every path, the step count as the seed), on the host, and says so in a log
-warning: from float32 to a compact format the moments are rounded once; from a
-compact format to float32 they are the decoded values, exactly; between
-compact formats, both.
+the same format (and block) reads the stored bits as they are, each shard
+where the template puts it. Restoring into another format reads the stored
+moments in their own format, a group of leaves at a time (:func:`reads`, at
+most :data:`CONVERT_BYTES` a read), each leaf whole as a numpy array (in
+every process), decodes them to float32 and encodes them in the template's
+format (``moment_formats``: the rounding of every path, the step count as
+the seed) on the host, then puts each process's shards where the template
+says (:func:`convert_leaf`): so a conversion restores onto any mesh, in any
+number of processes, and holds at most one read beside the restored state. It
+says so in a log warning: from float32 to a compact format the moments are
+rounded once; from a compact format to float32 they are the decoded values,
+exactly; between compact formats, both.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import numpy as np
 from jax_dos import moment_formats as mf
 
 VERSION = 1
+# Stored bytes of moments one read of a conversion holds (mu and nu of a group of leaves; a larger leaf is read
+# alone): a conversion never holds the whole state twice. 2 GiB: a 13B model's float32 moments in about 50 reads.
+CONVERT_BYTES = 2 * 2**30
 log = logging.getLogger("jax_dos.checkpoint")
 
 
@@ -62,51 +70,68 @@ def saved(fmt_json: dict) -> tuple[str, int]:
 
 
 def disk_template(mu_t: Any, shapes: list[tuple[int, ...]], fmt: str, block: int) -> Any:
-  """Templates of moments stored as ``(fmt, block)`` for parameters of ``shapes``, placed as ``mu_t``'s leaves."""
-  leaves, treedef = jax.tree.flatten(mu_t)
+  """Moments stored as ``(fmt, block)`` for parameters of ``shapes``, as a tree like ``mu_t``: the stored shapes and
+  dtypes, without shardings (a conversion reads them whole, as numpy arrays: :func:`convert_leaf`)."""
+  treedef = jax.tree.structure(mu_t)
 
-  def one(t, shape):
+  def one(shape):
     n = int(np.prod(shape, dtype=np.int64))
     stored = (-(-n // block), block + 4) if fmt == "int8" else tuple(shape)
-    sharding = getattr(t, "sharding", None)
-    if sharding is not None and fmt == "int8":
-      sharding = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=sharding.memory_kind)
-    return jax.ShapeDtypeStruct(stored, mf.stored_dtype(fmt), sharding=sharding)
+    return jax.ShapeDtypeStruct(stored, mf.stored_dtype(fmt))
 
-  return jax.tree.unflatten(treedef, [one(t, s) for t, s in zip(leaves, shapes)])
+  return jax.tree.unflatten(treedef, [one(s) for s in shapes])
 
 
-def convert(
-  restored: Any, mu_t: Any, shapes: list[tuple[int, ...]], source: tuple[str, int], count: int, salt: int
-) -> Any:
-  """Moments ``restored`` in ``source`` format as the template ``mu_t``'s format and placement (on the host)."""
-  leaves, treedef = jax.tree.flatten(mu_t)
-  target = tree_format(mu_t)[0]
-  out = []
-  for x, t, shape in zip(jax.tree.leaves(restored), leaves, shapes):
-    n = int(np.prod(shape, dtype=np.int64))
-    if not isinstance(x, np.ndarray) and not x.is_fully_addressable:
-      raise ValueError("converting moments between formats on restore needs arrays this process holds whole.")
-    values = mf.host_decode(np.asarray(x), n, source[0], salt) if n else np.zeros(0, np.float32)
+def reads(stored: list[tuple[int, ...]], dtype: np.dtype, limit: int | None = None) -> list[list[int]]:
+  """Leaf indices grouped into a conversion's reads, in order. ``stored``: each leaf's stored moment shape (``mu``'s
+  and ``nu``'s alike), of ``dtype``. A group reads its leaves' ``mu`` and ``nu``, at most ``limit`` bytes of them
+  (default :data:`CONVERT_BYTES`); a leaf larger than that is a group of its own."""
+  limit = CONVERT_BYTES if limit is None else limit
+  groups: list[list[int]] = []
+  size = 0
+  for i, shape in enumerate(stored):
+    nbytes = 2 * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if not groups or size + nbytes > limit:
+      groups.append([])
+      size = 0
+    groups[-1].append(i)
+    size += nbytes
+  return groups
+
+
+def convert_leaf(stored: np.ndarray | None, t: Any, shape: tuple[int, ...], source: str, count: int, salt: int) -> Any:
+  """One moment (``salt`` 0: mu, 1: nu) of a parameter of ``shape``, read whole as ``stored`` in format ``source``
+  (``None`` for a zero-size parameter), in the template ``t``'s format, sharding and memory kind.
+
+  Decoded to float32 and encoded on the host (``moment_formats.host_decode`` and ``host_encode``: the bits of every
+  update path, the step ``count`` as the seed), then placed shard by shard: each process puts only the shards of
+  its own devices, so the template may span devices of several processes.
+  """
+  n = int(np.prod(shape, dtype=np.int64))
+  if not n:
+    out = np.zeros(t.shape, t.dtype)
+  else:
+    values, target = mf.host_decode(np.asarray(stored), n, source, salt), tree_format(t)[0]
     if target == "float32":
-      stored = values.reshape(shape)
-    elif n:
-      stored = mf.host_encode(values, target, float(count % mf.SEED_PERIOD), salt).reshape(t.shape)
+      out = values.reshape(shape)
     else:
-      stored = np.zeros(t.shape, t.dtype)
-    sharding = getattr(t, "sharding", None)
-    out.append(jax.device_put(stored, sharding) if sharding is not None else stored)
-  return jax.tree.unflatten(treedef, out)
+      out = mf.host_encode(values, target, float(count % mf.SEED_PERIOD), salt).reshape(t.shape)
+  sharding = getattr(t, "sharding", None)
+  if sharding is None:
+    return out
+  return jax.make_array_from_callback(out.shape, sharding, lambda index: out[index])
 
 
 def say_converted(step: int, source: tuple[str, int], target: tuple[str, int]) -> None:
-  """The log line of a converted restore: what changed."""
+  """The log line of a converted restore: what changed (in process 0 only)."""
   if target[0] == "float32":
     change = "their stored values, decoded exactly to float32"
   elif source[0] == "float32":
     change = "rounded once from float32"
   else:
     change = "decoded to float32, then rounded once"
+  if jax.process_index() != 0:  # said once for the job
+    return
   name = lambda f: f[0] + (f" (blocks of {f[1]})" if f[0] == "int8" else "")  # noqa: E731
   log.warning(
     "checkpoint step %d: Adam's moments were saved as %s and are restored as %s, %s; the master weights and the step"

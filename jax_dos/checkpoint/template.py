@@ -6,7 +6,8 @@ differences). Orbax refuses zero-size arrays, so each is saved as a
 one-element stand-in (:func:`stand_in_empties`) and restored to the
 template's shape, dtype and placement (:func:`fill_empties`).
 :func:`restore_item` restores a tree in the template's shardings and memory
-kinds.
+kinds (leaves that are :data:`PLACEHOLDER` unread), :func:`read_as_numpy`
+some of its leaves as numpy arrays.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class _Orbax:
 
 
 ocp = _Orbax()
+PLACEHOLDER = ...  # Orbax's PLACEHOLDER (``orbax.checkpoint.PLACEHOLDER``): a leaf a restore leaves unread
 
 
 def _key_str(key: tuple) -> str:
@@ -80,10 +82,23 @@ def disk_template(template: Any) -> Any:
 
 
 def restore_item(template: Any) -> ocp.args.PyTreeRestore:
-  """Restores ``template``'s tree in its shardings and memory kinds (stand-ins of empty leaves as numpy)."""
+  """Restores ``template``'s tree in its shardings and memory kinds (stand-ins of empty leaves as numpy); leaves
+  that are ``PLACEHOLDER`` are not read (they come back as ``PLACEHOLDER``)."""
   args = ocp.checkpoint_utils.construct_restore_args(template)
-  args = jax.tree.map(lambda t, a: ocp.RestoreArgs(restore_type=np.ndarray) if is_empty(t) else a, template, args)
-  return ocp.args.PyTreeRestore(disk_template(template), restore_args=args)
+
+  def arg(t, a):
+    return ocp.RestoreArgs(restore_type=np.ndarray) if is_empty(t) else ocp.RestoreArgs() if t is PLACEHOLDER else a
+
+  return ocp.args.PyTreeRestore(disk_template(template), restore_args=jax.tree.map(arg, template, args))
+
+
+def read_as_numpy(template: Any, wanted: set[int]) -> ocp.args.PyTreeRestore:
+  """Restores the leaves ``wanted`` (indices in ``template``'s flatten order; their stored shapes) of a tree as numpy
+  arrays, whole in every process; the others are not read (they come back as ``PLACEHOLDER``)."""
+  leaves, treedef = jax.tree.flatten(template)
+  item = [x if i in wanted else PLACEHOLDER for i, x in enumerate(leaves)]
+  args = [ocp.RestoreArgs(restore_type=np.ndarray) if i in wanted else ocp.RestoreArgs() for i in range(len(leaves))]
+  return ocp.args.PyTreeRestore(jax.tree.unflatten(treedef, item), restore_args=jax.tree.unflatten(treedef, args))
 
 
 def fill_empties(restored: Any, template: Any) -> Any:
