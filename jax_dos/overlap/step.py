@@ -388,7 +388,8 @@ class OverlappedStep:
     start_copy_to_host(true)
     self._resident_update(record, true)
     self._dispatch.submit(self._host, self._host_path.finish, record)
-    self._dispatch.submit(self._streamer, self._stream_path.finish, record)
+    if self.routes.stream_order or self.routes.redo_on_stream:  # else the stream path has nothing of this step
+      self._dispatch.submit(self._streamer, self._stream_path.finish, record)
     if self._dispatch.holding:  # the first step: every program of the step has run once when this returns
       self._dispatch.release((true, self._params.held()))
     self._decider.submit(record.announce, true)
