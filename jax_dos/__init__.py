@@ -36,7 +36,7 @@ from jax_dos.checkpoint.integrity import DAMAGED_DIR
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.collectives import Collectives
 from jax_dos.engine import wait_for_host_updates
-from jax_dos.host_plan import HostMemory, agreed_refusal, share_pinned_pool
+from jax_dos.host_plan import HostMemory, agreed_refusal, pool_share, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.moment_formats import state_bytes_per_param
@@ -88,6 +88,7 @@ __all__ = [
   "DEFAULT_SUBGROUP_SIZE",
   "DELAY_PREDICTIONS",
   "MOMENT_FORMATS",
+  "pool_share",
   "GRADIENT_FLUSHES",
   "HostMemory",
   "InterleavedAdamState",

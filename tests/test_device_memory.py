@@ -38,3 +38,29 @@ def test_offload_none_counts_optaxs_float32_state(offload, refused):
   assert (said is not None) == refused
   if refused:
     assert "--offload auto" in said and "float32 state" in said, said
+
+
+H100_HOST = int(125.9 * 2**30)  # the lent one-H100 machine's RAM
+TWO_H100_HOST = int(251.8 * 2**30)
+
+
+def test_what_a_host_holds_beside_its_gpus():
+  """13B with float32 moments (151 GB of state) cannot fit one H100 and its 125.9 GiB host, whatever the plan:
+  refused with the compact moments that fit (int8 on one GPU, as BENCHMARKS.md measured) and the GPUs of such a
+  host that would hold it (3: each keeps 11 GiB resident); on the two-H100 host it fits, and 6.7B fits one."""
+  said = device_memory.host_refusal("gpt-13b", COUNT["gpt-13b"], 2, 1, 1, 1, "float32", H100, H100_HOST, PRESETS)
+  assert "gpt-13b (12.9 B parameters) with float32 moments keeps at least" in said and "Nothing was allocated" in said
+  assert "--moments bfloat16" in said and "train on 3 GPUs of such a host" in said, said
+  assert "the largest preset that fits here, gpt-6.7b" in said, said
+  assert device_memory.host_refusal("gpt-13b", COUNT["gpt-13b"], 2, 1, 2, 1, "float32", H100, TWO_H100_HOST) is None
+  assert device_memory.host_refusal("gpt-6.7b", COUNT["gpt-6.7b"], 2, 1, 1, 1, "float32", H100, H100_HOST) is None
+  assert device_memory.host_refusal("gpt-13b", COUNT["gpt-13b"], 2, 1, 1, 1, "int8", H100, H100_HOST) is None
+
+
+def test_30b_on_a_host_of_two_h100s():
+  """30B (335 GiB of float32 state) on 2 H100s sharded fsdp=2 and their 251.8 GiB host: float32 does not fit,
+  bfloat16 does; int8 is not offered on a mesh; two such hosts hold float32 (each its half)."""
+  said = device_memory.host_refusal("gpt-30b", COUNT["gpt-30b"], 2, 2, 2, 1, "float32", H100, TWO_H100_HOST, PRESETS)
+  assert said is not None and "--moments bfloat16" in said and "int8" not in said, said
+  assert device_memory.host_refusal("gpt-30b", COUNT["gpt-30b"], 2, 2, 2, 1, "bfloat16", H100, TWO_H100_HOST) is None
+  assert device_memory.host_refusal("gpt-30b", COUNT["gpt-30b"], 2, 2, 4, 2, "float32", H100, TWO_H100_HOST) is None

@@ -7,6 +7,10 @@ devices). The activations come on top (``gradient_step_memory`` measures them on
 parameters and gradients alone exceed a GPU, no plan can run: :func:`refusal` says so before anything is
 allocated, with the numbers, the ``fsdp`` degree that would hold them, and the largest preset that fits as laid
 out now (issue 50's "the largest model per machine, as the planner sees it").
+
+The host holds the optimizer state the GPUs do not: :func:`host_refusal` refuses a run whose state cannot fit its
+host's pinned share even with every GPU's room beside its parameters and gradients filled with state (a bound no
+plan beats: the activations are not counted), with the moment formats, GPU counts and presets that would fit.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import jax
 
+import jax_dos
 from train.flags import TrainConfig, model_module, model_name
 
 # Of a GPU's memory, what the parameters and gradients may take at most: the rest is the activations', XLA's
@@ -67,6 +72,51 @@ def refusal(
   )
 
 
+def host_refusal(
+  name: str, num_params: int, param_bytes: int, fsdp: int, devices: int, hosts: int, moments: str,
+  device_bytes: int, ram_bytes: int, others: Iterable[tuple[str, int]] = (),
+) -> str | None:  # fmt: skip
+  """One message where the optimizer state cannot fit, whatever the plan, between the GPUs and their host's pinned
+  share (``None`` where it may), else what would fit.
+
+  A host's share of the state is ``state_bytes_per_param(moments) * num_params / hosts``; its ``devices / hosts``
+  GPUs keep at most their room beside the parameters and gradients (:data:`PARAMS_SHARE` of ``device_bytes`` less
+  :func:`need_bytes`) resident, and the rest is pinned on the host, whose pool takes at most its share of
+  ``ram_bytes`` (``jax_dos.pool_share``). The advice: the compact moment formats that fit (``int8`` on one
+  device only), the GPUs of such hosts that would hold it, the largest of ``others`` that fits as laid out now.
+  """
+  gpus = devices // max(1, hosts)
+
+  def least(n: int, fmt: str, gpus: int) -> float:  # the host's share of the state no plan keeps off it
+    room = max(0.0, PARAMS_SHARE * device_bytes - need_bytes(n, param_bytes, fsdp, devices, "auto"))
+    return jax_dos.state_bytes_per_param(fmt) * n / max(1, hosts) - gpus * room
+
+  cap = jax_dos.pool_share(jax_dos.HostMemory(ram_bytes))  # the pinned pool the host's processes share
+  need = least(num_params, moments, gpus)
+  if need <= cap:
+    return None
+  gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+  advice = []
+  formats = [f for f in jax_dos.MOMENT_FORMATS if jax_dos.state_bytes_per_param(f) < jax_dos.state_bytes_per_param(
+    moments) and (f != "int8" or devices == 1) and least(num_params, f, gpus) <= cap]  # fmt: skip
+  if formats:
+    advice.append(f"store the moments compactly (--moments {formats[0]}: {gib(least(num_params, formats[0], gpus))})")
+  more = next((g for g in range(gpus + 1, 17) if least(num_params, moments, g) <= cap), None)
+  if more is not None:
+    advice.append(f"train on {more} GPUs of such a host or more, each holding its share resident")
+  fits = [(n, p) for n, p in others if least(p, moments, gpus) <= cap]
+  if fits:
+    advice.append(f"train the largest preset that fits here, {max(fits, key=lambda x: x[1])[0]}")
+  advice.append("use a host with more RAM")
+  return (
+    f"{name} ({num_params / 1e9:.1f} B parameters) with {moments} moments keeps at least {gib(need)} of optimizer"
+    f" state on this host (its {gib(jax_dos.state_bytes_per_param(moments) * num_params / max(1, hosts))} of state"
+    f" less what its {gpus} GPU(s) of {gib(device_bytes)} could keep beside the parameters and gradients), more than"
+    f" the {cap / ram_bytes:.0%} of its {gib(ram_bytes)} of RAM it may pin ({gib(cap)}). Nothing was"
+    " allocated. To train it: " + "; or ".join(advice) + "."
+  )
+
+
 def check(args: TrainConfig, cfg: Any, mesh: Any) -> None:
   """Ends the run (``SystemExit``, :func:`refusal`'s message) where the model ``cfg`` cannot fit the GPUs as ``mesh``
   lays it out, before anything is allocated; the CPU backend reports no memory, and nothing is checked there."""
@@ -76,7 +126,13 @@ def check(args: TrainConfig, cfg: Any, mesh: Any) -> None:
   arch = model_module(args)
   fsdp, devices = (1, 1) if mesh is None else (mesh.shape["fsdp"], mesh.devices.size)
   others = [(name, arch.param_count(arch.get_config(name, vocab_size=cfg.vocab_size))) for name in arch.PRESETS]
-  message = refusal(model_name(args), arch.param_count(cfg), 4 if args.param_dtype == "float32" else 2, fsdp,
-                    devices, args.offload, int(stats["bytes_limit"]), others)  # fmt: skip
+  param_bytes, device_bytes = 4 if args.param_dtype == "float32" else 2, int(stats["bytes_limit"])
+  message = refusal(model_name(args), arch.param_count(cfg), param_bytes, fsdp, devices, args.offload, device_bytes,
+                    others)  # fmt: skip
+  if message is None and args.offload not in ("none", "device"):
+    host = jax_dos.HostMemory.here()
+    hosts = max(1, jax.process_count() // host.processes)
+    message = host_refusal(model_name(args), arch.param_count(cfg), param_bytes, fsdp, devices, hosts, args.moments,
+                           device_bytes, host.ram_bytes, others)  # fmt: skip
   if message is not None:
     raise SystemExit(f"error: {message}")
