@@ -8,14 +8,24 @@ the host and the accelerator give identical bits. It reads and writes
 int8) and reads ``g``: 20 B a parameter with float32 gradients against
 ``host_kernels``' 28 for float32 moments (16 with int8).
 
-int8 takes one launch: a ``prange`` over chunks of ``CHUNK`` blocks. For each
-block it decodes the old moments at the block's (hoisted) scales, takes the
-step's new moments into a scratch block (L1-resident; the 256 elements' loops
-vectorize, indexed with unsigned integers: numba's negative-index wraparound
-of a signed ``lo + j`` keeps LLVM from vectorizing), takes their maxima as the new scales (integer maxima of the float
-bits: a float max with NaN kept does not vectorize), then encodes the new
-moments and writes the weights. Each block's codes and scale are read before
-they are written, so the output buffers may be the input ones (in place).
+int8 takes one launch: a ``prange`` over chunks of ``CHUNK`` blocks, two
+passes over each block. The first decodes the old moments at the block's
+(hoisted) scales, takes the step's new moments into a scratch block
+(L1-resident) and their maxima as the new scales (maxima of the float bits in
+int32 lanes: a float max that keeps NaN does not vectorize, and uint32 maxima
+ran in 64-bit lanes, half as wide). The second writes the weights and encodes
+the new moments, each hash's input an induction (``moment_formats.nb_seed``:
+``C`` more an element) rather than a product of the element's index. The
+element loops index with unsigned integers: numba's negative-index wraparound
+of a signed ``lo + j`` keeps LLVM from vectorizing. Each block's codes and
+scale are read before they are written, so the output buffers may be the
+input ones (in place). Of the splits tried, this one (the divisions and
+square roots all in the second pass) ran fastest on the 2-core AVX2 machine:
+the weights in the first pass ran 5 % slower, three loops 8 %, and one loop
+taking a block's second pass with the next block's first a third slower (it
+spilled AVX2's 16 vector registers; in place, LLVM's aliasing checks sent it
+to the scalar loop).
+
 Kernels use ``error_model="numpy"``: a zero scale gives ``1 / 0 = inf`` and
 ``0 inf = NaN``, encoded as 0.
 """
@@ -31,7 +41,8 @@ from jax_dos import moment_formats as mf
 B = mf.BLOCK
 CHUNK = 16  # blocks a prange iteration takes: 4096 elements, against one scratch allocation
 _OPTS = dict(parallel=True, nogil=True, cache=True, boundscheck=False, error_model="numpy")
-_ABS, _INF = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)
+_C = np.uint32(mf._C_IDX)
+_ABS, _INF = np.int32(0x7FFFFFFF), np.int32(0x7F800000)
 
 
 @numba.njit(inline="always")
@@ -74,23 +85,25 @@ def make_bf16_kernel(load_grad, store_low):
 
 
 @numba.njit(inline="always")
-def _abs_bits(x):
-  return np.float32(x).view(np.uint32) & _ABS
+def _abs_bits(x):  # |x|'s bits as an int32 (>= 0): signed maxima in 32-bit lanes
+  return np.int32(np.float32(x).view(np.int32) & _ABS)
 
 
 @numba.njit(inline="always")
 def _max_of_bits(top):  # the float of the largest |x| bits of a block; NaN (quiet) if any x was NaN
-  return np.float32(np.nan) if top > _INF else np.uint32(top).view(np.float32)
+  return np.float32(np.nan) if top > _INF else np.int32(top).view(np.float32)
 
 
 @numba.njit(inline="always")
 def _int8_element(lo, j, p, new_m, new_v, p_out, mc_out, vc_out, low, inv_m, inv_v, eps, eps_root, wd, neg_lr, bc1,
-                  bc2, key_m, key_v, decay, store_low, write_low, write_state):  # fmt: skip
+                  bc2, h_m, h_v, decay, store_low, write_low, write_state):  # fmt: skip
+  """The second pass on element ``lo + j``: its new weight, and its codes at the new scales' reciprocals ``inv_m,
+  inv_v`` with the random bits of the hash inputs ``h_m, h_v``."""
   i = np.uint64(lo + j)  # unsigned: no negative-index wraparound, which keeps LLVM from vectorizing
   pn = adam_math.nb_weight(p[i], new_m[j], new_v[j], eps, eps_root, wd, neg_lr, bc1, bc2, decay)
   if write_state:
-    mc_out[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_hash(i, key_m)))
-    vc_out[i] = mf.nb_nu_code(new_v[j], inv_v, mf.nb_unit(mf.nb_hash(i, key_v)))
+    mc_out[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_fmix(h_m)))
+    vc_out[i] = mf.nb_nu_code(new_v[j], inv_v, mf.nb_unit(mf.nb_fmix(h_v)))
     p_out[i] = pn
   if write_low:
     low[i] = store_low(pn)
@@ -111,7 +124,7 @@ def make_int8_kernel(load_grad, store_low):
       for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
         lo, k = b * B, min(B, n - b * B)
         old_m, old_v = mw[base + b], vw[base + b]
-        top_m, top_v = np.uint32(0), np.uint32(0)
+        top_m, top_v = np.int32(0), np.int32(0)
         for j in range(k):
           i = np.uint64(lo + j)  # unsigned: no negative-index wraparound, which keeps LLVM from vectorizing
           m_old, v_old = mf.nb_mu_decode(mc[i], old_m), mf.nb_nu_decode(vc[i], old_v)
@@ -120,18 +133,21 @@ def make_int8_kernel(load_grad, store_low):
           top_m, top_v = max(top_m, _abs_bits(mi)), max(top_v, _abs_bits(vi))  # v >= 0: |v| = v
         s_m, s_v = _max_of_bits(top_m), np.sqrt(_max_of_bits(top_v))  # as jnp.max: NaN if any is NaN
         inv_m, inv_v = np.float32(1) / s_m, np.float32(1) / s_v
+        h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
         if write_state and write_low:  # each loop with its flags constant (make_bf16_kernel says why)
           for j in range(k):
             _int8_element(lo, j, p, new_m, new_v, p_out, mc_out, vc_out, low, inv_m, inv_v, eps, eps_root, wd,
-                          neg_lr, bc1, bc2, key_m, key_v, decay, store_low, True, True)  # fmt: skip
+                          neg_lr, bc1, bc2, h_m, h_v, decay, store_low, True, True)  # fmt: skip
+            h_m, h_v = np.uint32(h_m + _C), np.uint32(h_v + _C)
         elif write_state:
           for j in range(k):
             _int8_element(lo, j, p, new_m, new_v, p_out, mc_out, vc_out, low, inv_m, inv_v, eps, eps_root, wd,
-                          neg_lr, bc1, bc2, key_m, key_v, decay, store_low, False, True)  # fmt: skip
+                          neg_lr, bc1, bc2, h_m, h_v, decay, store_low, False, True)  # fmt: skip
+            h_m, h_v = np.uint32(h_m + _C), np.uint32(h_v + _C)
         elif write_low:
           for j in range(k):
             _int8_element(lo, j, p, new_m, new_v, p_out, mc_out, vc_out, low, inv_m, inv_v, eps, eps_root, wd,
-                          neg_lr, bc1, bc2, key_m, key_v, decay, store_low, True, False)  # fmt: skip
+                          neg_lr, bc1, bc2, h_m, h_v, decay, store_low, True, False)  # fmt: skip
         if write_state:
           for j in range(k, B):  # the padding of the last block
             mc_out[lo + j] = 0

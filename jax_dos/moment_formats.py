@@ -51,6 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numba
+import numba.extending
 import numpy as np
 
 from jax_dos import memory
@@ -63,8 +64,9 @@ _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
 _MASK = 0xFFFFFFFF
 _Q = np.arange(256, dtype=np.uint8)
 # The decoded values of a code at scale 1, rounded once to float32 (indexed by the code's byte). The jnp paths look
-# them up (XLA would turn a division by 127**2 into a multiply); the host kernel computes them (a float64 multiply
-# rounded to float32: the tables' bits for every code, tested), which vectorizes where a lookup does not.
+# them up (XLA would turn a division by 127**2 into a multiply); the host kernel computes them (``nb_mu_decode``: a
+# multiply and a fused multiply-add, the tables' bits for every code, tested), which vectorizes where a lookup does
+# not.
 MU_TABLE = (np.sign(_Q.view(np.int8)) * (_Q.view(np.int8).astype(np.float64) / 127) ** 2).astype(np.float32)
 NU_TABLE = ((_Q.astype(np.float64) / 255) ** 2).astype(np.float32)
 
@@ -230,7 +232,19 @@ _U16, _U13, _U8 = np.uint32(16), np.uint32(13), np.uint32(8)
 def nb_hash(i, key):
   """:func:`_uniform`'s uint32 of element ``i``, in 32-bit lanes: each product and sum cast back to uint32 (numba
   widens uint32 arithmetic to 64 bits; masked 64-bit lanes halved the vector width, and the bfloat16 kernel's rate)."""
-  h = np.uint32(np.uint32(i) * np.uint32(_C_IDX) + np.uint32(key))
+  return nb_fmix(nb_seed(i, key))
+
+
+@numba.njit(inline="always")
+def nb_seed(i, key):
+  """The hash's input ``i C + key`` (mod 2**32): ``nb_hash(i, key) = nb_fmix(nb_seed(i, key))``, and element
+  ``i + 1``'s is ``C`` more, an induction a loop adds up in vector lanes (``host_compact``'s int8 kernel)."""
+  return np.uint32(np.uint32(i) * np.uint32(_C_IDX) + np.uint32(key))
+
+
+@numba.njit(inline="always")
+def nb_fmix(h):
+  """murmur3's finalizer of the uint32 ``h``."""
   h = np.uint32(h ^ (h >> _U16))
   h = np.uint32(h * np.uint32(_M1))
   h = np.uint32(h ^ (h >> _U13))
@@ -251,9 +265,10 @@ def nb_bf16_load(bits):
 @numba.njit(inline="always")
 def nb_bf16_store(x, h):  # stochastic rounding with the random bits h (a uint32)
   bits = np.float32(x).view(np.uint32)
-  nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-  rounded = np.uint32(bits + (np.uint32(h) & np.uint32(0xFFFF))) >> _U16  # no carry out of 32 bits: NaN went above
-  return np.uint16(((bits >> _U16) | np.uint32(0x40)) if nan else rounded)
+  # NaN (one unordered compare): its top 16 bits, quieted (bit 22 set); else the bits plus 16 random ones (no carry
+  # out of 32 bits: only a NaN's bits lie that high), both shifted once.
+  wide = (bits | np.uint32(0x400000)) if x != x else np.uint32(bits + (np.uint32(h) & np.uint32(0xFFFF)))
+  return np.uint16(wide >> _U16)
 
 
 @numba.njit(inline="always")
@@ -262,22 +277,47 @@ def nb_round(x, u, top):
   return min(q, np.int32(top))
 
 
+@numba.extending.intrinsic
+def nb_fma(typingctx, a, b, c):
+  """``a b + c`` of three float32, rounded once (IEEE's fused multiply-add: LLVM's ``llvm.fma``, one instruction on a
+  CPU with FMA, which every AVX2 one has)."""
+  f32 = numba.types.float32
+  if (a, b, c) != (f32, f32, f32):
+    return None
+
+  def codegen(context, builder, signature, args):
+    return builder.fma(*args)
+
+  return f32(f32, f32, f32), codegen
+
+
+# 1 / 127**2 and 1 / 255**2 as a float32 (HI) and the float32 of the rest (LO). For a code's k = q |q| (q**2),
+# fma(k, HI, k LO) rounds k HI + RN(k LO), which lies within 2**-47 (relatively) of k / 127**2, once: to the nearest
+# float32 of the exact quotient, the table's value, as no code's quotient lies that near a midpoint between float32s
+# (all 256 codes tested). A float32 multiply and multiply-add in vector lanes, where the float64 multiply they
+# replaced took two conversions each way.
+_MU_HI, _NU_HI = np.float32(1 / 127**2), np.float32(1 / 255**2)
+_MU_LO, _NU_LO = np.float32(1 / 127**2 - float(_MU_HI)), np.float32(1 / 255**2 - float(_NU_HI))
+
+
 @numba.njit(inline="always")
 def nb_mu_decode(byte, s):  # byte: the code's uint8 bits
   q = np.int32(np.int8(byte))
-  return np.float32(np.float64(q * abs(q)) * (1 / 127**2)) * s  # MU_TABLE[byte] * s (tests/test_moments.py)
+  k = np.float32(np.int32(q * abs(q)))  # exact: |k| <= 2**14
+  return nb_fma(k, _MU_HI, k * _MU_LO) * s  # MU_TABLE[byte] * s
 
 
 @numba.njit(inline="always")
 def nb_mu_code(m, inv, u):  # inv: 1 / the block's scale
   q = nb_round(np.sqrt(abs(m) * inv) * np.float32(127), u, 127)
-  return np.uint8((256 - q if m < np.float32(0) else q) & 0xFF)  # the int8 code's two's-complement byte
+  return np.uint8(np.int32(-q) if m < np.float32(0) else q)  # the int8 code's two's-complement byte
 
 
 @numba.njit(inline="always")
 def nb_nu_decode(code, s):
   q = np.int32(code)
-  t = np.float32(np.float64(q * q) * (1 / 255**2)) * s  # NU_TABLE[code] * s (tests/test_moments.py)
+  k = np.float32(np.int32(q * q))  # exact: k < 2**16
+  t = nb_fma(k, _NU_HI, k * _NU_LO) * s  # NU_TABLE[code] * s
   return t * t
 
 

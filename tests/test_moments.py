@@ -47,16 +47,20 @@ def test_host_and_jnp_encode_and_decode_to_the_same_bits(moments):
 
 
 def test_the_host_kernel_decodes_every_code_as_the_tables_do():
-  """The host kernel computes the decode tables (a division, rounded once); the jnp paths look them up."""
+  """The host kernel computes the decode tables (a quotient, rounded once: moment_formats.nb_mu_decode); the jnp
+  paths look them up. At scale 1 the decoded values are the tables' (squared for nu)."""
   stored = np.zeros((1, mf.BLOCK + 4), np.uint8)
   stored[0, :256] = np.arange(256)
-  scale = np.float32(np.random.default_rng().uniform(0.5, 2))
-  stored[0, mf.BLOCK :] = np.frombuffer(scale.tobytes(), np.uint8)
-  for salt in (0, 1):
-    host = mf.host_decode(stored, 256, "int8", salt)
-    np.testing.assert_array_equal(
-      host.view(np.uint32), np.asarray(mf.decode(jnp.asarray(stored), (256,), "int8", salt)).view(np.uint32)
-    )
+  for scale in (np.float32(1), np.float32(np.random.default_rng().uniform(0.5, 2))):
+    stored[0, mf.BLOCK :] = np.frombuffer(scale.tobytes(), np.uint8)
+    for salt in (0, 1):
+      host = mf.host_decode(stored, 256, "int8", salt)
+      np.testing.assert_array_equal(
+        host.view(np.uint32), np.asarray(mf.decode(jnp.asarray(stored), (256,), "int8", salt)).view(np.uint32)
+      )
+  stored[0, mf.BLOCK :] = np.frombuffer(np.float32(1).tobytes(), np.uint8)
+  np.testing.assert_array_equal(mf.host_decode(stored, 256, "int8", 0).view(np.uint32), mf.MU_TABLE.view(np.uint32))
+  np.testing.assert_array_equal(mf.host_decode(stored, 256, "int8", 1), mf.NU_TABLE * mf.NU_TABLE)
 
 
 @pytest.mark.parametrize("moments", ["bfloat16", "int8"])
@@ -94,6 +98,65 @@ def test_the_host_kernel_is_decode_float32_adam_encode(moments, into):
   np.testing.assert_array_equal(low, p_new.astype(jnp.bfloat16))
   np.testing.assert_array_equal(_bytes(out[1]), _bytes(mf.host_encode(m_new, moments, float(sc[4]), 0)))
   np.testing.assert_array_equal(_bytes(out[2]), _bytes(mf.host_encode(v_new, moments, float(sc[4]), 1)))
+
+
+# Lengths around the int8 block (256) and the kernels' spans (4096): one element, partial and whole blocks, a last
+# span that is one block and a bit.
+KERNEL_LENGTHS = (1, 255, 256, 257, 3 * 4096 + 256 + 37)
+
+
+@pytest.mark.parametrize("moments", ["bfloat16", "int8"])
+@pytest.mark.parametrize("grad", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["state", "state_low16", "state_low32", "low16", "into32"])
+def test_the_host_kernel_gives_the_jnp_paths_bits_for_every_flag(moments, grad, mode):
+  """Bit for bit against code that shares nothing with the kernel: the jnp path's decode and encode and AdamW in
+  numpy float32, for each set of flags the kernel has a loop for, both gradient dtypes, decay on and off, lengths
+  around the blocks, zero blocks and moments far apart in size."""
+  from jax_dos import adam_math, host_kernels
+
+  rng = np.random.default_rng()
+  f = np.float32
+  hyper = adam_math.AdamHyper(1e-2, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-10, weight_decay=0.1, moments=moments)
+  sc = np.asarray(adam_math.step_scalars(hyper, jnp.asarray(int(rng.integers(0, 10**6)), jnp.int32), 0.7))
+  seed = float(rng.integers(1, mf.SEED_PERIOD))
+  bufs, want = [], []
+  for j, n in enumerate(KERNEL_LENGTHS):
+    g = (rng.standard_normal(n) * np.exp(3 * rng.standard_normal(n))).astype(f)
+    g[: min(n, mf.BLOCK)] *= j % 2  # a zero block of gradients in every other buffer
+    if grad == "bfloat16":
+      g = g.astype(jnp.bfloat16)
+    p = rng.standard_normal(n).astype(f)
+    mm, vv = (mf.from_float32(_moment_samples(rng, n + 300, salt)[300:], moments, seed, salt) for salt in (0, 1))
+    mm, vv = np.array(mm), np.array(vv)
+    m_old, v_old = (np.asarray(mf.decode(jnp.asarray(x), (n,), moments, salt)) for salt, x in enumerate((mm, vv)))
+    gs = g.astype(f) * sc[3]
+    m_new = f(1 - hyper.b1) * gs + f(hyper.b1) * m_old
+    v_new = f(1 - hyper.b2) * (gs * gs) + f(hyper.b2) * v_old
+    u = (m_new / sc[1]) / (np.sqrt(v_new / sc[2] + f(hyper.eps_root)) + f(hyper.eps))
+    if j % 2:  # decay
+      u = u + f(hyper.weight_decay) * p
+    p_new = p + sc[0] * u
+    low = np.full(n, 3, jnp.bfloat16 if mode.endswith("16") else f)
+    if mode.startswith("into"):
+      bufs.append((g, p, mm, vv, np.full_like(p, 5), np.full_like(mm, 7), np.full_like(vv, 9), low))
+    else:
+      bufs.append((g, p, mm, vv) if mode == "state" else (g, p, mm, vv, low))
+    new_state = (p_new, *(mf.from_float32(x, moments, float(sc[4]), salt) for salt, x in enumerate((m_new, v_new))))
+    old_state = (p.copy(), mm.copy(), vv.copy())
+    want.append((new_state if mode != "low16" else old_state, p_new.astype(low.dtype)))
+  kw = dict(b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root, weight_decay=hyper.weight_decay,
+            scalars=sc)  # fmt: skip
+  decay = [bool(j % 2) for j in range(len(bufs))]
+  if mode.startswith("into"):
+    host_kernels.adam_many_into(bufs, decay, **kw)
+  else:
+    host_kernels.adam_many(bufs, decay, **kw, write_state=mode != "low16")
+  for b, ((p_new, m_new, v_new), low) in zip(bufs, want):
+    state = b[4:7] if mode.startswith("into") else b[1:4]
+    for got, expected in zip(state, (p_new, m_new, v_new)):
+      np.testing.assert_array_equal(_bytes(got), _bytes(expected))
+    if mode != "state":
+      np.testing.assert_array_equal(_bytes(b[-1]), _bytes(low))
 
 
 def test_stochastic_rounding_is_unbiased():
