@@ -98,7 +98,7 @@ def _this_machines_calibration():
   return jax_dos.calibrate()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def calibration():
   """This machine's calibration for the performance model, measured once a worker (``jax_dos.calibrate``'s
   cache)."""
@@ -109,11 +109,9 @@ def calibration():
 def calibrated_cache(tmp_path, calibration):
   """``tmp_path / "cache"``, an ``XDG_CACHE_HOME`` holding this machine's calibration: a script run with it plans
   from the cached rates instead of measuring them again (``test_calibration.py`` tests the measuring)."""
-  from jax_dos.planning import calibration as C
+  from helpers import cache_calibration
 
-  home = tmp_path / "cache"
-  C.save(calibration, home / "jax_dos" / C.cache_path(calibration.key).name)
-  return home
+  return cache_calibration(tmp_path / "cache", calibration)
 
 
 @pytest.fixture(autouse=True)
