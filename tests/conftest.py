@@ -42,16 +42,19 @@ COMPILE_FLAGS = (
 # first. Only the order depends on it: a test missing here runs all the same, after these.
 RUN_FIRST = (
   "tests/test_multiprocess.py::test_train_gpt_on_two_processes_matches_one_and_resumes",
-  "tests/test_bench_smoke.py::test_train_step_smoke_overlapped",
-  "tests/test_bench_smoke.py::test_scale_out_smoke",
-  "tests/test_multiprocess.py",
-  "tests/test_peers.py::test_run_all_smoke",
-  "tests/test_partition.py",
+  "tests/test_bench_smoke.py::test_train_step_smoke",  # the xdist_group train_step_smoke: one run for two tests
+  "tests/test_multiprocess.py",  # the xdist_group two_processes: one job for three tests
+  "tests/test_devices.py::test_all_devices_by_default",
   "tests/test_overlap_numbers.py::test_sharded_on_four_devices",
+  "tests/test_bench_smoke.py::test_scale_out_smoke",
+  "tests/test_fine_tune.py::test_init_from",
   "tests/test_overlap_machinery.py::test_leaving_python",
-  "tests/test_bench_smoke.py",
-  "tests/test_train_resume.py::test_resume_is_bit_exact",
+  "tests/test_partition.py",
   "tests/test_sharding.py",
+  "tests/test_peers.py::test_run_all_smoke",
+  "tests/test_bench_smoke.py",
+  "tests/test_devices.py",
+  "tests/test_train_resume.py::test_resume_is_bit_exact",
   "tests/test_train_resume.py::test_a_first_save_killed_midway",
   "tests/test_interleaved_adam.py::test_matches_optax[multi_steps",
   "tests/test_interleaved_adam.py::test_optax_multisteps",
