@@ -6,10 +6,14 @@ inherits it through the environment): the tests build the same small programs ag
 removed at the end, so a run never reads programs compiled by an earlier one; a ``JAX_COMPILATION_CACHE_DIR``
 given by the caller is used as it is.
 
-XLA compiles the tests' programs at backend optimization level 0 (``COMPILE_FLAGS``, added to ``XLA_FLAGS`` for
-the run and every interpreter it starts): the programs are tiny and compiling them is most of the suite's time.
-Unoptimized programs fuse no multiply-adds: a result may differ from an optimized build's in its last bits, which no
-test compares against (tests compare programs compiled alike, or within tolerances).
+XLA compiles the tests' programs at backend optimization level 0, with its CPU backend's loop emitters instead of its
+fusion emitters, each program's code generated in one piece (``COMPILE_FLAGS``, added to ``XLA_FLAGS`` for the run
+and every interpreter it starts): the programs are tiny and compiling them is most of the suite's time. Without the
+fusion emitters ``test_remat.py`` and ``test_overlap_numbers.py`` took 40 % less CPU time (27 s, not 46 s), and the
+suite's other in-process tests about as much; in one piece, those two files' compilations took a third less time
+for the same CPU time (10 s, not 15 s: no threads of their own to wait for on two cores). Unoptimized programs fuse
+no multiply-adds: a result may differ from an optimized build's in its last bits, which no test compares against
+(tests compare programs compiled alike, or within tolerances).
 
 The longest tests run first (``RUN_FIRST``), so that pytest-xdist's workers (``-n 2`` in pyproject.toml) share out
 the short ones after them instead of one worker finishing a long test alone at the end.
@@ -27,23 +31,31 @@ import pytest
 
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 OWNED_ENV = "JAX_DOS_TESTS_OWN_CACHE"  # set when this test run made the directory (and removes it)
-COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+# Each flag is added where the caller's XLA_FLAGS do not set it already.
+COMPILE_FLAGS = (
+  "--xla_backend_optimization_level=0",
+  "--xla_cpu_use_fusion_emitters=false",
+  "--xla_cpu_parallel_codegen_split_count=1",
+)
 
 # Node id prefixes of the longest tests (each runs for tens of seconds: subprocesses, whole training runs), longest
 # first. Only the order depends on it: a test missing here runs all the same, after these.
 RUN_FIRST = (
   "tests/test_multiprocess.py::test_train_gpt_on_two_processes_matches_one_and_resumes",
-  "tests/test_bench_smoke.py::test_train_step_smoke_overlapped",
-  "tests/test_bench_smoke.py::test_scale_out_smoke",
-  "tests/test_multiprocess.py",
-  "tests/test_peers.py::test_run_all_smoke",
-  "tests/test_partition.py",
+  "tests/test_bench_smoke.py::test_train_step_smoke",  # the xdist_group train_step_smoke: one run for two tests
+  "tests/test_multiprocess.py",  # the xdist_group two_processes: one job for three tests
+  "tests/test_devices.py::test_all_devices_by_default",
   "tests/test_overlap_numbers.py::test_sharded_on_four_devices",
+  "tests/test_bench_smoke.py::test_scale_out_smoke",
+  "tests/test_fine_tune.py::test_init_from",
   "tests/test_overlap_machinery.py::test_leaving_python",
-  "tests/test_bench_smoke.py",
   "tests/test_train_resume.py::test_a_checkpoint_saved_on_two_devices",
-  "tests/test_train_resume.py::test_resume_is_bit_exact",
+  "tests/test_partition.py",
   "tests/test_sharding.py",
+  "tests/test_peers.py::test_run_all_smoke",
+  "tests/test_bench_smoke.py",
+  "tests/test_devices.py",
+  "tests/test_train_resume.py::test_resume_is_bit_exact",
   "tests/test_train_resume.py::test_a_first_save_killed_midway",
   "tests/test_interleaved_adam.py::test_matches_optax[multi_steps",
   "tests/test_interleaved_adam.py::test_optax_multisteps",
@@ -61,8 +73,8 @@ def pytest_configure(config):
     os.environ[OWNED_ENV] = "1"
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tests' programs compile quickly
   flags = os.environ.get("XLA_FLAGS", "")
-  if "--xla_backend_optimization_level" not in flags:  # a level given by the caller is kept
-    os.environ["XLA_FLAGS"] = f"{flags} {COMPILE_FLAGS}".strip()
+  given = {f.split("=")[0] for f in flags.split()}  # a value given by the caller is kept
+  os.environ["XLA_FLAGS"] = " ".join([flags, *(f for f in COMPILE_FLAGS if f.split("=")[0] not in given)]).strip()
   import jax
 
   jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
@@ -90,7 +102,7 @@ def _this_machines_calibration():
   return jax_dos.calibrate()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def calibration():
   """This machine's calibration for the performance model, measured once a worker (``jax_dos.calibrate``'s
   cache)."""
@@ -101,11 +113,9 @@ def calibration():
 def calibrated_cache(tmp_path, calibration):
   """``tmp_path / "cache"``, an ``XDG_CACHE_HOME`` holding this machine's calibration: a script run with it plans
   from the cached rates instead of measuring them again (``test_calibration.py`` tests the measuring)."""
-  from jax_dos.planning import calibration as C
+  from helpers import cache_calibration
 
-  home = tmp_path / "cache"
-  C.save(calibration, home / "jax_dos" / C.cache_path(calibration.key).name)
-  return home
+  return cache_calibration(tmp_path / "cache", calibration)
 
 
 @pytest.fixture(autouse=True)

@@ -34,6 +34,15 @@ def cpu_devices_env(devices: int, **extra: str) -> dict[str, str]:
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
 
 
+def cache_calibration(home, calibration):
+  """``home`` made an ``XDG_CACHE_HOME`` holding ``calibration``: a script run with it plans from the cached rates
+  instead of measuring them again (``conftest.calibrated_cache``); ``home``."""
+  from jax_dos.planning import calibration as C
+
+  C.save(calibration, home / "jax_dos" / C.cache_path(calibration.key).name)
+  return home
+
+
 def random_tree(rng: np.random.Generator, shapes=SHAPES, dtype=jnp.float32, scale: float = 1.0):
   """A tree of ``shapes`` filled with fresh normal samples."""
   return jax.tree.map(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import cache_calibration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,18 +45,33 @@ def test_contention_smoke(tmp_path):
   assert all(r["time_s"] > 0 and r["predicted_s"] > 0 and "wall" in r["trace"] for r in rows)
 
 
-@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
-def test_train_step_smoke(tmp_path):
+PLAIN, OVERLAPPED = ["host", "auto"], ["overlap", "overlapfire", "overlapbatch"]
+
+
+@pytest.fixture(scope="module")
+def train_step_smoke(tmp_path_factory, calibration):
+  """One ``train_step.py --smoke`` run of two micro-batches a step for the plain variants and the overlapped ones (each
+  variant its own process, as always; one driver and one calibration process for both tests), the overlapped variants
+  planned by the stages' timeline and rebalancing (``--overlap-*`` flags, which only they read); its JSON."""
+  tmp_path = tmp_path_factory.mktemp("train_step")
+  cache_calibration(tmp_path / "cache", calibration)  # the calibration, measured once
+  path = tmp_path / "train_step.json"
+  run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", ",".join(PLAIN + OVERLAPPED),
+      "--steps", "2", "--warmup", "3", "--overlap-rebalance", "--overlap-stream-slots", "2",
+      "--out", str(path))  # fmt: skip
+  return json.loads(path.read_text())
+
+
+@pytest.mark.xdist_group("train_step_smoke")  # one worker makes the module's run
+def test_train_step_smoke(train_step_smoke):
   """The plain variants, two micro-batches a step: twice the tokens, the planner sized from the micro-batch's
   program, no flush."""
-  path = tmp_path / "train_step.json"
-  run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", "host,auto", "--steps", "2",
-      "--out", str(path))  # fmt: skip
-  doc = json.loads(path.read_text())
+  doc = train_step_smoke
   assert doc["calibration"]  # measured in its own process before the variants
   assert doc["config"]["grad_flush"] == "none"
-  assert [r["variant"] for r in doc["results"]] == ["host", "auto"]
-  for r in doc["results"]:
+  assert [r["variant"] for r in doc["results"]] == PLAIN + OVERLAPPED
+  results = [r for r in doc["results"] if r["variant"] in PLAIN]
+  for r in results:
     assert "error" not in r and r["tokens_per_s"] > 0, r.get("stderr_tail")
     assert r["tokens_per_step"] == 2 * 4 * 64
 
@@ -99,17 +115,14 @@ def test_scale_out_smoke(tmp_path):
   assert two["summary"]["tokens_per_s_per_gpu_vs_one"] > 0 and doc["meta"]["dram"]["bandwidth_Bps"] > 0
 
 
-@pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
-def test_train_step_smoke_overlapped(tmp_path):
+@pytest.mark.xdist_group("train_step_smoke")  # one worker makes the module's run
+def test_train_step_smoke_overlapped(train_step_smoke):
   """Two micro-batches a step: the overlapped variants, planned by the stages' timeline and rebalancing, with their
   trace and plans."""
-  path = tmp_path / "train_step.json"
-  run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", "overlap,overlapfire,overlapbatch",
-      "--steps", "2", "--warmup", "3", "--overlap-rebalance", "--overlap-stream-slots", "2",
-      "--out", str(path))  # fmt: skip
-  doc = json.loads(path.read_text())
-  assert [r["variant"] for r in doc["results"]] == ["overlap", "overlapfire", "overlapbatch"]
-  for r in doc["results"]:
+  doc = train_step_smoke
+  assert [r["variant"] for r in doc["results"]] == PLAIN + OVERLAPPED
+  results = [r for r in doc["results"] if r["variant"] in OVERLAPPED]
+  for r in results:
     assert "error" not in r and r["tokens_per_s"] > 0, r.get("stderr_tail")
     assert r["tokens_per_step"] == 2 * 4 * 64
     assert r["trace"] and r["plan_after"] and r["stage_times"]["forward_s"] and r["stage_times"]["boundary_bytes"] > 0

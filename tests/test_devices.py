@@ -120,34 +120,58 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "16",
         "--param-dtype", "float32"]  # fmt: skip
 
 
-def _train(tmp_path: Path, name: str, *flags: str) -> tuple[dict[int, dict], str]:
-  """``python -m train.gpt`` in a fresh interpreter; its metrics rows by step and its output."""
+RUNS = textwrap.dedent(
+  """
+    import json, sys
+    from train import gpt
+
+    for argv in json.loads(sys.argv[1]):  # one after another, on this interpreter's devices
+      print(sys.argv[2], file=sys.stderr, flush=True)
+      gpt.main(argv)
+  """
+)
+SEPARATOR = "----- next run -----"
+
+
+def _train(tmp_path: Path, runs: dict[str, list[str]]) -> dict[str, tuple[dict[int, dict], str]]:
+  """``train.gpt``'s ``runs`` (``{name: flags}``, each ``--devices`` the same) one after another in one fresh
+  interpreter, started with no device count (each run's ``--devices K`` sets it); each run's metrics rows by step and
+  its output, by name."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-  command = [sys.executable, "-m", "train.gpt", *TINY, "--out", str(tmp_path / name), *flags]
+  argvs = [[*TINY, "--out", str(tmp_path / name), *flags] for name, flags in runs.items()]
+  command = [sys.executable, "-c", RUNS, json.dumps(argvs), SEPARATOR]
   out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-  return {r["step"]: r for r in rows if "loss" in r}, out.stderr
+  said = out.stderr.split(SEPARATOR + "\n")[1:]
+  assert len(said) == len(runs), out.stderr[-3000:]
+  results = {}
+  for name, text in zip(runs, said):
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    results[name] = {r["step"]: r for r in rows if "loss" in r}, text
+  return results
 
 
 def test_all_devices_by_default_train_as_one_device_with_the_same_global_batch(tmp_path):
   """One process of 2 and of 4 CPU devices (``--devices K``; every device is the default) trains as one device with
   the same 8 rows a micro-batch (``--batch`` rows a device), on the plain step and on the overlapped one, also with
   the parameters sharded (``--mesh fsdp=4``, ``data=2,fsdp=2``), the clip firing in the first step and silent after
-  it (the overlapped step then speculates): the same losses and gradient norms, to float32 rounding."""
-  one, _ = _train(tmp_path, "one", "--devices", "1", "--batch", "8")
+  it (the overlapped step then speculates): the same losses and gradient norms, to float32 rounding. The runs of 4
+  devices share one interpreter (the device count is fixed when jax starts)."""
+  one, _ = _train(tmp_path, {"one": ["--devices", "1", "--batch", "8"]})["one"]
   assert [one[s]["clipped"] for s in (1, 2, 3)] == [True, False, False], one
-  two, said = _train(tmp_path, "two", "--devices", "2", "--batch", "4")
+  two, said = _train(tmp_path, {"two": ["--devices", "2", "--batch", "4"]})["two"]
   assert "devices 2 x cpu, all 2 of the job's, data-parallel (--mesh data=2" in said, said
   assert "a step 16 x 16 = 256 tokens" in said, said
-  four, said = _train(tmp_path, "four", "--devices", "4", "--batch", "2", "--overlap", "on")
-  assert "step    overlapped (--overlap on)" in said, said
   # The parameters sharded too (issue 50's layouts): over fsdp=4, and over data=2 x fsdp=2, on the overlapped step.
+  meshes = {"fsdp=4": "fsdp4", "data=2,fsdp=2": "data2_fsdp2"}
+  four_devices = ["--devices", "4", "--batch", "2", "--overlap", "on"]
+  runs = _train(tmp_path, {"four": four_devices} | {name: [*four_devices, "--mesh", m] for m, name in meshes.items()})
+  four, said = runs["four"]
+  assert "step    overlapped (--overlap on)" in said, said
   sharded = []
-  for mesh in ("fsdp=4", "data=2,fsdp=2"):
-    run, said = _train(tmp_path, mesh.replace(",", "_"), "--devices", "4", "--mesh", mesh, "--batch", "2", "--overlap",
-                       "on")  # fmt: skip
+  for mesh, name in meshes.items():
+    run, said = runs[name]
     assert f"--mesh {'data=1,' if mesh == 'fsdp=4' else ''}{mesh}" in said and "step    overlapped" in said, said
     sharded.append(run)
   for other in (two, four, *sharded):

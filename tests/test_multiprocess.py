@@ -1,9 +1,9 @@
 """Several processes joined by ``jax.distributed``: 2 CPU processes with 2 devices each, gloo collectives.
 
-Each process runs ``tests/multiprocess_worker.py`` (FSDP-sharded and
-data-parallel parameters, every placement, against ``optax.adamw``) and
-checks the shards it addresses. The processes are bounded in time and killed
-if they outlive it.
+One pair of processes (``two_processes``) runs the checks of ``tests/multiprocess_worker.py`` (FSDP-sharded and
+data-parallel parameters, every placement, against ``optax.adamw``), of ``tests/multiprocess_checkpoint_worker.py``
+and of ``tests/multiprocess_overlap_worker.py`` one after another, each process checking the shards it addresses; a
+test reads its part of their outputs. The processes are bounded in time and killed if they outlive it.
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
-CHECKPOINT_WORKER = Path(__file__).resolve().parent / "multiprocess_checkpoint_worker.py"
-OVERLAP_WORKER = Path(__file__).resolve().parent / "multiprocess_overlap_worker.py"
+TESTS = Path(__file__).resolve().parent
+CHECKPOINT_WORKER = TESTS / "multiprocess_checkpoint_worker.py"
 TIMEOUT_S = 240
 CHECKS = 24  # "ok" per process: 2 layouts x (4 placements, update_params, write_behind, delay, auto), 6 whole copies,
 # the refusal both processes share, the worker's programs without collectives
@@ -36,11 +37,6 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
-
-
-def run_processes(worker: Path, *args: str, processes: int = 2, devices: int = 2) -> list[str]:
-  """Runs ``worker PORT PROCESS_ID *args`` in ``processes`` CPU processes; returns their outputs (all must pass)."""
-  return launch(lambda port, i: ([sys.executable, str(worker), port, str(i), *args], {}), processes, devices)
 
 
 def launch(command: Callable[[str, int], tuple[list[str], dict]], processes: int = 2, devices: int = 2) -> list[str]:
@@ -84,34 +80,80 @@ def launch(command: Callable[[str, int], tuple[list[str], dict]], processes: int
   return outputs
 
 
-def test_two_processes_match_optax():
+# The workers' checks in one job, one part after another: a part's lines follow its name's marker line.
+PART = "----- part"
+JOINED = textwrap.dedent(
+  f"""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import jax
+    import multiprocess_checkpoint_worker, multiprocess_overlap_worker, multiprocess_worker
+
+    port, process_id, seed, checkpoints, overlapped = sys.argv[2:]
+    multiprocess_worker.join(int(port), int(process_id))
+    try:
+      for name, check in (
+        ("optax", lambda: multiprocess_worker.run_checks(int(seed))),
+        ("checkpoint", lambda: multiprocess_checkpoint_worker.train_and_save(int(seed), checkpoints)),
+        ("overlapped", lambda: multiprocess_overlap_worker.run(int(seed), overlapped)),
+      ):
+        print("{PART}", name, flush=True)
+        check()
+    finally:
+      jax.distributed.shutdown()
+  """
+)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
+  """The three workers' checks in one pair of processes (2 x 2 CPU devices), their checkpoints under the folder
+  returned; each process's output by part (``optax``, ``checkpoint``, ``overlapped``)."""
+  root = tmp_path_factory.mktemp("two_processes")
   seed = str(np.random.default_rng().integers(2**31))
-  for out in run_processes(WORKER, seed):
+  for name in ("checkpoint", "overlapped"):
+    (root / name).mkdir()
+  outputs = launch(
+    lambda port, i: ([sys.executable, "-c", JOINED, str(TESTS), port, str(i), seed, str(root / "checkpoint"),
+                      str(root / "overlapped")], {})
+  )  # fmt: skip
+  parts = []
+  for out in outputs:
+    pieces = re.split(rf"^{PART} (\w+)\n", out, flags=re.M)[1:]
+    parts.append(dict(zip(pieces[::2], pieces[1::2])))
+    assert list(parts[-1]) == ["optax", "checkpoint", "overlapped"], out
+  return root, parts
+
+
+@pytest.mark.xdist_group("two_processes")  # one worker makes the module's job
+def test_two_processes_match_optax(two_processes):
+  for out in (parts["optax"] for parts in two_processes[1]):
     assert out.count("ok ") == CHECKS, out
 
 
-def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(tmp_path):
+@pytest.mark.xdist_group("two_processes")
+def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(two_processes):
   """Each process writes its shards; the step restores bit-exact into 2 processes, and into 1 on other layouts; and
   with its moments converted: to bfloat16 in the 2 processes, to int8 on one device."""
-  seed = str(np.random.default_rng().integers(2**31))
-  for out in run_processes(CHECKPOINT_WORKER, seed, str(tmp_path)):
+  root, parts = two_processes
+  for out in (p["checkpoint"] for p in parts):
     assert "ok restored in 2 processes" in out and "ok converted in 2 processes" in out, out
   env = cpu_devices_env(4)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-  command = [sys.executable, str(CHECKPOINT_WORKER), "single", str(tmp_path)]
+  command = [sys.executable, str(CHECKPOINT_WORKER), "single", str(root / "checkpoint")]
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok restored in one process") == 3, result.stdout
 
 
-def test_overlapped_step_on_two_processes_matches_optax_agrees_on_one_plan_and_resumes(tmp_path):
+@pytest.mark.xdist_group("two_processes")
+def test_overlapped_step_on_two_processes_matches_optax_agrees_on_one_plan_and_resumes(two_processes):
   """``OverlappedStep`` data-parallel over 2 processes x 2 devices: optax's chain with the clip firing and silent,
   each process's pinned bytes (its half of the state), one plan from processes that measured apart, a layout one
   host cannot hold refused on both before allocation, and a checkpoint both wrote resumed bit-exact."""
-  seed = str(np.random.default_rng().integers(2**31))
   checks = ("equals optax, clip fires", "equals optax, clip silent", "refused before allocation", "one plan",
             "resumed bit-exact")  # fmt: skip
-  for out in run_processes(OVERLAP_WORKER, seed, str(tmp_path)):
+  for out in (parts["overlapped"] for parts in two_processes[1]):
     for check in checks:
       assert f"ok {check}" in out, out
 
