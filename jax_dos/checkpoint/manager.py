@@ -49,7 +49,6 @@ import warnings
 from typing import Any, Optional
 
 import jax
-import numpy as np
 
 from jax_dos.checkpoint import canonical, integrity
 from jax_dos.checkpoint import host_copy as host_guard
@@ -63,11 +62,9 @@ from jax_dos.checkpoint.template import (
   disk_template,
   fill_empties,
   ocp,
-  read_as_numpy,
   restore_item,
 )
 from jax_dos.engine import wait_for_host_updates
-from jax_dos.moment_formats import stored_dtype
 
 __all__ = [
   "FORMAT",
@@ -478,7 +475,7 @@ class CheckpointManager:
     check_tree("params", step, disk_template(params_t), tree_of(metadata["params"]))
     check_tree("optimizer state (count, mu, nu)", step, disk_template(canon_t), tree_of(metadata["opt_state"]))
 
-    converting = source != target  # the moments are read apart, a group of leaves at a time (_converted_moments)
+    converting = source != target  # the moments read apart, a group of leaves at a time (moments.read_converted)
     unread = lambda tree: jax.tree.map(lambda _: PLACEHOLDER, tree)  # noqa: E731
     read_t = {**canon_t, "mu": unread(canon_t["mu"]), "nu": unread(canon_t["nu"])} if converting else canon_t
     want_master = parts.kind == "interleaved"
@@ -499,33 +496,8 @@ class CheckpointManager:
       master = fill_empties(master, parts.master)
     c = fill_empties(out["opt_state"], read_t)
     if converting:  # stored in another format: converted to the template's
-      c["mu"], c["nu"] = self._converted_moments(step, t)
+      c["mu"], c["nu"] = checkpoint_moments.read_converted(self._mgr.restore, step, t)
       checkpoint_moments.say_converted(step, source, target)
     extra = [c["extra"][str(i)] for i in range(len(parts.extra))] if parts.extra else []
     params = fill_empties(out["params"], params_t)
     return params, parts.rebuild(c["count"], master, c["mu"], c["nu"], extra), out["meta"]
-
-  def _converted_moments(self, step: int, t: canonical.DiskTemplate) -> tuple[Any, Any]:
-    """Step ``step``'s moments, stored as ``t.source``, in the templates' format, shardings and memory kinds
-    (``checkpoint.moments``): read a group of leaves at a time as numpy arrays, whole in every process, each leaf
-    converted on the host and put shard by shard where its template says."""
-    canon = disk_template(t.canon)  # as on disk: the moments' stored shapes, zero-size leaves' stand-ins
-    paths = [path for path, _ in jax.tree.flatten_with_path(canon)[0]]
-    first = {k: next(i for i, p in enumerate(paths) if p[0].key == k) for k in ("count", "mu", "nu")}
-    templates = [jax.tree.leaves(x) for x in (t.parts.mu, t.parts.nu)]
-    stored = [tuple(x.shape) for x in jax.tree.leaves(t.moments[0])]
-    out: list[list[Any]] = [[None] * len(stored), [None] * len(stored)]
-    for group in checkpoint_moments.reads(stored, stored_dtype(t.source[0])):
-      wanted = {first[k] + i for k in ("mu", "nu") for i in group if np.prod(t.shapes[i], dtype=np.int64)}
-      read = self._mgr.restore(step, args=ocp.args.Composite(opt_state=read_as_numpy(canon, wanted | {first["count"]})))
-      leaves = jax.tree.leaves(read["opt_state"])
-      count = int(leaves[first["count"]])
-      for salt, k in enumerate(("mu", "nu")):
-        for i in group:
-          x = leaves[first[k] + i]
-          out[salt][i] = checkpoint_moments.convert_leaf(
-            None if x is PLACEHOLDER else x, templates[salt][i], t.shapes[i], t.source[0], count, salt
-          )
-      del read, leaves  # this group's stored moments: freed before the next group is read
-    trees = (t.parts.mu, t.parts.nu)
-    return tuple(jax.tree.unflatten(jax.tree.structure(tree), leaves) for tree, leaves in zip(trees, out))

@@ -20,12 +20,14 @@ exactly; between compact formats, both.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from jax_dos import moment_formats as mf
+from jax_dos.checkpoint import template
 
 VERSION = 1
 # Stored bytes of moments one read of a conversion holds (mu and nu of a group of leaves; a larger leaf is read
@@ -137,3 +139,31 @@ def say_converted(step: int, source: tuple[str, int], target: tuple[str, int]) -
     "checkpoint step %d: Adam's moments were saved as %s and are restored as %s, %s; the master weights and the step"
     " count are unchanged.", step, name(source), name(target), change,
   )  # fmt: skip
+
+
+def read_converted(restore: Callable[..., dict], step: int, t: Any) -> tuple[Any, Any]:
+  """Step ``step``'s moments, stored as ``t.source`` (``t``: the restore's ``canonical.DiskTemplate``), in the
+  templates' format, shardings and memory kinds: read with ``restore`` (an Orbax ``CheckpointManager.restore``) a
+  group of leaves at a time (:func:`reads`) as numpy arrays, whole in every process, each leaf converted on the host
+  and put shard by shard where its template says (:func:`convert_leaf`)."""
+  canon = template.disk_template(t.canon)  # as on disk: the moments' stored shapes, zero-size leaves' stand-ins
+  paths = [path for path, _ in jax.tree.flatten_with_path(canon)[0]]
+  first = {k: next(i for i, p in enumerate(paths) if p[0].key == k) for k in ("count", "mu", "nu")}
+  templates = [jax.tree.leaves(x) for x in (t.parts.mu, t.parts.nu)]
+  stored = [tuple(x.shape) for x in jax.tree.leaves(t.moments[0])]
+  out: list[list[Any]] = [[None] * len(stored), [None] * len(stored)]
+  for group in reads(stored, mf.stored_dtype(t.source[0])):
+    wanted = {first[k] + i for k in ("mu", "nu") for i in group if np.prod(t.shapes[i], dtype=np.int64)}
+    wanted.add(first["count"])
+    read = restore(step, args=template.ocp.args.Composite(opt_state=template.read_as_numpy(canon, wanted)))
+    leaves = jax.tree.leaves(read["opt_state"])
+    count = int(leaves[first["count"]])
+    for salt, k in enumerate(("mu", "nu")):
+      for i in group:
+        x = leaves[first[k] + i]
+        out[salt][i] = convert_leaf(
+          None if x is template.PLACEHOLDER else x, templates[salt][i], t.shapes[i], t.source[0], count, salt
+        )
+    del read, leaves  # this group's stored moments: freed before the next group is read
+  trees = (t.parts.mu, t.parts.nu)
+  return tuple(jax.tree.unflatten(jax.tree.structure(tree), leaves) for tree, leaves in zip(trees, out))
