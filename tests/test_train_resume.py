@@ -295,6 +295,18 @@ def test_a_diverging_run_stops_and_saves_nothing(tmp_path, checkpointed_run, ckp
   assert _run(tmp_path, "run", *common, "--steps", "6", "--resume")["start_step"] == 4
 
 
+def test_resume_with_no_ckpt_continues_and_writes_nothing(tmp_path):
+  """``--resume --no-ckpt`` (a disk without room for another checkpoint) continues from the newest checkpoint, as
+  ``--resume`` does, and leaves the folder as it was: no new step, nothing deleted or rewritten."""
+  _run(tmp_path, "run", "--steps", "2", "--eval-every", "0")
+  ckpt = tmp_path / "run" / "ckpt"
+  before = {str(p.relative_to(ckpt)): p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+  out = _run(tmp_path, "run", "--steps", "3", "--eval-every", "0", "--resume", "--no-ckpt")
+  assert out["start_step"] == 2 and out["step"] == 3, out
+  assert {str(p.relative_to(ckpt)): p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before
+  assert _run(tmp_path, "run", "--steps", "3", "--eval-every", "0", "--resume")["start_step"] == 2
+
+
 def test_no_ckpt_writes_no_checkpoint(tmp_path):
   _run(tmp_path, "nockpt", "--steps", "2", "--eval-every", "0", "--no-ckpt")
   ckpt = tmp_path / "nockpt" / "ckpt"

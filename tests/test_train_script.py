@@ -162,7 +162,6 @@ def test_data_too_short_for_any_sequence_says_so():
     (["--offload", "gpu"], "invalid choice"),
     (["--resume", "--overwrite"], "contradict"),
     (["--offload", "none", "--delay", "1"], "--delay 1"),
-    (["--resume", "--no-ckpt"], "drop --no-ckpt"),
     (["--write-behind", "--delay", "1"], "--write-behind"),
     (["--delay-predict"], "--delay-predict"),
     (["--grad-accum", "0"], "--grad-accum must be >= 1"),

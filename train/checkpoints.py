@@ -23,13 +23,14 @@ RUN_FIELDS = ("dtype", "param_dtype", "remat")
 
 
 def open_checkpoints(args: TrainConfig, ckpt_dir: str) -> tuple[jax_dos.CheckpointManager | None, bool]:
-  """``(manager, resume)``: the run's checkpoint manager (``None`` with ``--no-ckpt``) and whether to restore.
+  """``(manager, resume)``: the run's checkpoint manager (``None`` with ``--no-ckpt``, but for ``--resume``'s
+  restore: see :func:`saving`) and whether to restore.
 
   Refuses to mix a new run into an earlier run's checkpoints unless told how.
   A folder holding no complete checkpoint (a first save was interrupted) is
   taken over by a plain run and by ``--resume``, both starting at step 0.
   """
-  if args.no_ckpt:  # writes nothing to ckpt_dir, whatever it holds
+  if args.no_ckpt and not args.resume:  # writes nothing to ckpt_dir, whatever it holds
     if os.path.isdir(ckpt_dir) and not args.overwrite:
       with jax_dos.CheckpointManager(ckpt_dir) as earlier:
         if earlier.complete_steps():
@@ -59,6 +60,12 @@ def open_checkpoints(args: TrainConfig, ckpt_dir: str) -> tuple[jax_dos.Checkpoi
     manager.close()
     raise SystemExit(f"error: --resume: no checkpoint in {ckpt_dir}. Run without --resume to start a new run.")
   return manager, args.resume
+
+
+def saving(args: TrainConfig, manager: jax_dos.CheckpointManager | None) -> jax_dos.CheckpointManager | None:
+  """The manager the run saves through: ``None`` with ``--no-ckpt``, also where ``--resume`` restored through it
+  (the run continues from the newest checkpoint and writes nothing: the folder stays as it was)."""
+  return None if args.no_ckpt else manager
 
 
 @contextlib.contextmanager

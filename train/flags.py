@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0 = only at the end)")
   r.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
   r.add_argument("--no-ckpt", action="store_true",
-                 help="write no checkpoints (not even the final one); an earlier run's are left alone")  # fmt: skip
+                 help="write no checkpoints (not even the final one); an earlier run's are left alone (with --resume:"
+                      " continue from the newest and write no more, for a disk without room for another)")  # fmt: skip
   r.add_argument("--resume", action="store_true",
                  help="continue from the newest checkpoint in <out>/ckpt that verifies (damaged ones are moved to"
                       " <out>/ckpt/damaged/)")  # fmt: skip
@@ -320,8 +321,6 @@ def _without_backend(v: dict[str, Any], err: _Error) -> Flags:
   for name in ("n_layer", "n_head", "d_model", "vocab_size"):
     if v[name] is not None and v[name] < 1:
       err(f"{_flag(name)} must be >= 1, got {v[name]}.")
-  if v["resume"] and v["no_ckpt"]:
-    err("--resume continues from a checkpoint and saves more; drop --no-ckpt.")
   overrides = {k: v[k] for k in SHAPE_FLAGS if v[k] is not None}
   if v["init_from"] is not None:
     given = [_flag(name) for name in ("preset", *SHAPE_FLAGS, "vocab_size") if v[name] is not None]

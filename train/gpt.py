@@ -392,6 +392,9 @@ def train(args: TrainConfig) -> dict[str, Any]:
   built = _build_step(args, cfg, graphdef, params, first, batch_layout, manager if resume else None)
   step, schedule, start_step, args = built.step, built.schedule, built.start_step, built.args  # args: as resumed
   del params, first
+  if manager is not None and args.no_ckpt:  # --resume --no-ckpt: restored, nothing more is written
+    manager.close()
+  manager = checkpoints.saving(args, manager)
   if manager is not None:
     try:
       manager.check_space(step.params, step.opt_state)  # fail now, not after the training run
