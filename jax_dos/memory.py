@@ -44,8 +44,11 @@ def process_elements(x: Any) -> int:
 
 
 def sharding_of(x: Any) -> Sharding:
-  """The sharding of a concrete array, or the default device's for anything else."""
+  """The sharding of a concrete array or of a ``ShapeDtypeStruct`` that has one, or the default device's for anything
+  else."""
   if isinstance(x, jax.Array) and not is_traced(x):
+    return x.sharding
+  if isinstance(x, jax.ShapeDtypeStruct) and isinstance(x.sharding, Sharding):
     return x.sharding
   return SingleDeviceSharding(jax.local_devices()[0])
 

@@ -74,6 +74,13 @@ SCRIPT = textwrap.dedent(
     whole = gradients.gradient_step_memory(graphdef, params, (8, 16), 1.0, "none", 2)
     halves = gradients.gradient_step_memory(graphdef, meshed, (16, 16), 1.0, "none", 2, rows)  # 8 rows a device
     assert halves.live_bytes < whole.live_bytes and halves.peak_bytes < whole.peak_bytes, (halves, whole)
+    # With the parameters sharded over every device (--mesh fsdp=2), compiled for its memory from the arrays' own
+    # layouts: the running sum keeps each parameter's sharding (the GPU's setup path; the CPU trains without it).
+    from train import parallel
+    fsdp = parallel.make_mesh({"data": 1, "fsdp": 2})
+    sharded = jax.device_put(params, parallel.param_shardings(fsdp, params))
+    split = gradients.gradient_step_memory(graphdef, sharded, (16, 16), 1.0, "none", 2, parallel.batch_sharding(fsdp))
+    assert split.live_bytes < whole.live_bytes, (split, whole)
     print("ok reduce-scattered sums")
 
     # A CPU mesh needs no compiler option to keep its rematerialisation; one device needs none anywhere.

@@ -31,6 +31,14 @@ SCRIPT = textwrap.dedent(
     params = {k: jax.device_put(jnp.asarray(rng.standard_normal(shapes[k]), jnp.float32), NamedSharding(mesh, specs[k]))
               for k in shapes}
 
+    # From shapes alone (a plan, a program compiled for its memory), each leaf's state takes the layout its array's
+    # would: a leaf sharded over every axis of the mesh keeps its own sharding, not the default device's.
+    abstract = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in params.items()}
+    for k, (want, got) in enumerate(zip(jax_dos.state_shardings(params).values(),
+                                        jax_dos.state_shardings(abstract).values())):
+      assert got.is_equivalent_to(want, len(shapes[list(shapes)[k]])), (list(shapes)[k], got, want)
+    print("ok from shapes")
+
     def check_layout(state, p, what, params_layout=True):
       for k in shapes:
         for tree in (state.master, state.mu, state.nu):
@@ -103,7 +111,7 @@ def test_partitioned_state_matches_optax_and_holds_shares():
   command = [sys.executable, "-c", SCRIPT]
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.count("ok ") == 12, result.stdout
+  assert result.stdout.count("ok ") == 13, result.stdout
 
 
 SHARE_SCRIPT = textwrap.dedent(

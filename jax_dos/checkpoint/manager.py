@@ -143,7 +143,9 @@ class CheckpointManager:
       enable_async_checkpointing=async_save,
       create=False,  # made by the first save, so restore from a mistyped path fails clearly
     )
-    handlers = {name: ocp.PyTreeCheckpointHandler() for name in _PYTREE_ITEMS}
+    # Off: Orbax's GPU default copies every shard, host ones too, into XLA's pinned pool first, a second pinned copy
+    # of the host state that a 13B state's host could not pin (docs/checkpoints.md, "Saving on a GPU").
+    handlers = {name: ocp.PyTreeCheckpointHandler(enable_pinned_host_transfer=False) for name in _PYTREE_ITEMS}
     handlers |= {"meta": ocp.JsonCheckpointHandler(), "format": ocp.JsonCheckpointHandler()}
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
