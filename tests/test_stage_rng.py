@@ -1,13 +1,15 @@
 """Dropout in a user's own Flax NNX model trained through ``jax_dos.nnx_stages``: the plain NNX path's masks.
 
-The reference is the plain path: ``nnx.grad`` of each micro-batch's loss over the model itself (each a forward call
-drawing from the model's RNG streams), their mean, ``nnx.Optimizer`` with ``optax.chain(clip_by_global_norm,
-adamw)``, all under ``nnx.jit``. The model has dropout after the embedding and before the head (one
-``nnx.Dropout``, drawn from by the first and the last stage) and twice in each block (one ``nnx.Dropout`` called
-twice): each block forking its own stream (an ``nnx.List``, or a stack made with ``nnx.split_rngs`` and ``nnx.vmap``
-and run with ``nnx.scan``), or every module drawing from one ``nnx.Rngs`` they all keep (``shared``: the stream
-counts on across the layers in call order). The blocks rematerialise themselves (``nnx.remat``), as a plain
-model often does.
+The reference is the plain path: ``nnx.value_and_grad`` of each micro-batch's loss over the model itself (each a
+forward call drawing from the model's RNG streams), their mean, ``nnx.Optimizer`` with
+``optax.chain(clip_by_global_norm, adamw)``, all under ``nnx.jit``. The model has dropout after the embedding and
+before the head (one ``nnx.Dropout``, drawn from by the first and the last stage) and twice in each block (one
+``nnx.Dropout`` called twice): each block forking its own stream (an ``nnx.List``, or a stack made with
+``nnx.split_rngs`` and ``nnx.vmap`` and run with ``nnx.scan``), or every module drawing from one ``nnx.Rngs`` they
+all keep (``shared``: the stream counts on across the layers in call order), or from the ``nnx.Rngs`` the model is
+called with (``called``: ``model(tokens, rngs=rngs)``, the same ``rngs`` passed to every step; ``nnx.scan`` carries
+it through a stack). The blocks rematerialise themselves (``nnx.remat``), as a plain model often does. On one
+device, on a mesh of two, and over two processes (``tests/multiprocess_dropout_worker.py``).
 """
 
 from __future__ import annotations
