@@ -36,9 +36,13 @@ the plain path draws (``nnx.value_and_grad`` over the model, once per
 micro-batch), in the forward program and its rematerialised backward alike:
 their keys and counters are ``Stage.inputs``, taken by :meth:`NNXStages.give`
 and written back by :meth:`NNXStages.update` (``jax_dos.stage_rng``: the
-contract, and what it refuses). A ``block`` taking a fourth parameter gets the
-layer's index, ``block(layer, x, batch, index)`` (an int32 scalar). Other
-state (batch statistics, caches, plain arrays) is refused, with its paths.
+contract, and what it refuses). A model called with its keys
+(``model(tokens, rngs=rngs)``, keys no part of its state) is given that
+``nnx.Rngs`` as ``nnx_stages(..., rngs=rngs)``: its functions are then called
+with ``rngs=`` too, and the stages draw from it as the plain call does. A
+``block`` taking a fourth parameter gets the layer's index, ``block(layer, x,
+batch, index)`` (an int32 scalar). Other state (batch statistics, caches,
+plain arrays) is refused, with its paths.
 """
 
 from __future__ import annotations
@@ -150,6 +154,7 @@ class _EndStage(_Stage):
   keys: tuple[Path, ...] = ()
   counts: tuple[Path, ...] = ()
   absent: tuple[tuple[Path, jax.ShapeDtypeStruct], ...] = ()
+  called: Any = None
 
   def run(self, params: tuple, x: Any, batch: Any, keys: tuple, counts: tuple, index: Any) -> tuple[Any, tuple]:
     values = dict(self.layout)
@@ -157,9 +162,11 @@ class _EndStage(_Stage):
       values.update((p, _at(group, p)) for p in paths)
     values.update([*zip(self.keys, keys), *zip(self.counts, counts)])
     values.update((p, stage_rng.stand_in(s)) for p, s in self.absent)
-    model = _nnx().merge(self.graphdef, _nest(list(values.items())))
-    out = self.fn(model, x, batch) if self.head else self.fn(model, batch)
-    return out, stage_rng.counters(model, self.counts)
+    items, called = stage_rng.split_called(list(values.items()))
+    model, rngs = _nnx().merge(self.graphdef, _nest(items)), _called(self.called, called)
+    given = {} if rngs is None else {"rngs": rngs}
+    out = self.fn(model, x, batch, **given) if self.head else self.fn(model, batch, **given)
+    return out, stage_rng.counters(model, self.counts, rngs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -174,17 +181,25 @@ class _LayerStage(_Stage):
   counts: tuple[Path, ...] = ()
   absent: tuple[tuple[Path, jax.ShapeDtypeStruct], ...] = ()
   index: bool = False
+  called: Any = None
 
   def run(self, params: tuple, x: Any, batch: Any, keys: tuple, counts: tuple, index: Any) -> tuple[Any, tuple]:
     (group,) = params
     absent = [(p, stage_rng.stand_in(s)) for p, s in self.absent]
-    leaves = [*_flatten(group), *zip(self.keys, keys), *zip(self.counts, counts), *absent]
-    layer = _nnx().merge(self.graphdef, _nest(leaves))
+    items, called = stage_rng.split_called([*zip(self.keys, keys), *zip(self.counts, counts), *absent])
+    layer, rngs = _nnx().merge(self.graphdef, _nest([*_flatten(group), *items])), _called(self.called, called)
+    given = {} if rngs is None else {"rngs": rngs}
     if self.block is None:
-      out = layer(x)
+      out = layer(x, **given)
     else:
-      out = self.block(layer, x, batch, index) if self.index else self.block(layer, x, batch)
-    return out, stage_rng.counters(layer, self.counts)
+      out = self.block(layer, x, batch, index, **given) if self.index else self.block(layer, x, batch, **given)
+    return out, stage_rng.counters(layer, self.counts, rngs)
+
+
+def _called(graphdef: Any, items: list[tuple[Path, Any]]) -> Any:
+  """The streams given at call time (``nnx_stages(rngs=)``) rebuilt from their keys and counters; ``None`` where
+  none were given."""
+  return None if graphdef is None else _nnx().merge(graphdef, _nest(items))
 
 
 class NNXStages:
@@ -203,9 +218,10 @@ class NNXStages:
   model, as ``nnx.update``.
   """
 
-  def __init__(self, stages, layout, group_paths, blocks_path, layer_keys, stacked, streams=None):
+  def __init__(self, stages, layout, group_paths, blocks_path, layer_keys, stacked, streams=None, rngs=None):
     self.stages: tuple[Stage, ...] = tuple(stages)
     self._streams: stage_rng.Streams | None = streams  # the RNG streams the stages draw from
+    self._rngs: Any = rngs  # the streams given at call time (nnx_stages(rngs=)), or None
     self._layout: tuple[tuple[Path, Any], ...] = layout
     self._group_paths: tuple[tuple[Path, ...], ...] = group_paths  # embed's and head's groups
     self._blocks_path: Path = blocks_path
@@ -241,13 +257,14 @@ class NNXStages:
     (``OverlappedStep(tx, staged.stages, staged.give(model), ...)``). In each parameter's place the model keeps a
     ``hand_off.Given``: calling the model, or any use of a parameter, raises ``HandOffError`` naming
     :meth:`update`, until :meth:`update` writes parameters back (not ``Array has been deleted`` once the step has
-    donated them). The stages draw from the model's RNG streams as they stand now (their keys and counters)."""
+    donated them). The stages draw from the model's RNG streams, and those of ``nnx_stages(rngs=)``, as they stand
+    now (their keys and counters)."""
     nnx = _nnx()
     if not isinstance(model, nnx.Module):
       raise TypeError(f"NNXStages.give takes the flax.nnx.Module itself, got {type(model).__name__}.")
     groups = self.split(model)
     if self._streams is not None:
-      self._streams.capture(model)  # the stages draw from the model's streams as they stand now
+      self._streams.capture(model, self._rngs)  # the stages draw from the streams as they stand now
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     for path, variable in flat:
       variable.value = Given(
@@ -276,10 +293,13 @@ class NNXStages:
 
   def update(self, model: Any, groups: Sequence[Any]) -> None:
     """Writes ``groups`` (``OverlappedStep.params``) into ``model``'s parameters, in place (``nnx.update``), and its
-    RNG counters where they were drawn from: as the plain path leaves them after the steps taken since
-    :meth:`give` (``jax_dos.stage_rng``)."""
-    tree, counters = self.merge(groups), {} if self._streams is None else self._streams.counters()
-    _nnx().update(model, _nest([*_flatten(tree), *counters.items()]) if counters else tree)
+    RNG counters where they were drawn from, and those of ``nnx_stages(rngs=)``: as the plain path leaves them after
+    the steps taken since :meth:`give` (``jax_dos.stage_rng``)."""
+    nnx, tree = _nnx(), self.merge(groups)
+    counters, called = stage_rng.split_called(list(({} if self._streams is None else self._streams.counters()).items()))
+    nnx.update(model, _nest([*_flatten(tree), *counters]) if counters else tree)
+    if called:
+      nnx.update(self._rngs, _nest(called))
 
 
 def _stack(*layers: Any) -> Any:
@@ -303,6 +323,7 @@ def nnx_stages(
   blocks: str,
   head: Callable[[Any, Any, Any], jax.Array],
   block: Callable[[Any, Any, Any], Any] | None = None,
+  rngs: Any = None,
 ) -> NNXStages:
   """The stages of a Flax NNX ``model`` made of its own modules: ``loss = head(blocks(embed(batch)))``.
 
@@ -323,7 +344,18 @@ def nnx_stages(
       weights), but not the blocks.
     block: ``block(layer, x, batch) -> x`` runs one layer (default
       ``layer(x)``); ``block(layer, x, batch, index)`` (a fourth positional
-      parameter) also gets the layer's index, an int32 scalar.
+      parameter other than ``rngs``) also gets the layer's index, an int32
+      scalar.
+    rngs: the ``nnx.Rngs`` (or ``nnx.RngStream``) the model is called with,
+      for a model whose ``__call__`` takes its keys as ``rngs=`` (no part of
+      its state). Then ``embed``, ``head`` and ``block`` are called with it as
+      ``rngs=`` too (default block ``layer(x, rngs=rngs)``), and the stages
+      draw from it what ``model(tokens, rngs=rngs)`` draws, one forward call
+      per micro-batch, the one ``Rngs`` counting on from call to call and step
+      to step (as an ``nnx.jit`` step given it each step): the layers one
+      after another, as a loop over them does (or ``nnx.scan`` carrying
+      ``rngs``). :meth:`NNXStages.give` takes its keys and counters as they
+      stand, :meth:`NNXStages.update` writes its counters back.
 
   Returns an :class:`NNXStages`; its stages' functions are the same for
   layers of one structure, so all layers share one compiled program.
@@ -338,13 +370,17 @@ def nnx_stages(
   except AttributeError:
     raise ValueError(f"nnx_stages: the model has no attribute {blocks!r} (blocks=, the repeated blocks).") from None
   graphdef, state, _ = nnx.split(model, nnx.Param, nnx.RngState)
-  pure, rng = _abstract(nnx.to_pure_dict(state)), stage_rng.leaves(model)
+  pure, rng, called = _abstract(nnx.to_pure_dict(state)), stage_rng.leaves(model), None
+  if rngs is not None:  # the call-time streams' keys and counters beside the model's
+    called = (*stage_rng.called_leaves(model, rngs), nnx.graphdef(rngs))
+    rng = (rng[0] + called[0], rng[1] + called[1])
   stacked = isinstance(container, nnx.Module) and not isinstance(container, nnx.List)
   _check_no_sharing(container, stacked, _at(pure, blocks_path), blocks)
-  layers, layer_keys = _layers(model, container, _at(pure, blocks_path), stacked, blocks, block, blocks_path)
+  found = _layers(model, container, _at(pure, blocks_path), stacked, blocks, block, blocks_path, called)
+  layers, layer_keys, called_def = *found, None if called is None else called[2]
   full = (*_flatten(pure), *rng[0], *rng[1])  # every parameter, key and counter: the end stages' model
   layout = tuple((p, s) for p, s in _flatten(pure) if p[: len(blocks_path)] != blocks_path)
-  found = _groups_of_ends(graphdef, full, layout, rng, layers, _abstract(batch), embed, head)
+  found = _groups_of_ends(graphdef, full, layout, rng, layers, _abstract(batch), embed, head, called_def)
   embed_paths, head_paths, head_reads_embed, uses = found
   n = len(layers)
   if not head_paths:  # the head reads embed's parameters only
@@ -354,15 +390,16 @@ def nnx_stages(
   else:
     group_paths, head_groups, head_stage_paths = (embed_paths, head_paths), (n + 1,), (head_paths,)
   read = tuple(tuple(p for p, _ in x) for x in rng)  # the end stages traced reading every key and counter
-  ends = [(_EndStage(graphdef, full, paths, fn, is_head, *read), None, *rng, *([(p, None) for p in x] for x in read))
+  ends = [(_EndStage(graphdef, full, paths, fn, is_head, *read, called=called_def), None, *rng,
+           *([(p, None) for p in x] for x in read))
           for paths, fn, is_head in (((embed_paths,), embed, False), (head_stage_paths, head, True))]  # fmt: skip
   fns, draws = stage_rng.drawing([ends[0], *layers, ends[1]], [uses[0], *uses[1], uses[2]])
   streams = stage_rng.Streams(draws, [None, *(i if fn.index else None for i, fn in enumerate(fns[1:-1])), None])
-  streams.capture(model)
+  streams.capture(model, rngs)
   groups, inputs = [(0,), *((1 + i,) for i in range(n)), head_groups], streams.inputs_of
   stages = [Stage(fn, g, inputs=i) for fn, g, i in zip(fns, groups, inputs)]
   used = any(i is not None for i in inputs)
-  return NNXStages(stages, layout, group_paths, blocks_path, layer_keys, stacked, streams if used else None)
+  return NNXStages(stages, layout, group_paths, blocks_path, layer_keys, stacked, streams if used else None, rngs)
 
 
 def _refuse_other_state(model: Any) -> None:
@@ -380,17 +417,21 @@ def _refuse_other_state(model: Any) -> None:
     )
 
 
-def _layers(model, container, abstract: dict, stacked: bool, name: str, block, blocks_path) -> tuple[list, tuple]:
+def _layers(model, container, abstract, stacked: bool, name: str, block, blocks_path, called) -> tuple[list, tuple]:
   """``([(stage function, the layer's abstract group, its RNG keys, counters and their ids)], keys)``
-  (``stage_rng.of_layers``): one function per distinct layer structure, given its every key and counter to read."""
+  (``stage_rng.of_layers``): one function per distinct layer structure, given its every key and counter to read.
+  ``called``: ``(keys, counters, graphdef)`` of the streams given at call time, which every layer is given whole."""
   nnx = _nnx()
   functions: dict[Any, _LayerStage] = {}
   index = stage_rng.takes_index(block)
+  called_def, more = (None, ((), ())) if called is None else (called[2], called[:2])
 
   def layer(module, group, keys, counts, key_ids, count_ids) -> tuple:
     graphdef = nnx.graphdef(module)
+    keys, counts = [*keys, *more[0]], [*counts, *more[1]]
+    key_ids, count_ids = [*key_ids, *((p, None) for p, _ in more[0])], [*count_ids, *((p, None) for p, _ in more[1])]
     paths = tuple(p for p, _ in keys), tuple(p for p, _ in counts)
-    fn = functions.setdefault(graphdef, _LayerStage(graphdef, block, *paths, index=index))
+    fn = functions.setdefault(graphdef, _LayerStage(graphdef, block, *paths, index=index, called=called_def))
     return fn, group, keys, counts, key_ids, count_ids
 
   if stacked:
@@ -450,11 +491,12 @@ def _traced(what: str, trace: Callable, *args: Any, batch: Any) -> Any:
   ) from error
 
 
-def _groups_of_ends(graphdef, full, layout, rng, layers, batch, embed, head) -> tuple[tuple, tuple, bool, tuple]:
+def _groups_of_ends(graphdef, full, layout, rng, layers, batch, embed, head, called) -> tuple:
   """``(embed's paths, the head group's paths, whether the head reads embed's group, RNG uses)``, traced on shapes.
 
   The RNG uses are ``(embed's, each layer's, the head's)``, each ``stage_rng.uses``': the keys and counters the
-  stage reads (of the model's, of its layer's) and the keys it draws from each counter in one call.
+  stage reads (of the model's, of its layer's, of those given at call time: ``called``, their graphdef or ``None``)
+  and the keys it draws from each counter in one call.
   """
   paths, (keys, counts) = tuple(p for p, _ in layout), rng
   group, traced = _nest(layout), functools.partial(_traced, batch=batch)
@@ -466,7 +508,9 @@ def _groups_of_ends(graphdef, full, layout, rng, layers, batch, embed, head) -> 
     return closed, out, stage_rng.uses(closed, *ranges, len(jax.tree.leaves(out)), what.split(" on ")[0])
 
   def end(fn, is_head):
-    return _EndStage(graphdef, full, (paths,), fn, is_head, tuple(p for p, _ in keys), tuple(p for p, _ in counts))
+    return _EndStage(
+      graphdef, full, (paths,), fn, is_head, tuple(p for p, _ in keys), tuple(p for p, _ in counts), called=called
+    )
 
   values = ((group,), [s for _, s in keys], [s for _, s in counts])
   e_closed, x, embed_use = trace("embed(model, batch)", end(embed, False), values[0], None, *values[1:])

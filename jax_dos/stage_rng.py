@@ -37,6 +37,22 @@ input of it (:func:`stand_in` takes its place): a model in ``eval`` mode
 (``nnx.Dropout(deterministic=True)`` draws nothing) gives stages with no
 random input. A layer's stage also gets ``"index"`` (int32, the layer's)
 where ``block`` takes it: ``block(layer, x, batch, index)``.
+
+Keys given at call time (``model(tokens, rngs=rngs)``: an ``nnx.Rngs`` no
+part of the model's state, ``nnx_stages(..., rngs=rngs)``) are one more
+stream, its keys and counters under the path :data:`CALLED`, that every stage
+reads whole: the stages draw from it in forward order, as the plain path's
+call passing it to each module in turn, and the one ``Rngs`` counts on from
+call to call (as an ``nnx.jit`` step given it each step carries its
+counters). A stack's layers draw from it one after another, as a loop over
+them does (``nnx.scan`` carrying ``rngs``; one broadcasting it draws one key
+for every layer). A bare key is refused: a new key each step would be an
+input the step does not take.
+
+On a mesh of several processes (``jax.distributed``) the inputs are put on
+the parameters' mesh, replicated; a key or counter each process holds alone
+(an ``nnx.Rngs`` made from a seed in every process) goes there by its value,
+which must be every process's, as the plain path's replicated keys are.
 """
 
 from __future__ import annotations
@@ -107,24 +123,61 @@ def of_layers(model: Any, container: Any, size: int | None, blocks: Path, name: 
           for i in range(size)]  # fmt: skip
 
 
-def counters(module: Any, paths: Sequence[Path]) -> tuple:
-  """The values of ``module``'s RNG counters at ``paths`` (after a call: where its draws left them)."""
+CALLED = "(rngs)"  # the top of the paths of the streams given at call time (rngs=): no attribute's name
+
+
+def called_leaves(model: Any, rngs: Any) -> tuple[Leaves, Leaves]:
+  """``(keys, counters)`` of ``rngs``, the RNG streams a model is given at call time (``model(x, rngs=rngs)``),
+  each path under :data:`CALLED`: what :func:`leaves` is for the model's own streams. ``rngs`` must be an
+  ``nnx.Rngs`` or ``nnx.RngStream`` that is no part of ``model``."""
+  from flax import nnx
+
+  if not isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
+    what = "a key array" if isinstance(rngs, jax.Array) else type(rngs).__name__
+    raise TypeError(
+      f"nnx_stages: rngs= takes the nnx.Rngs (or nnx.RngStream) the model is called with, model(x, rngs=rngs); got"
+      f" {what}. A bare key would be a new input each step, which the stages have no place for: give"
+      " nnx.Rngs(dropout=key) (the stages then draw what model(x, rngs=rngs) draws, that one Rngs counting on from"
+      " call to call), or keep an nnx.Rngs in the model."
+    )
+  own = {id(v) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.RngState)}
+  if any(id(v) in own for _, v in nnx.iter_graph(rngs) if isinstance(v, nnx.RngState)):
+    raise ValueError(
+      "nnx_stages: rngs= is a stream the model also keeps; the stages take a stream either from the model's state"
+      " or as rngs=, not both: leave rngs= out (the model's own streams are drawn from), or keep the stream out of"
+      " the model."
+    )
+  keys, counts = leaves(rngs)
+  return [((CALLED, *p), s) for p, s in keys], [((CALLED, *p), s) for p, s in counts]
+
+
+def split_called(items: Sequence[tuple[Path, Any]]) -> tuple[list, list]:
+  """``items`` (``(path, value)``) as ``(the model's, the call-time streams' with CALLED taken off)``."""
+  mine = [(p, v) for p, v in items if not p or p[0] != CALLED]
+  return mine, [(p[1:], v) for p, v in items if p and p[0] == CALLED]
+
+
+def counters(module: Any, paths: Sequence[Path], called: Any = None) -> tuple:
+  """The values of the RNG counters at ``paths`` of ``module`` and of ``called`` (the streams given at call time,
+  paths under :data:`CALLED`): after a call, where its draws left them."""
   from flax import nnx
 
   if not paths:
     return ()
   counts = nnx.to_pure_dict(nnx.state(module, nnx.RngCount))
+  if called is not None:
+    counts = {**counts, CALLED: nnx.to_pure_dict(nnx.state(called, nnx.RngCount))}
   return tuple(functools.reduce(lambda node, key: node[key], p, counts) for p in paths)
 
 
 def takes_index(block: Callable | None) -> bool:
-  """Whether ``block`` takes a fourth positional parameter: the layer's index."""
+  """Whether ``block`` takes a fourth positional parameter other than ``rngs``: the layer's index."""
   try:
     parameters = inspect.signature(block).parameters.values() if block is not None else ()
   except (TypeError, ValueError):
     return False
   kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-  return len([p for p in parameters if p.kind in kinds]) >= 4
+  return len([p for p in parameters if p.kind in kinds and p.name != "rngs"]) >= 4
 
 
 def drawing(stages: Sequence[tuple], uses: Sequence[tuple]) -> tuple[list, list]:
@@ -204,6 +257,18 @@ def uses(closed: Any, keys: range, counts: range, outputs: int, what: str) -> tu
   return [by_output[i] for i in keys], [by_output[i] or bool(np.any(after[j])) for j, i in enumerate(counts)], after
 
 
+def _replicated(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """``value`` on ``sharding``, a mesh of several processes. A key or counter this process holds alone (an
+  ``nnx.Rngs`` made from a seed in each process, or a scalar) goes through its value, which must be every
+  process's (as replicated arrays are); one already on the mesh is moved as it is."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    return jax.device_put(value, sharding)
+  if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    data = jax.device_put(np.asarray(jax.random.key_data(value)), sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+  return jax.device_put(np.asarray(value), sharding)
+
+
 class StageInputs:
   """One stage's ``Stage.inputs``: :meth:`at` micro-batch ``m`` of the coming step, :meth:`advance` after a step."""
 
@@ -243,13 +308,16 @@ class Streams:
     """Whether any stage reads a key or counter (a model in ``eval`` mode: none)."""
     return any(k or c for k, c, _ in self._stages)
 
-  def capture(self, model: Any) -> None:
-    """Takes the model's keys and counters (``give``): the stages draw from them, counting calls from 0."""
+  def capture(self, model: Any, called: Any = None) -> None:
+    """Takes the model's keys and counters (``give``), and those of ``called`` (the streams given at call time,
+    ``rngs=``): the stages draw from them, counting calls from 0."""
     from flax import nnx
 
     if not self.random:
       return
     values = _values(nnx.state(model, nnx.RngState))
+    if called is not None:
+      values.update({(CALLED, *p): v for p, v in _values(nnx.state(called, nnx.RngState)).items()})
     if not all(isinstance(v, jax.Array) for v in values.values()):
       return  # an abstract model (nnx.eval_shape): give(model) takes them
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -274,7 +342,12 @@ class Streams:
         inputs.calls = 0
 
   def _put(self, tree: Any) -> Any:
-    return tree if self._sharding is None else jax.device_put(tree, self._sharding)
+    """``tree`` replicated on the parameters' mesh (as it is where they have none)."""
+    if self._sharding is None:
+      return tree
+    if self._sharding.is_fully_addressable:
+      return jax.device_put(tree, self._sharding)
+    return jax.tree.map(functools.partial(_replicated, sharding=self._sharding), tree)
 
   def inputs(self, stage: int, call: int) -> dict:
     """Stage ``stage``'s inputs for the model's forward call ``call`` since :meth:`capture`."""
@@ -294,8 +367,8 @@ class Streams:
     return {**tree, **self._consts[stage], "call": self._calls[call]}
 
   def counters(self) -> dict[Path, jax.Array]:
-    """The model's counters after the calls the step took (``count0 + calls * D``), by path: what ``update``
-    writes back. Empty before :meth:`capture`."""
+    """The model's counters after the calls the step took (``count0 + calls * D``), by path (those of the streams
+    given at call time under :data:`CALLED`): what ``update`` writes back. Empty before :meth:`capture`."""
     if self._consts is None:
       return {}
     calls = max((i.calls for i in self.inputs_of if i is not None), default=0)
