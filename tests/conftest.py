@@ -90,6 +90,24 @@ def pytest_collection_modifyitems(config, items):
     return next((i for i, prefix in enumerate(RUN_FIRST) if item.nodeid.startswith(prefix)), len(RUN_FIRST))
 
   items.sort(key=rank)  # stable: collection order within a rank
+  if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker of a run with --dist loadgroup
+    _name_xdist_groups(items)
+
+
+def _name_xdist_groups(items) -> None:
+  """Each item marked ``xdist_group`` gets its group's name after its node id (``...@group``), as pytest-xdist's worker
+  writes it for the controller, whose ``--dist loadgroup`` sends the tests of one group to one worker. pytest 9.2 keeps
+  a node's id in ``Item._id`` (a ``NodeId``), so pytest-xdist 3.8's write (to ``Item._nodeid``) is lost and every test
+  goes out alone (pytest-dev/pytest-xdist#1386): the module fixtures of a group ran once on each worker. Nothing to do
+  where pytest-xdist's write took (an older pytest) or a later one writes it."""
+  try:
+    from _pytest.nodeid import NodeId
+  except ImportError:  # pytest before 9.2: pytest-xdist names the groups
+    return
+  for item in items:
+    groups = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+    if groups and item.nodeid.rfind("@") <= item.nodeid.rfind("]") and isinstance(getattr(item, "_id", None), NodeId):
+      item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(groups))}")
 
 
 def pytest_unconfigure(config):
