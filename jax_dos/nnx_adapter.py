@@ -47,7 +47,6 @@ plain arrays) is refused, with its paths.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,151 +54,13 @@ from typing import Any
 import jax
 import jax.extend.core
 import jax.numpy as jnp
-import numpy as np
 
+from jax_dos import nnx_stage_fns as fns
 from jax_dos import stage_rng
 from jax_dos.hand_off import Given
 from jax_dos.stages import Stage
 
 Path = tuple[Any, ...]
-
-
-def _nnx():
-  """``flax.nnx``, imported on first use: importing jax_dos does not import flax."""
-  from flax import nnx
-
-  return nnx
-
-
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
-
-
-def _flatten(tree: dict, prefix: Path = ()) -> list[tuple[Path, Any]]:
-  """``(path, leaf)`` of a nested dict, in ``jax.tree``'s order (sorted keys)."""
-  if not isinstance(tree, dict):
-    return [(prefix, tree)]
-  return [item for key in sorted(tree) for item in _flatten(tree[key], (*prefix, key))]
-
-
-def _nest(items: Sequence[tuple[Path, Any]]) -> dict:
-  """The nested dict of ``(path, leaf)`` items (the inverse of :func:`_flatten`)."""
-  out: dict = {}
-  for path, leaf in items:
-    node = out
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = leaf
-  return out
-
-
-def _at(tree: dict, path: Path) -> Any:
-  return functools.reduce(lambda node, key: node[key], path, tree)
-
-
-def _used_inputs(closed: Any, count: int) -> list[int]:
-  """The indices among a jaxpr's first ``count`` inputs that its outputs depend on (equations walked backward)."""
-  literal = jax.extend.core.Literal
-  jaxpr = closed.jaxpr
-  live = {v for v in jaxpr.outvars if not isinstance(v, literal)}
-  for eqn in reversed(jaxpr.eqns):
-    if any(v in live for v in eqn.outvars):
-      live.update(v for v in eqn.invars if not isinstance(v, literal))
-  return [i for i, v in enumerate(jaxpr.invars[:count]) if v in live]
-
-
-class _ByValue:
-  """Equal, and of equal hash, where the fields are: stages of equal models and functions share compiled programs.
-
-  ``jax.jit`` hashes a static argument (the stage function) at every call, so the hash is computed once.
-  """
-
-  def _key(self) -> tuple:
-    return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
-
-  def __eq__(self, other: object) -> bool:
-    return self is other or (type(other) is type(self) and self._key() == other._key())  # type: ignore[attr-defined]
-
-  def __hash__(self) -> int:
-    cached = self.__dict__.get("_hash")
-    if cached is None:
-      cached = self.__dict__["_hash"] = hash((type(self), self._key()))
-    return cached
-
-
-class _Stage(_ByValue):
-  """A stage function: ``run(params, x, batch, keys, counters, index) -> (out, counters after)`` with the RNG
-  streams' keys and counters it reads (``keys``, ``counts``: their paths), called with ``Stage.inputs``."""
-
-  def __call__(self, params: tuple, x: Any, batch: Any, inputs: Any = None) -> Any:
-    return self.run(params, x, batch, *stage_rng.unpack(inputs))[0]  # type: ignore[attr-defined]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _EndStage(_Stage):
-  """The embedding's or the head's stage: the model rebuilt from the stage's groups, the blocks shapes only.
-
-  ``layout`` is every parameter's and RNG key's and counter's ``(path,
-  shape)`` in the model's layout, ``paths`` the paths of each group of the
-  stage (in the stage's order), ``keys`` and ``counts`` those of the RNG
-  streams it reads, ``absent`` the others' (``stage_rng.stand_in``; the rest
-  of the blocks stays shapes).
-  """
-
-  graphdef: Any
-  layout: tuple[tuple[Path, jax.ShapeDtypeStruct], ...]
-  paths: tuple[tuple[Path, ...], ...]
-  fn: Callable
-  head: bool
-  keys: tuple[Path, ...] = ()
-  counts: tuple[Path, ...] = ()
-  absent: tuple[tuple[Path, jax.ShapeDtypeStruct], ...] = ()
-  called: Any = None
-
-  def run(self, params: tuple, x: Any, batch: Any, keys: tuple, counts: tuple, index: Any) -> tuple[Any, tuple]:
-    values = dict(self.layout)
-    for paths, group in zip(self.paths, params):
-      values.update((p, _at(group, p)) for p in paths)
-    values.update([*zip(self.keys, keys), *zip(self.counts, counts)])
-    values.update((p, stage_rng.stand_in(s)) for p, s in self.absent)
-    items, called = stage_rng.split_called(list(values.items()))
-    model, rngs = _nnx().merge(self.graphdef, _nest(items)), _called(self.called, called)
-    given = {} if rngs is None else {"rngs": rngs}
-    out = self.fn(model, x, batch, **given) if self.head else self.fn(model, batch, **given)
-    return out, stage_rng.counters(model, self.counts, rngs)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _LayerStage(_Stage):
-  """One layer's stage: ``block(layer, x, batch)`` (with ``index``: ``block(layer, x, batch, index)``), the layer's
-  module rebuilt from its group, the RNG keys and counters it reads (``keys``, ``counts``), stand-ins for those it
-  does not (``absent``, ``stage_rng.stand_in``)."""
-
-  graphdef: Any
-  block: Callable | None
-  keys: tuple[Path, ...] = ()
-  counts: tuple[Path, ...] = ()
-  absent: tuple[tuple[Path, jax.ShapeDtypeStruct], ...] = ()
-  index: bool = False
-  called: Any = None
-
-  def run(self, params: tuple, x: Any, batch: Any, keys: tuple, counts: tuple, index: Any) -> tuple[Any, tuple]:
-    (group,) = params
-    absent = [(p, stage_rng.stand_in(s)) for p, s in self.absent]
-    items, called = stage_rng.split_called([*zip(self.keys, keys), *zip(self.counts, counts), *absent])
-    layer, rngs = _nnx().merge(self.graphdef, _nest([*_flatten(group), *items])), _called(self.called, called)
-    given = {} if rngs is None else {"rngs": rngs}
-    if self.block is None:
-      out = layer(x, **given)
-    else:
-      out = self.block(layer, x, batch, index, **given) if self.index else self.block(layer, x, batch, **given)
-    return out, stage_rng.counters(layer, self.counts, rngs)
-
-
-def _called(graphdef: Any, items: list[tuple[Path, Any]]) -> Any:
-  """The streams given at call time (``nnx_stages(rngs=)``) rebuilt from their keys and counters; ``None`` where
-  none were given."""
-  return None if graphdef is None else _nnx().merge(graphdef, _nest(items))
 
 
 class NNXStages:
@@ -236,14 +97,14 @@ class NNXStages:
     ``nnx.State`` s become plain arrays (``nnx.to_pure_dict``). A group holds
     the tree's own arrays, except a stack's layers, which are slices (copies).
     """
-    nnx = _nnx()
+    nnx = fns.nnx_module()
     if isinstance(tree, nnx.Module):
       tree = nnx.state(tree, nnx.Param)
     if isinstance(tree, nnx.State):
       tree = nnx.to_pure_dict(tree)
     try:
-      ends = [_nest([(p, _at(tree, p)) for p in paths]) for paths in self._group_paths]
-      blocks = _at(tree, self._blocks_path)
+      ends = [fns.nest([(p, fns.at(tree, p)) for p in paths]) for paths in self._group_paths]
+      blocks = fns.at(tree, self._blocks_path)
       if self.stacked:
         layers = [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(self.num_layers)]
       else:
@@ -259,7 +120,7 @@ class NNXStages:
     :meth:`update`, until :meth:`update` writes parameters back (not ``Array has been deleted`` once the step has
     donated them). The stages draw from the model's RNG streams, and those of ``nnx_stages(rngs=)``, as they stand
     now (their keys and counters)."""
-    nnx = _nnx()
+    nnx = fns.nnx_module()
     if not isinstance(model, nnx.Module):
       raise TypeError(f"NNXStages.give takes the flax.nnx.Module itself, got {type(model).__name__}.")
     groups = self.split(model)
@@ -284,22 +145,22 @@ class NNXStages:
       raise ValueError(f"NNXStages.merge: expected {self.num_groups} groups (the stages'), got {len(groups)}.")
     layers = groups[1 : 1 + self.num_layers]
     ends = [groups[0], *groups[1 + self.num_layers :]]
-    items = [(p, _at(g, p)) for paths, g in zip(self._group_paths, ends) for p in paths]
+    items = [(p, fns.at(g, p)) for paths, g in zip(self._group_paths, ends) for p in paths]
     if self.stacked:
       blocks = jax.tree.map(_stack, *layers)
     else:
       blocks = dict(zip(self._layer_keys, layers))
-    return _nest([*items, (self._blocks_path, blocks)])
+    return fns.nest([*items, (self._blocks_path, blocks)])
 
   def update(self, model: Any, groups: Sequence[Any]) -> None:
     """Writes ``groups`` (``OverlappedStep.params``) into ``model``'s parameters, in place (``nnx.update``), and its
     RNG counters where they were drawn from, and those of ``nnx_stages(rngs=)``: as the plain path leaves them after
     the steps taken since :meth:`give` (``jax_dos.stage_rng``)."""
-    nnx, tree = _nnx(), self.merge(groups)
+    nnx, tree = fns.nnx_module(), self.merge(groups)
     counters, called = stage_rng.split_called(list(({} if self._streams is None else self._streams.counters()).items()))
-    nnx.update(model, _nest([*_flatten(tree), *counters]) if counters else tree)
+    nnx.update(model, fns.nest([*fns.flatten(tree), *counters]) if counters else tree)
     if called:
-      nnx.update(self._rngs, _nest(called))
+      nnx.update(self._rngs, fns.nest(called))
 
 
 def _stack(*layers: Any) -> Any:
@@ -360,7 +221,7 @@ def nnx_stages(
   Returns an :class:`NNXStages`; its stages' functions are the same for
   layers of one structure, so all layers share one compiled program.
   """
-  nnx = _nnx()
+  nnx = fns.nnx_module()
   if not isinstance(model, nnx.Module):
     raise TypeError(f"nnx_stages takes a flax.nnx.Module, got {type(model).__name__}.")
   _refuse_other_state(model)
@@ -370,17 +231,17 @@ def nnx_stages(
   except AttributeError:
     raise ValueError(f"nnx_stages: the model has no attribute {blocks!r} (blocks=, the repeated blocks).") from None
   graphdef, state, _ = nnx.split(model, nnx.Param, nnx.RngState)
-  pure, rng, called = _abstract(nnx.to_pure_dict(state)), stage_rng.leaves(model), None
+  pure, rng, called = fns.abstract(nnx.to_pure_dict(state)), stage_rng.leaves(model), None
   if rngs is not None:  # the call-time streams' keys and counters beside the model's
     called = (*stage_rng.called_leaves(model, rngs), nnx.graphdef(rngs))
     rng = (rng[0] + called[0], rng[1] + called[1])
   stacked = isinstance(container, nnx.Module) and not isinstance(container, nnx.List)
-  _check_no_sharing(container, stacked, _at(pure, blocks_path), blocks)
-  found = _layers(model, container, _at(pure, blocks_path), stacked, blocks, block, blocks_path, called)
+  _check_no_sharing(container, stacked, fns.at(pure, blocks_path), blocks)
+  found = _layers(model, container, fns.at(pure, blocks_path), stacked, blocks, block, blocks_path, called)
   layers, layer_keys, called_def = *found, None if called is None else called[2]
-  full = (*_flatten(pure), *rng[0], *rng[1])  # every parameter, key and counter: the end stages' model
-  layout = tuple((p, s) for p, s in _flatten(pure) if p[: len(blocks_path)] != blocks_path)
-  found = _groups_of_ends(graphdef, full, layout, rng, layers, _abstract(batch), embed, head, called_def)
+  full = (*fns.flatten(pure), *rng[0], *rng[1])  # every parameter, key and counter: the end stages' model
+  layout = tuple((p, s) for p, s in fns.flatten(pure) if p[: len(blocks_path)] != blocks_path)
+  found = _groups_of_ends(graphdef, full, layout, rng, layers, fns.abstract(batch), embed, head, called_def)
   embed_paths, head_paths, head_reads_embed, uses = found
   n = len(layers)
   if not head_paths:  # the head reads embed's parameters only
@@ -390,20 +251,20 @@ def nnx_stages(
   else:
     group_paths, head_groups, head_stage_paths = (embed_paths, head_paths), (n + 1,), (head_paths,)
   read = tuple(tuple(p for p, _ in x) for x in rng)  # the end stages traced reading every key and counter
-  ends = [(_EndStage(graphdef, full, paths, fn, is_head, *read, called=called_def), None, *rng,
+  ends = [(fns.EndStage(graphdef, full, paths, fn, is_head, *read, called=called_def), None, *rng,
            *([(p, None) for p in x] for x in read))
           for paths, fn, is_head in (((embed_paths,), embed, False), (head_stage_paths, head, True))]  # fmt: skip
-  fns, draws = stage_rng.drawing([ends[0], *layers, ends[1]], [uses[0], *uses[1], uses[2]])
-  streams = stage_rng.Streams(draws, [None, *(i if fn.index else None for i, fn in enumerate(fns[1:-1])), None])
+  functions, draws = stage_rng.drawing([ends[0], *layers, ends[1]], [uses[0], *uses[1], uses[2]])
+  streams = stage_rng.Streams(draws, [None, *(i if fn.index else None for i, fn in enumerate(functions[1:-1])), None])
   streams.capture(model, rngs)
   groups, inputs = [(0,), *((1 + i,) for i in range(n)), head_groups], streams.inputs_of
-  stages = [Stage(fn, g, inputs=i) for fn, g, i in zip(fns, groups, inputs)]
+  stages = [Stage(fn, g, inputs=i) for fn, g, i in zip(functions, groups, inputs)]
   used = any(i is not None for i in inputs)
   return NNXStages(stages, layout, group_paths, blocks_path, layer_keys, stacked, streams if used else None, rngs)
 
 
 def _refuse_other_state(model: Any) -> None:
-  nnx = _nnx()
+  nnx = fns.nnx_module()
   other = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState))))
   if len(other):
     found = ", ".join(f"{'/'.join(map(str, p))} ({type(v).__name__})" for p, v in list(other)[:6])
@@ -421,8 +282,8 @@ def _layers(model, container, abstract, stacked: bool, name: str, block, blocks_
   """``([(stage function, the layer's abstract group, its RNG keys, counters and their ids)], keys)``
   (``stage_rng.of_layers``): one function per distinct layer structure, given its every key and counter to read.
   ``called``: ``(keys, counters, graphdef)`` of the streams given at call time, which every layer is given whole."""
-  nnx = _nnx()
-  functions: dict[Any, _LayerStage] = {}
+  nnx = fns.nnx_module()
+  functions: dict[Any, fns.LayerStage] = {}
   index = stage_rng.takes_index(block)
   called_def, more = (None, ((), ())) if called is None else (called[2], called[:2])
 
@@ -431,7 +292,7 @@ def _layers(model, container, abstract, stacked: bool, name: str, block, blocks_
     keys, counts = [*keys, *more[0]], [*counts, *more[1]]
     key_ids, count_ids = [*key_ids, *((p, None) for p, _ in more[0])], [*count_ids, *((p, None) for p, _ in more[1])]
     paths = tuple(p for p, _ in keys), tuple(p for p, _ in counts)
-    fn = functions.setdefault(graphdef, _LayerStage(graphdef, block, *paths, index=index, called=called_def))
+    fn = functions.setdefault(graphdef, fns.LayerStage(graphdef, block, *paths, index=index, called=called_def))
     return fn, group, keys, counts, key_ids, count_ids
 
   if stacked:
@@ -454,7 +315,7 @@ def _layers(model, container, abstract, stacked: bool, name: str, block, blocks_
 
 def _check_no_sharing(container, stacked: bool, abstract: dict, name: str) -> None:
   """Refuses layers that share a parameter with each other or with the rest (each stage updates its own)."""
-  nnx = _nnx()
+  nnx = fns.nnx_module()
   count = lambda module: len(jax.tree.leaves(nnx.state(module, nnx.Param)))  # noqa: E731
   own = count(container) if stacked else sum(count(m) for m in container)
   if own != len(jax.tree.leaves(abstract)):
@@ -499,7 +360,7 @@ def _groups_of_ends(graphdef, full, layout, rng, layers, batch, embed, head, cal
   and the keys it draws from each counter in one call.
   """
   paths, (keys, counts) = tuple(p for p, _ in layout), rng
-  group, traced = _nest(layout), functools.partial(_traced, batch=batch)
+  group, traced = fns.nest(layout), functools.partial(_traced, batch=batch)
 
   def trace(what, fn, params, x, keys, counts, index=None):
     closed, (out, _) = traced(what, jax.make_jaxpr(fn.run, return_shape=True), params, x, batch, keys, counts, index)
@@ -508,7 +369,7 @@ def _groups_of_ends(graphdef, full, layout, rng, layers, batch, embed, head, cal
     return closed, out, stage_rng.uses(closed, *ranges, len(jax.tree.leaves(out)), what.split(" on ")[0])
 
   def end(fn, is_head):
-    return _EndStage(
+    return fns.EndStage(
       graphdef, full, (paths,), fn, is_head, tuple(p for p, _ in keys), tuple(p for p, _ in counts), called=called
     )
 
@@ -529,7 +390,7 @@ def _groups_of_ends(graphdef, full, layout, rng, layers, batch, embed, head, cal
                                  values[0], x, *values[1:])  # fmt: skip
   if len(jax.tree.leaves(loss)) != 1 or jax.tree.leaves(loss)[0].shape != ():
     raise ValueError(f"nnx_stages: head must return the scalar loss; it returns {_shapes(loss)}.")
-  embed_used, head_used = _used_inputs(e_closed, len(paths)), _used_inputs(closed, len(paths))
+  embed_used, head_used = fns.used_inputs(e_closed, len(paths)), fns.used_inputs(closed, len(paths))
   if not embed_used:
     raise ValueError("nnx_stages: embed reads no parameter; the first stage needs parameters of its own.")
   embed_paths = tuple(paths[i] for i in embed_used)
