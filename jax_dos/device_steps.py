@@ -48,10 +48,11 @@ assign = jax.jit(lambda olds, news: [n.astype(o.dtype) for o, n in zip(olds, new
                  keep_unused=True)  # fmt: skip
 
 
-def resident_call(grads, masters, mus, nus, params, scalars, hyper, decay, new_params: bool = True) -> tuple:
-  """One jitted call of the resident update (``Plan.resident_calls``' leaves): the gradients first brought where
+def update_on_device(grads, masters, mus, nus, params, scalars, hyper, decay, new_params: bool = True) -> tuple:
+  """AdamW on leaves whose state is in accelerator memory, in one jitted call: the gradients first brought where
   their state is (flushed ones come back from host memory), then :data:`update_params` (``new_params``: the new
-  parameters written into the old ones' buffers) or :data:`update` (the updates). The eager engine and the
-  overlapped step both update their resident state so."""
+  parameters written into the old ones' buffers) or :data:`update` (the updates). Every accelerator-side update
+  of the eager engine and the overlapped step runs so: a call of resident leaves (``Plan.resident_call_leaves``),
+  a streamed subgroup copied in (``paths.stream.step``), a fired clip's host share."""
   grads = memory.like_states(list(grads), list(masters))
   return (update_params if new_params else update)(grads, masters, mus, nus, params, scalars, hyper, decay)

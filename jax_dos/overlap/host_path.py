@@ -32,11 +32,12 @@ from typing import Any
 
 import jax
 
-from jax_dos import device_steps, host_kernels, memory, pinned_arena, trace
+from jax_dos import device_steps, memory, pinned_arena, trace
 from jax_dos.hand_off import HandOff, receive, send
 from jax_dos.job_thread import Failure, result_of
 from jax_dos.overlap.clip import StepRecord
 from jax_dos.overlap.routes import Routes
+from jax_dos.paths import host
 from jax_dos.pinned_arena import PinnedArena
 
 
@@ -88,8 +89,7 @@ class HostPath:
     self.routes, self.hyper, self.decay, self._failure = routes, hyper, decay, failure
     self.arena = arena
     self._low_dtypes = low_dtypes
-    kw = hyper
-    self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
+    self._kernel = host.Kernel(hyper, decay)
     self.masters: dict[int, jax.Array] = {}
     self.mus: dict[int, jax.Array] = {}
     self.nus: dict[int, jax.Array] = {}
@@ -170,19 +170,14 @@ class HostPath:
     is dispatched once the copy has landed (:meth:`_assign_sent`), while the kernel steps later subgroups.
     """
     st: HostStep = record.host
-    leaves = self.routes.plan.subgroups[s]
-    buffers, decay = [], []
-    for i in leaves:
-      arrays = (st.grads[s][i], self.masters[i], self.mus[i], self.nus[i], *self.spares[i], self.lows[i])
-      for shards in zip(*(memory.shards(a) for a in arrays)):
-        buffers.append(shards)
-        decay.append(self.decay[i])
+    leaves, grads = self.routes.plan.subgroups[s], st.grads[s]
+    arrays = lambda i: (grads[i], self.masters[i], self.mus[i], self.nus[i], *self.spares[i], self.lows[i])  # noqa: E731
     with trace.span("host.kernel"):
-      host_kernels.adam_many_into(buffers, decay, **self._kernel_kw, scalars=scalars)
+      self._kernel.step_into(leaves, arrays, scalars)
     if final:
       self._release_grads(st, s)
     with trace.span("host.send"):
-      sent = memory.put([self.lows[i] for i in leaves], "device", likes=st.params[s])
+      sent = host.send([self.lows[i] for i in leaves], st.params[s])
     self._sending.append((record, s, sent, final))
     self._assign_sent(wait=False)
 
@@ -237,7 +232,7 @@ class HostPath:
       st.sent.clear()  # the redo writes into (donates) these
       share = {s: self._give_share(st, s) for s in on_stream & st.grads.keys()}
       send(record.host_share, share, "the host path's share of a fired clip's redo")  # the stream worker's now
-      for s in self.routes.by_forward_rank(set(st.speculated + st.deferred) - on_stream):
+      for s in sorted(set(st.speculated + st.deferred) - on_stream, key=self.routes.forward_rank.__getitem__):
         with trace.span("host.redo" if s in st.speculated else "host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)
@@ -248,7 +243,7 @@ class HostPath:
       for s in st.speculated:
         self._release_grads(st, s)
         self._final(st, s)
-      for s in self.routes.by_forward_rank(st.deferred):
+      for s in sorted(st.deferred, key=self.routes.forward_rank.__getitem__):
         with trace.span("host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)

@@ -65,6 +65,7 @@ from jax_dos.overlap.plan import (
   step_layout,
 )
 from jax_dos.overlap.stream_path import IDLE_POLL_S, StreamPath, StreamStep
+from jax_dos.paths import host
 from jax_dos.plan import partition_groups
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
@@ -370,7 +371,7 @@ class OverlappedStep:
       future = self._pending[s] = Future()
       if placement == "host":
         with trace.span("overlap.grads_d2h"):
-          subgroup_grads = self._pinned.grads_to_host(subgroup_grads, list(leaves))
+          subgroup_grads = host.gradients_to_host(subgroup_grads, list(leaves), self.arena, self._pinned.grads_out)
         worker, path = self._host, self._host_path
       else:
         worker, path = self._streamer, self._stream_path
@@ -397,14 +398,13 @@ class OverlappedStep:
     self._updating = False
 
   def _resident_update(self, record: StepRecord, scalars: jax.Array) -> None:
-    for subs in self.routes.resident_calls:
-      leaves = [i for s in subs for i in self.plan.subgroups[s]]
+    for leaves in self.routes.resident_calls:
       with trace.span("overlap.resident"):
         masters, mus, nus = ([self._resident[i][j] for i in leaves] for j in range(3))
         params = self._layouts.to_state([self._params[i] for i in leaves], leaves)
         grads = [record.resident_grads.pop(i) for i in leaves]
-        outs = device_steps.resident_call(grads, masters, mus, nus, params, scalars, self.hyper,
-                                          tuple(self.decay[i] for i in leaves))  # fmt: skip
+        outs = device_steps.update_on_device(grads, masters, mus, nus, params, scalars, self.hyper,
+                                             tuple(self.decay[i] for i in leaves))  # fmt: skip
       new = self._layouts.to_params(outs[0], leaves)  # the all-gather of a partitioned state's new weights
       for j, i in enumerate(leaves):
         self._params[i] = new[j]

@@ -32,20 +32,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import jax
 
-from jax_dos import device_steps, memory, pinned_arena, trace
+from jax_dos import memory, trace
 from jax_dos.copy_out import CopyOut
 from jax_dos.hand_off import HandOff, receive, send
 from jax_dos.job_thread import Failure
 from jax_dos.overlap.clip import Decision, StepRecord
 from jax_dos.overlap.host_path import ShareInput
 from jax_dos.overlap.routes import Routes
+from jax_dos.paths import stream
 from jax_dos.pinned_arena import PinnedArena
 
 # How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
@@ -90,12 +90,12 @@ class StreamPath:
     failure: Failure, arena: PinnedArena | None = None, copier: CopyOut | None = None,
   ):  # fmt: skip
     self.routes, self.hyper, self.decay, self._failure = routes, hyper, decay, failure
-    self.arena, self._copier = arena, copier
+    self.arena = arena
     self._landing: dict[int, Future] = {}  # subgroup -> the copy of its new state into its buffers (an arena's)
     self.masters: dict[int, jax.Array] = {}
     self.mus: dict[int, jax.Array] = {}
     self.nus: dict[int, jax.Array] = {}
-    self._in_flight: deque = deque()  # copies back to the host, oldest first
+    self._in_flight = stream.CopiesBack(arena, copier)  # copies back to the host, oldest first
     self._prefetched: dict[int, list] = {}  # subgroup -> its state on its way in, ahead of its gradients
     self._prefetch_next = 0  # index into routes.stream_order of the next subgroup to prefetch
     self._step_open = False  # between a step's first prefetch and its finish
@@ -129,8 +129,7 @@ class StreamPath:
   def _wait_copies(self) -> None:
     """Waits until every copy back has landed, and lists none: the arrays they name may go to another thread
     (:meth:`give`, a fired clip's share), which may free them, and only an array's owner may read it."""
-    while self._in_flight:
-      self._free_slot()
+    self._in_flight.wait_all()
     while self._landing:
       self._landing.popitem()[1].result()
 
@@ -145,50 +144,17 @@ class StreamPath:
 
   def _free(self, groups: list[list[jax.Array]]) -> None:
     """Frees host buffers whose copies are done (back to the arena, or to XLA's pool)."""
-    for a in (a for group in groups for a in group):
-      pinned_arena.release(self.arena, a)
-
-  def _copy_back(
-    self, outs: list[list[jax.Array]], into: list[list[jax.Array]] | None
-  ) -> tuple[list[list[jax.Array]], Future | None]:
-    """The new state ``outs`` (on the accelerator) on its way to host memory, listed in flight: ``(buffers,
-    landed)``, the buffers ``into`` (or new ones) and the future of the copy, with an arena; XLA's new buffers and
-    ``None`` otherwise (they track their own copy)."""
-    if self.arena is None:
-      back = memory.put_groups(outs, "pinned_host")
-      self._in_flight.append(back)
-      return back, None
-    into = into or [[self.arena.array_like(a) for a in group] for group in outs]
-    flat = [a for group in outs for a in group]
-    landed = self._copier.submit(flat, [a for group in into for a in group], free_sources=True)
-    self._in_flight.append(landed)
-    return into, landed
+    stream.free(self.arena, groups)
 
   # ----------------------------------------------------------------------------- slots and copies in
 
   def _slots_used(self) -> int:
     return len(self._prefetched) + len(self._in_flight)
 
-  def _free_slot(self) -> None:
-    back = self._in_flight.popleft()
-    with trace.span("stream.wait_slot"):
-      if isinstance(back, Future):
-        back.result()
-        return
-      jax.block_until_ready([a for a in jax.tree.leaves(back) if not a.is_deleted()])  # see _slot_free
-
   def _wait_for_slot(self) -> None:
     """Frees the oldest slots, waiting for their copies back, until one is free."""
     while self._slots_used() >= self.routes.plan.stream_slots and self._in_flight:
-      self._free_slot()
-
-  def _slot_free(self) -> bool:
-    """Whether the oldest copy back has landed. A copy back may be deleted while still listed, by this thread: a redo
-    deletes the speculated copies, and a later step deletes its old state, which was an earlier step's copy back."""
-    back = self._in_flight[0]
-    if isinstance(back, Future):
-      return back.done()
-    return all(a.is_deleted() or a.is_ready() for a in jax.tree.leaves(back))
+      self._in_flight.wait_oldest()
 
   def prefetch(self, more: int | None = None) -> None:
     """Starts the copies in of the next streamed subgroups' state, in hand-over order, before their gradients exist.
@@ -209,14 +175,14 @@ class StreamPath:
     order, slots, issued = self.routes.stream_order, self.routes.plan.stream_slots, 0
     while self._prefetch_next < len(order) and (more is None or issued < more):
       while self._slots_used() >= slots and self._in_flight:
-        if more is not None and not self._slot_free():
+        if more is not None and not self._in_flight.oldest_landed():
           return
-        self._free_slot()
+        self._in_flight.wait_oldest()
       if self._slots_used() >= slots:
         return
       s = order[self._prefetch_next]
       with trace.span("stream.prefetch"):
-        self._prefetched[s] = memory.put_groups(self._state(s), "device")
+        self._prefetched[s] = stream.copy_in(self._state(s))
       self._prefetch_next += 1
       issued += 1
 
@@ -289,22 +255,21 @@ class StreamPath:
           jax.block_until_ready(earlier.new)  # its copies out must land before the host buffers are freed
         self._free(earlier.new)
       if state is None:
-        state = memory.put_groups(old, "device")
+        state = stream.copy_in(old)
       self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
-      g = memory.like_states(grads, old[0])
       if final and self.arena is None:  # its copy in has landed: the old host state goes before the new comes
         memory.free_groups(old)  # (host_bytes counts one)
-      outs = device_steps.update_params(g, *state, params, scalars, self.hyper,
-                                        tuple(self.decay[i] for i in leaves))  # fmt: skip
       # With an arena, a final state is copied into the old one's buffers: the update has read their copy in.
-      back, landed = self._copy_back(list(outs[1:]), old if final else None)
+      new_params, back, landed = stream.step(grads, state, params, scalars, self.hyper,
+                                             tuple(self.decay[i] for i in leaves), self._in_flight,
+                                             old if final else None)  # fmt: skip
     st.end = time.perf_counter()
     if final:
       st.streamed.pop(s, None)
       self._commit(s, back, landed)
-      send(future, list(outs[0]), f"subgroup {s}'s new parameters")
+      send(future, new_params, f"subgroup {s}'s new parameters")
     else:
-      st.streamed[s] = Streamed(old, back, landed, grads, list(outs[0]), future)
+      st.streamed[s] = Streamed(old, back, landed, grads, new_params, future)
     if not earlier:
       self.top_up()
 
@@ -322,7 +287,7 @@ class StreamPath:
     decision = self._wait_decision(record, None)
     self._step_open = False
     st: StreamStep = record.stream
-    for s in self.routes.by_forward_rank(st.streamed):  # the speculated ones
+    for s in sorted(st.streamed, key=self.routes.forward_rank.__getitem__):  # the speculated ones
       streamed = st.streamed[s]
       if decision.fired:
         self._dispatch(record, s, streamed.grads, streamed.params, streamed.future, decision.device, True)  # commits
@@ -342,7 +307,8 @@ class StreamPath:
     try:
       with trace.span("stream.wait_host"):
         share = receive(record.host_share, self._failure, "the host worker's share of the redo")  # its buffers: ours
-      backs = {s: self._redo_host(s, share[s], decision) for s in self.routes.by_forward_rank(share)}
+      order = sorted(share, key=self.routes.forward_rank.__getitem__)
+      backs = {s: self._redo_host(s, share[s], decision) for s in order}
       with trace.span("stream.wait_share_copies"):
         self._wait_copies()
     except BaseException as e:
@@ -359,13 +325,11 @@ class StreamPath:
     self._wait_for_slot()
     with trace.span("stream.redo_host"):
       old = share.state
-      state = memory.put_groups(old, "device")
+      state = stream.copy_in(old)
       grads = memory.put(share.grads, "device")
       self._wait_landed([state, grads])
       self._free([share.grads])  # their host copies, freed before the next step's land
-      g = memory.like_states(grads, old[0])
-      outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
-                                        tuple(self.decay[i] for i in leaves))  # fmt: skip
-      back, _ = self._copy_back(list(outs[1:]), share.into)
-    send(share.future, list(outs[0]), f"subgroup {s}'s new parameters")
+      new_params, back, _ = stream.step(grads, state, share.params, decision.device, self.hyper,
+                                        tuple(self.decay[i] for i in leaves), self._in_flight, share.into)  # fmt: skip
+    send(share.future, new_params, f"subgroup {s}'s new parameters")
     return back, old
