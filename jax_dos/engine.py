@@ -42,8 +42,12 @@ and ``update`` returns once those are on their way; a second pass with the
 same arithmetic writes master, mu and nu in the background, overlapping the
 caller's next forward/backward pass.
 
-Jitted functions are cached by jax per input signature, so a plan compiles
-once. Host state is updated in place: ``update`` consumes the state passed to
+The mechanics are ``jax_dos.paths``' (the overlapped step runs the same ones):
+``paths.host`` (gradients to the host, the kernel over a subgroup's shards,
+the new weights sent), ``paths.stream`` (copy in, step, copy back, the slots)
+and ``device_steps.update_on_device`` per ``Plan.resident_call_leaves``; this
+module drives them. Jitted functions are cached by jax per input signature,
+so a plan compiles once. Host state is updated in place: ``update`` consumes the state passed to
 it, like a donated argument. A registry of what each host buffer last held
 turns accidental reuse of a consumed state into a clear error.
 """
