@@ -10,6 +10,10 @@ input signature: a plan compiles once.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -37,6 +41,15 @@ update_params = jax.jit(
   _update_group_params, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3, 4), keep_unused=True
 )
 scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
+
+
+@functools.lru_cache(maxsize=64)
+def scalars_for(hyper: adam_math.AdamHyper) -> Callable[[jax.Array, Any], jax.Array]:
+  """:data:`scalars` with ``hyper`` bound: ``(count, grad_scale) -> scalars``, for a caller that steps many times.
+  A call then hashes no static argument (``hyper``'s ``__hash__`` runs in Python at every call of :data:`scalars`)."""
+  return jax.jit(lambda count, grad_scale: adam_math.step_scalars(hyper, count, grad_scale))
+
+
 increment = jax.jit(adam_math.safe_increment)
 updates_from_masters = jax.jit(lambda masters, params: list(map(adam_math.update_from_master, masters, params)))
 to_f32 = jax.jit(lambda x: x.astype(jnp.float32))

@@ -8,7 +8,9 @@ was) and the staging copies of the new weights. The training thread hands it
 a subgroup's gradients (already on their way to pinned host memory), the
 subgroup's parameters (which it gives up until the new ones come back) and a
 ``concurrent.futures.Future``; the host path resolves the future with the new
-parameters once they are final. It never writes the step's parameters.
+parameters once they are final. It never writes the step's parameters. The
+kernel over a subgroup's shards and the weights' copy to the accelerator are
+``paths.host``'s, which the eager engine runs too.
 
 When the clip fires, the stream path steps the last host subgroups in
 forward order (``overlap.routes.stream_share_of_host``): the host path hands it
@@ -53,6 +55,13 @@ class HostStep:
   deferred: list[int] = dataclasses.field(default_factory=list)  # waiting for the decision (no speculation)
   sent: list[jax.Array] = dataclasses.field(default_factory=list)  # new weights written, their copies maybe in flight
   end: float | None = None  # when the worker last finished a subgroup of this step (perf_counter)
+
+  @staticmethod
+  def of(record: StepRecord) -> HostStep:
+    """``record``'s host record, made at the host worker's first job of the step (the host worker's alone)."""
+    if record.host is None:
+      record.host = HostStep()
+    return record.host
 
 
 @dataclasses.dataclass
@@ -150,7 +159,7 @@ class HostPath:
         grads = dict(zip(self.routes.plan.subgroups[s], receive(grads, None, f"subgroup {s}'s gradients")))
       else:
         jax.block_until_ready(list(grads.values()))
-    st: HostStep = record.host
+    st = HostStep.of(record)
     st.grads[s], st.params[s], st.futures[s] = grads, params, future
     decision = record.decided()
     if decision is not None and decision.fired and s in self.routes.redo_on_stream:
@@ -169,7 +178,7 @@ class HostPath:
     the point where it was issued, a few stage programs later); the program that writes the weights in place
     is dispatched once the copy has landed (:meth:`_assign_sent`), while the kernel steps later subgroups.
     """
-    st: HostStep = record.host
+    st = HostStep.of(record)
     leaves, grads = self.routes.plan.subgroups[s], st.grads[s]
     arrays = lambda i: (grads[i], self.masters[i], self.mus[i], self.nus[i], *self.spares[i], self.lows[i])  # noqa: E731
     with trace.span("host.kernel"):
@@ -186,7 +195,7 @@ class HostPath:
     the parameters the host path holds; final ones go back to the training thread."""
     while self._sending and (wait or all(x.is_ready() for x in self._sending[0][2])):
       record, s, sent, final = self._sending.popleft()
-      st: HostStep = record.host
+      st = HostStep.of(record)
       with trace.span("host.assign"):
         jax.block_until_ready(sent)  # never dispatch a program whose input is in flight: it would hold the queue
         new = device_steps.assign(st.params[s], sent)
@@ -222,7 +231,7 @@ class HostPath:
 
   def _finish(self, record: StepRecord) -> None:
     decision = result_of(record.decision, self._failure, "the clip decision")
-    st: HostStep = record.host
+    st = HostStep.of(record)
     self._assign_sent(wait=True)
     on_stream = self.routes.redo_on_stream if decision.fired else frozenset()
     shared: dict[int, tuple[list, list]] = {}  # subgroup -> (its new state, its old one), handed back

@@ -73,6 +73,13 @@ class StreamStep:
   speculated_elements: int = 0  # parameters of the streamed subgroups speculated on
   end: float | None = None  # when the worker last finished a subgroup of this step (perf_counter)
 
+  @staticmethod
+  def of(record: StepRecord) -> StreamStep:
+    """``record``'s stream record, made at the stream worker's first job of the step (the stream worker's alone)."""
+    if record.stream is None:
+      record.stream = StreamStep()
+    return record.stream
+
 
 class StreamPath:
   """The streamed subgroups' state and the stream worker's step (module docstring).
@@ -216,7 +223,7 @@ class StreamPath:
     """Whether subgroup ``s`` fits the step's streamed speculation (``Routes.stream_speculation``); counts it if so."""
     if not record.speculate:
       return False
-    st: StreamStep = record.stream
+    st = StreamStep.of(record)
     size, cap = self.routes.held_sizes[s], self.routes.stream_speculation
     if cap is not None and st.speculated_elements + size > cap:
       return False
@@ -238,7 +245,7 @@ class StreamPath:
     self, record: StepRecord, s: int, grads: list[jax.Array], params: list[jax.Array], future: Future, scalars: Any,
     final: bool,
   ) -> None:  # fmt: skip
-    st: StreamStep = record.stream
+    st = StreamStep.of(record)
     leaves = list(self.routes.plan.subgroups[s])
     earlier = st.streamed.get(s)
     state = None if earlier else self._prefetched.pop(s, None)
@@ -286,7 +293,7 @@ class StreamPath:
     decision is known; after a fired clip, steps the host path's share."""
     decision = self._wait_decision(record, None)
     self._step_open = False
-    st: StreamStep = record.stream
+    st = StreamStep.of(record)
     for s in sorted(st.streamed, key=self.routes.forward_rank.__getitem__):  # the speculated ones
       streamed = st.streamed[s]
       if decision.fired:
