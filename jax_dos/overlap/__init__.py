@@ -12,6 +12,7 @@ One module a job, from the ground up, each importing only those below it (docs/o
     host_path.py    the host worker: host subgroups' state, spares, weight copies; new weights as futures
     stream_path.py  the stream worker: streamed state, slots, copies; new weights as futures (after a fired
                     clip it also steps the host path's share, so it stands above the host path)
+    workers.py      the worker threads (host, stream, decider) and the paths they own, started and ended
     step.py         OverlappedStep: the training thread, the parameters' one writer
 
 A step runs plan -> step -> host path / stream path -> clip decision: ``plan`` makes the plan (and its ``routes``)

@@ -9,7 +9,9 @@ parameters (given up until the new ones come back) and a
 ``concurrent.futures.Future``; the stream path copies the state in, updates
 it on the accelerator (the old parameters donated), copies the new state
 back into new host buffers and resolves the future with the new parameters
-once they are final. It never writes the step's parameters.
+once they are final. It never writes the step's parameters. The copy in, the
+step on the accelerator, the copy back and the slots' bookkeeping are
+``paths.stream``'s, which the eager engine runs too.
 
 Speculation: a subgroup stepped on the speculated scale keeps its old state
 until the decision, for at most ``Routes.stream_speculation`` parameters a
@@ -23,8 +25,10 @@ in it, outside XLA's pinned pool, and the new state is copied into it by a
 subgroup stepped with the true scale into its own buffers (their copy in has
 landed once the update has run), a speculated one into new buffers, a host
 subgroup of the fired clip's share into the spare buffers the host path hands
-over. A subgroup's state is read only once its copy has landed
-(``StreamPath._landing``).
+over. The destinations go to the copy worker with the request, and the
+tables list none of them until they come back through the copy's future, a
+``hand_off.HandOff`` taken once it has landed (``StreamPath._landing``,
+``paths.stream.landed``): one holder a buffer, the arena's as XLA's.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ class Streamed:
   """A streamed subgroup updated on a speculated scale, its old state kept until the decision."""
 
   old: list[list[jax.Array]]  # the state before the step (host buffers), kept until the decision
-  new: list[list[jax.Array]]  # the state after it (host buffers)
-  landed: Future | None  # with an arena: the copy of the new state into ``new``
+  new: list[list[jax.Array]] | None  # the state after it (XLA's host buffers); None with an arena:
+  landed: Future | None  # the copy of the new state into arena buffers, which hands them back (paths.stream.landed)
   grads: list[jax.Array]  # kept for a redo
   params: list[jax.Array]  # the speculated new parameters (donated to a redo)
   future: Future  # the training thread's future of the final parameters
@@ -135,17 +139,23 @@ class StreamPath:
 
   def _wait_copies(self) -> None:
     """Waits until every copy back has landed, and lists none: the arrays they name may go to another thread
-    (:meth:`give`, a fired clip's share), which may free them, and only an array's owner may read it."""
+    (:meth:`give`, a fired clip's share), which may free them, and only an array's owner may read it. The
+    subgroups' new state in arena buffers is taken back from the copies (:meth:`_take_landed`)."""
     self._in_flight.wait_all()
-    while self._landing:
-      self._landing.popitem()[1].result()
+    for s in list(self._landing):
+      self._take_landed(s)
+
+  def _take_landed(self, s: int) -> None:
+    """Subgroup ``s``'s new state, taken from its copy into arena buffers once it has landed, becomes its state."""
+    new = stream.landed(self._landing.pop(s))
+    for i, m, mu, nu in zip(self.routes.plan.subgroups[s], *new):
+      self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
 
   def _state(self, s: int) -> list[list[jax.Array]]:
-    """Subgroup ``s``'s state ``[masters, mus, nus]`` (once its last copy has landed there)."""
-    landing = self._landing.pop(s, None)
-    if landing is not None:
+    """Subgroup ``s``'s state ``[masters, mus, nus]`` (taken from its last copy back, once that has landed)."""
+    if s in self._landing:
       with trace.span("stream.wait_copy_out"):
-        landing.result()
+        self._take_landed(s)
     leaves = self.routes.plan.subgroups[s]
     return [[d[i] for i in leaves] for d in (self.masters, self.mus, self.nus)]
 
@@ -257,10 +267,11 @@ class StreamPath:
       old = earlier.old if earlier else self._state(s)
       if earlier:  # a wasted speculation's new state goes before the redo's comes (host_bytes counts one of them)
         if earlier.landed is not None:
-          earlier.landed.result()
+          wasted = stream.landed(earlier.landed)
         else:
-          jax.block_until_ready(earlier.new)  # its copies out must land before the host buffers are freed
-        self._free(earlier.new)
+          wasted = earlier.new
+          jax.block_until_ready(wasted)  # its copies out must land before the host buffers are freed
+        self._free(wasted)
       if state is None:
         state = stream.copy_in(old)
       self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
@@ -280,13 +291,19 @@ class StreamPath:
     if not earlier:
       self.top_up()
 
-  def _commit(self, s: int, new: list[list[jax.Array]], landed: Future | None) -> None:
-    """The new state becomes subgroup ``s``'s (its old host buffers freed already, or its own); ``landed``: the
-    copy into it, waited for before it is read."""
-    for i, m, mu, nu in zip(self.routes.plan.subgroups[s], *new):
-      self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
-    if landed is not None:
-      self._landing[s] = landed
+  def _commit(self, s: int, new: list[list[jax.Array]] | None, landed: Future | None) -> None:
+    """The new state becomes subgroup ``s``'s (its old host buffers freed already, or handed to the copy as its
+    destination): ``new``, XLA's buffers, at once; or with an arena the copy ``landed``, whose buffers are taken
+    back before the state is next read (:meth:`_state`). Meanwhile the tables list nothing of ``s``: the copy
+    worker holds its buffers."""
+    leaves = self.routes.plan.subgroups[s]
+    if landed is None:
+      for i, m, mu, nu in zip(leaves, *new):
+        self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
+      return
+    for i in leaves:
+      del self.masters[i], self.mus[i], self.nus[i]
+    self._landing[s] = landed
 
   def finish(self, record: StepRecord) -> None:
     """(after the step's last hand-over) Commits or redoes the speculated subgroups, in forward order, once the
@@ -315,19 +332,21 @@ class StreamPath:
       with trace.span("stream.wait_host"):
         share = receive(record.host_share, self._failure, "the host worker's share of the redo")  # its buffers: ours
       order = sorted(share, key=self.routes.forward_rank.__getitem__)
-      backs = {s: self._redo_host(s, share[s], decision) for s in order}
+      redone = {s: self._redo_host(s, share[s], decision) for s in order}
       with trace.span("stream.wait_share_copies"):
         self._wait_copies()
+      backs = {s: (stream.landed(landed) if landed is not None else back, old)
+               for s, (back, landed, old) in redone.items()}  # fmt: skip
     except BaseException as e:
       record.share_done.set_exception(e)
       raise
     send(record.share_done, backs, "the new state and the old one of the host path's share")
 
-  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> tuple[list[list[jax.Array]], list]:
+  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> tuple[list | None, Future | None, list]:
     """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns ``(new,
-    old)``: the new state, on its way into the share's spare buffers (with an arena) or new host buffers (listed in
-    flight), and the untouched state, both handed back to the host path (the state and the spare). The share's
-    gradients are freed here, their last holder."""
+    landed, old)``: the new state in new host buffers (listed in flight), or with an arena the copy into the
+    share's spare buffers (whose future hands them back), and the untouched state; the new state and the old one
+    go back to the host path (the state and the spare). The share's gradients are freed here, their last holder."""
     leaves = list(self.routes.plan.subgroups[s])
     self._wait_for_slot()
     with trace.span("stream.redo_host"):
@@ -336,7 +355,8 @@ class StreamPath:
       grads = memory.put(share.grads, "device")
       self._wait_landed([state, grads])
       self._free([share.grads])  # their host copies, freed before the next step's land
-      new_params, back, _ = stream.step(grads, state, share.params, decision.device, self.hyper,
-                                        tuple(self.decay[i] for i in leaves), self._in_flight, share.into)  # fmt: skip
+      into, share.into = share.into, None  # the copy worker's until they have landed
+      new_params, back, landed = stream.step(grads, state, share.params, decision.device, self.hyper,
+                                             tuple(self.decay[i] for i in leaves), self._in_flight, into)  # fmt: skip
     send(share.future, new_params, f"subgroup {s}'s new parameters")
-    return back, old
+    return back, landed, old

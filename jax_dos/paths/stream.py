@@ -32,6 +32,7 @@ import jax
 
 from jax_dos import device_steps, memory, pinned_arena, trace
 from jax_dos.copy_out import CopyOut
+from jax_dos.hand_off import receive
 from jax_dos.pinned_arena import PinnedArena
 
 
@@ -59,10 +60,13 @@ class CopiesBack:
   def __iter__(self):
     return iter(self._entries)
 
-  def add(self, outs: list[list[jax.Array]], into: list[list[jax.Array]] | None = None):
-    """``outs`` (new state on the accelerator) on its way to host memory, listed: ``(buffers, landed)``, the buffers
-    ``into`` (or new ones of the arena) and the copy's future with an arena; XLA's new buffers and ``None``
-    without one."""
+  def add(
+    self, outs: list[list[jax.Array]], into: list[list[jax.Array]] | None = None
+  ) -> tuple[list[list[jax.Array]] | None, Future | None]:
+    """``outs`` (new state on the accelerator) on its way to host memory, listed: ``(buffers, None)``, XLA's new
+    buffers (which track their own copy), without an arena; ``(None, landed)`` with one: the copy into ``into`` (or
+    new arena buffers), whose future hands them back (:func:`landed`). The caller keeps no reference to ``into``:
+    the copy worker holds them until they have landed."""
     if self.arena is None:
       back = memory.put_groups(outs, "pinned_host")
       self._entries.append(back)
@@ -71,7 +75,7 @@ class CopiesBack:
     flat = [a for group in outs for a in group]
     landed = self._copier.submit(flat, [a for group in into for a in group], free_sources=True)
     self._entries.append(landed)
-    return into, landed
+    return None, landed
 
   def oldest_landed(self) -> bool:
     """Whether the oldest copy back has landed (never waits)."""
@@ -95,6 +99,14 @@ class CopiesBack:
       self.wait_oldest()
 
 
+def landed(future: Future) -> list[list[jax.Array]]:
+  """The new state ``[masters, mus, nus]`` a copy back wrote into arena buffers (:meth:`CopiesBack.add`), taken from
+  its future's ``HandOff`` once it has landed (waits for it): the caller is their holder from here on."""
+  flat = receive(future, None, "a copy back's buffers")
+  n = len(flat) // 3
+  return [flat[k * n : (k + 1) * n] for k in range(3)]
+
+
 def step(
   grads: list[jax.Array], state: list[list[jax.Array]], params: list[jax.Array], scalars: Any, hyper: Any,
   decay: tuple[bool, ...], copies: CopiesBack, into: list[list[jax.Array]] | None = None, new_params: bool = True,
@@ -102,8 +114,9 @@ def step(
   """One streamed subgroup's AdamW step from its state on the accelerator (``state``, donated; landed, or the update
   waits for it on the compute queue), its new state sent back to host memory and listed in ``copies``.
 
-  Returns ``(outs, back, landed)``: the new parameters (``new_params``; the old ones donated) or the updates, the new
-  state's host buffers (``into`` where given, with an arena) and the future of its copy (``None`` without an arena).
+  Returns ``(outs, back, landed)``: the new parameters (``new_params``; the old ones donated) or the updates, and as
+  :meth:`CopiesBack.add`: XLA's new host buffers, or with an arena the future of the copy into ``into`` (or new
+  buffers), which hands them back (:func:`landed`).
   """
   outs = device_steps.update_on_device(grads, *state, params, scalars, hyper, decay, new_params)
   back, landed = copies.add(list(outs[1:]), into)
