@@ -454,7 +454,8 @@ class OverlappedStep:
     """Waits until every pending update has written the parameters and the whole state."""
     self._workers.decider.join()
     self._wait_groups(range(len(self.group_subgroups)))
-    self._workers.join_paths()
+    self._workers.host.join()
+    self._workers.stream.join()
     self._raise_errors()
 
   def close(self) -> None:

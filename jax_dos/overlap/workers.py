@@ -53,11 +53,6 @@ class Workers:
   def threads(self) -> tuple[JobThread, JobThread, JobThread]:
     return self.decider, self.host, self.stream
 
-  def join_paths(self) -> None:
-    """Waits until the host and stream workers have run every job queued so far."""
-    self.host.join()
-    self.stream.join()
-
   def move(self, to: str, leaves: list[int], routes: Routes) -> None:
     """(the step settled) These leaves' state from one path to the other (``to``: ``"host"`` or ``"stream"``), each
     path taking ``routes``: the giver hands the state over and frees its other buffers, the taker allocates its
