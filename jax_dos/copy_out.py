@@ -13,9 +13,8 @@ Ownership: a request hands the sources and destinations to the worker; the
 future hands the destinations back (``hand_off.receive`` takes them). The
 caller neither reads nor writes the destinations until the future is done,
 and keeps the sources alive or gives them up (``free_sources``: the worker
-deletes them once copied). The stream path, which lists its copy's
-destinations as a subgroup's state at once, reads them only once the future
-is done (``StreamPath._state``).
+deletes them once copied). The stream path takes its new state back from the
+future (``paths.stream.landed``), the host path its gradients.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ input signature: a plan compiles once.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -37,6 +41,15 @@ update_params = jax.jit(
   _update_group_params, static_argnames=("hyper", "decay"), donate_argnums=(1, 2, 3, 4), keep_unused=True
 )
 scalars = jax.jit(adam_math.step_scalars, static_argnums=0)
+
+
+@functools.lru_cache(maxsize=64)
+def scalars_for(hyper: adam_math.AdamHyper) -> Callable[[jax.Array, Any], jax.Array]:
+  """:data:`scalars` with ``hyper`` bound: ``(count, grad_scale) -> scalars``, for a caller that steps many times.
+  A call then hashes no static argument (``hyper``'s ``__hash__`` runs in Python at every call of :data:`scalars`)."""
+  return jax.jit(lambda count, grad_scale: adam_math.step_scalars(hyper, count, grad_scale))
+
+
 increment = jax.jit(adam_math.safe_increment)
 updates_from_masters = jax.jit(lambda masters, params: list(map(adam_math.update_from_master, masters, params)))
 to_f32 = jax.jit(lambda x: x.astype(jnp.float32))
@@ -48,10 +61,11 @@ assign = jax.jit(lambda olds, news: [n.astype(o.dtype) for o, n in zip(olds, new
                  keep_unused=True)  # fmt: skip
 
 
-def resident_call(grads, masters, mus, nus, params, scalars, hyper, decay, new_params: bool = True) -> tuple:
-  """One jitted call of the resident update (``Plan.resident_calls``' leaves): the gradients first brought where
+def update_on_device(grads, masters, mus, nus, params, scalars, hyper, decay, new_params: bool = True) -> tuple:
+  """AdamW on leaves whose state is in accelerator memory, in one jitted call: the gradients first brought where
   their state is (flushed ones come back from host memory), then :data:`update_params` (``new_params``: the new
-  parameters written into the old ones' buffers) or :data:`update` (the updates). The eager engine and the
-  overlapped step both update their resident state so."""
+  parameters written into the old ones' buffers) or :data:`update` (the updates). Every accelerator-side update
+  of the eager engine and the overlapped step runs so: a call of resident leaves (``Plan.resident_call_leaves``),
+  a streamed subgroup copied in (``paths.stream.step``), a fired clip's host share."""
   grads = memory.like_states(list(grads), list(masters))
   return (update_params if new_params else update)(grads, masters, mus, nus, params, scalars, hyper, decay)

@@ -42,8 +42,12 @@ and ``update`` returns once those are on their way; a second pass with the
 same arithmetic writes master, mu and nu in the background, overlapping the
 caller's next forward/backward pass.
 
-Jitted functions are cached by jax per input signature, so a plan compiles
-once. Host state is updated in place: ``update`` consumes the state passed to
+The mechanics are ``jax_dos.paths``' (the overlapped step runs the same ones):
+``paths.host`` (gradients to the host, the kernel over a subgroup's shards,
+the new weights sent), ``paths.stream`` (copy in, step, copy back, the slots)
+and ``device_steps.update_on_device`` per ``Plan.resident_call_leaves``; this
+module drives them. Jitted functions are cached by jax per input signature,
+so a plan compiles once. Host state is updated in place: ``update`` consumes the state passed to
 it, like a donated argument. A registry of what each host buffer last held
 turns accidental reuse of a consumed state into a clear error.
 """
@@ -53,7 +57,6 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dos import adam_math, device_steps, host_kernels, memory, trace
+from jax_dos.paths import host, stream
 from jax_dos.plan import MEMORY_KIND, Plan
 from jax_dos.step_ahead import StepAhead
 
@@ -148,31 +152,6 @@ def wait_for_host_updates() -> None:
   _BACKGROUND.wait()
 
 
-def host_gradients(grads: list[jax.Array], masters: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array]:
-  """Gradients of the host leaves in ``pinned_host`` memory (copied there unless flushed already).
-
-  The host kernel reads float32 or bfloat16; other dtypes are cast to float32 on the accelerator first.
-  """
-  flushed, to_copy = [], []
-  for i in leaves:
-    g = grads[i]
-    if g.sharding.memory_kind == "pinned_host":
-      if str(g.dtype) not in host_kernels.GRAD_DTYPES:
-        raise TypeError(
-          f"gradient leaf {i} is in pinned_host memory as {g.dtype}; the host kernel reads"
-          f" {' or '.join(host_kernels.GRAD_DTYPES)}. Cast it before it leaves the accelerator."
-        )
-      flushed.append(i)
-    else:
-      to_copy.append(i)
-  landed = memory.like_states([grads[i] for i in flushed], [masters[i] for i in flushed], "pinned_host")
-  out = dict(zip(flushed, landed))
-  on_device = memory.like_states([grads[i] for i in to_copy], [masters[i] for i in to_copy])
-  on_device = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else device_steps.to_f32(g) for g in on_device]
-  out.update(zip(to_copy, memory.put(on_device, "pinned_host")))
-  return out
-
-
 class Engine:
   """Eager execution of one plan for one parameter-tree signature."""
 
@@ -194,7 +173,8 @@ class Engine:
     self.write_behind = bool(write_behind)
     self.leaf_placement = plan.leaf_placements()
     # resident leaves, per jitted call (Plan.resident_calls)
-    self.resident_calls = [[i for s in call for i in plan.subgroups[s]] for call in plan.resident_calls()]
+    self.resident_calls = [list(leaves) for leaves in plan.resident_call_leaves()]
+    self._kernel = host.Kernel(hyper, self.decay)
     # host leaf -> the copy of its master the kernel writes for the accelerator: bfloat16 for bfloat16 params;
     # with delay_predict="moments", float32 for the others (then it holds predictions in delayed steps)
     self._lows: dict[int, jax.Array] = {}
@@ -238,7 +218,7 @@ class Engine:
     count = jnp.asarray(step, jnp.int32)
     host_leaves = [i for s in plan.indices("host") for i in plan.subgroups[s]]
     with trace.span("host.grads_d2h"):
-      host_grads = host_gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing
+      host_grads = host.gradients(grads, masters, host_leaves)  # checks them: a refused call consumes nothing
     for i in host_leaves:
       _REGISTRY.check_and_mark((masters[i], mus[i], nus[i]), step)
     scalars = device_steps.scalars(hyper, count, grad_scale)
@@ -246,7 +226,8 @@ class Engine:
     for dev_leaves in self.resident_calls:
       with trace.span("device.dispatch"):
         leaves = [[lst[i] for i in dev_leaves] for lst in (grads, masters, mus, nus, params)]
-        outs = device_steps.resident_call(*leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves), new_params)
+        outs = device_steps.update_on_device(*leaves, scalars, hyper, tuple(self.decay[i] for i in dev_leaves),
+                                             new_params)  # fmt: skip
         self._scatter(dev_leaves, outs, updates, new)
 
     delayed = bool(host_leaves) and self.delay > 0 and step >= self.delay_warmup
@@ -325,7 +306,7 @@ class Engine:
     output is made, not when a (delayed) kernel gets round to dropping it (it
     would hold accelerator memory through the next forward/backward pass).
     """
-    sent = memory.put([lows.get(i, masters[i]) for i in leaves], "device", likes=[params[i] for i in leaves])
+    sent = host.send([lows.get(i, masters[i]) for i in leaves], [params[i] for i in leaves])
     olds = [params[i] for i in leaves]
     outs = device_steps.assign(olds, sent) if new_params else device_steps.updates_from_masters(sent, olds)
     for i, out in zip(leaves, outs):
@@ -333,24 +314,19 @@ class Engine:
     return dict(zip(leaves, outs))
 
   def _stream(self, plan, hyper, masters, mus, nus, grads, params, scalars, updates, new, new_params) -> None:
-    """Streams the ``stream`` subgroups, at most ``plan.stream_slots`` in flight."""
-    in_flight: deque = deque()
+    """Streams the ``stream`` subgroups (``paths.stream``), at most ``plan.stream_slots`` in flight."""
+    copies = stream.CopiesBack()
     for s in plan.indices("stream"):
       idx = list(plan.subgroups[s])
-      if len(in_flight) >= plan.stream_slots:
-        with trace.span("stream.wait_slot"):
-          jax.block_until_ready(in_flight.popleft())
+      while len(copies) >= plan.stream_slots:
+        copies.wait_oldest()
       with trace.span("stream.dispatch"):
         old = [[lst[i] for i in idx] for lst in (masters, mus, nus)]
-        dev_state = memory.put_groups(old, "device")
+        state = stream.copy_in(old)
         memory.free_groups(old)  # once its copy is done: host memory holds one copy of the state
-        g = memory.like_states([grads[i] for i in idx], [masters[i] for i in idx])  # flushed ones come back
-        p = [params[i] for i in idx]
-        update = device_steps.update_params if new_params else device_steps.update
-        u, m32, m1, m2 = update(g, *dev_state, p, scalars, hyper, tuple(self.decay[i] for i in idx))
-        back = memory.put_groups([m32, m1, m2], "pinned_host")
-        self._scatter(idx, (u, *back), updates, new)
-        in_flight.append(back)
+        outs, back, _ = stream.step([grads[i] for i in idx], state, [params[i] for i in idx], scalars, hyper,
+                                    tuple(self.decay[i] for i in idx), copies, new_params=new_params)  # fmt: skip
+        self._scatter(idx, (outs, *back), updates, new)
 
   @staticmethod
   def _scatter(idx, outs, updates, new) -> None:
@@ -377,21 +353,16 @@ class Engine:
     second pass writes the state. With ``ahead_step`` (``delay_predict="gradient"``)
     it sends each subgroup's new state ahead to the accelerator for that step's ``update``.
     """
-    hyper, plan = self.hyper, self.plan
-    kw = dict(b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root, weight_decay=hyper.weight_decay)
+    plan = self.plan
 
-    def buffers(leaves, with_low):
-      with trace.span("host.wait_grads"):
-        jax.block_until_ready([host_grads[i] for i in leaves])
-      out, decay = [], []
-      for i in leaves:
-        arrays = (host_grads[i], masters[i], mus[i], nus[i])
-        arrays += (lows[i],) if with_low and i in lows else ()
-        arrays += self.ahead.moment_copies.get(i, ()) if with_low and i in lows and self.ahead else ()
-        for shards in zip(*(memory.shards(a) for a in arrays)):
-          out.append(shards)
-          decay.append(self.decay[i])
-      return out, decay
+    def arrays(with_low):  # each leaf's buffers in the kernel's order: the copies for the accelerator first pass only
+      def of(i):
+        out = (host_grads[i], masters[i], mus[i], nus[i])
+        if with_low and i in lows:
+          out += (lows[i], *(self.ahead.moment_copies.get(i, ()) if self.ahead else ()))
+        return out
+
+      return of
 
     try:
       scalars_np = np.asarray(scalars)
@@ -404,9 +375,10 @@ class Engine:
           jax.block_until_ready([reading.pop(i) for i in leaves if i in reading])
         for i in [i for i, x in reading.items() if x.is_ready()]:
           del reading[i]  # copied: drop the accelerator copy now, not while the next forward/backward needs memory
-        args = buffers(leaves, True)
+        with trace.span("host.wait_grads"):
+          jax.block_until_ready([host_grads[i] for i in leaves])
         with trace.span("host.kernel"):
-          host_kernels.adam_many(*args, **kw, scalars=scalars_np, next_scalars=next_np, write_state=params_out is None)
+          self._kernel.step(leaves, arrays(True), scalars_np, next_np, write_state=params_out is None)
         if send:
           with trace.span("host.send"):
             sending += self._updates_from_masters(leaves, masters, lows, params, updates, new_params).values()
@@ -416,9 +388,8 @@ class Engine:
       if params_out is not None:
         params_out.set()
         for s in plan.indices("host"):  # the state, behind: same inputs, same arithmetic, the copies left alone
-          args = buffers(plan.subgroups[s], False)
           with trace.span("host.kernel_state"):
-            host_kernels.adam_many(*args, **kw, scalars=scalars_np)
+            self._kernel.step(plan.subgroups[s], arrays(False), scalars_np)
       with trace.span("host.wait_sent"):
         jax.block_until_ready([*reading.values(), *sending, *sent_ahead.values()])
       self._lows_hold = hold

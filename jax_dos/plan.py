@@ -134,6 +134,10 @@ class Plan:
       size += self.sizes[s]
     return tuple(tuple(c) for c in calls if c)
 
+  def resident_call_leaves(self) -> tuple[tuple[int, ...], ...]:
+    """The leaves of each of :meth:`resident_calls`: what one ``device_steps.update_on_device`` call updates."""
+    return tuple(tuple(i for s in call for i in self.subgroups[s]) for call in self.resident_calls())
+
   def with_placements(self, placements: Sequence[str], **changes) -> Plan:
     return dataclasses.replace(self, placements=tuple(placements), **changes)
 

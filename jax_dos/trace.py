@@ -12,7 +12,8 @@ worker thread's waits for gradients, host kernel calls and sends. Device work
 is asynchronous and shows up only as waits, except where a caller watches a
 program's output (:func:`watch`; the overlapped step does, for its stage
 programs): the ``"accelerator"`` row then shows when each one finished. Off by
-default; a span then costs one check.
+default: :func:`span` is then ``contextlib.nullcontext``, so a span enters
+nothing of this module, and :func:`watch` costs one check.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -49,12 +50,13 @@ def recording() -> Iterator[list[Span]]:
   global _spans
   if _spans is not None:
     raise RuntimeError("jax_dos.trace.recording() is already active; nest nothing inside it.")
+  global span
   spans: list[Span] = []
-  _spans = spans
+  _spans, span = spans, _recorded_span
   try:
     yield spans
   finally:
-    _spans = None
+    _spans, span = None, contextlib.nullcontext
 
 
 def active() -> list[Span] | None:
@@ -63,10 +65,9 @@ def active() -> list[Span] | None:
 
 
 @contextlib.contextmanager
-def span(name: str) -> Iterator[None]:
-  """Marks the block as ``name`` on the current thread, while a :func:`recording` is active."""
+def _recorded_span(name: str) -> Iterator[None]:
   spans = _spans
-  if spans is None:
+  if spans is None:  # the recording ended as this span began
     yield
     return
   start = time.perf_counter()
@@ -74,6 +75,12 @@ def span(name: str) -> Iterator[None]:
     yield
   finally:
     spans.append(Span(name, threading.current_thread().name, start, time.perf_counter()))  # append is atomic
+
+
+# ``with span(name):`` marks the block as ``name`` on the current thread while a :func:`recording` is active. Outside
+# one it is ``contextlib.nullcontext``: the threads' spans enter nothing of this module. Call it as ``trace.span``
+# (the name is bound anew when a recording starts and ends).
+span: Callable[[str], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def totals(spans: list[Span]) -> dict[str, dict[str, float]]:

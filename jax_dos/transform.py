@@ -38,11 +38,11 @@ from jax_dos.interleaved import (
   Planner,
   find_interleaved,
   prediction_mode,
-  tree_without_variables,
 )
 from jax_dos.plan import Plan, PlanSpec
 from jax_dos.planning.planner import auto_planner
 from jax_dos.state import InterleavedAdamState
+from jax_dos.trees import tree_without_variables
 
 DEFAULT_SUBGROUP_SIZE = 64 * 2**20  # 256 MiB of fp32 per state array; see docs/design.md
 DEFAULT_DELAY_WARMUP = 10  # normal steps before delay=1 starts

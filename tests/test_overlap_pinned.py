@@ -106,10 +106,10 @@ def test_the_stream_path_lists_no_array_it_handed_to_the_host_path():
   step, _ = overlapped_run(groups, batches, FIRES, 2, plan, speculation="always", pinned_memory="pool")
   step.settle()
   assert step.routes.redo_on_stream
-  host = step._host_path
+  host = step._workers.host_path
   held = {id(a) for d in (host.masters, host.mus, host.nus) for a in d.values()}
   held |= {id(a) for spare in host.spares.values() for a in spare}
-  listed = {id(a) for back in step._stream_path._in_flight for a in jax.tree.leaves(back)}
+  listed = {id(a) for back in step._workers.stream_path._in_flight for a in jax.tree.leaves(back)}
   assert held and not held & listed
   check_against_reference(step, groups, batches, FIRES, 2)
   step.close()

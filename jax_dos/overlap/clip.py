@@ -67,11 +67,11 @@ class StepRecord:
   by the decider. ``host_share``: resolved by the host worker when the clip
   fired, with the inputs of the host subgroups the stream path steps;
   ``share_done``: resolved by the stream worker with their new state and their old one.
-  ``host`` and ``stream``: each worker's own record of the step, written by
-  that worker only.
+  ``host`` and ``stream``: each worker's own record of the step, made at its
+  first job of the step and written by that worker only (``None`` before).
   """
 
-  def __init__(self, spec_device: jax.Array, host: Any, stream: Any):
+  def __init__(self, spec_device: jax.Array):
     self.spec_device = spec_device
     start_copy_to_host(spec_device)
     self._spec_host: np.ndarray | None = None
@@ -80,7 +80,8 @@ class StepRecord:
     self.decision: Future = Future()
     self.host_share: Future = Future()
     self.share_done: Future = Future()
-    self.host, self.stream = host, stream
+    self.host: Any = None  # (host worker) overlap.host_path.HostStep
+    self.stream: Any = None  # (stream worker) overlap.stream_path.StreamStep
     self.resident_grads: dict[int, jax.Array] = {}  # (training thread) leaf -> gradient, until the resident update
 
   def spec_host(self) -> np.ndarray:

@@ -8,7 +8,9 @@ was) and the staging copies of the new weights. The training thread hands it
 a subgroup's gradients (already on their way to pinned host memory), the
 subgroup's parameters (which it gives up until the new ones come back) and a
 ``concurrent.futures.Future``; the host path resolves the future with the new
-parameters once they are final. It never writes the step's parameters.
+parameters once they are final. It never writes the step's parameters. The
+kernel over a subgroup's shards and the weights' copy to the accelerator are
+``paths.host``'s, which the eager engine runs too.
 
 When the clip fires, the stream path steps the last host subgroups in
 forward order (``overlap.routes.stream_share_of_host``): the host path hands it
@@ -32,11 +34,12 @@ from typing import Any
 
 import jax
 
-from jax_dos import device_steps, host_kernels, memory, pinned_arena, trace
+from jax_dos import device_steps, memory, pinned_arena, trace
 from jax_dos.hand_off import HandOff, receive, send
 from jax_dos.job_thread import Failure, result_of
 from jax_dos.overlap.clip import StepRecord
 from jax_dos.overlap.routes import Routes
+from jax_dos.paths import host
 from jax_dos.pinned_arena import PinnedArena
 
 
@@ -52,6 +55,13 @@ class HostStep:
   deferred: list[int] = dataclasses.field(default_factory=list)  # waiting for the decision (no speculation)
   sent: list[jax.Array] = dataclasses.field(default_factory=list)  # new weights written, their copies maybe in flight
   end: float | None = None  # when the worker last finished a subgroup of this step (perf_counter)
+
+  @staticmethod
+  def of(record: StepRecord) -> HostStep:
+    """``record``'s host record, made at the host worker's first job of the step (the host worker's alone)."""
+    if record.host is None:
+      record.host = HostStep()
+    return record.host
 
 
 @dataclasses.dataclass
@@ -88,8 +98,7 @@ class HostPath:
     self.routes, self.hyper, self.decay, self._failure = routes, hyper, decay, failure
     self.arena = arena
     self._low_dtypes = low_dtypes
-    kw = hyper
-    self._kernel_kw = dict(b1=kw.b1, b2=kw.b2, eps=kw.eps, eps_root=kw.eps_root, weight_decay=kw.weight_decay)
+    self._kernel = host.Kernel(hyper, decay)
     self.masters: dict[int, jax.Array] = {}
     self.mus: dict[int, jax.Array] = {}
     self.nus: dict[int, jax.Array] = {}
@@ -150,7 +159,7 @@ class HostPath:
         grads = dict(zip(self.routes.plan.subgroups[s], receive(grads, None, f"subgroup {s}'s gradients")))
       else:
         jax.block_until_ready(list(grads.values()))
-    st: HostStep = record.host
+    st = HostStep.of(record)
     st.grads[s], st.params[s], st.futures[s] = grads, params, future
     decision = record.decided()
     if decision is not None and decision.fired and s in self.routes.redo_on_stream:
@@ -169,20 +178,15 @@ class HostPath:
     the point where it was issued, a few stage programs later); the program that writes the weights in place
     is dispatched once the copy has landed (:meth:`_assign_sent`), while the kernel steps later subgroups.
     """
-    st: HostStep = record.host
-    leaves = self.routes.plan.subgroups[s]
-    buffers, decay = [], []
-    for i in leaves:
-      arrays = (st.grads[s][i], self.masters[i], self.mus[i], self.nus[i], *self.spares[i], self.lows[i])
-      for shards in zip(*(memory.shards(a) for a in arrays)):
-        buffers.append(shards)
-        decay.append(self.decay[i])
+    st = HostStep.of(record)
+    leaves, grads = self.routes.plan.subgroups[s], st.grads[s]
+    arrays = lambda i: (grads[i], self.masters[i], self.mus[i], self.nus[i], *self.spares[i], self.lows[i])  # noqa: E731
     with trace.span("host.kernel"):
-      host_kernels.adam_many_into(buffers, decay, **self._kernel_kw, scalars=scalars)
+      self._kernel.step_into(leaves, arrays, scalars)
     if final:
       self._release_grads(st, s)
     with trace.span("host.send"):
-      sent = memory.put([self.lows[i] for i in leaves], "device", likes=st.params[s])
+      sent = host.send([self.lows[i] for i in leaves], st.params[s])
     self._sending.append((record, s, sent, final))
     self._assign_sent(wait=False)
 
@@ -191,7 +195,7 @@ class HostPath:
     the parameters the host path holds; final ones go back to the training thread."""
     while self._sending and (wait or all(x.is_ready() for x in self._sending[0][2])):
       record, s, sent, final = self._sending.popleft()
-      st: HostStep = record.host
+      st = HostStep.of(record)
       with trace.span("host.assign"):
         jax.block_until_ready(sent)  # never dispatch a program whose input is in flight: it would hold the queue
         new = device_steps.assign(st.params[s], sent)
@@ -227,7 +231,7 @@ class HostPath:
 
   def _finish(self, record: StepRecord) -> None:
     decision = result_of(record.decision, self._failure, "the clip decision")
-    st: HostStep = record.host
+    st = HostStep.of(record)
     self._assign_sent(wait=True)
     on_stream = self.routes.redo_on_stream if decision.fired else frozenset()
     shared: dict[int, tuple[list, list]] = {}  # subgroup -> (its new state, its old one), handed back
@@ -237,7 +241,7 @@ class HostPath:
       st.sent.clear()  # the redo writes into (donates) these
       share = {s: self._give_share(st, s) for s in on_stream & st.grads.keys()}
       send(record.host_share, share, "the host path's share of a fired clip's redo")  # the stream worker's now
-      for s in self.routes.by_forward_rank(set(st.speculated + st.deferred) - on_stream):
+      for s in sorted(set(st.speculated + st.deferred) - on_stream, key=self.routes.forward_rank.__getitem__):
         with trace.span("host.redo" if s in st.speculated else "host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)
@@ -248,7 +252,7 @@ class HostPath:
       for s in st.speculated:
         self._release_grads(st, s)
         self._final(st, s)
-      for s in self.routes.by_forward_rank(st.deferred):
+      for s in sorted(st.deferred, key=self.routes.forward_rank.__getitem__):
         with trace.span("host.kernel_after_decision"):
           self._host_weights(record, s, decision.host, final=True)
       self._assign_sent(wait=True)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jax_dos import memory, moment_formats, partition
 from jax_dos.collectives import Collectives
-from jax_dos.interleaved import InterleavedAdam, find_interleaved, leaves_with_paths
+from jax_dos.interleaved import InterleavedAdam, find_interleaved
 from jax_dos.overlap.memory import (
   default_host_budget,
   host_bytes_per,
@@ -59,6 +59,7 @@ from jax_dos.timeline import (
   stage_ordered_placements,
   stream_rate_during_backward,
 )
+from jax_dos.trees import leaves_with_paths
 
 # How many stage programs the training thread may have dispatched beyond the one the accelerator is running. The
 # workers' programs (streamed updates, the host path's copies) queue behind whatever the training thread dispatched

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jax_dos.overlap.memory import check_host_memory, speculation_cap
 from jax_dos.overlap.plan import REBALANCE_GAP_S, StepLayout
@@ -66,11 +65,8 @@ class Routes:
   stream_rank: dict[int, int]
   redo_on_stream: frozenset[int]
   stream_speculation: int
-  resident_calls: tuple[tuple[int, ...], ...]  # resident subgroups, per jitted update (Plan.resident_calls)
+  resident_calls: tuple[tuple[int, ...], ...]  # resident leaves, per jitted update (Plan.resident_call_leaves)
   held_sizes: tuple[int, ...] = ()
-
-  def by_forward_rank(self, subgroups: Any) -> list[int]:
-    return sorted(subgroups, key=self.forward_rank.__getitem__)
 
 
 def routes(plan: Plan, layout: StepLayout, host_budget_bytes: int, moments: str = "float32") -> Routes:
@@ -79,7 +75,7 @@ def routes(plan: Plan, layout: StepLayout, host_budget_bytes: int, moments: str 
   return Routes(
     plan, {s: r for r, s in enumerate(layout.forward_order)}, stream_order,
     {s: r for r, s in enumerate(stream_order)}, frozenset(stream_share_of_host(plan, layout)),
-    speculation_cap(plan, layout, host_budget_bytes, moments), plan.resident_calls(), layout.held_sizes,
+    speculation_cap(plan, layout, host_budget_bytes, moments), plan.resident_call_leaves(), layout.held_sizes,
   )  # fmt: skip
 
 

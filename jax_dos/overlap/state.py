@@ -14,14 +14,12 @@ write the arena's). :class:`PinnedMemory` is where that memory comes from.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
 
-from jax_dos import device_steps, host_kernels, memory, moment_formats, partition, pinned_arena
+from jax_dos import memory, moment_formats, partition, pinned_arena
 from jax_dos.copy_out import CopyOut
-from jax_dos.engine import host_gradients
 from jax_dos.hand_off import receive
 from jax_dos.pinned_arena import PinnedArena
 from jax_dos.plan import MEMORY_KIND, Plan
@@ -47,7 +45,8 @@ class PinnedMemory:
     own = pinned_arena.supported(devices) and (mode == "arena" or (mode == "auto" and not pool_grown))
     self.arena = PinnedArena(sorted(set(devices), key=lambda d: d.id)) if own else None
     self.state_out = CopyOut("jax_dos-state-out") if own else None  # (stream worker) its new state
-    self._grads_out = CopyOut("jax_dos-grads-out") if own else None  # (training thread) the host leaves' gradients
+    # (training thread) the host leaves' gradients (``paths.host.gradients_to_host``)
+    self.grads_out = CopyOut("jax_dos-grads-out") if own else None
 
   @classmethod
   def for_step(cls, mode: str, params: list[jax.Array], opt_state: InterleavedAdamState | None) -> PinnedMemory:
@@ -59,20 +58,9 @@ class PinnedMemory:
     )
     return cls(mode, devices, given_in_pool)
 
-  def grads_to_host(self, grads: list[jax.Array], leaves: list[int]) -> dict[int, jax.Array] | Future:
-    """(training thread) A host subgroup's gradients (``grads``, of ``leaves``) on their way to pinned host memory, in
-    a dtype the host kernel reads: into arena buffers (the copy's future of them, in ``leaves``' order, whose buffers
-    the host path then owns) or XLA's pool (``leaf -> gradient``)."""
-    if self.arena is None:
-      full = dict(zip(leaves, grads))
-      laid = [full.get(i) for i in range(max(leaves) + 1)]
-      return host_gradients(laid, laid, leaves)
-    grads = [g if str(g.dtype) in host_kernels.GRAD_DTYPES else device_steps.to_f32(g) for g in grads]
-    return self._grads_out.submit(grads, [self.arena.array_like(g) for g in grads])
-
   def close(self) -> None:
     """Waits for the copies requested and ends their workers."""
-    for copier in (self.state_out, self._grads_out):
+    for copier in (self.state_out, self.grads_out):
       if copier is not None:
         copier.close()
 

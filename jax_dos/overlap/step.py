@@ -27,7 +27,6 @@ are optax's in every placement, the same bits in two runs.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -38,7 +37,6 @@ import numpy as np
 
 from jax_dos import (
   device_steps,
-  host_kernels,
   host_plan,
   memory,
   partition,
@@ -46,8 +44,7 @@ from jax_dos import (
   trace,
 )
 from jax_dos.hand_off import HandOff, Slots, receive
-from jax_dos.interleaved import decay_flags, leaves_with_paths
-from jax_dos.job_thread import Failure, JobThread, result_of
+from jax_dos.job_thread import Failure, result_of
 from jax_dos.overlap import memory as overlap_memory
 from jax_dos.overlap import plan as overlap_plan
 from jax_dos.overlap import process as overlap_process
@@ -55,7 +52,6 @@ from jax_dos.overlap import routes as overlap_routes
 from jax_dos.overlap import state as overlap_state
 from jax_dos.overlap.clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
 from jax_dos.overlap.dispatch import Dispatch
-from jax_dos.overlap.host_path import HostPath, HostStep
 from jax_dos.overlap.plan import (
   REBALANCE_AFTER_STEPS,
   REBALANCE_STEPS,
@@ -64,11 +60,13 @@ from jax_dos.overlap.plan import (
   overlappable,
   step_layout,
 )
-from jax_dos.overlap.stream_path import IDLE_POLL_S, StreamPath, StreamStep
+from jax_dos.overlap.workers import Workers
+from jax_dos.paths import host
 from jax_dos.plan import partition_groups
 from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
+from jax_dos.trees import decay_flags, leaves_with_paths
 
 
 class OverlappedStep:
@@ -187,6 +185,7 @@ class OverlappedStep:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
     self.model = StagedModel(stages, len(params), partition_gradients=owner.partitions)
     self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, options.micro_batches
+    self._scalars = device_steps.scalars_for(self.hyper)  # (count, grad_scale) -> the step scalars
     leaves, self._treedef = leaves_with_paths(list(params), "params")
     overlap_state.check_given(opt_state, self._treedef)
     self.decay = decay_flags(owner.mask, list(params), self.hyper.weight_decay)
@@ -233,14 +232,8 @@ class OverlappedStep:
     self._failure = Failure()
     self._dispatch = Dispatch(self.run_ahead_stages)  # run-ahead pacing; the first step's jobs held (dispatch.py)
     lows = [jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32 for x in self._params]
-    self._host_path = HostPath(self.routes, self.hyper, self.decay, by("host"), lows, self._failure, self.arena)
-    self._stream_path = StreamPath(self.routes, self.hyper, self.decay, by("stream"), self._failure, self.arena,
-                                   self._pinned.state_out)  # fmt: skip
-    self._host = JobThread("jax_dos-overlap-host", self._failure)
-    top_up = weakref.WeakMethod(self._stream_path.top_up)
-    self._streamer = JobThread("jax_dos-overlap-stream", self._failure, top_up, IDLE_POLL_S)
-    self._decider = JobThread("jax_dos-overlap-decide", self._failure)
-    self._host.submit(host_kernels.set_num_threads, None, host_kernels.TRAINING_CORES)
+    self._workers = Workers(self.routes, self.hyper, self.decay, by("host"), by("stream"), lows, self._failure,
+                            self.arena, self._pinned.state_out)  # fmt: skip
     overlap_process.register(self)
 
   # ----------------------------------------------------------------------------- the plan and the state
@@ -282,8 +275,8 @@ class OverlappedStep:
     self._steps_taken += 1
     # The scalars if the clip does not fire, on their way to the host before any gradient is (one queue carries
     # every copy to the host, and the host worker needs them with its first subgroup).
-    spec = device_steps.scalars(self.hyper, self._count, np.float32(1.0 / k))
-    record = StepRecord(spec, HostStep(), StreamStep())
+    spec = self._scalars(self._count, np.float32(1.0 / k))
+    record = StepRecord(spec)
     previous, self._last_record = self._last_record, record
     try:
       losses = self._run_programs([micro_batch(batch, m, k) for m in range(k)], record, previous)
@@ -323,7 +316,7 @@ class OverlappedStep:
         self._wait_groups(st.groups)  # at once where they are final
         reached.add(i)
       if j == window and self.routes.stream_order:
-        self._dispatch.submit(self._streamer, self._stream_path.prefetch)
+        self._dispatch.submit(self._workers.stream, self._workers.stream_path.prefetch)
       if kind == "forward":
         with trace.span("overlap.forward"):
           x, saved[m][i] = self.model.forward(i, self._stage_params(i), inputs[m][i], parts[m], m)
@@ -370,10 +363,10 @@ class OverlappedStep:
       future = self._pending[s] = Future()
       if placement == "host":
         with trace.span("overlap.grads_d2h"):
-          subgroup_grads = self._pinned.grads_to_host(subgroup_grads, list(leaves))
-        worker, path = self._host, self._host_path
+          subgroup_grads = host.gradients_to_host(subgroup_grads, list(leaves), self.arena, self._pinned.grads_out)
+        worker, path = self._workers.host, self._workers.host_path
       else:
-        worker, path = self._streamer, self._stream_path
+        worker, path = self._workers.stream, self._workers.stream_path
       # The worker holds them until it hands the new ones back through the future.
       params = self._layouts.to_state(self._params.give(leaves, f"the {placement} worker"), leaves)
       given = HandOff((subgroup_grads, params), f"subgroup {s}'s gradients and parameters")
@@ -384,27 +377,26 @@ class OverlappedStep:
     guessed it. The training thread does not wait for the decision: the next forward pass starts on the stages
     whose weights are final (resident ones at once) and waits for the others' workers."""
     scale, self.grad_norm = step_scale(squares, self.clip_norm, self.micro_batches)
-    true = device_steps.scalars(self.hyper, self._count, scale)
+    true = self._scalars(self._count, scale)
     start_copy_to_host(true)
     self._resident_update(record, true)
-    self._dispatch.submit(self._host, self._host_path.finish, record)
+    self._dispatch.submit(self._workers.host, self._workers.host_path.finish, record)
     if self.routes.stream_order or self.routes.redo_on_stream:  # else the stream path has nothing of this step
-      self._dispatch.submit(self._streamer, self._stream_path.finish, record)
+      self._dispatch.submit(self._workers.stream, self._workers.stream_path.finish, record)
     if self._dispatch.holding:  # the first step: every program of the step has run once when this returns
       self._dispatch.release((true, self._params.held()))
-    self._decider.submit(record.announce, true)
+    self._workers.decider.submit(record.announce, true)
     self._count = device_steps.increment(self._count)
     self._updating = False
 
   def _resident_update(self, record: StepRecord, scalars: jax.Array) -> None:
-    for subs in self.routes.resident_calls:
-      leaves = [i for s in subs for i in self.plan.subgroups[s]]
+    for leaves in self.routes.resident_calls:
       with trace.span("overlap.resident"):
         masters, mus, nus = ([self._resident[i][j] for i in leaves] for j in range(3))
         params = self._layouts.to_state([self._params[i] for i in leaves], leaves)
         grads = [record.resident_grads.pop(i) for i in leaves]
-        outs = device_steps.resident_call(grads, masters, mus, nus, params, scalars, self.hyper,
-                                          tuple(self.decay[i] for i in leaves))  # fmt: skip
+        outs = device_steps.update_on_device(grads, masters, mus, nus, params, scalars, self.hyper,
+                                             tuple(self.decay[i] for i in leaves))  # fmt: skip
       new = self._layouts.to_params(outs[0], leaves)  # the all-gather of a partitioned state's new weights
       for j, i in enumerate(leaves):
         self._params[i] = new[j]
@@ -416,7 +408,7 @@ class OverlappedStep:
     """Moves one subgroup across the stream/host boundary toward the path that finished the last step first."""
     self._rebalance_left -= 1
     self.settle()  # the last step's ends are final, and no worker touches the buffers moved below
-    ends = {"host": last.host.end, "stream": last.stream.end}
+    ends = {"host": getattr(last.host, "end", None), "stream": getattr(last.stream, "end", None)}
     self._move_boundary({k: v for k, v in ends.items() if v is not None})
 
   def _move_boundary(self, ends: dict[str, float]) -> None:
@@ -432,12 +424,7 @@ class OverlappedStep:
     moved = [i for s, (a, b) in enumerate(zip(self.plan.placements, plan.placements)) if a != b
              for i in plan.subgroups[s]]  # fmt: skip
     self.plan, self.routes = plan, overlap_routes.routes(plan, self._layout, self._host_room, self.hyper.moments)
-    (giver, frm), (taker, into) = (
-      ((self._streamer, self._stream_path), (self._host, self._host_path)) if to == "host"
-      else ((self._host, self._host_path), (self._streamer, self._stream_path))
-    )  # fmt: skip
-    given = giver.ask(frm.give, moved, self.routes)
-    taker.ask(into.take, given, self.routes)
+    self._workers.move(to, moved, self.routes)
     self._last_move = to
 
   # ----------------------------------------------------------------------------- waiting
@@ -465,10 +452,10 @@ class OverlappedStep:
 
   def settle(self) -> None:
     """Waits until every pending update has written the parameters and the whole state."""
-    self._decider.join()
+    self._workers.decider.join()
     self._wait_groups(range(len(self.group_subgroups)))
-    self._host.join()
-    self._streamer.join()
+    self._workers.host.join()
+    self._workers.stream.join()
     self._raise_errors()
 
   def close(self) -> None:
@@ -476,10 +463,7 @@ class OverlappedStep:
     try:
       self.settle()
     finally:
-      for worker in (self._decider, self._host, self._streamer):
-        worker.stop()
-      for worker in (self._decider, self._host, self._streamer):
-        worker.wait_stopped()  # no thread of a closed step is left to be stopped as Python exits
+      self._workers.stop()
       self._pinned.close()
       self._closed = True
       overlap_process.unregister(self)
@@ -491,9 +475,9 @@ class OverlappedStep:
     self.close()
 
   def __del__(self):
-    for worker in (getattr(self, "_decider", None), getattr(self, "_host", None), getattr(self, "_streamer", None)):
-      if worker is not None:
-        worker.stop()
+    workers = getattr(self, "_workers", None)
+    if workers is not None:
+      workers.stop(wait=False)
 
   @property
   def params(self) -> list[Any]:
@@ -506,6 +490,6 @@ class OverlappedStep:
     """The current optimizer state (waits for every pending write; each path hands its part over through a
     future). The next step consumes it."""
     self.settle()
-    state = {**self._resident, **self._host.ask(self._host_path.state), **self._streamer.ask(self._stream_path.state)}
+    state = {**self._resident, **self._workers.state()}
     unflat = lambda j: jax.tree.unflatten(self._treedef, [state[i][j] for i in range(len(state))])  # noqa: E731
     return InterleavedAdamState(self._count, unflat(0), unflat(1), unflat(2))

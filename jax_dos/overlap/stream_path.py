@@ -9,7 +9,9 @@ parameters (given up until the new ones come back) and a
 ``concurrent.futures.Future``; the stream path copies the state in, updates
 it on the accelerator (the old parameters donated), copies the new state
 back into new host buffers and resolves the future with the new parameters
-once they are final. It never writes the step's parameters.
+once they are final. It never writes the step's parameters. The copy in, the
+step on the accelerator, the copy back and the slots' bookkeeping are
+``paths.stream``'s, which the eager engine runs too.
 
 Speculation: a subgroup stepped on the speculated scale keeps its old state
 until the decision, for at most ``Routes.stream_speculation`` parameters a
@@ -23,8 +25,10 @@ in it, outside XLA's pinned pool, and the new state is copied into it by a
 subgroup stepped with the true scale into its own buffers (their copy in has
 landed once the update has run), a speculated one into new buffers, a host
 subgroup of the fired clip's share into the spare buffers the host path hands
-over. A subgroup's state is read only once its copy has landed
-(``StreamPath._landing``).
+over. The destinations go to the copy worker with the request, and the
+tables list none of them until they come back through the copy's future, a
+``hand_off.HandOff`` taken once it has landed (``StreamPath._landing``,
+``paths.stream.landed``): one holder a buffer, the arena's as XLA's.
 """
 
 from __future__ import annotations
@@ -32,20 +36,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import jax
 
-from jax_dos import device_steps, memory, pinned_arena, trace
+from jax_dos import memory, trace
 from jax_dos.copy_out import CopyOut
 from jax_dos.hand_off import HandOff, receive, send
 from jax_dos.job_thread import Failure
 from jax_dos.overlap.clip import Decision, StepRecord
 from jax_dos.overlap.host_path import ShareInput
 from jax_dos.overlap.routes import Routes
+from jax_dos.paths import stream
 from jax_dos.pinned_arena import PinnedArena
 
 # How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
@@ -58,8 +62,8 @@ class Streamed:
   """A streamed subgroup updated on a speculated scale, its old state kept until the decision."""
 
   old: list[list[jax.Array]]  # the state before the step (host buffers), kept until the decision
-  new: list[list[jax.Array]]  # the state after it (host buffers)
-  landed: Future | None  # with an arena: the copy of the new state into ``new``
+  new: list[list[jax.Array]] | None  # the state after it (XLA's host buffers); None with an arena:
+  landed: Future | None  # the copy of the new state into arena buffers, which hands them back (paths.stream.landed)
   grads: list[jax.Array]  # kept for a redo
   params: list[jax.Array]  # the speculated new parameters (donated to a redo)
   future: Future  # the training thread's future of the final parameters
@@ -72,6 +76,13 @@ class StreamStep:
   streamed: dict[int, Streamed] = dataclasses.field(default_factory=dict)  # speculated on, until the decision
   speculated_elements: int = 0  # parameters of the streamed subgroups speculated on
   end: float | None = None  # when the worker last finished a subgroup of this step (perf_counter)
+
+  @staticmethod
+  def of(record: StepRecord) -> StreamStep:
+    """``record``'s stream record, made at the stream worker's first job of the step (the stream worker's alone)."""
+    if record.stream is None:
+      record.stream = StreamStep()
+    return record.stream
 
 
 class StreamPath:
@@ -90,12 +101,12 @@ class StreamPath:
     failure: Failure, arena: PinnedArena | None = None, copier: CopyOut | None = None,
   ):  # fmt: skip
     self.routes, self.hyper, self.decay, self._failure = routes, hyper, decay, failure
-    self.arena, self._copier = arena, copier
+    self.arena = arena
     self._landing: dict[int, Future] = {}  # subgroup -> the copy of its new state into its buffers (an arena's)
     self.masters: dict[int, jax.Array] = {}
     self.mus: dict[int, jax.Array] = {}
     self.nus: dict[int, jax.Array] = {}
-    self._in_flight: deque = deque()  # copies back to the host, oldest first
+    self._in_flight = stream.CopiesBack(arena, copier)  # copies back to the host, oldest first
     self._prefetched: dict[int, list] = {}  # subgroup -> its state on its way in, ahead of its gradients
     self._prefetch_next = 0  # index into routes.stream_order of the next subgroup to prefetch
     self._step_open = False  # between a step's first prefetch and its finish
@@ -128,67 +139,39 @@ class StreamPath:
 
   def _wait_copies(self) -> None:
     """Waits until every copy back has landed, and lists none: the arrays they name may go to another thread
-    (:meth:`give`, a fired clip's share), which may free them, and only an array's owner may read it."""
-    while self._in_flight:
-      self._free_slot()
-    while self._landing:
-      self._landing.popitem()[1].result()
+    (:meth:`give`, a fired clip's share), which may free them, and only an array's owner may read it. The
+    subgroups' new state in arena buffers is taken back from the copies (:meth:`_take_landed`)."""
+    self._in_flight.wait_all()
+    for s in list(self._landing):
+      self._take_landed(s)
+
+  def _take_landed(self, s: int) -> None:
+    """Subgroup ``s``'s new state, taken from its copy into arena buffers once it has landed, becomes its state."""
+    new = stream.landed(self._landing.pop(s))
+    for i, m, mu, nu in zip(self.routes.plan.subgroups[s], *new):
+      self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
 
   def _state(self, s: int) -> list[list[jax.Array]]:
-    """Subgroup ``s``'s state ``[masters, mus, nus]`` (once its last copy has landed there)."""
-    landing = self._landing.pop(s, None)
-    if landing is not None:
+    """Subgroup ``s``'s state ``[masters, mus, nus]`` (taken from its last copy back, once that has landed)."""
+    if s in self._landing:
       with trace.span("stream.wait_copy_out"):
-        landing.result()
+        self._take_landed(s)
     leaves = self.routes.plan.subgroups[s]
     return [[d[i] for i in leaves] for d in (self.masters, self.mus, self.nus)]
 
   def _free(self, groups: list[list[jax.Array]]) -> None:
     """Frees host buffers whose copies are done (back to the arena, or to XLA's pool)."""
-    for a in (a for group in groups for a in group):
-      pinned_arena.release(self.arena, a)
-
-  def _copy_back(
-    self, outs: list[list[jax.Array]], into: list[list[jax.Array]] | None
-  ) -> tuple[list[list[jax.Array]], Future | None]:
-    """The new state ``outs`` (on the accelerator) on its way to host memory, listed in flight: ``(buffers,
-    landed)``, the buffers ``into`` (or new ones) and the future of the copy, with an arena; XLA's new buffers and
-    ``None`` otherwise (they track their own copy)."""
-    if self.arena is None:
-      back = memory.put_groups(outs, "pinned_host")
-      self._in_flight.append(back)
-      return back, None
-    into = into or [[self.arena.array_like(a) for a in group] for group in outs]
-    flat = [a for group in outs for a in group]
-    landed = self._copier.submit(flat, [a for group in into for a in group], free_sources=True)
-    self._in_flight.append(landed)
-    return into, landed
+    stream.free(self.arena, groups)
 
   # ----------------------------------------------------------------------------- slots and copies in
 
   def _slots_used(self) -> int:
     return len(self._prefetched) + len(self._in_flight)
 
-  def _free_slot(self) -> None:
-    back = self._in_flight.popleft()
-    with trace.span("stream.wait_slot"):
-      if isinstance(back, Future):
-        back.result()
-        return
-      jax.block_until_ready([a for a in jax.tree.leaves(back) if not a.is_deleted()])  # see _slot_free
-
   def _wait_for_slot(self) -> None:
     """Frees the oldest slots, waiting for their copies back, until one is free."""
     while self._slots_used() >= self.routes.plan.stream_slots and self._in_flight:
-      self._free_slot()
-
-  def _slot_free(self) -> bool:
-    """Whether the oldest copy back has landed. A copy back may be deleted while still listed, by this thread: a redo
-    deletes the speculated copies, and a later step deletes its old state, which was an earlier step's copy back."""
-    back = self._in_flight[0]
-    if isinstance(back, Future):
-      return back.done()
-    return all(a.is_deleted() or a.is_ready() for a in jax.tree.leaves(back))
+      self._in_flight.wait_oldest()
 
   def prefetch(self, more: int | None = None) -> None:
     """Starts the copies in of the next streamed subgroups' state, in hand-over order, before their gradients exist.
@@ -209,14 +192,14 @@ class StreamPath:
     order, slots, issued = self.routes.stream_order, self.routes.plan.stream_slots, 0
     while self._prefetch_next < len(order) and (more is None or issued < more):
       while self._slots_used() >= slots and self._in_flight:
-        if more is not None and not self._slot_free():
+        if more is not None and not self._in_flight.oldest_landed():
           return
-        self._free_slot()
+        self._in_flight.wait_oldest()
       if self._slots_used() >= slots:
         return
       s = order[self._prefetch_next]
       with trace.span("stream.prefetch"):
-        self._prefetched[s] = memory.put_groups(self._state(s), "device")
+        self._prefetched[s] = stream.copy_in(self._state(s))
       self._prefetch_next += 1
       issued += 1
 
@@ -250,7 +233,7 @@ class StreamPath:
     """Whether subgroup ``s`` fits the step's streamed speculation (``Routes.stream_speculation``); counts it if so."""
     if not record.speculate:
       return False
-    st: StreamStep = record.stream
+    st = StreamStep.of(record)
     size, cap = self.routes.held_sizes[s], self.routes.stream_speculation
     if cap is not None and st.speculated_elements + size > cap:
       return False
@@ -272,7 +255,7 @@ class StreamPath:
     self, record: StepRecord, s: int, grads: list[jax.Array], params: list[jax.Array], future: Future, scalars: Any,
     final: bool,
   ) -> None:  # fmt: skip
-    st: StreamStep = record.stream
+    st = StreamStep.of(record)
     leaves = list(self.routes.plan.subgroups[s])
     earlier = st.streamed.get(s)
     state = None if earlier else self._prefetched.pop(s, None)
@@ -284,45 +267,51 @@ class StreamPath:
       old = earlier.old if earlier else self._state(s)
       if earlier:  # a wasted speculation's new state goes before the redo's comes (host_bytes counts one of them)
         if earlier.landed is not None:
-          earlier.landed.result()
+          wasted = stream.landed(earlier.landed)
         else:
-          jax.block_until_ready(earlier.new)  # its copies out must land before the host buffers are freed
-        self._free(earlier.new)
+          wasted = earlier.new
+          jax.block_until_ready(wasted)  # its copies out must land before the host buffers are freed
+        self._free(wasted)
       if state is None:
-        state = memory.put_groups(old, "device")
+        state = stream.copy_in(old)
       self._wait_landed(state)  # the update waits here, not on the accelerator's compute queue
-      g = memory.like_states(grads, old[0])
       if final and self.arena is None:  # its copy in has landed: the old host state goes before the new comes
         memory.free_groups(old)  # (host_bytes counts one)
-      outs = device_steps.update_params(g, *state, params, scalars, self.hyper,
-                                        tuple(self.decay[i] for i in leaves))  # fmt: skip
       # With an arena, a final state is copied into the old one's buffers: the update has read their copy in.
-      back, landed = self._copy_back(list(outs[1:]), old if final else None)
+      new_params, back, landed = stream.step(grads, state, params, scalars, self.hyper,
+                                             tuple(self.decay[i] for i in leaves), self._in_flight,
+                                             old if final else None)  # fmt: skip
     st.end = time.perf_counter()
     if final:
       st.streamed.pop(s, None)
       self._commit(s, back, landed)
-      send(future, list(outs[0]), f"subgroup {s}'s new parameters")
+      send(future, new_params, f"subgroup {s}'s new parameters")
     else:
-      st.streamed[s] = Streamed(old, back, landed, grads, list(outs[0]), future)
+      st.streamed[s] = Streamed(old, back, landed, grads, new_params, future)
     if not earlier:
       self.top_up()
 
-  def _commit(self, s: int, new: list[list[jax.Array]], landed: Future | None) -> None:
-    """The new state becomes subgroup ``s``'s (its old host buffers freed already, or its own); ``landed``: the
-    copy into it, waited for before it is read."""
-    for i, m, mu, nu in zip(self.routes.plan.subgroups[s], *new):
-      self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
-    if landed is not None:
-      self._landing[s] = landed
+  def _commit(self, s: int, new: list[list[jax.Array]] | None, landed: Future | None) -> None:
+    """The new state becomes subgroup ``s``'s (its old host buffers freed already, or handed to the copy as its
+    destination): ``new``, XLA's buffers, at once; or with an arena the copy ``landed``, whose buffers are taken
+    back before the state is next read (:meth:`_state`). Meanwhile the tables list nothing of ``s``: the copy
+    worker holds its buffers."""
+    leaves = self.routes.plan.subgroups[s]
+    if landed is None:
+      for i, m, mu, nu in zip(leaves, *new):
+        self.masters[i], self.mus[i], self.nus[i] = m, mu, nu
+      return
+    for i in leaves:
+      del self.masters[i], self.mus[i], self.nus[i]
+    self._landing[s] = landed
 
   def finish(self, record: StepRecord) -> None:
     """(after the step's last hand-over) Commits or redoes the speculated subgroups, in forward order, once the
     decision is known; after a fired clip, steps the host path's share."""
     decision = self._wait_decision(record, None)
     self._step_open = False
-    st: StreamStep = record.stream
-    for s in self.routes.by_forward_rank(st.streamed):  # the speculated ones
+    st = StreamStep.of(record)
+    for s in sorted(st.streamed, key=self.routes.forward_rank.__getitem__):  # the speculated ones
       streamed = st.streamed[s]
       if decision.fired:
         self._dispatch(record, s, streamed.grads, streamed.params, streamed.future, decision.device, True)  # commits
@@ -342,30 +331,32 @@ class StreamPath:
     try:
       with trace.span("stream.wait_host"):
         share = receive(record.host_share, self._failure, "the host worker's share of the redo")  # its buffers: ours
-      backs = {s: self._redo_host(s, share[s], decision) for s in self.routes.by_forward_rank(share)}
+      order = sorted(share, key=self.routes.forward_rank.__getitem__)
+      redone = {s: self._redo_host(s, share[s], decision) for s in order}
       with trace.span("stream.wait_share_copies"):
         self._wait_copies()
+      backs = {s: (stream.landed(landed) if landed is not None else back, old)
+               for s, (back, landed, old) in redone.items()}  # fmt: skip
     except BaseException as e:
       record.share_done.set_exception(e)
       raise
     send(record.share_done, backs, "the new state and the old one of the host path's share")
 
-  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> tuple[list[list[jax.Array]], list]:
+  def _redo_host(self, s: int, share: ShareInput, decision: Decision) -> tuple[list | None, Future | None, list]:
     """Host subgroup ``s`` stepped on the accelerator with the true scale from its untouched state; returns ``(new,
-    old)``: the new state, on its way into the share's spare buffers (with an arena) or new host buffers (listed in
-    flight), and the untouched state, both handed back to the host path (the state and the spare). The share's
-    gradients are freed here, their last holder."""
+    landed, old)``: the new state in new host buffers (listed in flight), or with an arena the copy into the
+    share's spare buffers (whose future hands them back), and the untouched state; the new state and the old one
+    go back to the host path (the state and the spare). The share's gradients are freed here, their last holder."""
     leaves = list(self.routes.plan.subgroups[s])
     self._wait_for_slot()
     with trace.span("stream.redo_host"):
       old = share.state
-      state = memory.put_groups(old, "device")
+      state = stream.copy_in(old)
       grads = memory.put(share.grads, "device")
       self._wait_landed([state, grads])
       self._free([share.grads])  # their host copies, freed before the next step's land
-      g = memory.like_states(grads, old[0])
-      outs = device_steps.update_params(g, *state, share.params, decision.device, self.hyper,
-                                        tuple(self.decay[i] for i in leaves))  # fmt: skip
-      back, _ = self._copy_back(list(outs[1:]), share.into)
-    send(share.future, list(outs[0]), f"subgroup {s}'s new parameters")
-    return back, old
+      into, share.into = share.into, None  # the copy worker's until they have landed
+      new_params, back, landed = stream.step(grads, state, share.params, decision.device, self.hyper,
+                                             tuple(self.decay[i] for i in leaves), self._in_flight, into)  # fmt: skip
+    send(share.future, new_params, f"subgroup {s}'s new parameters")
+    return back, landed, old
