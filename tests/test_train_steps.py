@@ -242,13 +242,13 @@ def test_the_fired_share_comes_from_the_runs_record_else_a_stated_prior():
 
 
 def test_a_resumed_runs_record_is_read_from_its_metrics(tmp_path):
-  from train import gpt
+  from train import progress
 
   rows = [{"step": 1, "loss": 2.0, "clipped": True}, {"step": 2, "loss": 1.0, "clipped": False}]
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
-  assert gpt._metrics_rows(str(tmp_path)) == rows  # the row cut short by a kill is left out
-  assert gpt._metrics_rows(str(tmp_path / "nowhere")) == []
-  assert S.fired_share(1.0, gpt._metrics_rows(str(tmp_path))) == (0.5, "the run's last 2 steps")
+  assert progress.metrics_rows(str(tmp_path)) == rows  # the row cut short by a kill is left out
+  assert progress.metrics_rows(str(tmp_path / "nowhere")) == []
+  assert S.fired_share(1.0, progress.metrics_rows(str(tmp_path))) == (0.5, "the run's last 2 steps")
 
 
 def test_the_line_says_which_rematerialisation_the_overlapped_plan_chose():

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -195,20 +194,6 @@ def _init_params(args: TrainConfig, cfg: Any, shardings: Any) -> tuple[Any, dict
     raise SystemExit(f"error: --init-from: {e}") from None
 
 
-def _metrics_rows(out: str) -> list[dict[str, Any]]:
-  """The rows of the run's ``metrics.jsonl`` in ``out`` (none where it has none; a row cut short is left out)."""
-  try:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-      lines = f.read().splitlines()
-  except OSError:
-    return []
-  rows = []
-  for line in lines:
-    with contextlib.suppress(ValueError):
-      rows.append(json.loads(line))
-  return rows
-
-
 def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_from) -> _Built:
   """The plain or the overlapped training step, chosen from both plans before any optimizer state exists.
 
@@ -256,7 +241,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   plain_collectives_s = 0.0
   if collectives is not None:
     plain_collectives_s = collectives.plain_step_s(model_module(args).tree_size(params), args.grad_accum)
-  fired = steps.fired_share(args.clip, _metrics_rows(args.out) if restore_from is not None else None)
+  fired = steps.fired_share(args.clip, progress.metrics_rows(args.out) if restore_from is not None else None)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None,
                                   fired, plain_collectives_s)  # fmt: skip
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.

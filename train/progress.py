@@ -7,6 +7,7 @@ matmuls on NVIDIA GPUs run as TF32 under JAX's default precision).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -60,6 +61,20 @@ def detect_peak_flops(compute_dtype: str, device: jax.Device | None = None) -> f
     if name.lower() in kind.lower():
       return peaks[compute_dtype]
   return None
+
+
+def metrics_rows(out: str) -> list[dict[str, Any]]:
+  """The rows of the run's ``metrics.jsonl`` in ``out`` (none where it has none; a row cut short is left out)."""
+  try:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return []
+  rows = []
+  for line in lines:
+    with contextlib.suppress(ValueError):
+      rows.append(json.loads(line))
+  return rows
 
 
 class MetricsLog:

@@ -30,6 +30,7 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import zlib
 from typing import NamedTuple, Optional
 
@@ -229,3 +230,19 @@ def quarantine(directory: str, step: int, damage: Damage) -> str:
     target = f"{base}-{n}"
   os.rename(os.path.join(directory, str(step)), target)
   return target
+
+
+def _size(nbytes: int) -> str:
+  return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
+def check_space(directory: str, need: int) -> None:
+  """Raises ``OSError`` if the disk of ``directory`` (a local path, made if missing) has less than ``need`` bytes
+  free, saying what to do; nothing is written."""
+  os.makedirs(directory, exist_ok=True)
+  free = shutil.disk_usage(directory).free
+  if need > free:
+    raise OSError(
+      f"a checkpoint needs {_size(need)} but {directory} has {_size(free)} free. Point the"
+      " manager at a larger disk (or free space there); earlier checkpoints are untouched."
+    )

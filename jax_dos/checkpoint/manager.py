@@ -22,7 +22,9 @@ are built from the template's shardings (memory kind included), so Orbax reads
 each shard from disk into a buffer of that sharding; ``pinned_host`` state
 never passes through accelerator memory.
 
-Host state is guarded while Orbax writes it (``host_copy.py``): copied, or saved synchronously.
+Host state is guarded while Orbax writes it (``host_copy.py``): copied, or saved synchronously. Orbax's own copy of
+every shard into pinned memory first (its default on a GPU) is off: a second pinned copy of the host state
+(``docs/checkpoints.md``, "Saving on a GPU").
 
 Integrity (``integrity.py``): once Orbax has committed a step, a thread writes its manifest (every file's size and
 CRC-32 checksums, read back from disk); :meth:`CheckpointManager.latest_step` and :meth:`CheckpointManager.restore`
@@ -85,10 +87,6 @@ DELETING_SUFFIX = ".deleting"  # a step retention is deleting: .<step>.deleting
 log = logging.getLogger(__name__)
 
 
-def _size(nbytes: int) -> str:
-  return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
-
-
 def _is_local(path: str) -> bool:
   return "://" not in path
 
@@ -143,8 +141,6 @@ class CheckpointManager:
       enable_async_checkpointing=async_save,
       create=False,  # made by the first save, so restore from a mistyped path fails clearly
     )
-    # Off: Orbax's GPU default copies every shard, host ones too, into XLA's pinned pool first, a second pinned copy
-    # of the host state that a 13B state's host could not pin (docs/checkpoints.md, "Saving on a GPU").
     handlers = {name: ocp.PyTreeCheckpointHandler(enable_pinned_host_transfer=False) for name in _PYTREE_ITEMS}
     handlers |= {"meta": ocp.JsonCheckpointHandler(), "format": ocp.JsonCheckpointHandler()}
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -227,16 +223,8 @@ class CheckpointManager:
     with ``params`` and the optimizer state, to fail early. Remote paths are
     not checked.
     """
-    if not _is_local(self.directory):
-      return
-    need = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(trees))
-    os.makedirs(self.directory, exist_ok=True)
-    free = shutil.disk_usage(self.directory).free
-    if need > free:
-      raise OSError(
-        f"a checkpoint needs {_size(need)} but {self.directory} has {_size(free)} free. Point the"
-        " manager at a larger disk (or free space there); earlier checkpoints are untouched."
-      )
+    if _is_local(self.directory):
+      integrity.check_space(self.directory, sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(trees)))
 
   def _write_pending_manifests(self) -> None:
     """Writes the manifest of every committed step saved by this manager (process 0 only; the others mark them)."""
