@@ -225,8 +225,8 @@ class InterleavedAdam:
         raise MemoryError(refusal)
     master = [memory.copy_in(x, k) for x, k in zip(leaves, kinds)]
     fmt = self.hyper.moments
-    mu = [moment_formats.zeros_like_in(x, k, fmt) for x, k in zip(leaves, kinds)]
-    nu = [moment_formats.zeros_like_in(x, k, fmt) for x, k in zip(leaves, kinds)]
+    mu = [moment_formats.zero_moment_like(x, k, fmt) for x, k in zip(leaves, kinds)]
+    nu = [moment_formats.zero_moment_like(x, k, fmt) for x, k in zip(leaves, kinds)]
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
     return InterleavedAdamState(jnp.zeros([], jnp.int32), unflat(master), unflat(mu), unflat(nu))
 

@@ -106,7 +106,7 @@ def state_bytes_per_param(moments: str) -> float:
   return 4.0 + 2 * bytes_per_moment(moments)
 
 
-def zeros_like_in(x: Any, kind: str, moments: str) -> jax.Array:
+def zero_moment_like(x: Any, kind: str, moments: str) -> jax.Array:
   """A zero moment (all-zero bits in every format) for a parameter like ``x``, in memory ``kind``.
 
   An int8 moment is one ``(blocks, BLOCK + 4)`` array, not laid out like ``x``: ``x`` must live on one device.
@@ -121,7 +121,7 @@ def zeros_like_in(x: Any, kind: str, moments: str) -> jax.Array:
 
 def moment_struct(x: Any, moments: str) -> jax.ShapeDtypeStruct:
   """The shape, dtype and sharding (in accelerator memory) of a moment of a parameter like ``x``
-  (:func:`zeros_like_in`'s)."""
+  (:func:`zero_moment_like`'s)."""
   shape = stored_shape(tuple(jnp.shape(x)), moments)
   sharding = memory.sharding_of(x).with_memory_kind("device")
   if moments == "int8":

@@ -151,7 +151,7 @@ def _identity(*xs: jax.Array) -> tuple[jax.Array, ...]:
   return xs
 
 
-class StepLayouts:
+class ParamStateLayouts:
   """Each leaf's parameter layout and its state's, and the moves between them (``OverlappedStep``'s training thread).
 
   The state is partitioned (:func:`state_sharding`) where ``partition`` and the parameter is replicated over mesh

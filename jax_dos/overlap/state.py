@@ -83,26 +83,26 @@ def check_given(opt_state: InterleavedAdamState | None, treedef: jax.tree_util.P
 
 
 def initial_state(
-  plan: Plan, layouts: partition.StepLayouts, moments: str, leaves: list, opt_state: InterleavedAdamState | None,
+  plan: Plan, relayout: partition.ParamStateLayouts, moments: str, leaves: list, opt_state: InterleavedAdamState | None,
   arena: PinnedArena | None = None, copier: CopyOut | None = None,
 ) -> tuple:  # fmt: skip
-  """``(masters, mus, nus, count)`` in ``plan``'s placements and ``layouts``: a fresh state (``tx.init``'s: masters
+  """``(masters, mus, nus, count)`` in ``plan``'s placements and ``relayout``: a fresh state (``tx.init``'s: masters
   copied from ``leaves``, moments zero in the ``moments`` format), allocated once, or ``opt_state`` moved there where
   it is not; the offloaded leaves in ``arena`` if given (``copier`` copying into it from the accelerator)."""
   placement = plan.leaf_placements()
   kinds = [MEMORY_KIND[p] for p in placement]
   if opt_state is None:
-    leaves = layouts.to_state(leaves, range(len(leaves)))
+    leaves = relayout.to_state(leaves, range(len(leaves)))
     if arena is None:
       masters = [memory.copy_in(a, k) for a, k in zip(leaves, kinds)]
-      mus, nus = ([moment_formats.zeros_like_in(a, k, moments) for a, k in zip(leaves, kinds)] for _ in range(2))
+      mus, nus = ([moment_formats.zero_moment_like(a, k, moments) for a, k in zip(leaves, kinds)] for _ in range(2))
       return masters, mus, nus, jnp.zeros([], jnp.int32)
     masters = [memory.copy_in(a, "device") if k == "device" else None for a, k in zip(leaves, kinds)]
     for i in (i for i, k in enumerate(kinds) if k != "device"):  # one leaf at a time in accelerator memory
       f32 = memory.copy_in(leaves[i], "device")
       masters[i] = receive(copier.submit([f32], [arena.array_like(f32)], free_sources=True), None, "a master")[0]
     mus, nus = (
-      [moment_formats.zeros_like_in(a, k, moments) if k == "device" else arena.zeros_like(
+      [moment_formats.zero_moment_like(a, k, moments) if k == "device" else arena.zeros_like(
         moment_formats.moment_struct(a, moments)) for a, k in zip(leaves, kinds)]
       for _ in range(2)
     )  # fmt: skip
@@ -122,4 +122,4 @@ def initial_state(
   # The count as an uncommitted scalar (as a fresh one is): a restored count is committed to one device, and the
   # step's scalars live on the mesh of the gradient scale.
   count = jnp.asarray(int(opt_state.count), jnp.int32)
-  return (*(place(partition.relaid(jax.tree.leaves(t), layouts.state)) for t in state), count)
+  return (*(place(partition.relaid(jax.tree.leaves(t), relayout.state)) for t in state), count)

@@ -208,7 +208,7 @@ class OverlappedStep:
     self._params = Slots(memory.committed(list(leaves)), "parameter leaf")
     # (training thread) The state partitioned over the axes a parameter is replicated over, as tx.init's (the
     # default, partition_replicated="auto": each device holds and updates 1/N of it), else in its parameter's layout.
-    self._layouts = partition.StepLayouts(list(self._params), owner.partition_replicated is not False)
+    self._relayout = partition.ParamStateLayouts(list(self._params), owner.partition_replicated is not False)
     # The host memory the step needs, checked (on every process of the job) before any state moves or is made.
     overlap_memory.check_agreed(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes,
                                 self.hyper.moments, self.host_memory, spans)  # fmt: skip
@@ -216,7 +216,7 @@ class OverlappedStep:
     self._pinned = overlap_state.PinnedMemory.for_step(pinned_memory, list(self._params), opt_state)
     self.arena = self._pinned.arena
     masters, mus, nus, self._count = overlap_state.initial_state(
-      self.plan, self._layouts, self.hyper.moments, leaves, opt_state, self.arena, self._pinned.state_out
+      self.plan, self._relayout, self.hyper.moments, leaves, opt_state, self.arena, self._pinned.state_out
     )
     placement = self.plan.leaf_placements()
     by = lambda where: {i: (masters[i], mus[i], nus[i]) for i, p in enumerate(placement) if p == where}  # noqa: E731
@@ -356,7 +356,7 @@ class OverlappedStep:
     for s in self.group_subgroups[g]:
       leaves = self.plan.subgroups[s]
       placement = self.plan.placements[s]
-      subgroup_grads = self._layouts.to_state([grads[i - lo] for i in leaves], leaves)  # a slice: no collective
+      subgroup_grads = self._relayout.to_state([grads[i - lo] for i in leaves], leaves)  # a slice: no collective
       if placement == "device":
         record.resident_grads.update(zip(leaves, subgroup_grads))
         continue
@@ -368,7 +368,7 @@ class OverlappedStep:
       else:
         worker, path = self._workers.stream, self._workers.stream_path
       # The worker holds them until it hands the new ones back through the future.
-      params = self._layouts.to_state(self._params.give(leaves, f"the {placement} worker"), leaves)
+      params = self._relayout.to_state(self._params.give(leaves, f"the {placement} worker"), leaves)
       given = HandOff((subgroup_grads, params), f"subgroup {s}'s gradients and parameters")
       self._dispatch.submit(worker, path.update, record, s, given, future)
 
@@ -393,11 +393,11 @@ class OverlappedStep:
     for leaves in self.routes.resident_calls:
       with trace.span("overlap.resident"):
         masters, mus, nus = ([self._resident[i][j] for i in leaves] for j in range(3))
-        params = self._layouts.to_state([self._params[i] for i in leaves], leaves)
+        params = self._relayout.to_state([self._params[i] for i in leaves], leaves)
         grads = [record.resident_grads.pop(i) for i in leaves]
         outs = device_steps.update_on_device(grads, masters, mus, nus, params, scalars, self.hyper,
                                              tuple(self.decay[i] for i in leaves))  # fmt: skip
-      new = self._layouts.to_params(outs[0], leaves)  # the all-gather of a partitioned state's new weights
+      new = self._relayout.to_params(outs[0], leaves)  # the all-gather of a partitioned state's new weights
       for j, i in enumerate(leaves):
         self._params[i] = new[j]
         self._resident[i] = (outs[1][j], outs[2][j], outs[3][j])
@@ -438,7 +438,7 @@ class OverlappedStep:
           future = self._pending.pop(s, None)
           if future is not None:
             leaves = self.plan.subgroups[s]  # gathered here: collectives from this thread, in stage order
-            new = self._layouts.to_params(receive(future, self._failure, "new parameters"), leaves)
+            new = self._relayout.to_params(receive(future, self._failure, "new parameters"), leaves)
             for i, x in zip(leaves, new):
               self._params[i] = x
     self._raise_errors()
