@@ -86,6 +86,12 @@ class StageTimes:
   rematerialisation policy's :class:`RematCosts` (``"full"`` among them
   where any is), and ``remat_choices`` the policies a plan may choose among
   (``full`` always stays a choice): none, the stages run their own policies.
+  ``temp_bytes``: the largest stage backward program's temporaries (per
+  device) with every stage under ``"full"`` (``memory_analysis()``; on a
+  sharded mesh they hold the stage's gathered weights and their gradients
+  before the reduce-scatter); ``cotangent_bytes``: the largest stage output's
+  bytes (per device), the cotangent a micro-batch's backward pass carries from
+  stage to stage. 0: not measured.
   """
 
   forward: tuple[float, ...]
@@ -93,6 +99,8 @@ class StageTimes:
   boundary_bytes: int = 0
   remat: dict[str, RematCosts] = dataclasses.field(default_factory=dict, compare=False)
   remat_choices: tuple[str, ...] = ()
+  temp_bytes: int = dataclasses.field(default=0, compare=False)
+  cotangent_bytes: int = dataclasses.field(default=0, compare=False)
 
   def __post_init__(self):
     if len(self.forward) != len(self.backward) or not self.forward:
@@ -118,13 +126,15 @@ class StageTimes:
     if order not in MICRO_BATCH_ORDERS:
       raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {order!r}.")
     k = micro_batches if order == "stage" else 1
-    return StageTimes(tuple(k * t for t in self.forward), tuple(k * t for t in self.backward), self.boundary_bytes)
+    return StageTimes(tuple(k * t for t in self.forward), tuple(k * t for t in self.backward), self.boundary_bytes,
+                      temp_bytes=self.temp_bytes, cotangent_bytes=self.cotangent_bytes)  # fmt: skip
 
   def assigned(self, policies: Sequence[str]) -> StageTimes:
     """The stage times with stage ``i`` under ``policies[i]`` (from :attr:`remat`)."""
     costs = [self.remat[p] for p in policies]
     return StageTimes(tuple(c.forward[i] for i, c in enumerate(costs)),
-                      tuple(c.backward[i] for i, c in enumerate(costs)), self.boundary_bytes)  # fmt: skip
+                      tuple(c.backward[i] for i, c in enumerate(costs)), self.boundary_bytes,
+                      temp_bytes=self.temp_bytes, cotangent_bytes=self.cotangent_bytes)  # fmt: skip
 
   def extra_activation_bytes(self, policies: Sequence[str], micro_batches: int, order: str) -> int:
     """Accelerator bytes the step holds at its peak under ``policies`` beyond all ``"full"``, from :attr:`remat`.

@@ -93,6 +93,7 @@ class Budgets(NamedTuple):
   staging: int | None
   ahead: int | None = None
   step_room: int | None = None  # F - P: room beside the forward/backward's peak (None: the step's needs unknown)
+  usable: int | None = None  # (1 - STEP_MARGIN) F where the step's needs set the budgets and no resident budget did
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +183,8 @@ def _step_budgets(b: BudgetInputs, free: int) -> Budgets:
   staging = b.staging_budget_bytes
   if staging is None:
     staging = max(0, update_room - update_need(resident))
-  return Budgets(max(0, int(resident)), staging, ahead, max(0, fb_room))
+  usable_left = usable if b.resident_budget_bytes is None else None  # an explicit resident budget binds every step
+  return Budgets(max(0, int(resident)), staging, ahead, max(0, fb_room), usable_left)
 
 
 def _guessed_budgets(b: BudgetInputs, free: int | None) -> Budgets:
