@@ -371,8 +371,9 @@ class StagedModel:
 
   def measure_times(self, groups: Sequence[Any], batch: Any, policies: Sequence[str] = ()) -> StageTimes:
     """Each stage's forward and backward time on ``batch`` (one micro-batch), run one stage at a time, the
-    bytes (per device) of the stage inputs its forward pass keeps, of the largest cotangent and of the largest
-    backward program's temporaries under ``"full"`` (:attr:`StageTimes.temp_bytes`, :meth:`full_temp_bytes`).
+    bytes (per device) of the stage inputs its forward pass keeps (each stage's: :attr:`StageTimes.input_bytes`)
+    and of the largest backward program's temporaries under ``"full"`` (:attr:`StageTimes.temp_bytes`,
+    :meth:`full_temp_bytes`).
 
     A first pass compiles; the second is timed, waiting for each program.
     The parameters are committed first, as the overlapped step commits them:
@@ -393,8 +394,7 @@ class StagedModel:
           x, kept_i = jax.block_until_ready(self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch))
           saved.append(kept_i)
         fwd.append(time.perf_counter() - t)
-      kept = sum(_device_bytes(a) for a in xs)
-      cotangent = max((_device_bytes(a) for a in xs), default=0)  # a stage's output is the next one's input
+      inputs = tuple(_device_bytes(a) for a in xs)
       sums: list[Any] = [None] * len(groups)
       dy = None
       for i in reversed(range(n)):
@@ -410,7 +410,7 @@ class StagedModel:
         for g, s in zip(st.groups, new):
           sums[g] = s
       del sums
-    times = StageTimes(tuple(fwd), tuple(reversed(bwd)), kept, cotangent_bytes=cotangent)
+    times = StageTimes(tuple(fwd), tuple(reversed(bwd)), sum(inputs), input_bytes=inputs)
     if not policies and all(st.remat == "full" for st in self.stages[:-1]):
       return dataclasses.replace(times, temp_bytes=self.full_temp_bytes(groups, batch))
     for name in policies:

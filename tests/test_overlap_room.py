@@ -28,30 +28,46 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
-def _times(temp=3 * MIB, cotangent=MIB // 4, boundary=2 * MIB) -> StageTimes:
-  return StageTimes((0.1, 0.1, 0.0), (0.2, 0.2, 0.1), boundary, temp_bytes=temp, cotangent_bytes=cotangent)
+def _times(temp=3 * MIB, inputs=(0, MIB, MIB, MIB // 2)) -> StageTimes:
+  return StageTimes((0.1,) * 4, (0.2,) * 4, sum(inputs), temp_bytes=temp, input_bytes=inputs)
+
+
+# Four subgroups: the first's group is used by stages 0 and 3 (a tied head), the others by one stage each.
+GRADS, LAST = (4 * MIB, MIB, 2 * MIB, MIB), (3, 1, 2, 3)
 
 
 def test_the_room_is_the_usable_bytes_less_the_stage_programs_peak():
-  """``U - ((1 + TEMP_MARGIN) T + G + b + k' c)``: every micro-batch's cotangent in the ``"stage"`` order, one in
-  the ``"batch"`` order; the terms, the usable bytes first, are what a plan prints."""
-  times, usable, grads = _times(), 100 * MIB, 7 * MIB
-  for order, cotangents in (("stage", 3), ("batch", 1)):
-    own = stage_room(usable, times, grads, True, 3, order)
-    peak = (1 + TEMP_MARGIN) * times.temp_bytes + grads + times.boundary_bytes + cotangents * times.cotangent_bytes
-    assert own.peak == peak and own.room == usable - peak
-    assert own.terms()[0] == ("usable", usable) and sum(n for _, n in own.terms()[1:]) == peak
-  assert stage_room(MIB, times, grads, True, 1, "stage").room == 0  # never below 0
+  """``U - ((1 + TEMP_MARGIN) T + k' c + max_i (k x_<=i + g_>=i))``: the stage inputs alive up to stage ``i`` (every
+  micro-batch's in the ``"stage"`` order) beside the gradients of the groups a stage ``>= i`` uses; in the
+  ``"batch"`` order every gradient beside one micro-batch's inputs. The terms, the usable bytes first, are what a plan
+  prints."""
+  times, usable = _times(), 100 * MIB
+  alive = [3 * 0 + 8 * MIB, 3 * MIB + 8 * MIB, 3 * 2 * MIB + 7 * MIB, 3 * (5 * MIB // 2) + 5 * MIB]  # k = 3
+  own = stage_room(usable, times, GRADS, LAST, True, 3, "stage")
+  assert own.peak == (1 + TEMP_MARGIN) * times.temp_bytes + 3 * MIB + max(alive) and own.at == 2
+  assert own.room == usable - own.peak and own.terms()[0] == ("usable", usable)
+  assert sum(n for _, n in own.terms()[1:]) == own.peak
+  assert own.cotangents == 3 * times.cotangent_bytes == 3 * MIB
+  batch = stage_room(usable, times, GRADS, LAST, True, 3, "batch")
+  assert batch.peak == (1 + TEMP_MARGIN) * times.temp_bytes + MIB + times.boundary_bytes + sum(GRADS)
+  one = stage_room(usable, times, GRADS, LAST, True, 1, "batch")  # one micro-batch: both orders alike
+  assert one.peak == stage_room(usable, times, GRADS, LAST, True, 1, "stage").peak < batch.peak
+  # Without each stage's input measured, every stage input at every stage.
+  whole = dataclasses.replace(times, input_bytes=())
+  assert stage_room(usable, whole, GRADS, LAST, True, 3, "stage").stage_inputs == 3 * times.boundary_bytes
+  assert stage_room(MIB, times, GRADS, LAST, True, 1, "stage").room == 0  # never below 0
   # The plain program's peak stands: parameters whole on every device, no usable bytes known, no temporaries.
-  assert stage_room(usable, times, grads, False, 1, "stage") is None
-  assert stage_room(None, times, grads, True, 1, "stage") is None
-  assert stage_room(usable, _times(temp=0), grads, True, 1, "stage") is None
-  assert stage_room(usable, None, grads, True, 1, "stage") is None
+  assert stage_room(usable, times, GRADS, LAST, False, 1, "stage") is None
+  assert stage_room(None, times, GRADS, LAST, True, 1, "stage") is None
+  assert stage_room(usable, _times(temp=0), GRADS, LAST, True, 1, "stage") is None
+  assert stage_room(usable, None, GRADS, LAST, True, 1, "stage") is None
   # The derived stage times keep the measured bytes.
-  costs = RematCosts(times.forward, times.backward, (0, 0, 0), (times.temp_bytes, 0, 0))
+  costs = RematCosts(times.forward, times.backward, (0,) * 4, (times.temp_bytes, 0, 0, 0))
   measured = dataclasses.replace(times, remat={"full": costs}, remat_choices=("full",))
-  for derived in (times.per_window(2, "stage"), measured.assigned(("full",) * 3)):
-    assert (derived.temp_bytes, derived.cotangent_bytes) == (times.temp_bytes, times.cotangent_bytes)
+  for derived in (times.per_window(2, "stage"), measured.assigned(("full",) * 4)):
+    assert (derived.temp_bytes, derived.input_bytes) == (times.temp_bytes, times.input_bytes)
+  with pytest.raises(ValueError, match="input_bytes has 2 stages"):
+    StageTimes((0.1,) * 4, (0.2,) * 4, input_bytes=(1, 2))
 
 
 def test_the_budgets_say_what_the_step_may_use_unless_a_resident_budget_binds():
@@ -66,13 +82,14 @@ def test_the_budgets_say_what_the_step_may_use_unless_a_resident_budget_binds():
 def test_a_plan_prints_what_its_room_came_from():
   base = jax_dos.Plan(((0,),), ("device",), (10,), step_room_bytes=3 * 2**30)
   assert "room beside the training step's peak: 3.00 GiB per device\n" in str(base) + "\n"
-  own = stage_room(60 * 2**30, _times(temp=4 * 2**30, cotangent=2**28, boundary=5 * 2**30), 14 * 2**30, True, 2,
+  gib = 2**30
+  own = stage_room(60 * gib, _times(temp=4 * gib, inputs=(0, gib, gib, gib // 2)), (14 * gib,), (3,), True, 2,
                    "stage")  # fmt: skip
   plan = dataclasses.replace(base, step_room_bytes=own.room, step_room_terms=own.terms())
   line = next(x for x in str(plan).splitlines() if "room beside" in x)
   assert line.endswith(
-    "32.50 GiB per device (usable 60.00 GiB less gradients 14.00, stage temporaries x2 8.00,"
-    " a micro-batch's stage inputs 5.00, cotangents 0.50)"
+    "31.00 GiB per device (usable 60.00 GiB less stage temporaries x2 8.00, cotangents 2.00,"
+    " stage inputs at stage 3 5.00, gradients 14.00)"
   ), line
 
 
@@ -92,8 +109,8 @@ def test_beside_the_stage_programs_peak_the_resident_share_is_not_the_plain_plan
 
 # The GPU-only setup path of train.gpt (train/gpt.py, _build_step) on a CPU mesh, its functions called directly: the
 # plain program compiled for its memory, the stages measured under their remat choices, the mesh's collectives (at a
-# given link rate), the optimizer planned from the plain program's needs, the overlapped plan. Free memory from the calibration, chosen so that the
-# plain program's peak leaves room for half of a device's state.
+# given link rate), the optimizer planned from the plain program's needs, the overlapped plan. Free memory from the
+# calibration, chosen so that the plain program's peak leaves room for half of a device's state.
 GPT_PATH = textwrap.dedent(
   """
     import json, math, os, sys
@@ -123,10 +140,15 @@ GPT_PATH = textwrap.dedent(
 
     leaves = jax.tree.leaves(params)
     total = sum(x.size for x in leaves)
-    state_leaves = jax.tree.leaves(jax_dos.state_shardings(params))
-    on_device = [math.prod(s.shard_shape(x.shape)) for s, x in zip(state_leaves, leaves)]
-    grads = sum(n * x.dtype.itemsize for n, x in zip(on_device, leaves))  # G: every gradient's shard, bf16
-    state = jax_dos.state_bytes_per_param("bfloat16") * sum(on_device)
+    shards = lambda tree: [math.prod(s.shard_shape(x.shape)) for s, x in  # each leaf's state shard: a device's
+                           zip(jax.tree.leaves(jax_dos.state_shardings(tree)), jax.tree.leaves(tree))]
+    state = jax_dos.state_bytes_per_param("bfloat16") * sum(shards(params))
+    groups = staged.split(params)
+    grads = [2 * sum(shards(g)) for g in groups]  # each group's gradient shard, bfloat16
+    n = len(staged.stages)
+    last = [max(i for i, st in enumerate(staged.stages) if g in st.groups) for g in range(len(groups))]
+    act = (rows // 4) * seq * cfg.d_model * 4  # a stage input on a device: 2 of the 8 rows, float32
+    assert times.input_bytes == (0,) + (act,) * (n - 1), times.input_bytes
     usable = need.peak_bytes + state // 2
     free = math.ceil(usable / (1 - 0.08)) + 1
     path = os.path.join(sys.argv[2], "calibration.json")
@@ -143,11 +165,12 @@ GPT_PATH = textwrap.dedent(
     assert usable is not None and plain.step_room_bytes == max(0, usable - need.peak_bytes), (plain, need)
     assert plain.step_room_terms == () and plain.elements("device") < total, plain
     print("plain", plain.step_room_bytes, plain.elements("device"), total)
-    print("stage", times.temp_bytes, times.cotangent_bytes, times.boundary_bytes, grads)
+    print("stage", times.temp_bytes, times.input_bytes, grads, last)
     print(over)
     sharded = mesh_axes.get("fsdp", 1) > 1
     if sharded:
-      peak = 2 * times.temp_bytes + grads + times.boundary_bytes + 2 * times.cotangent_bytes
+      alive = max(2 * i * act + sum(b for b, l in zip(grads, last) if l >= i) for i in range(n))  # 2 micro-batches
+      peak = 2 * times.temp_bytes + 2 * act + alive
       assert over.step_room_bytes == usable - peak, (over.step_room_bytes, usable, peak)
       assert peak < need.peak_bytes, (peak, need)  # XLA holds more at once in the plain program than in a stage's
       assert over.step_room_bytes > plain.step_room_bytes
@@ -165,9 +188,10 @@ GPT_PATH = textwrap.dedent(
 @pytest.mark.parametrize("mesh", [{"data": 1, "fsdp": 4}, {"data": 4, "fsdp": 1}], ids=["fsdp4", "data4"])
 def test_the_gpu_setup_path_on_a_cpu_mesh(tmp_path, mesh):
   """``train.gpt``'s setup on a GPU, on 4 CPU devices: with the parameters sharded (``fsdp=4``) the overlapped plan's
-  room is the stage programs' (the module's formula from the measured temporaries, cotangent and stage inputs and
-  the gradients' shards), larger than the plain program's, and every parameter stays resident where the plain plan
-  keeps half; data-parallel (``data=4``), parameters whole on every device, the plain program's room stands."""
+  room is the stage programs' (the module's formula from the measured temporaries and stage inputs, each stage's
+  input checked against its shape, and the groups' gradient shards), larger than the plain program's, and every
+  parameter stays resident where the plain plan keeps at most half; data-parallel (``data=4``), parameters whole on
+  every device, the plain program's room stands."""
   import json
 
   env = cpu_devices_env(4, PYTHONPATH=str(ROOT))

@@ -102,7 +102,9 @@ class StepLayout:
   device holds (its shard: ``memory.device_elements``; ``1/N`` of a state
   partitioned over ``N`` devices), the leaf's size where not given;
   ``leaf_param_on_device`` the elements of each leaf's parameter one device
-  holds (its shard: ``1/F`` over ``fsdp=F``), the leaf's size where not given.
+  holds (its shard: ``1/F`` over ``fsdp=F``), the leaf's size where not given;
+  ``last_stages`` each subgroup's last stage using its group (whose backward
+  pass starts its gradient's sum), its ``stages`` entry where not given.
   """
 
   subgroups: tuple[tuple[int, ...], ...]
@@ -114,6 +116,7 @@ class StepLayout:
   leaf_held: tuple[int, ...] = ()
   leaf_on_device: tuple[int, ...] = ()
   leaf_param_on_device: tuple[int, ...] = ()
+  last_stages: tuple[int, ...] = ()
 
   @property
   def device_share(self) -> float:
@@ -128,10 +131,11 @@ class StepLayout:
     return any(p < n for p, n in zip(self.leaf_param_on_device, self.leaf_sizes))
 
   @property
-  def gradient_bytes(self) -> int:
-    """Bytes one device holds of every parameter's gradient: each leaf's elements in the state's layout (the
-    gradients' in the stage programs, ``stages.gradient_layouts``) at the parameter's itemsize."""
-    return sum(n * b for n, b in zip(self.leaf_on_device or self.leaf_sizes, self.leaf_bytes))
+  def gradient_bytes(self) -> tuple[int, ...]:
+    """Bytes one device holds of each subgroup's gradient: its leaves' elements in the state's layout (the
+    gradients' in the stage programs, ``stages.gradient_layouts``) at the parameters' itemsize."""
+    per_leaf = [n * b for n, b in zip(self.leaf_on_device or self.leaf_sizes, self.leaf_bytes)]
+    return tuple(sum(per_leaf[i] for i in leaves) for leaves in self.subgroups)
 
   @property
   def held(self) -> tuple[int, ...]:
@@ -216,6 +220,7 @@ def step_layout(model: StagedModel, groups: list, subgroup_size: int, partitione
     tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves), tuple(hand_over),
     tuple(memory.process_elements(x) for x in state), tuple(memory.device_elements(x) for x in state),
     tuple(memory.device_elements(x) for x in leaves),
+    tuple(max(i for i, st in enumerate(model.stages) if g in st.groups) for g in group_of),
   )  # fmt: skip
 
 
@@ -334,11 +339,11 @@ def make_step_plan(
     if micro_batch_order == "stage" and stage_times is not None:
       boundaries = (micro_batches - 1) * stage_times.boundary_bytes
     most = None  # resident elements at most: the plain plan's, unless the room is the stage programs'
-    own = stage_room(whole.step_usable_bytes, stage_times, layout.gradient_bytes, layout.params_sharded,
-                     micro_batches, micro_batch_order)  # fmt: skip
-    if own is not None:
+    own = stage_room(whole.step_usable_bytes, stage_times, layout.gradient_bytes, layout.last_stages or layout.stages,
+                     layout.params_sharded, micro_batches, micro_batch_order)  # fmt: skip
+    if own is not None:  # its peak holds every micro-batch's stage inputs
       whole = dataclasses.replace(whole, step_room_bytes=own.room, step_room_terms=own.terms())
-      most = sum(sizes)
+      boundaries, most = 0, sum(sizes)
     if stage_times is None or whole.calibration is None:
       resident, slots = room_beside_step(whole, layout.device_share, sizes, forward_order, max_stream_slots,
                                          boundaries, owner.hyper.moments, most)  # fmt: skip
