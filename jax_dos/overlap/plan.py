@@ -10,7 +10,8 @@ optimizer's own plan and the measured stage times, for ``jax_dos.overlap.step``:
   plan's memory kinds (a template to restore a checkpoint into);
 * :func:`make_step_plan`: the placements, from a user's plan or ``"auto"``: the
   resident share that fits beside the step's peak with the streamed subgroups
-  in flight (:func:`room_beside_step`), and with stage times the split of the
+  in flight (:func:`room_beside_step`; where the parameters are sharded, the
+  peak is the stage programs', ``overlap.room``), and with stage times the split of the
   rest between the host and stream paths that the timeline model predicts
   fastest within the host budget (``jax_dos.timeline``);
 * the pinned host bytes a plan needs in this process, how many streamed

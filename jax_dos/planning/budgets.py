@@ -19,6 +19,10 @@ replace the old weights the update consumes), or, without ``params_in_place``, t
 to the parameters' layout. On two H200s the 13B GPT's plain step, planned without it, ran out of memory in its
 first all-gather.
 
+``(1 - STEP_MARGIN) F`` itself is kept (``Budgets.usable``, ``Plan.step_usable_bytes``) where no resident budget is
+given: an overlapped step whose parameters are sharded sizes its room from it beside its own stage programs' peak,
+not ``P`` (``overlap.room``).
+
 ``U`` is 0 with ``params_in_place`` (``jax_dos.update_params`` makes no update
 tree), and two streaming slots are kept unless the whole state fits.
 
