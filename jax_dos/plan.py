@@ -60,6 +60,14 @@ class Plan:
       step's forward/backward peak (``F - P`` of ``planning.budgets``), for
       what is held through it: resident state, and in the overlapped step the
       streamed subgroups in flight. ``None``: the step's needs were not given.
+    step_usable_bytes: accelerator bytes per device the step may take
+      beside what was allocated when planning (``(1 - STEP_MARGIN) F`` of
+      ``planning.budgets``), where its needs were given and no resident
+      budget was: an overlapped step's plan sizes its own room from it
+      where its parameters are sharded (``overlap.room``).
+    step_room_terms: where the room is not ``F - P`` of the plain program,
+      what it was sized from: ``(name, bytes)`` pairs, the usable bytes
+      first and then what was taken from them (:meth:`describe` prints them).
     remat: in an overlapped step's plan, the rematerialisation policy of each
       stage (``jax_dos.remat``) that the plan chose beside the placements;
       ``None``: the stages' own.
@@ -79,6 +87,8 @@ class Plan:
   ahead_budget_bytes: int | None = None
   step_room_bytes: int | None = dataclasses.field(default=None, compare=False)
   remat: tuple[str, ...] | None = None
+  step_usable_bytes: int | None = dataclasses.field(default=None, compare=False)
+  step_room_terms: tuple[tuple[str, int], ...] = dataclasses.field(default=(), compare=False)
 
   def __post_init__(self):
     if len(self.placements) != len(self.subgroups):
@@ -155,7 +165,12 @@ class Plan:
     if self.remat is not None:
       lines.append(f"  rematerialisation: {describe_remat(self.remat)}")
     if self.step_room_bytes is not None:
-      lines.append(f"  room beside the training step's peak: {self.step_room_bytes / 2**30:.2f} GiB per device")
+      line = f"  room beside the training step's peak: {self.step_room_bytes / 2**30:.2f} GiB per device"
+      if self.step_room_terms:
+        (what, usable), *taken = self.step_room_terms
+        less = ", ".join(f"{name} {n / 2**30:.2f}" for name, n in taken)
+        line += f" ({what} {usable / 2**30:.2f} GiB less {less})"
+      lines.append(line)
     if self.predicted:
       shown = {k: v for k, v in self.predicted.items() if k not in PLACEMENTS or self.indices(k)}
       lines.append("  predicted: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in shown.items()))

@@ -370,8 +370,10 @@ class StagedModel:
     return (losses[0] if k == 1 else sum(losses) / k), sums
 
   def measure_times(self, groups: Sequence[Any], batch: Any, policies: Sequence[str] = ()) -> StageTimes:
-    """Each stage's forward and backward time on ``batch`` (one micro-batch), run one stage at a time, and the
-    bytes (per device) of the stage inputs its forward pass keeps.
+    """Each stage's forward and backward time on ``batch`` (one micro-batch), run one stage at a time, the
+    bytes (per device) of the stage inputs its forward pass keeps (each stage's: :attr:`StageTimes.input_bytes`)
+    and of the largest backward program's temporaries under ``"full"`` (:attr:`StageTimes.temp_bytes`,
+    :meth:`full_temp_bytes`).
 
     A first pass compiles; the second is timed, waiting for each program.
     The parameters are committed first, as the overlapped step commits them:
@@ -392,7 +394,7 @@ class StagedModel:
           x, kept_i = jax.block_until_ready(self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch))
           saved.append(kept_i)
         fwd.append(time.perf_counter() - t)
-      kept = sum(memory.device_elements(a) * a.dtype.itemsize for a in jax.tree.leaves(xs))
+      inputs = tuple(_device_bytes(a) for a in xs)
       sums: list[Any] = [None] * len(groups)
       dy = None
       for i in reversed(range(n)):
@@ -408,14 +410,39 @@ class StagedModel:
         for g, s in zip(st.groups, new):
           sums[g] = s
       del sums
-    times = StageTimes(tuple(fwd), tuple(reversed(bwd)), kept)
+    times = StageTimes(tuple(fwd), tuple(reversed(bwd)), sum(inputs), input_bytes=inputs)
     if not policies and all(st.remat == "full" for st in self.stages[:-1]):
-      return times
+      return dataclasses.replace(times, temp_bytes=self.full_temp_bytes(groups, batch))
     for name in policies:
       check_policy(name)
+    costs = self.remat_costs(groups, batch, times, policies)
     return dataclasses.replace(
-      times, remat=self.remat_costs(groups, batch, times, policies), remat_choices=tuple(dict.fromkeys(policies))
+      times, remat=costs, remat_choices=tuple(dict.fromkeys(policies)), temp_bytes=max(costs["full"].temp_bytes)
     )
+
+  def full_temp_bytes(self, groups: Sequence[Any], batch: Any) -> int:
+    """The largest backward program's temporaries (per device) with every stage under ``"full"``, on ``batch``
+    (one micro-batch): each distinct stage function's, at the first stage that uses it, and the last stage's
+    (``memory_analysis()`` of the compiled programs, none run; 0 where the backend gives none). Under ``"full"`` a
+    backward program recomputes its stage's forward pass, so its temporaries hold the forward program's."""
+    groups = memory.committed(list(groups))
+    n, xs, x = len(self.stages), [], None
+    full = [dataclasses.replace(st, remat="full") for st in self.stages]
+    for i in range(n - 1):
+      xs.append(x)
+      x, _ = _forward_call(full[i], tuple(groups[g] for g in full[i].groups), x, batch, self.inputs(i))
+    xs.append(x)
+    first: dict[Any, int] = {}
+    for i in range(n - 1):
+      first.setdefault(full[i].fn, i)
+    most = 0
+    for i in (*first.values(), n - 1):
+      st, params = full[i], tuple(groups[g] for g in full[i].groups)
+      dy = None if i == n - 1 else jax.tree.map(jnp.ones_like, xs[i + 1])
+      program, args = _backward_call(st, (False,) * len(params), params, xs[i], batch, dy, (None,) * len(params),
+                                     None, self.layouts(i, params), self.inputs(i))  # fmt: skip
+      most = max(most, _temp_bytes(program, args))
+    return most
 
   def remat_costs(
     self, groups: Sequence[Any], batch: Any, times: StageTimes, policies: Sequence[str]
@@ -459,6 +486,11 @@ class StagedModel:
       rows.append((times.forward[-1], times.backward[-1], 0, last_temp))
       costs[p] = RematCosts(*(tuple(column) for column in zip(*rows)))
     return costs
+
+
+def _device_bytes(tree: Any) -> int:
+  """Bytes one device holds of ``tree``'s arrays (their shards)."""
+  return sum(memory.device_elements(a) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
 def _temp_bytes(program: Callable, args: tuple) -> int:

@@ -86,6 +86,12 @@ class StageTimes:
   rematerialisation policy's :class:`RematCosts` (``"full"`` among them
   where any is), and ``remat_choices`` the policies a plan may choose among
   (``full`` always stays a choice): none, the stages run their own policies.
+  ``temp_bytes``: the largest stage backward program's temporaries (per
+  device) with every stage under ``"full"`` (``memory_analysis()``; on a
+  sharded mesh they hold the stage's gathered weights and their gradients
+  before the reduce-scatter), 0: not measured; ``input_bytes``: each
+  stage's input (per device, one micro-batch; ``boundary_bytes`` is their
+  sum), empty: not measured.
   """
 
   forward: tuple[float, ...]
@@ -93,12 +99,16 @@ class StageTimes:
   boundary_bytes: int = 0
   remat: dict[str, RematCosts] = dataclasses.field(default_factory=dict, compare=False)
   remat_choices: tuple[str, ...] = ()
+  temp_bytes: int = dataclasses.field(default=0, compare=False)
+  input_bytes: tuple[int, ...] = dataclasses.field(default=(), compare=False)
 
   def __post_init__(self):
     if len(self.forward) != len(self.backward) or not self.forward:
       raise ValueError("StageTimes needs one forward and one backward time per stage.")
     if min(self.forward) < 0 or min(self.backward) < 0:
       raise ValueError("stage times must be >= 0 seconds.")
+    if self.input_bytes and len(self.input_bytes) != len(self.forward):
+      raise ValueError(f"StageTimes.input_bytes has {len(self.input_bytes)} stages, the times {len(self.forward)}.")
     for name, costs in self.remat.items():
       if len(costs.forward) != len(self.forward):
         raise ValueError(f"StageTimes.remat[{name!r}] has {len(costs.forward)} stages, the times {len(self.forward)}.")
@@ -107,6 +117,12 @@ class StageTimes:
     missing = [p for p in self.remat_choices if p not in self.remat]
     if missing:
       raise ValueError(f"StageTimes.remat_choices {missing} have no costs in StageTimes.remat.")
+
+  @property
+  def cotangent_bytes(self) -> int:
+    """The largest cotangent a micro-batch's backward pass carries from stage to stage: a stage's output, the next
+    stage's input (per device)."""
+    return max(self.input_bytes, default=0)
 
   def compute_s(self, micro_batches: int) -> float:
     """The step's forward and backward passes alone."""
@@ -118,13 +134,15 @@ class StageTimes:
     if order not in MICRO_BATCH_ORDERS:
       raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {order!r}.")
     k = micro_batches if order == "stage" else 1
-    return StageTimes(tuple(k * t for t in self.forward), tuple(k * t for t in self.backward), self.boundary_bytes)
+    return StageTimes(tuple(k * t for t in self.forward), tuple(k * t for t in self.backward), self.boundary_bytes,
+                      temp_bytes=self.temp_bytes, input_bytes=self.input_bytes)  # fmt: skip
 
   def assigned(self, policies: Sequence[str]) -> StageTimes:
     """The stage times with stage ``i`` under ``policies[i]`` (from :attr:`remat`)."""
     costs = [self.remat[p] for p in policies]
     return StageTimes(tuple(c.forward[i] for i, c in enumerate(costs)),
-                      tuple(c.backward[i] for i, c in enumerate(costs)), self.boundary_bytes)  # fmt: skip
+                      tuple(c.backward[i] for i, c in enumerate(costs)), self.boundary_bytes,
+                      temp_bytes=self.temp_bytes, input_bytes=self.input_bytes)  # fmt: skip
 
   def extra_activation_bytes(self, policies: Sequence[str], micro_batches: int, order: str) -> int:
     """Accelerator bytes the step holds at its peak under ``policies`` beyond all ``"full"``, from :attr:`remat`.

@@ -10,7 +10,8 @@ optimizer's own plan and the measured stage times, for ``jax_dos.overlap.step``:
   plan's memory kinds (a template to restore a checkpoint into);
 * :func:`make_step_plan`: the placements, from a user's plan or ``"auto"``: the
   resident share that fits beside the step's peak with the streamed subgroups
-  in flight (:func:`room_beside_step`), and with stage times the split of the
+  in flight (:func:`room_beside_step`; where the parameters are sharded, the
+  peak is the stage programs', ``overlap.room``), and with stage times the split of the
   rest between the host and stream paths that the timeline model predicts
   fastest within the host budget (``jax_dos.timeline``);
 * the pinned host bytes a plan needs in this process, how many streamed
@@ -37,6 +38,7 @@ from jax_dos.overlap.memory import (
   default_host_budget,
   host_bytes_per,
 )
+from jax_dos.overlap.room import stage_room
 from jax_dos.plan import (
   PLACEMENTS,
   STAGING_BYTES,
@@ -100,7 +102,11 @@ class StepLayout:
   devices' shards, summed: ``memory.process_elements``), the leaf's size
   where not given; ``leaf_on_device`` the elements of each leaf's state one
   device holds (its shard: ``memory.device_elements``; ``1/N`` of a state
-  partitioned over ``N`` devices), the leaf's size where not given.
+  partitioned over ``N`` devices), the leaf's size where not given;
+  ``leaf_param_on_device`` the elements of each leaf's parameter one device
+  holds (its shard: ``1/F`` over ``fsdp=F``), the leaf's size where not given;
+  ``last_stages`` each subgroup's last stage using its group (whose backward
+  pass starts its gradient's sum), its ``stages`` entry where not given.
   """
 
   subgroups: tuple[tuple[int, ...], ...]
@@ -111,12 +117,27 @@ class StepLayout:
   hand_over: tuple[int, ...] = ()
   leaf_held: tuple[int, ...] = ()
   leaf_on_device: tuple[int, ...] = ()
+  leaf_param_on_device: tuple[int, ...] = ()
+  last_stages: tuple[int, ...] = ()
 
   @property
   def device_share(self) -> float:
     """Elements of state one device holds a parameter of the model: what a resident or streamed parameter costs
     each device's memory (``1/N`` partitioned over ``N`` devices)."""
     return sum(self.leaf_on_device or self.leaf_sizes) / (sum(self.leaf_sizes) or 1)
+
+  @property
+  def params_sharded(self) -> bool:
+    """Whether a device holds less than a whole parameter of some leaf (``fsdp``): the stage programs then gather
+    the weights they use, and the plain program's peak is not the overlapped step's (``overlap.room``)."""
+    return any(p < n for p, n in zip(self.leaf_param_on_device, self.leaf_sizes))
+
+  @property
+  def gradient_bytes(self) -> tuple[int, ...]:
+    """Bytes one device holds of each subgroup's gradient: its leaves' elements in the state's layout (the
+    gradients' in the stage programs, ``stages.gradient_layouts``) at the parameters' itemsize."""
+    per_leaf = [n * b for n, b in zip(self.leaf_on_device or self.leaf_sizes, self.leaf_bytes)]
+    return tuple(sum(per_leaf[i] for i in leaves) for leaves in self.subgroups)
 
   @property
   def held(self) -> tuple[int, ...]:
@@ -200,6 +221,8 @@ def step_layout(model: StagedModel, groups: list, subgroup_size: int, partitione
     tuple(subgroups), tuple(sizes), tuple(model.completion[g] for g in group_of),
     tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves), tuple(hand_over),
     tuple(memory.process_elements(x) for x in state), tuple(memory.device_elements(x) for x in state),
+    tuple(memory.device_elements(x) for x in leaves),
+    tuple(max(i for i, st in enumerate(model.stages) if g in st.groups) for g in group_of),
   )  # fmt: skip
 
 
@@ -317,16 +340,22 @@ def make_step_plan(
     boundaries = 0  # the "stage" order keeps every micro-batch's stage inputs at the step's peak, not one's
     if micro_batch_order == "stage" and stage_times is not None:
       boundaries = (micro_batches - 1) * stage_times.boundary_bytes
+    most = None  # resident elements at most: the plain plan's, unless the room is the stage programs'
+    own = stage_room(whole.step_usable_bytes, stage_times, layout.gradient_bytes, layout.last_stages or layout.stages,
+                     layout.params_sharded, micro_batches, micro_batch_order)  # fmt: skip
+    if own is not None:  # its peak holds every micro-batch's stage inputs
+      whole = dataclasses.replace(whole, step_room_bytes=own.room, step_room_terms=own.terms())
+      boundaries, most = 0, sum(sizes)
     if stage_times is None or whole.calibration is None:
       resident, slots = room_beside_step(whole, layout.device_share, sizes, forward_order, max_stream_slots,
-                                         boundaries, owner.hyper.moments)  # fmt: skip
-      stream = whole.elements("stream") + whole.elements("device") - resident  # displaced ones are needed early
+                                         boundaries, owner.hyper.moments, most)  # fmt: skip
+      stream = max(0, whole.elements("stream") + whole.elements("device") - resident)  # displaced: needed early
       placements = stage_ordered_placements(forward_order, sizes, resident, stream)
       return Plan(subgroups, tuple(placements), sizes, slots, source="model+stages", calibration=whole.calibration,
-                  step_room_bytes=whole.step_room_bytes)  # fmt: skip
+                  step_room_bytes=whole.step_room_bytes, step_room_terms=whole.step_room_terms)  # fmt: skip
     return _timeline_plan(whole, layout, stage_times, boundaries, stage_policies, micro_batches,
                           micro_batch_order, run_ahead_stages, max_stream_slots, host_budget_bytes,
-                          owner.hyper.moments, collectives)  # fmt: skip
+                          owner.hyper.moments, collectives, most)  # fmt: skip
   if isinstance(spec, str):
     if spec not in PLACEMENTS:
       raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
@@ -344,6 +373,7 @@ def _timeline_plan(
   whole: Plan, layout: StepLayout, stage_times: StageTimes, boundaries: int,
   stage_policies: tuple[str, ...] | None, micro_batches: int, micro_batch_order: str, run_ahead_stages: int,
   max_stream_slots: int, host_budget_bytes: int, moments: str = "float32", collectives: Collectives | None = None,
+  most: int | None = None,
 ) -> Plan:  # fmt: skip
   """Placements and rematerialisation chosen together: the predicted fastest step that fits.
 
@@ -362,7 +392,7 @@ def _timeline_plan(
   where it is predicted faster than all ``"full"`` by more than the model's
   error (``timeline.PREDICTION_ERROR``): a smaller gain is within what the
   model cannot tell apart, and the saved activations cost room and time the
-  model does not see.
+  model does not see. ``most``: resident elements at most (:func:`room_beside_step`).
   """
   subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
   n, k = len(stage_times.forward), micro_batches
@@ -385,7 +415,7 @@ def _timeline_plan(
       if policies != full and stage_times.remat_choices and (room is None or room < least):
         continue
     resident, slots = room_beside_step(whole, per_device, sizes, forward_order, max_stream_slots, boundaries + extra,
-                                       moments)  # fmt: skip
+                                       moments, most)  # fmt: skip
     backward = stream_rate_during_backward(times, sum(sizes) / len(sizes), run_ahead_stages)
     rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
                   cal["stream_rate_concurrent"], backward, cal.get("host_kernel_rate", 0.0))  # fmt: skip
@@ -410,7 +440,8 @@ def _timeline_plan(
     "compute_plain": (stage_times.assigned(full) if stage_times.remat_choices else stage_times).compute_s(k),
   }
   return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
-              step_room_bytes=whole.step_room_bytes, remat=policies if stage_times.remat_choices else None)  # fmt: skip
+              step_room_bytes=whole.step_room_bytes, remat=policies if stage_times.remat_choices else None,
+              step_room_terms=whole.step_room_terms)  # fmt: skip
 
 
 def _device_bytes(moments: str) -> tuple[float, float]:
@@ -428,6 +459,7 @@ def room_beside_step(
   max_slots: int,
   boundary_bytes: int = 0,
   moments: str = "float32",
+  most: int | None = None,
 ) -> tuple[int, int]:
   """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
 
@@ -444,8 +476,11 @@ def room_beside_step(
   shrunk until it holds (a few rounds). Room unknown: the plain plan's share
   and ``max_slots``. ``per_device``: the elements of state one device holds
   a parameter (``StepLayout.device_share``: ``1/N`` partitioned over ``N``).
+  ``most``: resident elements at most, the plain plan's share where not
+  given; every parameter where the room is the stage programs' own
+  (``overlap.room``: the plain plan's share was sized beside another peak).
   """
-  resident, total, slots = whole.elements("device"), sum(sizes), max_slots
+  resident, total, slots = whole.elements("device") if most is None else most, sum(sizes), max_slots
   if whole.step_room_bytes is None:
     return resident, slots
   state, staging = _device_bytes(moments)

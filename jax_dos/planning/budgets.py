@@ -19,6 +19,10 @@ replace the old weights the update consumes), or, without ``params_in_place``, t
 to the parameters' layout. On two H200s the 13B GPT's plain step, planned without it, ran out of memory in its
 first all-gather.
 
+``(1 - STEP_MARGIN) F`` itself is kept (``Budgets.usable``, ``Plan.step_usable_bytes``) where no resident budget is
+given: an overlapped step whose parameters are sharded sizes its room from it beside its own stage programs' peak,
+not ``P`` (``overlap.room``).
+
 ``U`` is 0 with ``params_in_place`` (``jax_dos.update_params`` makes no update
 tree), and two streaming slots are kept unless the whole state fits.
 
@@ -93,6 +97,7 @@ class Budgets(NamedTuple):
   staging: int | None
   ahead: int | None = None
   step_room: int | None = None  # F - P: room beside the forward/backward's peak (None: the step's needs unknown)
+  usable: int | None = None  # (1 - STEP_MARGIN) F where the step's needs set the budgets and no resident budget did
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +187,8 @@ def _step_budgets(b: BudgetInputs, free: int) -> Budgets:
   staging = b.staging_budget_bytes
   if staging is None:
     staging = max(0, update_room - update_need(resident))
-  return Budgets(max(0, int(resident)), staging, ahead, max(0, fb_room))
+  usable_left = usable if b.resident_budget_bytes is None else None  # an explicit resident budget binds every step
+  return Budgets(max(0, int(resident)), staging, ahead, max(0, fb_room), usable_left)
 
 
 def _guessed_budgets(b: BudgetInputs, free: int | None) -> Budgets:

@@ -98,6 +98,7 @@ def make_plan(
     calibration=cal.to_dict(),
     ahead_budget_bytes=budgets.ahead,
     step_room_bytes=budgets.step_room,
+    step_usable_bytes=budgets.usable,
   )
 
 

@@ -1,0 +1,114 @@
+"""The room beside the overlapped step's own peak where the parameters are sharded: sized from its stage programs.
+
+The plain step is one program over the whole model, and its peak (``planning.budgets.StepMemory``, ``P``) sizes the
+room beside it (``Plan.step_room_bytes``, ``F - P``). Where the parameters are sharded (``fsdp``), XLA hoists the
+all-gathers of many layers in that program, and its peak is not the overlapped step's, whose programs each hold one
+stage's gathered weights (the 30B GPT on four H100s: 69.6 GiB a device for the plain program, 31.2 GiB in use at
+most by the overlapped step). There the overlapped step's room is its own (:func:`stage_room`), per device::
+
+    room = U - ((1 + TEMP_MARGIN) T + k' c + max_i (k x_<=i + g_>=i))
+
+* ``U``: the accelerator bytes the step may take beside what was allocated when planning (the parameters' shards),
+  ``(1 - STEP_MARGIN) F`` (``Plan.step_usable_bytes``, ``planning.budgets``: 8 % of the free memory kept back);
+* ``T``: the largest stage backward program's temporaries under ``"full"`` (``StageTimes.temp_bytes``, measured:
+  ``memory_analysis()`` of the compiled programs). On a sharded mesh they hold the stage's gathered weights and
+  their gradients before the reduce-scatter; a backward program under ``"full"`` recomputes its forward pass, so
+  they hold the forward program's too. A policy other than ``"full"`` adds its saved residuals and any growth of
+  ``T`` on top (``StageTimes.extra_activation_bytes``, as beside the plain program's peak);
+* ``c``: the largest cotangent a micro-batch's backward pass carries between stages (``StageTimes.cotangent_bytes``),
+  ``k' = k`` of them in the ``"stage"`` order (each micro-batch's is alive through the backward pass), one in the
+  ``"batch"`` order;
+* ``x_<=i``: the inputs of stages ``0..i`` of one micro-batch (``StageTimes.input_bytes``), ``k`` micro-batches'
+  in the ``"stage"`` order: alive while the forward pass runs stage ``i`` and while the backward pass does;
+* ``g_>=i``: the gradients (each device's shard) of the subgroups whose group a stage ``>= i`` uses: all that may
+  be alive then. In the backward pass at stage ``i`` a group's sum exists once the last stage using it has run
+  its backward program; resident subgroups keep their gradients until the clip decision, streamed ones until the
+  stream worker has stepped them (kept for the redo of a fired clip until it ends the step), which may be in the
+  next forward pass; but that pass runs stage ``i`` only once every group a stage ``<= i`` uses is final, so what is
+  still held then belongs to groups first used after ``i``. Host subgroups' gradients leave at the hand-over, but
+  which subgroups go to the host is the timeline's choice, made after the room: they are counted too.
+
+In the ``"batch"`` order with ``k > 1`` every group's running sum is alive between micro-batches: the last term is
+then ``x + g``, every stage input of one micro-batch and every gradient. Without each stage's input measured, every
+stage input is counted at every ``i``.
+
+The margin: ``STEP_MARGIN`` of ``F`` (fragmentation, as the plain step's budgets keep), and ``TEMP_MARGIN`` more of
+``T``: a stage program dispatched ahead (``run_ahead_stages``) where the allocator does not hand the running one's
+temporaries on in stream order, and what one program's analysis does not see (the workers' update programs'
+temporaries, a subgroup's gradients or weights copied at the hand-over). Beyond the margins the terms err toward
+holding less: host gradients counted, the largest temporaries and cotangents at every stage.
+
+Resident state and the streamed subgroups in flight then fit that room (``overlap.plan.room_beside_step``), resident
+up to every parameter: the plain plan's resident share, sized beside the plain program's peak, does not bound it.
+Where the parameters are whole on every device (one device, ``data`` only), or ``T`` or ``U`` is unknown, the room
+stays the plain program's (:func:`stage_room` returns ``None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax_dos.timeline import StageTimes
+
+# Of the largest stage program's temporaries, how many more the room keeps back (the module docstring's margin).
+TEMP_MARGIN = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRoom:
+  """The terms of :func:`stage_room`, bytes per device: ``usable`` (``U``) and what the step's peak takes of it, the
+  stage inputs and gradients at the stage where together they are the most (``at``)."""
+
+  usable: int
+  temporaries: int  # (1 + TEMP_MARGIN) T
+  cotangents: int  # k' c
+  stage_inputs: int  # k x_<=i at the stage i where the sum is largest
+  gradients: int  # g_>=i there
+  at: int  # that stage
+
+  @property
+  def peak(self) -> int:
+    """The overlapped step's peak beside the parameters, its resident state and its streamed subgroups in flight."""
+    return self.temporaries + self.cotangents + self.stage_inputs + self.gradients
+
+  @property
+  def room(self) -> int:
+    """``U`` less the peak, at least 0."""
+    return max(0, self.usable - self.peak)
+
+  def terms(self) -> tuple[tuple[str, int], ...]:
+    """``Plan.step_room_terms``: the usable bytes, then each term taken from them."""
+    return (
+      ("usable", self.usable),
+      (f"stage temporaries x{1 + TEMP_MARGIN}", self.temporaries),
+      ("cotangents", self.cotangents),
+      (f"stage inputs at stage {self.at}", self.stage_inputs),
+      ("gradients", self.gradients),
+    )
+
+
+def stage_room(
+  usable: int | None, times: StageTimes | None, gradient_bytes: Sequence[int], last_stages: Sequence[int],
+  sharded: bool, micro_batches: int, order: str,
+) -> StageRoom | None:  # fmt: skip
+  """The room beside the overlapped step's own peak (the module docstring), or ``None`` where the plain program's
+  stands: parameters whole on every device (``sharded`` false), no usable bytes known (``usable``), or no stage
+  program's temporaries measured (``times.temp_bytes`` 0). ``gradient_bytes`` and ``last_stages``: each subgroup's
+  gradient shard on one device, and the last stage using its group."""
+  if not sharded or usable is None or times is None or times.temp_bytes <= 0:
+    return None
+  n, k = len(times.forward), micro_batches
+  per_stage = times.input_bytes or (0,) * n
+  unmeasured = 0 if times.input_bytes else times.boundary_bytes  # every stage input, at every stage
+  copies = k if order == "stage" else 1
+  rows = []
+  for i in range(n):
+    inputs = copies * (sum(per_stage[: i + 1]) + unmeasured)
+    grads = sum(g for g, last in zip(gradient_bytes, last_stages) if last >= i)
+    if order == "batch" and k > 1:  # every running sum between micro-batches, one micro-batch's inputs
+      inputs, grads = sum(per_stage) + unmeasured, sum(gradient_bytes)
+    rows.append((inputs + grads, i, inputs, grads))
+  _, at, inputs, grads = max(rows)
+  return StageRoom(int(usable), (1 + TEMP_MARGIN) * int(times.temp_bytes), copies * int(times.cotangent_bytes),
+                   int(inputs), int(grads), at)  # fmt: skip
