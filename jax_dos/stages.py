@@ -63,8 +63,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dos import memory, partition
+from jax_dos.micro_batches import micro_batch, schedule
 from jax_dos.remat import Saved, check_policy, rematerialise
-from jax_dos.timeline import MICRO_BATCH_ORDERS, RematCosts, StageTimes
+from jax_dos.timeline import RematCosts, StageTimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,43 +158,6 @@ def _summed(cotangents, x, complete, layouts, sums, loss):
   new = tuple(g if s is None else jax.tree.map(jnp.add, s, g) for s, g in zip(sums, grads))
   squares = tuple(_sum_of_squares(t) for t, c in zip(new, complete) if c)
   return loss, new, dx, squares
-
-
-def schedule(stages: int, micro_batches: int, order: str) -> list[tuple[str, int, int]]:
-  """A step's programs in dispatch order: ``(kind, stage, micro_batch)``, ``kind`` ``"forward"`` or ``"backward"``.
-
-  The last stage has no forward program (its backward pass computes the
-  loss). In both orders stage ``i``'s backward program of the last
-  micro-batch (``micro_batches - 1``) is the one that completes the groups
-  ``i`` completes.
-  """
-  if order not in MICRO_BATCH_ORDERS:
-    raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {order!r}.")
-  forward = lambda m: [("forward", i, m) for i in range(stages - 1)]  # noqa: E731
-  backward = lambda m: [("backward", i, m) for i in reversed(range(stages))]  # noqa: E731
-  if order == "batch":
-    return [p for m in range(micro_batches) for p in (*forward(m), *backward(m))]
-  stage_major = lambda programs: [(kind, i, m) for kind, i, _ in programs for m in range(micro_batches)]  # noqa: E731
-  return stage_major(forward(0)) + stage_major(backward(0))
-
-
-def micro_batch(batch: Any, m: int, micro_batches: int) -> Any:
-  """Micro-batch ``m`` of ``micro_batches`` equal consecutive parts of ``batch`` along its leading axis.
-
-  On a mesh (a leaf with a ``NamedSharding``) each part is laid out as the
-  whole batch is, its rows over every device, as the plain accumulated step
-  lays out its parts: each device computes on its rows of every micro-batch.
-  """
-  if micro_batches == 1:
-    return batch
-  n = jax.tree.leaves(batch)[0].shape[0] // micro_batches
-
-  def part(x):
-    y = x[m * n : (m + 1) * n]
-    sharding = getattr(x, "sharding", None)
-    return jax.device_put(y, sharding) if isinstance(sharding, jax.sharding.NamedSharding) else y
-
-  return jax.tree.map(part, batch)
 
 
 # One jitted wrapper per program kind, the stage function a static argument: every StagedModel of the same stages

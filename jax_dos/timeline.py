@@ -5,7 +5,7 @@ A model of one step of ``jax_dos.OverlappedStep`` on a staged model with
 second (``jax_dos.Calibration``'s). Time 0 is the start of the backward pass
 that completes the gradients: the last micro-batch's in the ``"batch"`` order,
 the one backward pass of every micro-batch in the ``"stage"`` order
-(``jax_dos.stages.schedule``), where each stage's programs run ``k`` times
+(``jax_dos.micro_batches.schedule``), where each stage's programs run ``k`` times
 in a row, so every stage time below counts ``k`` times:
 
 * stage ``i``'s backward pass ends at ``E_i = sum(backward[i:])``, and the
@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from jax_dos.collectives import Collectives
 from jax_dos.rates import Rates
 
-MICRO_BATCH_ORDERS = ("stage", "batch")  # jax_dos.stages.schedule
+MICRO_BATCH_ORDERS = ("stage", "batch")  # jax_dos.micro_batches.schedule
 # The model's error on a step's time, relative, measured against the runs it predicted (docs/overlap.md, "How far to
 # trust a prediction"): a choice between two plans is taken on a predicted gain larger than this, not on less.
 PREDICTION_ERROR = 0.05

@@ -66,17 +66,17 @@ def test_auto_plan_from_the_measured_timeline():
 def test_schedules_run_every_program_once_in_their_order():
   n, k = 4, 3
   for order in ("stage", "batch"):
-    programs = jax_dos.stages.schedule(n, k, order)
+    programs = jax_dos.micro_batches.schedule(n, k, order)
     assert sorted(programs) == sorted([("forward", i, m) for i in range(n - 1) for m in range(k)]
                                       + [("backward", i, m) for i in range(n) for m in range(k)])  # fmt: skip
     for m in range(k):  # each micro-batch: its forward pass, then its backward pass from the last stage
       mine = [(kind, i) for kind, i, mm in programs if mm == m]
       assert mine == [("forward", i) for i in range(n - 1)] + [("backward", i) for i in reversed(range(n))]
-  stage = jax_dos.stages.schedule(n, k, "stage")
+  stage = jax_dos.micro_batches.schedule(n, k, "stage")
   assert stage[:k] == [("forward", 0, m) for m in range(k)]
   assert all(kind == "backward" for kind, _, _ in stage[(n - 1) * k :])  # one backward pass of every micro-batch
   with pytest.raises(ValueError, match="micro_batch_order"):
-    jax_dos.stages.schedule(n, k, "interleaved")
+    jax_dos.micro_batches.schedule(n, k, "interleaved")
 
 
 @pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])

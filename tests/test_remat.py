@@ -73,7 +73,7 @@ def test_gpt_stages_under_every_policy_give_full_remats_loss_and_gradients():
   loss, grads = model.loss_and_grads(groups, batch, micro_batches=2)
   np.testing.assert_allclose(float(loss), float(full[0]), rtol=1e-6)
   assert max_rel_diff(grads, full[1]) < 1e-5
-  part, xs, kept = jax_dos.stages.micro_batch(batch, 0, 2), [None], []
+  part, xs, kept = jax_dos.micro_batches.micro_batch(batch, 0, 2), [None], []
   for i in range(4):
     x, saved = model.forward(i, (groups[i],), xs[-1], part)  # embeddings: full, nothing kept
     xs.append(x)

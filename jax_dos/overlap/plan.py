@@ -38,11 +38,9 @@ from jax_dos.overlap.memory import (
   default_host_budget,
   host_bytes_per,
 )
-from jax_dos.overlap.room import stage_room
+from jax_dos.overlap.room import device_bytes, room_beside_step, stage_room
 from jax_dos.plan import (
   PLACEMENTS,
-  STAGING_BYTES,
-  STATE_BYTES,
   Plan,
   agreed_step_plan,
   partition_groups,
@@ -402,7 +400,7 @@ def _timeline_plan(
   else:
     candidates = [stage_policies if stage_times.remat and stage_policies else None]
   per_device = layout.device_share
-  state, staging = _device_bytes(moments)
+  state, staging = device_bytes(moments)
   least = staging * max(sizes, default=0) * per_device  # one streaming slot of the largest subgroup
   cal = whole.calibration
   best = with_full = None
@@ -442,61 +440,6 @@ def _timeline_plan(
   return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
               step_room_bytes=whole.step_room_bytes, remat=policies if stage_times.remat_choices else None,
               step_room_terms=whole.step_room_terms)  # fmt: skip
-
-
-def _device_bytes(moments: str) -> tuple[float, float]:
-  """Accelerator bytes a parameter of ``moments`` takes resident and streamed in flight (``STATE_BYTES`` and
-  ``STAGING_BYTES`` with float32 moments; the plain planner counts the same)."""
-  state = moment_formats.state_bytes_per_param(moments)
-  return state, STAGING_BYTES - STATE_BYTES + state
-
-
-def room_beside_step(
-  whole: Plan,
-  per_device: float,
-  sizes: tuple[int, ...],
-  forward_order: list[int],
-  max_slots: int,
-  boundary_bytes: int = 0,
-  moments: str = "float32",
-  most: int | None = None,
-) -> tuple[int, int]:
-  """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
-
-  The plain plan holds its streaming slots only in the update phase, after
-  the activations are gone; here they are in flight during the backward
-  pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
-  the largest subgroup that is not resident (per device; both with the bytes
-  of ``moments``' state) must fit the room
-  beside that peak (``whole.step_room_bytes``, less ``boundary_bytes``: the
-  stage inputs the plain step's peak does not hold): the resident share
-  shrinks, and the slots only where the room cannot hold them all (down to
-  one). Resident subgroups are the first ``resident`` elements in forward
-  order, so the largest one left out grows as the share shrinks: the share is
-  shrunk until it holds (a few rounds). Room unknown: the plain plan's share
-  and ``max_slots``. ``per_device``: the elements of state one device holds
-  a parameter (``StepLayout.device_share``: ``1/N`` partitioned over ``N``).
-  ``most``: resident elements at most, the plain plan's share where not
-  given; every parameter where the room is the stage programs' own
-  (``overlap.room``: the plain plan's share was sized beside another peak).
-  """
-  resident, total, slots = whole.elements("device") if most is None else most, sum(sizes), max_slots
-  if whole.step_room_bytes is None:
-    return resident, slots
-  state, staging = _device_bytes(moments)
-  room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
-  if resident >= total and state * total * per_device <= room:
-    return resident, slots
-  for _ in range(len(sizes)):
-    kept = stage_ordered_placements(forward_order, sizes, cap, 0)
-    largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)
-    slot = staging * largest * per_device
-    slots = max(1, min(max_slots, int(room // slot))) if slot else max_slots
-    smaller = int(min(resident, max(0.0, (room - slots * slot) / state) / per_device))
-    if smaller >= cap:
-      break
-    cap = smaller
-  return cap, slots
 
 
 def _group_ranges(groups: list) -> list[range]:

@@ -38,7 +38,7 @@ temporaries on in stream order, and what one program's analysis does not see (th
 temporaries, a subgroup's gradients or weights copied at the hand-over). Beyond the margins the terms err toward
 holding less: host gradients counted, the largest temporaries and cotangents at every stage.
 
-Resident state and the streamed subgroups in flight then fit that room (``overlap.plan.room_beside_step``), resident
+Resident state and the streamed subgroups in flight then fit that room (:func:`room_beside_step`), resident
 up to every parameter: the plain plan's resident share, sized beside the plain program's peak, does not bound it.
 Where the parameters are whole on every device (one device, ``data`` only), or ``T`` or ``U`` is unknown, the room
 stays the plain program's (:func:`stage_room` returns ``None``).
@@ -49,7 +49,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jax_dos.timeline import StageTimes
+from jax_dos import moment_formats
+from jax_dos.plan import STAGING_BYTES, STATE_BYTES, Plan
+from jax_dos.timeline import StageTimes, stage_ordered_placements
 
 # Of the largest stage program's temporaries, how many more the room keeps back (the module docstring's margin).
 TEMP_MARGIN = 1
@@ -112,3 +114,58 @@ def stage_room(
   _, at, inputs, grads = max(rows)
   return StageRoom(int(usable), (1 + TEMP_MARGIN) * int(times.temp_bytes), copies * int(times.cotangent_bytes),
                    int(inputs), int(grads), at)  # fmt: skip
+
+
+def device_bytes(moments: str) -> tuple[float, float]:
+  """Accelerator bytes a parameter of ``moments`` takes resident and streamed in flight (``STATE_BYTES`` and
+  ``STAGING_BYTES`` with float32 moments; the plain planner counts the same)."""
+  state = moment_formats.state_bytes_per_param(moments)
+  return state, STAGING_BYTES - STATE_BYTES + state
+
+
+def room_beside_step(
+  whole: Plan,
+  per_device: float,
+  sizes: tuple[int, ...],
+  forward_order: list[int],
+  max_slots: int,
+  boundary_bytes: int = 0,
+  moments: str = "float32",
+  most: int | None = None,
+) -> tuple[int, int]:
+  """Parameters to keep resident and streamed subgroups in flight, so that both fit beside the step's peak.
+
+  The plain plan holds its streaming slots only in the update phase, after
+  the activations are gone; here they are in flight during the backward
+  pass, at the step's peak. So resident state and ``slots x STAGING_BYTES x``
+  the largest subgroup that is not resident (per device; both with the bytes
+  of ``moments``' state) must fit the room
+  beside that peak (``whole.step_room_bytes``, less ``boundary_bytes``: the
+  stage inputs the plain step's peak does not hold): the resident share
+  shrinks, and the slots only where the room cannot hold them all (down to
+  one). Resident subgroups are the first ``resident`` elements in forward
+  order, so the largest one left out grows as the share shrinks: the share is
+  shrunk until it holds (a few rounds). Room unknown: the plain plan's share
+  and ``max_slots``. ``per_device``: the elements of state one device holds
+  a parameter (``StepLayout.device_share``: ``1/N`` partitioned over ``N``).
+  ``most``: resident elements at most, the plain plan's share where not
+  given; every parameter where the room is the stage programs' own
+  (``overlap.room``: the plain plan's share was sized beside another peak).
+  """
+  resident, total, slots = whole.elements("device") if most is None else most, sum(sizes), max_slots
+  if whole.step_room_bytes is None:
+    return resident, slots
+  state, staging = device_bytes(moments)
+  room, cap = max(0, whole.step_room_bytes - boundary_bytes), resident
+  if resident >= total and state * total * per_device <= room:
+    return resident, slots
+  for _ in range(len(sizes)):
+    kept = stage_ordered_placements(forward_order, sizes, cap, 0)
+    largest = max((n for n, p in zip(sizes, kept) if p != "device"), default=0)
+    slot = staging * largest * per_device
+    slots = max(1, min(max_slots, int(room // slot))) if slot else max_slots
+    smaller = int(min(resident, max(0.0, (room - slots * slot) / state) / per_device))
+    if smaller >= cap:
+      break
+    cap = smaller
+  return cap, slots

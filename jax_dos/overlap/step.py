@@ -45,6 +45,7 @@ from jax_dos import (
 )
 from jax_dos.hand_off import HandOff, Slots, receive
 from jax_dos.job_thread import Failure, result_of
+from jax_dos.micro_batches import micro_batch, schedule
 from jax_dos.overlap import memory as overlap_memory
 from jax_dos.overlap import plan as overlap_plan
 from jax_dos.overlap import process as overlap_process
@@ -63,7 +64,7 @@ from jax_dos.overlap.plan import (
 from jax_dos.overlap.workers import Workers
 from jax_dos.paths import host
 from jax_dos.plan import partition_groups
-from jax_dos.stages import Stage, StagedModel, micro_batch, schedule
+from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
 from jax_dos.trees import decay_flags, leaves_with_paths
@@ -88,7 +89,7 @@ class OverlappedStep:
     micro_batch_order: ``"stage"`` (every micro-batch through a stage before the next stage: the update's window is the
       whole backward pass, and the forward pass keeps every micro-batch's stage inputs) or ``"batch"`` (micro-batch
       after micro-batch: the window is the last micro-batch's backward pass, one micro-batch's inputs kept)
-      (``jax_dos.stages.schedule``).
+      (``jax_dos.micro_batches.schedule``).
     plan: overrides ``tx``'s plan (same forms). ``jax_dos.overlapped_plan`` makes the step's plan from shapes before any
       state exists (to compare it with the plain step's, and to restore a checkpoint straight into its placements and
       layout with ``jax_dos.abstract_state``); pass it here.
