@@ -60,7 +60,7 @@ from jax_dos import stage_rng
 from jax_dos.hand_off import Given
 from jax_dos.stages import Stage
 
-Path = tuple[Any, ...]
+Path = fns.Path
 
 
 class NNXStages:

@@ -25,7 +25,7 @@ from jax_dos import stage_rng
 Path = tuple[Any, ...]
 
 
-def nnx_module():
+def nnx_module() -> Any:
   """``flax.nnx``, imported on first use: importing jax_dos does not import flax."""
   from flax import nnx
 
@@ -33,6 +33,7 @@ def nnx_module():
 
 
 def abstract(tree: Any) -> Any:
+  """``tree`` with each leaf its shape and dtype only (``jax.ShapeDtypeStruct``)."""
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
 
 
