@@ -105,7 +105,11 @@ _REGISTRY = _WriteRegistry()
 
 
 class _Background:
-  """Host-kernel workers still running, one per engine at most (delayed ones outlive their ``update``)."""
+  """Host-kernel workers still running, one per engine at most (delayed ones outlive their ``update``).
+
+  A thread per update, not the overlapped step's ``job_thread.JobThread``: an eager engine re-raises a worker's
+  error at the next wait and stays usable for the next ``update``, where a failed ``JobThread`` skips every later
+  job until its step is rebuilt. The work the thread does is the shared host path's (``paths.host``)."""
 
   def __init__(self):
     self._jobs: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
