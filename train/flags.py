@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
   x.add_argument("--overlap", choices=overlapped.OVERLAP_MODES, default="auto",
                  help="the overlapped step (AdamW under the backward and the next forward pass, same numbers): auto"
                       " (on a GPU, when the timeline model predicts a shorter step for the run: silent and fired"
-                      " steps weighed by how often the clip fires), on, or off (docs/overlap.md)")  # fmt: skip
+                      " steps weighed by how often the clip fires: a resumed run's record, else whether the first"
+                      " batch's gradient norm exceeds --clip), on, or off (docs/overlap.md)")  # fmt: skip
   x.add_argument("--pinned-memory", choices=("auto", "arena", "pool"), default="auto",
                  help="the overlapped step's offloaded state: in pinned memory it maps itself (arena: no table, given"
                       " back fast at exit) or in XLA's pinned pool (pool); auto: the arena, unless this process"

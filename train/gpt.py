@@ -221,7 +221,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   refusal = overlapped_lib.refusal(args)
   if refusal is None and args.overlap == "auto" and jax.default_backend() != "gpu":
     refusal = "--overlap auto takes the overlapped step on a GPU only (--overlap on takes it here)"
-  overlap_plan = times = staged = collectives = None
+  overlap_plan = times = staged = collectives = norm = None
   if refusal is None and args.overlap != "off":
     staged = model_module(args).staged(cfg)  # the model's own modules as stages
     if args.offload == "auto" and sized:
@@ -232,6 +232,9 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       measured = "the stages measured" + (", each under its remat choices" if args.remat == "auto" else "")
       with _setup_phase(args, measured):
         times = overlapped_lib.stage_times(staged, params, part, args.remat)
+      if args.overlap == "auto" and args.clip > 0 and restore_from is None:  # what the clip first meets
+        with _setup_phase(args, "the first batch's gradient norm measured"):
+          norm = overlapped_lib.first_norm(staged, params, part, args.remat, lambda line: say(args, line))
       if batch_layout is not None and batch_layout.mesh.devices.size > 1:
         with _setup_phase(args, "the devices' link measured"):
           collectives = jax_dos.mesh_collectives(batch_layout.mesh)
@@ -241,7 +244,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   plain_collectives_s = 0.0
   if collectives is not None:
     plain_collectives_s = collectives.plain_step_s(model_module(args).tree_size(params), args.grad_accum)
-  fired = steps.fired_share(args.clip, progress.metrics_rows(args.out) if restore_from is not None else None)
+  fired = steps.fired_share(args.clip, progress.metrics_rows(args.out) if restore_from is not None else None, norm)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None,
                                   fired, plain_collectives_s)  # fmt: skip
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.

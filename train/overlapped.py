@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 
 import jax_dos
 
@@ -155,6 +157,23 @@ class OverlappedTraining:
   def opt_state(self) -> jax_dos.InterleavedAdamState:
     """The current optimizer state (waits for every pending write; the next step consumes it)."""
     return _in_model_layout(self.staged, self.step.opt_state)
+
+
+def first_norm(
+  staged: jax_dos.NNXStages, params: dict, micro: tuple, remat: str = "full", report: Callable[[str], None] = print
+) -> float | None:  # fmt: skip
+  """The global norm of one micro-batch's gradients at ``params``, computed by the stages' own programs (those
+  :func:`stage_times` compiled): what the clip is first compared with (``train.steps.fired_share``). Where it cannot
+  be computed, ``None`` and one line through ``report`` saying why: a run does not end for want of a prior."""
+  try:
+    model = jax_dos.StagedModel(stages(staged, remat), staged.num_groups)
+    _, grads = model.loss_and_grads(staged.split(params), micro)
+    squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)]
+    del grads
+    return float(jnp.sqrt(sum(squares)))
+  except Exception as e:  # the choice falls back to the stated prior, and says so
+    report(f"note: the first batch's gradient norm was not measured ({type(e).__name__}: {e}); the prior stands")
+    return None
 
 
 def stage_times(staged: jax_dos.NNXStages, params: dict, micro: tuple, remat: str = "full") -> jax_dos.StageTimes:
