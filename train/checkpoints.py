@@ -24,7 +24,7 @@ RUN_FIELDS = ("dtype", "param_dtype", "remat")
 
 def open_checkpoints(args: TrainConfig, ckpt_dir: str) -> tuple[jax_dos.CheckpointManager | None, bool]:
   """``(manager, resume)``: the run's checkpoint manager (``None`` with ``--no-ckpt``, but for ``--resume``'s
-  restore: see :func:`saving`) and whether to restore.
+  restore, after which the run closes it and writes nothing) and whether to restore.
 
   Refuses to mix a new run into an earlier run's checkpoints unless told how.
   A folder holding no complete checkpoint (a first save was interrupted) is
@@ -60,12 +60,6 @@ def open_checkpoints(args: TrainConfig, ckpt_dir: str) -> tuple[jax_dos.Checkpoi
     manager.close()
     raise SystemExit(f"error: --resume: no checkpoint in {ckpt_dir}. Run without --resume to start a new run.")
   return manager, args.resume
-
-
-def saving(args: TrainConfig, manager: jax_dos.CheckpointManager | None) -> jax_dos.CheckpointManager | None:
-  """The manager the run saves through: ``None`` with ``--no-ckpt``, also where ``--resume`` restored through it
-  (the run continues from the newest checkpoint and writes nothing: the folder stays as it was)."""
-  return None if args.no_ckpt else manager
 
 
 @contextlib.contextmanager

@@ -382,7 +382,7 @@ def train(args: TrainConfig) -> dict[str, Any]:
   del params, first
   if manager is not None and args.no_ckpt:  # --resume --no-ckpt: restored, nothing more is written
     manager.close()
-  manager = checkpoints.saving(args, manager)
+    manager = None
   if manager is not None:
     try:
       manager.check_space(step.params, step.opt_state)  # fail now, not after the training run

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
+import optax
 
 import jax_dos
 
@@ -167,10 +167,7 @@ def first_norm(
   be computed, ``None`` and one line through ``report`` saying why: a run does not end for want of a prior."""
   try:
     model = jax_dos.StagedModel(stages(staged, remat), staged.num_groups)
-    _, grads = model.loss_and_grads(staged.split(params), micro)
-    squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)]
-    del grads
-    return float(jnp.sqrt(sum(squares)))
+    return float(optax.global_norm(model.loss_and_grads(staged.split(params), micro)[1]))  # as the plain step's
   except Exception as e:  # the choice falls back to the stated prior, and says so
     report(f"note: the first batch's gradient norm was not measured ({type(e).__name__}: {e}); the prior stands")
     return None
