@@ -182,6 +182,29 @@ def test_async_save_then_in_place_updates(tmp_path, host_copy):
   assert_equal_trees(want, (rp, rs))
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_waited_for_copies_to_host_in_batches(tmp_path, async_save):
+  """A save that returns only once written (a synchronous manager, or host state too large to copy: ``"block"``)
+  makes Orbax's host copies a batch at a time, each written before the next (at most one array a batch here, a
+  handler for each of the three trees at once), where an unbounded batch copies a whole tree first; the checkpoint
+  is the same."""
+  tx = interleaved("host")
+  params, state = train(tx, make_params(), tx.init(make_params()), 2)
+  want = snapshot((params, state))
+  host_copy = "block" if async_save else "auto"
+  peaks = {}
+  for batch in (1, 2**30):
+    with CheckpointManager(tmp_path / str(batch), async_save=async_save, host_copy=host_copy,
+                           save_batch_bytes=batch) as mgr:  # fmt: skip
+      mgr.save(2, params=params, opt_state=state, force=True)
+      mgr.wait_until_finished()
+      peaks[batch] = mgr._transfer_order.peak_in_flight
+      tp, ts = fresh(tx)
+      rp, rs, _ = mgr.restore(2, params=tp, opt_state=ts)
+    assert_equal_trees(want, (rp, rs))
+  assert peaks[1] <= 3 < 7 <= peaks[2**30], peaks  # the optimizer state's tree: count, 3 mu, 3 nu
+
+
 def test_tree_mismatch_and_missing_directory(tmp_path):
   tx = interleaved("host")
   params = make_params()

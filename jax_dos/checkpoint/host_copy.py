@@ -2,9 +2,11 @@
 
 Orbax's synchronous part of an async save (``save`` returning)
 only starts device-to-host copies and then holds ``np.asarray`` of each shard;
-for an array already in host memory (``pinned_host``, or anything on the CPU
-backend) that is a zero-copy view of the live buffer (checked: overwriting the
-buffer after ``save`` returns changes what is written). jax_dos's eager
+for an array on the CPU backend that is a zero-copy view of the live buffer
+(checked: overwriting the buffer after ``save`` returns changes what is
+written). On a GPU it is a copy for a ``pinned_host`` shard as well (the 13B
+save's resident set: docs/checkpoints.md, "Saving on a GPU"), which this guard
+does not rely on. jax_dos's eager
 ``update`` overwrites host state buffers in place, so the next step would race
 the writer. ``save`` therefore gives Orbax fresh copies of every host-resident
 array (``host_copy="copy"``: ``host_copies.snapshot``, a copy into ordinary

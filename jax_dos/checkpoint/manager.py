@@ -52,7 +52,7 @@ from typing import Any, Optional
 
 import jax
 
-from jax_dos.checkpoint import canonical, integrity
+from jax_dos.checkpoint import canonical, integrity, transfers
 from jax_dos.checkpoint import host_copy as host_guard
 from jax_dos.checkpoint import moments as checkpoint_moments
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
@@ -110,6 +110,8 @@ class CheckpointManager:
       ``<directory>/damaged/``. Pass ``False`` in a process that only reads a
       directory another process is writing (a step being committed there has
       no manifest yet): such steps are then only skipped.
+    save_batch_bytes: a save waited for (``async_save=False``, or ``"block"``) copies
+      arrays to host memory this many bytes at a time (``checkpoint/transfers.py``).
   """
 
   def __init__(
@@ -121,6 +123,7 @@ class CheckpointManager:
     async_save: bool = True,
     host_copy: host_guard.HostCopy = "auto",
     move_damaged: bool = True,
+    save_batch_bytes: int = transfers.DEFAULT_BATCH_BYTES,
   ):
     if host_copy not in ("auto", "copy", "block"):
       raise ValueError(f"host_copy must be 'auto', 'copy' or 'block', got {host_copy!r}.")
@@ -141,7 +144,8 @@ class CheckpointManager:
       enable_async_checkpointing=async_save,
       create=False,  # made by the first save, so restore from a mistyped path fails clearly
     )
-    handlers = {name: ocp.PyTreeCheckpointHandler(enable_pinned_host_transfer=False) for name in _PYTREE_ITEMS}
+    self._transfer_order = transfers.TransferOrder()  # how the next save copies to host memory (transfers.py)
+    handlers = {name: transfers.pytree_handler(self._transfer_order, save_batch_bytes) for name in _PYTREE_ITEMS}
     handlers |= {"meta": ocp.JsonCheckpointHandler(), "format": ocp.JsonCheckpointHandler()}
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -171,6 +175,7 @@ class CheckpointManager:
     self._clear_step(step)
     mode = host_guard.guard_mode(trees, self.async_save, self.host_copy)
     trees = host_guard.guarded(trees, mode)
+    self._transfer_order.start(batched=mode == "block" or not self.async_save)  # waited for: copies in batches
     args = {name: ocp.args.PyTreeSave(tree) for name, tree in trees.items()}
     args |= {"meta": ocp.args.JsonSave(meta), "format": ocp.args.JsonSave(fmt)}
     with self._lock:
