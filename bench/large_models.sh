@@ -3,10 +3,11 @@
 # (bench/tools/run_timed.py: exit status, peak RSS, exit after the last line):
 #   30b     python -m train.gpt --preset gpt-30b --mesh fsdp=4 --moments bfloat16 --batch 4 --grad-accum 2 --no-ckpt
 #           --clip 1e6 --steps 20: the parameters sharded over the 4 GPUs, the state over them and their host
-#   save    the README's command with --preset gpt-13b and the clip silent on GPUs 0 and 1 (--mesh data=2), saving its
-#           checkpoint at the end to runs/gpt13b_2to1 (kept on the machine while it stays warm)
+#   save    the README's command with --preset $SAVE_PRESET (gpt-13b) and --clip $SAVE_CLIP (1e6: silent) on GPUs
+#           $SAVE_GPUS (0,1: --mesh data=2), saving its checkpoint at the end to runs/<preset>_saved (kept on the
+#           machine while it stays warm)
 #   resume  that checkpoint resumed on GPU 0 with --moments int8 (the format converted as it is read) and
-#           --grad-accum 4 (the same 32 rows a step), RESUME_STEPS more steps
+#           --grad-accum $RESUME_ACCUM (4: the same 32 rows a step as two GPUs saving), RESUME_STEPS more steps
 # The runs of STAGES go in turn while DEADLINE_S allows; a stage that needs more than is left is skipped. On H200s
 # each GPU is held to an H100's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.533: the 76.6 GiB train.gpt takes of 80 GB).
 # Usage: OUT=/some/dir STAGES="30b save" DEADLINE_S=585 bash bench/large_models.sh
@@ -24,8 +25,8 @@ left() { echo $(( ${DEADLINE_S:-585} - ($(date +%s) - T0) )); }
  "optax", optax.__version__, "orbax", o.__version__)'
  git rev-parse HEAD 2>/dev/null) > "$OUT/device.txt" 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.533
-CKPT=runs/gpt13b_2to1
-README=(--preset gpt-13b --batch 8 --grad-accum 2)  # the README's command with --preset gpt-13b, but --no-ckpt
+SAVE_PRESET=${SAVE_PRESET:-gpt-13b}; CKPT=runs/${SAVE_PRESET}_saved
+README=(--preset "$SAVE_PRESET" --batch 8 --grad-accum 2)  # the README's command with --preset X, but --no-ckpt
 run() {  # stage, seconds it needs at least, CUDA_VISIBLE_DEVICES, flags...
   local stage=$1 need=$2 gpus=$3; shift 3
   if (( $(left) < need )); then echo "=== $stage skipped: $(left) s left, it needs $need"; return; fi
@@ -40,11 +41,13 @@ for stage in ${STAGES:-30b save resume}; do
     30b) run 30b 400 0,1,2,3 --preset gpt-30b --mesh fsdp=4 --moments bfloat16 --batch 4 --grad-accum 2 --no-ckpt \
            --clip 1e6 --steps "${STEPS_30B:-20}" --out /tmp/gpt30b --overwrite
          cp /tmp/gpt30b/metrics.jsonl "$OUT/30b_metrics.jsonl" 2>/dev/null ;;
-    save) run save 400 0,1 "${README[@]}" --clip 1e6 --steps "${SAVE_STEPS:-12}" --out "$CKPT" --overwrite
+    save) run save 400 "${SAVE_GPUS:-0,1}" "${README[@]}" --clip "${SAVE_CLIP:-1e6}" --steps "${SAVE_STEPS:-12}" \
+            --out "$CKPT" --overwrite
           cp "$CKPT/metrics.jsonl" "$OUT/save_metrics.jsonl" 2>/dev/null
           du -sh "$CKPT"/ckpt/* > "$OUT/save_ckpt.txt" 2>&1 ;;
     resume) steps=$(( ${SAVE_STEPS:-12} + ${RESUME_STEPS:-4} ))
-            run resume 200 0 "${README[@]}" --grad-accum 4 --moments int8 --clip 1e6 --steps "$steps" --resume \
+            run resume 200 0 "${README[@]}" --grad-accum "${RESUME_ACCUM:-4}" --moments int8 --clip "${SAVE_CLIP:-1e6}" --steps "$steps" \
+              --resume \
               --no-ckpt --out "$CKPT"
             cp "$CKPT/metrics.jsonl" "$OUT/resume_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (30b, save, resume)"; exit 2 ;;
