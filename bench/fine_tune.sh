@@ -4,10 +4,13 @@
 #      format (models.hf.save), its tokenizer, and prompt/completion rows of the built-in corpus (timed);
 #   2. scratch:   python -m train.gpt --arch llama --preset PRESET                  (the built-in corpus, bytes)
 #   3. init_from: python -m train.gpt --init-from CHECKPOINT --data ROWS.jsonl      (the checkpoint's tokenizer)
+#   (scratch_rows: python -m train.gpt --arch llama --preset PRESET --data ROWS.jsonl --tokenizer CHECKPOINT: the
+#   init-from run's data from random weights, to tell the data's share of a difference from the weights')
 # both with --batch 8 --grad-accum 2 --seq-len 2048 --steps STEPS --clip 1e6 (the clip silent in both, so that the
 # steps compare) and EXTRA, each timed from outside (bench/tools/run_timed.py: exit status, peak RSS, exit after the
 # last line) with its time-stamped log (the setup phases and the time to the first step) and metrics.jsonl.
-# Usage: OUT=/some/dir [PRESET=llama-7b] [STEPS=15] [FIRST=scratch|init_from] [DEADLINE_S=570] bash bench/fine_tune.sh
+# Usage: OUT=/some/dir [PRESET=llama-7b] [STEPS=15] [RUNS="scratch init_from"] [DEADLINE_S=570] bash bench/fine_tune.sh
+# (RUNS: the runs in their order, of scratch, init_from and scratch_rows)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results/fine_tune} STEPS=${STEPS:-15}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-dos-compile-cache}
@@ -31,8 +34,11 @@ run() {  # name, flags...
   grep -h "^ *[0-9.]* \(model   \|data    \|step    \|setup\|memory  \|host    \|  predicted\|clip \|done\)" \
     "$OUT/$name.log" | head -12
 }
-first=${FIRST:-scratch}  # which run goes first (FIRST=init_from swaps them, to see the order's share of a difference)
-for which in $first $([[ $first == scratch ]] && echo init_from || echo scratch); do
-  if [[ $which == scratch ]]; then run "${preset//[-.]/_}_scratch" --arch llama --preset "$preset"
-  else run "${preset//[-.]/_}_init_from" --init-from "$ckpt" --data "$rows"; fi
+for which in ${RUNS:-scratch init_from}; do
+  case $which in
+    scratch) run "${preset//[-.]/_}_scratch" --arch llama --preset "$preset" ;;
+    init_from) run "${preset//[-.]/_}_init_from" --init-from "$ckpt" --data "$rows" ;;
+    scratch_rows) run "${preset//[-.]/_}_scratch_rows" --arch llama --preset "$preset" --data "$rows" --tokenizer "$ckpt" ;;
+    *) echo "unknown run $which (scratch, init_from, scratch_rows)"; exit 2 ;;
+  esac
 done
