@@ -163,7 +163,7 @@ def test_a_fired_clips_redo_is_shared_by_both_paths_and_deterministic():
 
 
 def test_a_fired_clip_is_shared_with_the_stream_path_where_the_models_plan_streams_nothing():
-  """A plan of the model's that keeps nothing on the stream path still steps the last host subgroups on the
+  """A plan of the model's that keeps nothing on the stream path still steps a share of the host subgroups on the
   accelerator when the clip fires (its stream slots are budgeted beside the step's peak): optax's numbers. A user's
   all-host plan keeps the host kernel alone."""
   rng = np.random.default_rng()
