@@ -3,10 +3,11 @@
 For each moment format (``fired_<moments>`` and ``fired_<moments>_plain`` in the folder given) it prints which step
 ``--overlap auto`` took and why (its ``step`` line), the seconds a step each run measured (32,768 tokens over its
 tokens/s, the mean of its windows after the first: the first holds the compilation and the first steps' allocations),
-the overlapped plan's predictions (its step after a fired clip and the bound on it: ``jax_dos.fired``) and the plain
-plan's (its forward/backward, the overlapped plan's ``compute_plain``, plus its update), how many steps the clip
-fired in, the measured speed-up of the overlapped step over the plain one and the one its bound allows, and how far
-the measured fired step is from its bound::
+the calibration (with the host kernel's rate on each moment format), the overlapped plan's predictions (its step
+after a fired clip and the bound on it: ``jax_dos.fired``) and the plain plan's (its forward/backward, the
+overlapped plan's ``compute_plain``, plus its update), how many steps the clip fired in, the measured speed-up of the
+overlapped step over the plain one and the one its bound allows, and how far the measured fired step is from its
+bound::
 
     python bench/analysis/fired_summary.py OUT
 """
@@ -89,6 +90,9 @@ def main(argv=None) -> list[dict]:
   folder = argv[0] if argv else "bench/results/fired_bound"
   fmt = lambda x, spec=".3f": "-" if x is None else format(x, spec)  # noqa: E731
   rows = [summary(folder, m) for m in ("float32", "bfloat16")]
+  calibration = re.search(r"^\s*[\d.]+\s+calibration (\(.*)$", read(os.path.join(folder, "fired_float32.log")), re.M)
+  if calibration:  # the compact kernels' rates beside float32's: what the host path's rates are scaled by
+    print(f"calibration {calibration.group(1)}")
   for r in rows:
     print(f"{r['moments']}: {r['step_line']}")
   print(f"{'moments':9s} {'fired s':>8s} {'pred':>6s} {'bound':>6s} {'plain s':>8s} {'pred':>6s} {'speed-up':>8s}"
