@@ -16,13 +16,14 @@ path's concurrent rate).
   (the accelerator's own work) and no earlier than ``D + W_<=j / R`` (its
   weights: both paths, full speed, all on the parameters the forward pass
   needs first), so the exposed update of a fired step is at least
-  ``max(r, max_j (W_<=j / R - F_<j))`` where ``W_<=j / R`` binds, and
-  exactly what ``timeline._next_forward`` gives with stage ``j``'s
-  weights final at ``D + W_<=j / R``. No split or order of the paths does
+  ``max(r, max_j (W_<=j / R - F_<j))``: what ``timeline._next_forward``
+  gives with stage ``j``'s weights final at ``D + W_<=j / R``. No split or order of the paths does
   better at these rates; only a larger resident share (the accelerator's
   room) or faster paths do.
 * :func:`fired_share` splits the host subgroups so that both paths follow the
-  forward order together, which reaches the bound up to a subgroup.
+  forward order together, which reaches the bound up to a subgroup where the
+  stream path has no subgroups of its own (those it steps first, in
+  hand-over order).
 * :func:`simulate_fired` is the step as the overlapped step runs it.
 """
 
@@ -115,7 +116,7 @@ def fired_bound(
   """The shortest step after a fired clip that these placements allow at these rates: :func:`simulate_fired`'s
   result with each stage's weights final at ``D + W_<=j / R`` (the module docstring), ``R = host_after_decision +
   stream_concurrent``: both paths busy from the decision to the end, on the parameters the next forward pass needs
-  first. Its ``"exposed_s"`` is ``max(r, max_j (W_<=j / R - F_<j))`` where the weights bind; ``"host_end_s"`` and
+  first. Its ``"exposed_s"`` is ``max(r, max_j (W_<=j / R - F_<j))``; ``"host_end_s"`` and
   ``"stream_end_s"`` are both ``D + W / R``."""
   subgroups, rates, ends, gathers = _per_rank(times, subgroups, rates, collectives)
   backward_end = ends[0]
