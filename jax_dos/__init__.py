@@ -16,8 +16,8 @@ host's RAM) and ``pinned_pool`` (XLA's pinned host pool and its cap), ``plan``, 
 ways to run a step, ``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
 ``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
 face) with ``accumulate`` and the package ``checkpoint/`` (Orbax; optax's state and back); the overlapped step,
-``stages``,
-``timeline`` and the package ``overlap/`` (its plan, the step, its host and stream paths, the clip decision), with
+``stages``, ``timeline`` (with ``fired``: a step after a fired clip, and its bound) and the package ``overlap/``
+(its plan, the step, its host and stream paths, the clip decision), with
 ``remat`` (the rematerialisation policies), ``job_thread`` (its worker threads and their one failure event) and
 ``hand_off`` (one holder a buffer between them) below them, and ``nnx_adapter`` (a Flax NNX model's stages)
 (docs/design.md).
@@ -27,8 +27,8 @@ Importing it changes one thing outside itself: XLA's pinned host pool cap
 """
 
 from jax_dos import cpu_client as _cpu_client
+from jax_dos import fired, timeline, trace
 from jax_dos import pinned_pool as _pinned_pool
-from jax_dos import timeline, trace
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning, TemplateMismatchError
@@ -137,6 +137,7 @@ __all__ = [
   "resolve_plan",
   "to_optax_adamw_state",
   "timeline",
+  "fired",
   "TracedUpdateWarning",
   "trace",
   "share_pinned_pool",

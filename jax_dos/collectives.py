@@ -70,9 +70,9 @@ class Collectives:
     its copies on its own link: ``h_n = 1 / (n/k + 1/h - 1/k)``. A streamed parameter moves
     :data:`STREAM_DRAM_SHARE` of a kernel parameter's DRAM bytes, so each rank streams at ``min(s, k / (0.9 n))``.
     Both paths at once on every rank ask the DRAM for ``n (h_c + 0.9 s_c)``: beyond ``k``, both concurrent rates
-    are scaled down to fit. Without ``k`` (not measured) every offloaded rate is divided by ``n``, as if the DRAM
-    bound every path. Measured on two H200s (13B, a process of 2 GPUs): sharing every rate by ``n`` predicted
-    1.58 s exposed a step where 0.1 s was.
+    are scaled down to fit; a rank's kernel alone runs at ``k / n``. Without ``k`` (not measured) every offloaded
+    rate is divided by ``n``, as if the DRAM bound every path. Measured on two H200s (13B, a process of 2 GPUs):
+    sharing every rate by ``n`` predicted 1.58 s exposed a step where 0.1 s was.
     """
     n, k = self.ranks_per_host, rates.host_kernel
     if n == 1:
@@ -89,5 +89,5 @@ class Collectives:
     backward = None if rates.stream_backward is None else min(rates.stream_backward, stream)
     return dataclasses.replace(
       rates, host=host, host_concurrent=min(host, rates.host_concurrent * fits), stream=stream,
-      stream_concurrent=min(stream, rates.stream_concurrent * fits), stream_backward=backward,
+      stream_concurrent=min(stream, rates.stream_concurrent * fits), stream_backward=backward, host_kernel=k / n,
     )  # fmt: skip

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jax_dos.collectives import Collectives
 from jax_dos.rates import Rates
@@ -302,64 +302,6 @@ def _per_rank(
   return shares, collectives.shared_rates(rates), ends, gathers
 
 
-def fired_share(subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates) -> set[int]:
-  """The host subgroups the stream path steps after a fired clip: the last ones in forward order.
-
-  With the clip fired, every streamed parameter (``S``) and every host one
-  (``H``) is stepped after the decision; the paths end together when the
-  stream path takes ``x = (H + S) r_s / (r_h + r_s) - S`` of the host ones, at
-  the concurrent rates. ``overlap.routes.stream_share_of_host`` is this share
-  for a plan.
-  """
-  forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
-  host = [s for s in forward_order if placements[s] == "host"]
-  streamed = sum(g.size for g, p in zip(subgroups, placements) if p == "stream")
-  total = sum(subgroups[s].size for s in host) + streamed
-  share = total * rates.stream_concurrent / (rates.host_concurrent + rates.stream_concurrent) - streamed
-  taken, out = 0, set()
-  for s in reversed(host):
-    if taken + subgroups[s].size > share:
-      break
-    taken += subgroups[s].size
-    out.add(s)
-  return out
-
-
-def simulate_fired(
-  times: StageTimes, subgroups: Sequence[Subgroup], placements: Sequence[str], rates: Rates,
-  collectives: Collectives | None = None,
-) -> dict:  # fmt: skip
-  """:func:`simulate`'s result for a step after a fired clip (``OverlappedStep(speculation="silent")``).
-
-  Nothing offloaded runs before the decision, at the backward pass's end
-  ``D`` (with ``collectives``, the last stage's reduction's end): then the
-  host kernel steps its host subgroups in forward order, and the stream path
-  its own subgroups in hand-over order, then its share of the host ones
-  (:func:`fired_share`), both at their concurrent rates; resident subgroups
-  are updated at ``D`` as in :func:`simulate`, and the next forward pass
-  follows stage by stage, each stage after its all-gather.
-  """
-  subgroups, rates, ends, gathers = _per_rank(times, subgroups, rates, collectives)
-  backward_end = ends[0]
-  forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
-  hand_over = sorted(range(len(subgroups)), key=lambda s: (-subgroups[s].stage, s))
-  share = fired_share(subgroups, placements, rates)
-  queues = {
-    "host": [s for s in forward_order if placements[s] == "host" and s not in share],
-    "stream": [s for s in hand_over if placements[s] == "stream"] + [s for s in forward_order if s in share],
-  }
-  rate = {"host": rates.host_concurrent, "stream": rates.stream_concurrent}
-  done = [0.0] * len(subgroups)
-  ends = {}
-  for path, queue in queues.items():
-    t = backward_end
-    for s in queue:
-      t += subgroups[s].size / max(rate[path], 1e-30)
-      done[s] = t
-    ends[path] = t
-  return _next_forward(times, subgroups, placements, rates, done, backward_end, ends, gathers)
-
-
 def _next_forward(times, subgroups, placements, rates, done, backward_end, path_ends, gathers=None) -> dict:
   """The step's result once each offloaded subgroup's update ends at ``done[s]``: resident subgroups are updated at
   ``backward_end``, and the next forward pass runs stage by stage, each waiting for its groups' final weights and,
@@ -416,6 +358,7 @@ def _finish(start: float, size: int, backward_end: float, backward_rate: float, 
 def choose_placements(
   times: StageTimes, subgroups: Sequence[Subgroup], device_elements: int, rates: Rates, allow_stream: bool = True,
   host_budget_bytes: int | None = None, host_bytes: HostBytes = HostBytes(), collectives: Collectives | None = None,
+  score: Callable[[list[str], dict], float] | None = None,
 ) -> tuple[list[str], dict]:  # fmt: skip
   """Placements predicted to hide the most update: ``(placements, simulate's result of them)``.
 
@@ -428,7 +371,10 @@ def choose_placements(
   speculation the rest of the budget holds (the result's
   ``"stream_speculation"``); where none fits, the one needing the fewest
   bytes, for the caller to refuse. ``times`` and ``collectives`` as in
-  :func:`simulate`.
+  :func:`simulate`. ``score``: what is minimised instead of the exposed
+  time, of a choice's placements and :func:`simulate`'s result of them
+  (``overlap.plan``: the exposed time expected with the clip firing in a
+  share of the steps, ``jax_dos.fired``).
   """
   forward_order = sorted(range(len(subgroups)), key=lambda s: (subgroups[s].stage, s))
   placements = stage_ordered_placements(forward_order, [g.size for g in subgroups], device_elements, 0)
@@ -446,8 +392,9 @@ def choose_placements(
         smallest = (need, trial) if smallest is None or need < smallest[0] else smallest
         continue
       result = dict(simulate(times, subgroups, trial, rates, cap, collectives), stream_speculation=cap)
-      if best is None or result["exposed_s"] < best[0] - 1e-9:
-        best = (result["exposed_s"], trial, result)
+      value = result["exposed_s"] if score is None else score(trial, result)
+      if best is None or value < best[0] - 1e-9:
+        best = (value, trial, result)
   if best is None:
     return smallest[1], dict(simulate(times, subgroups, smallest[1], rates, 0, collectives), stream_speculation=0)
   return best[1], best[2]

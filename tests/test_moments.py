@@ -1,5 +1,6 @@
 """Compact moments (``moments="bfloat16" | "int8"``): one rounding on every path, close to float32 Adam."""
 
+import dataclasses
 import math
 
 import jax
@@ -277,6 +278,18 @@ def test_planner_counts_each_formats_bytes(monkeypatch):
   assert kernel_bytes("float32") == 28 and kernel_bytes("bfloat16") == 20
   assert cal.for_moments("bfloat16").host_rate == pytest.approx(1.4 * g)
   assert cal.for_moments("int8").host_rate == pytest.approx(28 / (12 + 4 * (1 + 4 / mf.BLOCK)) * g)
+  # Where the calibration timed the kernel with each format, the host path takes the measured ratio (the compact
+  # kernels are bound by their arithmetic, not the bytes): bfloat16 1.1x, int8 0.7x; the stream path and the
+  # resident update keep the bytes' ratios.
+  timed = dataclasses.replace(cal, host_kernel_rate=3 * g, host_kernel_rate_bfloat16=3.3 * g,
+                              host_kernel_rate_int8=2.1 * g)  # fmt: skip
+  for moments, ratio in (("bfloat16", 1.1), ("int8", 0.7)):
+    scaled = timed.for_moments(moments)
+    assert timed.kernel_ratio(moments) == pytest.approx(ratio)
+    assert scaled.host_rate == pytest.approx(ratio * g) and scaled.host_rate_concurrent == pytest.approx(ratio * g)
+    assert scaled.host_kernel_rate == pytest.approx(3 * ratio * g)
+    assert scaled.stream_rate == cal.for_moments(moments).stream_rate
+    assert scaled.device_rate == cal.for_moments(moments).device_rate
   params = [jnp.zeros((1024,)) for _ in range(8)]
   budget = STATE_BYTES * 2048  # two subgroups of float32 state
   resident = {}

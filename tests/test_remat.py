@@ -118,15 +118,17 @@ def hand_made_times(k_saved: int) -> jax_dos.StageTimes:
   return jax_dos.StageTimes((1.0, 1.0, 1.0, 0.0), (2.0,) * 4, 0, remat, ("full", "minimal", "none"))
 
 
-def plan_under_memory(monkeypatch, groups, times, room: int) -> jax_dos.Plan:
-  """The overlapped step's plan for a device whose room beside the step's peak is ``room`` bytes."""
+def plan_under_memory(monkeypatch, groups, times, room: int, rate: float = 2e9, fired_share: float = 0.0):
+  """The overlapped step's plan for a device whose room beside the step's peak is ``room`` bytes (the host path's
+  rate ``rate`` parameters a second, the others in proportion)."""
   monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)  # the calibration's figure
   free = 10 * room
-  cal = jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9, device_free_bytes=free)
+  cal = jax_dos.Calibration(rate, 1.5 * rate, 25 * rate, 0.9 * rate, rate, device_free_bytes=free)
   peak = int(free * (1 - 0.08)) - room
   planner = jax_dos.auto_planner(cal, step_memory=jax_dos.StepMemory(peak, 0), params_in_place=True)
   tx = jax_dos.interleaved_adamw(1e-2, subgroup_size=40, planner=planner)
-  return jax_dos.overlapped_plan(tx, toy_stages(), groups, stage_times=times, micro_batches=2)
+  return jax_dos.overlapped_plan(tx, toy_stages(), groups, stage_times=times, micro_batches=2,
+                                 fired_share=fired_share)  # fmt: skip
 
 
 def test_the_plan_keeps_full_remat_where_nothing_else_fits_and_saves_activations_where_memory_allows(monkeypatch):
@@ -213,3 +215,28 @@ def test_a_stage_closing_over_a_numpy_table_saves_it_like_any_residual():
   ]
   np.testing.assert_allclose(float(runs[1][0]), float(runs[0][0]), rtol=1e-6)
   assert max_rel_diff(runs[1][1], runs[0][1]) < 1e-5
+
+
+def test_a_plan_for_a_firing_clip_gives_the_room_to_state_where_the_silent_plan_gives_it_to_activations(monkeypatch):
+  """The toy's 336 parameters at 20 a second after the decision: a silent step hides their update under the backward
+  pass (16 s), a fired one only under the next forward pass (6 s). Made for a silent clip, the plan keeps activations
+  (lighter remat, 2.6 s less compute a step) and offloads most of the state, whose fired step then waits for it;
+  made for a firing clip (``fired_share=1``) it keeps every stage ``full`` and the state resident: its fired step is
+  the compute and the resident update (336 parameters at 500 a second), its bound, and a plan's predicted fired step
+  is never below its bound."""
+  groups = toy_groups(np.random.default_rng())
+  times = hand_made_times(STATE_BYTES * 40)
+  slot = STAGING_BYTES * max(jax_dos.plan.partition_groups(groups, 40)[1])
+  room = slot + 8 * STATE_BYTES * 40
+  silent = plan_under_memory(monkeypatch, groups, times, room, rate=20.0)
+  fired = plan_under_memory(monkeypatch, groups, times, room, rate=20.0, fired_share=1.0)
+  assert silent.remat != ("full",) * 4 and fired.remat == ("full",) * 4
+  assert fired.elements("device") > silent.elements("device")
+  assert silent.predicted["step"] < fired.predicted["step"]
+  assert fired.predicted["step_clip_fired"] < silent.predicted["step_clip_fired"]
+  assert fired.predicted["step_clip_fired"] == pytest.approx(fired.predicted["compute_plain"] + 336 / 500)
+  assert fired.predicted["step_clip_fired_bound"] == pytest.approx(fired.predicted["step_clip_fired"])
+  for plan in (silent, fired):
+    assert plan.predicted["step_clip_fired_bound"] <= plan.predicted["step_clip_fired"] + 1e-9
+  with pytest.raises(ValueError, match="fired_share"):
+    plan_under_memory(monkeypatch, groups, times, room, fired_share=1.5)

@@ -5,15 +5,14 @@ import dataclasses
 import pytest
 
 from jax_dos.collectives import STREAM_DRAM_SHARE, Collectives
+from jax_dos.fired import fired_bound, fired_share, simulate_fired
 from jax_dos.timeline import (
   HostBytes,
   Rates,
   StageTimes,
   Subgroup,
   choose_placements,
-  fired_share,
   simulate,
-  simulate_fired,
   stream_rate_during_backward,
 )
 
@@ -143,20 +142,62 @@ def test_choose_keeps_within_the_host_budget():
 
 
 def test_a_fired_step_starts_every_offloaded_update_at_the_decision_and_shares_the_host_work():
-  # Three host subgroups of 4 parameters, one a stage. Concurrent rates: host 1/s, stream 2/s, so the stream path takes
-  # 12 * 2/3 = 8 parameters: the last two in forward order (stages 1 and 2), the host kernel stage 0's.
+  # Three host subgroups of 4 parameters, one a stage. After the decision: host 1/s (its concurrent rate, the kernel
+  # not measured), stream 2/s. In forward order each goes to the path that would finish it first: stage 0's to the
+  # stream path (2 s against 4 s), stage 1's to the host (4 s; the stream path would also take 4 s: ties stay),
+  # stage 2's to the stream path (4 s against 8 s).
   subgroups = [Subgroup(4, 0), Subgroup(4, 1), Subgroup(4, 2)]
   placements = ["host"] * 3
-  assert fired_share(subgroups, placements, RATES) == {1, 2}
+  assert fired_share(subgroups, placements, RATES) == {0, 2}
   fired = simulate_fired(TIMES, subgroups, placements, RATES)
-  # Decision at 6 s. Host: stage 0's 4 parameters at 1/s, done at 10 s; stream: stage 1's at 2/s (8 s), stage 2's
-  # (10 s). The forward starts at 6 s: stage 0 waits for 10 s and runs to 11 s, stage 1 to 12 s, stage 2 to 13 s.
+  # Decision at 6 s. Stream: stage 0's at 8 s, stage 2's at 10 s; host: stage 1's at 10 s. The forward starts at
+  # 6 s: stage 0 waits for 8 s (to 9 s), stage 1 for 10 s (to 11 s), stage 2 runs to 12 s.
   assert fired["host_end_s"] == pytest.approx(10.0) and fired["stream_end_s"] == pytest.approx(10.0)
-  assert fired["exposed_s"] == pytest.approx(13.0 - (6.0 + 3.0))
+  assert fired["exposed_s"] == pytest.approx(12.0 - (6.0 + 3.0))
   silent = simulate(TIMES, subgroups, placements, RATES)
   assert silent["exposed_s"] < fired["exposed_s"]  # a silent step hides the host work under the backward pass
   # Resident subgroups need no decision to wait for beyond their own update.
   assert simulate_fired(TIMES, [Subgroup(100, 0)], ["device"], RATES)["exposed_s"] == pytest.approx(1.0)
+
+
+def test_the_fired_share_follows_the_forward_order_where_the_last_ones_left_the_host_alone():
+  # Four stages of 3 host parameters; host 1/s, stream 2/s after the decision (6 s). Sharing the last ones (the two
+  # paths ending together: 8 of 12 on the stream path) would leave stages 0 and 1 to the host, stage 1's weights
+  # final at 12 s; list scheduling in forward order keeps both paths on the stages needed first.
+  times = StageTimes(forward=(1.0,) * 4, backward=(1.5,) * 4)
+  subgroups = [Subgroup(3, j) for j in range(4)]
+  share = fired_share(subgroups, ["host"] * 4, RATES)
+  assert share == {0, 2, 3}  # stream: 1.5, 3 (stage 2), 4.5 (stage 3) s; host: stage 1 at 3 s
+  fired = simulate_fired(times, subgroups, ["host"] * 4, RATES)
+  # Stage 0 ready at 7.5 s (to 8.5), stage 1 at 9 (to 10), stage 2 at 9 (10 to 11), stage 3 at 10.5 (11 to 12).
+  assert fired["exposed_s"] == pytest.approx(12.0 - (6.0 + 4.0))
+  bound = fired_bound(times, subgroups, ["host"] * 4, RATES)
+  # Both paths (3/s) on the forward order: stage j's weights at 6 + 3 (j + 1) / 3 s: 7, 8, 9, 10; the forward
+  # pass 7 to 8, 8 to 9, 9 to 10, 10 to 11: 1 s exposed, the last stage's 12 parameters at 3/s less 3 s of forward.
+  assert bound["exposed_s"] == pytest.approx(1.0)
+  assert bound["host_end_s"] == bound["stream_end_s"] == pytest.approx(10.0)
+  assert bound["exposed_s"] <= fired["exposed_s"]
+
+
+def test_the_fired_bound_is_below_every_split_and_counts_the_resident_update():
+  subgroups = [Subgroup(50, 0), Subgroup(4, 1), Subgroup(2, 2), Subgroup(3, 2)]
+  placements = ["device", "host", "stream", "host"]
+  bound = fired_bound(TIMES, subgroups, placements, RATES)["exposed_s"]
+  assert bound <= simulate_fired(TIMES, subgroups, placements, RATES)["exposed_s"] + 1e-12
+  for stream_rate in (0.5, 2.0, 8.0):  # any split of the same work at rates that add up to no more
+    rates = dataclasses.replace(RATES, host_concurrent=3.0 - stream_rate / 4, stream_concurrent=stream_rate / 4)
+    assert fired_bound(TIMES, subgroups, placements, rates)["exposed_s"] <= (
+      simulate_fired(TIMES, subgroups, placements, rates)["exposed_s"] + 1e-12)  # fmt: skip
+  # All resident: the update on the accelerator, 100 parameters at 100/s, is what is exposed.
+  assert fired_bound(TIMES, [Subgroup(100, 0)], ["device"], RATES)["exposed_s"] == pytest.approx(1.0)
+
+
+def test_after_the_decision_the_host_runs_its_kernel_alone_at_the_paths_slowdown():
+  rates = dataclasses.replace(RATES, host_kernel=3.0, stream_concurrent=0.5)  # k h_c / h = 3 x 1 / 2
+  assert rates.host_after_decision == pytest.approx(1.5)
+  assert RATES.host_after_decision == RATES.host_concurrent  # the kernel not measured
+  one = simulate_fired(TIMES, [Subgroup(3, 2)], ["host"], rates)
+  assert one["host_end_s"] == pytest.approx(6.0 + 3 / 1.5)
 
 
 def test_data_parallel_collectives_partitioned():
@@ -201,11 +242,11 @@ def test_data_parallel_collectives_fired_clip():
   fired = simulate_fired(TIMES, subgroups, ["host", "host"], RATES, collectives=dp)
   assert fired["backward_end_s"] == pytest.approx(6.5)  # the reductions end as in the silent step
   # A rank's shares: stage 0's 1 parameter, stage 2's 2; the host's DRAM shared by 2 ranks halves both paths'
-  # concurrent rates (host 0.5/s, stream 1/s), so the stream path takes stage 2's share (6.5 s to 8.5 s) and the host
-  # stage 0's (6.5 s to 8.5 s).
-  assert fired["stream_end_s"] == pytest.approx(8.5)
-  assert fired["host_end_s"] == pytest.approx(8.5)
-  assert fired["gather_end_s"] > fired["host_end_s"]  # the last stage's weights gathered after its update
+  # concurrent rates (host 0.5/s, stream 1/s). In forward order each goes where it ends first: stage 0's to the stream
+  # path (6.5 s to 7.5 s, against 8.5 s on the host), then stage 2's too (7.5 s to 9.5 s, against 10.5 s).
+  assert fired["stream_end_s"] == pytest.approx(9.5)
+  assert fired["host_end_s"] == pytest.approx(6.5)
+  assert fired["gather_end_s"] > fired["stream_end_s"]  # the last stage's weights gathered after its update
   alone = simulate_fired(TIMES, subgroups, ["host", "host"], RATES)
   assert alone["backward_end_s"] == pytest.approx(6.0) and "gather_end_s" not in alone
   silent = simulate(TIMES, subgroups, ["host", "host"], RATES, collectives=dp)

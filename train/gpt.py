@@ -232,7 +232,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       measured = "the stages measured" + (", each under its remat choices" if args.remat == "auto" else "")
       with _setup_phase(args, measured):
         times = overlapped_lib.stage_times(staged, params, part, args.remat)
-      if args.overlap == "auto" and args.clip > 0 and restore_from is None:  # what the clip first meets
+      if args.clip > 0 and restore_from is None:  # what the clip first meets: the plan is made for it
         with _setup_phase(args, "the first batch's gradient norm measured"):
           norm = overlapped_lib.first_norm(staged, params, part, args.remat, lambda line: say(args, line))
       if batch_layout is not None and batch_layout.mesh.devices.size > 1:
@@ -240,11 +240,12 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
           collectives = jax_dos.mesh_collectives(batch_layout.mesh)
         notes.append(f"link    {collectives.link / 1e9:.0f} GB/s a device (an all-gather's bus bandwidth) over"
                      f" {collectives.ranks} devices, {collectives.ranks_per_host} a host")  # fmt: skip
-    overlap_plan = overlapped_lib.plan(args, tx, staged, params, times, collectives)
+  fired = steps.fired_share(args.clip, progress.metrics_rows(args.out) if restore_from is not None else None, norm)
+  if refusal is None and args.overlap != "off":
+    overlap_plan = overlapped_lib.plan(args, tx, staged, params, times, collectives, fired[0])
   plain_collectives_s = 0.0
   if collectives is not None:
     plain_collectives_s = collectives.plain_step_s(model_module(args).tree_size(params), args.grad_accum)
-  fired = steps.fired_share(args.clip, progress.metrics_rows(args.out) if restore_from is not None else None, norm)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None,
                                   fired, plain_collectives_s)  # fmt: skip
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.

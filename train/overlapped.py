@@ -76,13 +76,14 @@ def stages(staged: jax_dos.NNXStages, remat: str) -> list[jax_dos.Stage]:
 
 def plan(
   args: TrainConfig, tx, staged: jax_dos.NNXStages, params: dict, times=None,
-  collectives: jax_dos.Collectives | None = None,
+  collectives: jax_dos.Collectives | None = None, fired_share: float = 0.0,
 ) -> jax_dos.Plan:  # fmt: skip
   """The overlapped step's plan for the model's stages, from the parameters' shapes (no optimizer state exists);
-  ``collectives``: the mesh's, which the timeline prices (``jax_dos.mesh_collectives``)."""
+  ``collectives``: the mesh's, which the timeline prices (``jax_dos.mesh_collectives``); ``fired_share``: the share
+  of steps whose clip is expected to fire (``train.steps.fired_share``), for which the plan is made."""
   return jax_dos.overlapped_plan(
     tx, stages(staged, args.remat), staged.split(params), stage_times=times, micro_batches=args.grad_accum,
-    collectives=collectives,
+    collectives=collectives, fired_share=fired_share,
   )  # fmt: skip
 
 

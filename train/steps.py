@@ -136,8 +136,10 @@ def choose(
   if silent is not None:
     remat = "" if overlapped.remat is None else f", remat {jax_dos.describe_remat(overlapped.remat)}"
     own = silent - overlapped.predicted["exposed"]  # its forward and backward, as the plan measured its stages
-    shown.append(f"overlapped {silent:.2f} s (forward/backward {own:.2f} s" + (f"; {fired_s:.2f} s after a fired clip)"
-                 if fired_s is not None else ")") + remat)  # fmt: skip
+    bound = overlapped.predicted.get("step_clip_fired_bound")
+    fired_text = "" if fired_s is None else f"; {fired_s:.2f} s after a fired clip"
+    fired_text += "" if bound is None else f", {bound:.2f} s at best (the host's rates, the next forward pass)"
+    shown.append(f"overlapped {silent:.2f} s (forward/backward {own:.2f} s{fired_text})" + remat)
   if alone is not None:
     shown.append(f"plain {alone:.2f} s")
   shown = ", ".join(shown)

@@ -12,8 +12,8 @@ parameters once they are final. It never writes the step's parameters. The
 kernel over a subgroup's shards and the weights' copy to the accelerator are
 ``paths.host``'s, which the eager engine runs too.
 
-When the clip fires, the stream path steps the last host subgroups in
-forward order (``overlap.routes.stream_share_of_host``): the host path hands it
+When the clip fires, the stream path steps a share of the host subgroups,
+spread through the forward order (``overlap.routes.stream_share_of_host``): the host path hands it
 their untouched state, gradients, parameters and spare buffers through
 ``StepRecord.host_share``, keeping none of them (one holder a buffer), and
 takes their new state and the old one back through ``StepRecord.share_done``.
@@ -220,8 +220,8 @@ class HostPath:
 
   def finish(self, record: StepRecord) -> None:
     """(after the step's last hand-over) The decision's consequences for the host subgroups; a fired clip's redo in
-    the order the next forward pass needs them, shared with the stream worker (which takes the last ones), then the
-    spare buffers become the state."""
+    the order the next forward pass needs them, shared with the stream worker (which takes its share of them), then
+    the spare buffers become the state."""
     try:
       self._finish(record)
     except BaseException as e:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jax_dos import memory, moment_formats, partition
 from jax_dos.collectives import Collectives
+from jax_dos.fired import fired_bound, simulate_fired
 from jax_dos.interleaved import InterleavedAdam, find_interleaved
 from jax_dos.overlap.memory import (
   default_host_budget,
@@ -45,17 +46,16 @@ from jax_dos.plan import (
   agreed_step_plan,
   partition_groups,
 )
+from jax_dos.rates import Rates
 from jax_dos.stages import Stage, StagedModel
 from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import (
   MICRO_BATCH_ORDERS,
   PREDICTION_ERROR,
-  Rates,
   StageTimes,
   Subgroup,
   choose_placements,
   remat_candidates,
-  simulate_fired,
   stage_ordered_placements,
   stream_rate_during_backward,
 )
@@ -237,6 +237,7 @@ def plan_step(
   stream_slots: int = STREAM_SLOTS,
   host_budget_bytes: int | None = None,
   collectives: Collectives | None = None,
+  fired_share: float = 0.0,
 ) -> Plan:
   """The overlapped step's plan, from the groups' shapes: no optimizer state exists or is allocated.
 
@@ -244,15 +245,22 @@ def plan_step(
   ``OverlappedStep(tx, stages, groups, plan=<it>, ...)``. With
   ``stage_times`` it holds the timeline model's predicted step
   (``plan.predicted["step"]`` and ``["exposed"]`` with the clip silent,
-  ``["step_clip_fired"]`` after a fired clip, ``["compute_plain"]`` the
-  forward and backward passes as the plain step runs them: every stage
-  ``"full"`` where the plan chose the rematerialisation), to compare with the
-  plain step's plan (``jax_dos.get_plan``) before either's state is allocated.
+  ``["step_clip_fired"]`` after a fired clip and ``["step_clip_fired_bound"]``
+  the shortest such step its placements allow (``jax_dos.fired.fired_bound``),
+  ``["compute_plain"]`` the forward and backward passes as the plain step
+  runs them: every stage ``"full"`` where the plan chose the
+  rematerialisation), to compare with the plain step's plan
+  (``jax_dos.get_plan``) before either's state is allocated. ``fired_share``:
+  the share of steps whose clip is expected to fire (0 to 1): the placements
+  and the rematerialisation minimise the expected step
+  ``(1 - p) step + p step_clip_fired`` (0: the silent step alone).
   ``collectives``: on a data-parallel mesh, its reductions and gathers
   (``jax_dos.Collectives``), which the timeline then prices; without it the
   prediction holds one device's programs alone.
   """
   options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
+  if not 0 <= fired_share <= 1:
+    raise ValueError(f"fired_share is a share of steps, from 0 to 1; got {fired_share!r}.")
   groups = list(groups)
   owner = overlappable(tx, groups)
   model = StagedModel(stages, len(groups))
@@ -265,7 +273,7 @@ def plan_step(
     micro_batches=options.micro_batches, micro_batch_order=options.micro_batch_order,
     run_ahead_stages=options.run_ahead_stages, max_stream_slots=options.stream_slots,
     host_budget_bytes=options.host_budget_bytes, stage_policies=tuple(st.remat for st in model.stages),
-    collectives=collectives,
+    collectives=collectives, fired_share=fired_share,
   )  # fmt: skip
   return agreed_step_plan(made) if isinstance(spec, str) and spec == "auto" else made
 
@@ -310,7 +318,7 @@ def abstract_state(
 def make_step_plan(
   spec: Any, owner: Any, groups: list, layout: StepLayout, *, stage_times: StageTimes | None, micro_batches: int,
   micro_batch_order: str, run_ahead_stages: int, max_stream_slots: int, host_budget_bytes: int,
-  stage_policies: tuple[str, ...] | None = None, collectives: Collectives | None = None,
+  stage_policies: tuple[str, ...] | None = None, collectives: Collectives | None = None, fired_share: float = 0.0,
 ) -> Plan:  # fmt: skip
   """The step's plan from ``spec`` (``"auto"``, a placement, a list of them, or a ``Plan`` within groups).
 
@@ -321,7 +329,7 @@ def make_step_plan(
   step, :func:`_timeline_plan`: with the stages' measured policies, the
   rematerialisation too), else the plain plan's shares by stage order
   (``"model+stages"``). ``stage_policies``: the stages' own policies;
-  ``collectives``: the mesh's, for the timeline (:func:`plan_step`).
+  ``collectives``: the mesh's, for the timeline; ``fired_share``: :func:`plan_step`'s.
   """
   subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
   if isinstance(spec, Plan):
@@ -353,7 +361,7 @@ def make_step_plan(
                   step_room_bytes=whole.step_room_bytes, step_room_terms=whole.step_room_terms)  # fmt: skip
     return _timeline_plan(whole, layout, stage_times, boundaries, stage_policies, micro_batches,
                           micro_batch_order, run_ahead_stages, max_stream_slots, host_budget_bytes,
-                          owner.hyper.moments, collectives, most)  # fmt: skip
+                          owner.hyper.moments, collectives, most, fired_share)  # fmt: skip
   if isinstance(spec, str):
     if spec not in PLACEMENTS:
       raise ValueError(f"unknown plan {spec!r}; use 'auto', one of {PLACEMENTS}, a list of them, or a jax_dos.Plan.")
@@ -371,7 +379,7 @@ def _timeline_plan(
   whole: Plan, layout: StepLayout, stage_times: StageTimes, boundaries: int,
   stage_policies: tuple[str, ...] | None, micro_batches: int, micro_batch_order: str, run_ahead_stages: int,
   max_stream_slots: int, host_budget_bytes: int, moments: str = "float32", collectives: Collectives | None = None,
-  most: int | None = None,
+  most: int | None = None, fired_share: float = 0.0,
 ) -> Plan:  # fmt: skip
   """Placements and rematerialisation chosen together: the predicted fastest step that fits.
 
@@ -391,8 +399,16 @@ def _timeline_plan(
   error (``timeline.PREDICTION_ERROR``): a smaller gain is within what the
   model cannot tell apart, and the saved activations cost room and time the
   model does not see. ``most``: resident elements at most (:func:`room_beside_step`).
+
+  The step compared is the one expected with the clip firing in a share
+  ``p = fired_share`` of the steps, ``(1 - p) silent + p fired``
+  (``jax_dos.fired.simulate_fired``): a fired step can hide its offloaded
+  update only under the next forward pass, so where the clip fires the
+  resident share the room holds (all ``"full"``: the most room) is worth
+  more than activations that shorten a silent step.
   """
   subgroups, sizes, forward_order = layout.subgroups, layout.sizes, layout.forward_order
+  subs = layout.timeline()
   n, k = len(stage_times.forward), micro_batches
   full = ("full",) * n
   if stage_times.remat_choices:
@@ -415,14 +431,19 @@ def _timeline_plan(
     resident, slots = room_beside_step(whole, per_device, sizes, forward_order, max_stream_slots, boundaries + extra,
                                        moments, most)  # fmt: skip
     backward = stream_rate_during_backward(times, sum(sizes) / len(sizes), run_ahead_stages)
-    rates = Rates(cal["host_rate"], cal["stream_rate"], cal["device_rate"], cal["host_rate_concurrent"],
-                  cal["stream_rate_concurrent"], backward, cal.get("host_kernel_rate", 0.0))  # fmt: skip
+    rates = Rates.of(cal, backward)
     window = times.per_window(k, micro_batch_order)
-    placements, predicted = choose_placements(window, layout.timeline(), resident, rates,
-                                              host_budget_bytes=host_budget_bytes,
+
+    def expected(trial, silent, window=window, rates=rates):  # (1 - p) silent + p fired, exposed
+      if not fired_share:
+        return silent["exposed_s"]
+      fired = simulate_fired(window, subs, trial, rates, collectives)["exposed_s"]
+      return (1 - fired_share) * silent["exposed_s"] + fired_share * fired
+
+    placements, predicted = choose_placements(window, subs, resident, rates, host_budget_bytes=host_budget_bytes,
                                               host_bytes=host_bytes_per(moments, layout.held_share),
-                                              collectives=collectives)  # fmt: skip
-    step = times.compute_s(k) + predicted["exposed_s"]
+                                              collectives=collectives, score=expected)  # fmt: skip
+    step = times.compute_s(k) + expected(placements, predicted)
     if policies == full:
       with_full = (step, policies, times, window, placements, predicted, rates, slots)
     if best is None or step < best[0] * (1 - 1e-9):
@@ -430,11 +451,13 @@ def _timeline_plan(
   if with_full is not None and best[0] > with_full[0] * (1 - PREDICTION_ERROR):  # no gain the model can tell
     best = with_full
   step, policies, times, window, placements, predicted, rates, slots = best
-  fired = simulate_fired(window, layout.timeline(), placements, rates, collectives)
+  fired = simulate_fired(window, subs, placements, rates, collectives)
+  bound = fired_bound(window, subs, placements, rates, collectives)
   predicted = {
     "exposed": predicted["exposed_s"],
-    "step": step,
+    "step": times.compute_s(k) + predicted["exposed_s"],
     "step_clip_fired": times.compute_s(k) + fired["exposed_s"],
+    "step_clip_fired_bound": times.compute_s(k) + bound["exposed_s"],
     "compute_plain": (stage_times.assigned(full) if stage_times.remat_choices else stage_times).compute_s(k),
   }
   return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,

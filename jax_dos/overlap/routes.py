@@ -3,8 +3,8 @@
 * :func:`routes`: a plan's :class:`Routes`, one value per plan, never changed:
   each subgroup's place in the forward order, the streamed ones' order, the
   host subgroups the stream path steps when the clip fires
-  (:func:`stream_share_of_host`, so that both paths end their redo
-  together), the streamed parameters a step may speculate on, and the
+  (:func:`stream_share_of_host`, so that both paths follow the next
+  forward pass's order together), the streamed parameters a step may speculate on, and the
   resident update's jitted calls;
 * :func:`rebalanced`: the plan with one subgroup moved across the host/stream
   boundary, a new value handed forward to the step.
@@ -14,22 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_dos.fired import fired_share
 from jax_dos.overlap.memory import check_host_memory, speculation_cap
 from jax_dos.overlap.plan import REBALANCE_GAP_S, StepLayout
 from jax_dos.plan import Plan
-from jax_dos.timeline import Rates, fired_share
+from jax_dos.rates import Rates
 
 
 def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
-  """The host subgroups the stream path steps when the clip fires: the last ones in forward order (needed last).
+  """The host subgroups the stream path steps when the clip fires, spread through the forward order.
 
-  ``jax_dos.timeline.fired_share`` at the calibrated concurrent rates (equal
-  rates without a calibration), the host's from the kernel alone where the
-  calibration measured it (after the decision the gradients are in host
-  memory and the host worker only runs the kernel; the plain engine's host
-  rate counts its copies too): the two paths end together. A fixed share, so
-  that a subgroup's numbers never depend on which thread came first. A plan
-  of the model's (``"auto"``) shares even where nothing streams:
+  ``jax_dos.fired.fired_share`` at the plan's calibrated rates (equal rates
+  without a calibration): after the decision the gradients are in host
+  memory and the host worker runs the kernel alone, at the host path's
+  slowdown beside the stream path where the calibration measured the kernel
+  (``Rates.host_after_decision``), the stream path at its concurrent rate;
+  both follow the forward order together. A fixed share, so that a
+  subgroup's numbers never depend on which thread came first. A plan of the
+  model's (``"auto"``) shares even where nothing streams:
   :func:`room_beside_step` budgets its stream slots beside the step's peak
   whatever the timeline then places, and after the decision the host path
   alone would take the whole update. A user's plan shares only where it
@@ -39,9 +41,7 @@ def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
     return set()
   cal = plan.calibration or {}
   host, stream = cal.get("host_rate_concurrent") or 1.0, cal.get("stream_rate_concurrent") or 1.0
-  if cal.get("host_kernel_rate") and cal.get("host_rate"):  # after the decision the host worker runs the kernel alone
-    host = cal["host_kernel_rate"] * host / cal["host_rate"]  # at the host path's slowdown beside the stream path
-  rates = Rates(host, stream, 1.0, host, stream)
+  rates = Rates(cal.get("host_rate") or host, stream, 1.0, host, stream, None, cal.get("host_kernel_rate") or 0.0)
   timeline = [dataclasses.replace(g, size=n) for g, n in zip(layout.timeline(), plan.sizes)]
   return fired_share(timeline, plan.placements, rates)
 

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import host_kernels
+from jax_dos import adam_math, host_kernels, moment_formats
 from jax_dos.adam_math import AdamHyper
 from jax_dos.interleaved import InterleavedAdam
 from jax_dos.memory import device_free_bytes
@@ -182,17 +182,29 @@ class _Runner:
 
 
 KERNEL_RATE_PARAMS = 64 * 2**20  # parameters the host kernel alone is timed on: 1 GiB of buffers, far above any cache
+# The host kernel alone is timed with each moment format: the compact ones are bound by their arithmetic, not by the
+# bytes they save (cost_model's docstring), so Calibration.for_moments scales the host path by the measured ratio.
+KERNEL_RATE_FIELDS = {
+  "host_kernel_rate": "float32",
+  "host_kernel_rate_bfloat16": "bfloat16",
+  "host_kernel_rate_int8": "int8",
+}
 
 
-def host_kernel_rate(n: int, reps: int = 3, leave: int = 0) -> float:
-  """The host kernel's rate alone (params/s): AdamW in place on ``n`` float32 parameters with bfloat16 gradients and
-  a bfloat16 copy out, on buffers already in host memory, as the overlapped step's host worker runs it (its thread
-  count: all cores less ``leave`` where there are four times as many, ``host_kernels.set_num_threads``). Median of
-  ``reps`` after a pass that touches the pages."""
+def host_kernel_rate(n: int, reps: int = 3, leave: int = 0, moments: str = "float32") -> float:
+  """The host kernel's rate alone (params/s): AdamW in place on ``n`` float32 parameters with ``moments`` moments,
+  bfloat16 gradients and a bfloat16 copy out, on buffers already in host memory, as the overlapped step's host worker
+  runs it (its thread count: all cores less ``leave`` where there are four times as many,
+  ``host_kernels.set_num_threads``). Median of ``reps`` after a pass that touches the pages."""
   g, low = (np.zeros(n, jnp.bfloat16) for _ in range(2))
-  p, m, v = (np.zeros(n, np.float32) for _ in range(3))
+  p = np.zeros(n, np.float32)
   hyper = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.01)
-  scalars = np.asarray([-1e-3, 0.1, 0.001], np.float32)
+  if moments == "float32":
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    scalars = np.asarray([-1e-3, 0.1, 0.001], np.float32)
+  else:  # small moments, as a run's are; the compact kernels take the rounding's seed as a fifth scalar
+    m, v = (moment_formats.host_encode(np.full(n, 1e-6, np.float32), moments, 1.0, salt) for salt in (0, 1))
+    scalars = np.asarray(adam_math.step_scalars(AdamHyper(1e-3, moments=moments), jnp.asarray(10, jnp.int32)))
 
   def once() -> float:
     t = time.perf_counter()
@@ -301,7 +313,8 @@ def measure(
     solo,
     host_rate_concurrent=host_c,
     stream_rate_concurrent=stream_c,
-    host_kernel_rate=host_kernel_rate(min(n, KERNEL_RATE_PARAMS), reps, leave=host_kernels.TRAINING_CORES),
+    **{field: host_kernel_rate(min(n, KERNEL_RATE_PARAMS), reps, host_kernels.TRAINING_CORES, moments)
+       for field, moments in KERNEL_RATE_FIELDS.items()},
     device_free_bytes=free,
     platform=dev.platform,
     device_kind=dev.device_kind,

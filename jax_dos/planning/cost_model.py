@@ -15,7 +15,8 @@ engine):
   so each path slows down while the other runs;
 * ``host_kernel_rate`` (``k``): the host kernel alone, on buffers already in
   host memory (no copies), as the overlapped step's host worker runs it after
-  a fired clip's decision (0: not measured);
+  a fired clip's decision (0: not measured); ``host_kernel_rate_bfloat16``
+  and ``host_kernel_rate_int8`` the same kernel on compact moments;
 * ``subgroup_overhead_host`` / ``_stream`` (``o_host, o_stream``) per
   subgroup, ``device_call_overhead`` (``o_call``) per jitted call that
   updates resident subgroups (one per 256 Mi parameters), and
@@ -50,13 +51,17 @@ where, not on their order. Accelerator memory per parameter: ``STATE_BYTES``
 resident, ``STAGING_BYTES`` for a streamed subgroup in flight (``plan.py``).
 
 Compact moments (``interleaved_adam(moments=...)``): the calibration measures
-float32 moments, and :meth:`Calibration.for_moments` scales each rate by the
-bytes its path moves a parameter, every path being bandwidth-bound. The host
-kernel reads ``g, p, m, v`` and writes ``p, m, v``: ``4 + 8 + 2 * 2 b`` bytes
-with ``b`` bytes a moment (``moment_formats.bytes_per_moment``: 4, 2, about
-1), so 28, 20 and 16 B, and ``h`` grows 1.4x (bfloat16) and 1.74x (int8), an
-upper bound (the gradient's and the weights' PCIe copies, in ``h``, do not
-shrink); the resident update moves the same bytes in accelerator memory;
+the engine with float32 moments, and :meth:`Calibration.for_moments` scales
+each rate by how much less its path does a parameter. The host kernel reads
+``g, p, m, v`` and writes ``p, m, v``: ``4 + 8 + 2 * 2 b`` bytes with ``b``
+bytes a moment (``moment_formats.bytes_per_moment``: 4, 2, about 1), so 28,
+20 and 16 B, which would make it 1.4x (bfloat16) and 1.74x (int8) faster if
+the DRAM bound it. It does not: the compact kernels are bound by their
+arithmetic a core (on the H100 machines' 16 cores bfloat16 ran 1.07-1.14x
+float32's rate and int8 0.68-0.80x, ``bench/results/host_kernel-h100``), so
+the host path's rates (``h``, ``h_c``, ``k``) take the kernel's measured
+ratio ``k_b / k`` where the calibration timed both, else the bytes' (an upper
+bound); the resident update moves the bytes' ratio in accelerator memory;
 a streamed parameter's state crosses PCIe both ways, ``2 (4 + 2 b)`` bytes
 beside its 2 B gradient.
 """
@@ -86,6 +91,8 @@ _RATE_FIELDS = (
   "stream_rate_concurrent",
   "host_kernel_rate",
 )
+_COMPACT_KERNEL_FIELDS = ("host_kernel_rate_bfloat16", "host_kernel_rate_int8")  # not scaled by for_moments
+_MAY_BE_UNMEASURED = ("stream_rate_single", "host_kernel_rate", *_COMPACT_KERNEL_FIELDS)  # 0: not measured
 _TIME_FIELDS = ("subgroup_overhead_host", "subgroup_overhead_stream", "device_call_overhead", "step_overhead")
 
 
@@ -100,6 +107,8 @@ class Calibration:
   stream_rate_concurrent: float
   stream_rate_single: float = 0.0  # 0: unknown, the model takes stream_rate / 2
   host_kernel_rate: float = 0.0  # 0: not measured (a calibration cached before it was)
+  host_kernel_rate_bfloat16: float = 0.0  # the kernel alone on bfloat16 moments (0: not measured)
+  host_kernel_rate_int8: float = 0.0  # on int8 moments (0: not measured)
   subgroup_overhead_host: float = 0.0
   subgroup_overhead_stream: float = 0.0
   device_call_overhead: float = 0.0
@@ -113,9 +122,9 @@ class Calibration:
   measured_at: str = ""
 
   def __post_init__(self):
-    for name in _RATE_FIELDS:
+    for name in _RATE_FIELDS + _COMPACT_KERNEL_FIELDS:
       v = getattr(self, name)
-      ok = math.isfinite(v) and (v > 0 or (name in ("stream_rate_single", "host_kernel_rate") and v == 0))
+      ok = math.isfinite(v) and (v > 0 or (name in _MAY_BE_UNMEASURED and v == 0))
       if not ok:
         raise ValueError(f"Calibration.{name} must be a positive finite rate in params/s, got {v!r}.")
     for name in _TIME_FIELDS:
@@ -123,13 +132,25 @@ class Calibration:
       if not (math.isfinite(v) and v >= 0):
         raise ValueError(f"Calibration.{name} must be a finite number of seconds >= 0, got {v!r}.")
 
+  def kernel_ratio(self, moments: str) -> float:
+    """How many times faster the host kernel steps a parameter with ``moments`` than with float32 moments: measured
+    (``host_kernel_rate_<moments> / host_kernel_rate``) where the calibration timed both, else the ratio of the DRAM
+    bytes it moves (``kernel_bytes``), an upper bound (the module docstring)."""
+    if moments == "float32":
+      return 1.0
+    measured = getattr(self, f"host_kernel_rate_{moments}", 0.0)
+    if measured and self.host_kernel_rate:
+      return measured / self.host_kernel_rate
+    return kernel_bytes("float32") / kernel_bytes(moments)
+
   def for_moments(self, moments: str) -> Calibration:
-    """These rates with moments stored as ``moments`` (the module docstring's bandwidth scaling)."""
+    """These rates with moments stored as ``moments`` (the module docstring's scaling): the host path's by
+    :meth:`kernel_ratio`, the resident update's by the bytes the kernel moves, the stream path's by its PCIe bytes."""
     if moments == "float32":
       return self
-    kernel = kernel_bytes("float32") / kernel_bytes(moments)
-    pcie = stream_bytes("float32") / stream_bytes(moments)
-    scaled = {f: getattr(self, f) * (pcie if f.startswith("stream") else kernel) for f in _RATE_FIELDS}
+    factor = {"stream": stream_bytes("float32") / stream_bytes(moments), "host": self.kernel_ratio(moments),
+              "device": kernel_bytes("float32") / kernel_bytes(moments)}  # fmt: skip
+    scaled = {f: getattr(self, f) * factor[f.split("_")[0]] for f in _RATE_FIELDS}
     return dataclasses.replace(self, **scaled)
 
   @property
@@ -161,6 +182,8 @@ class Calibration:
       f"host {g(self.host_rate)}, stream {g(self.stream_rate)}, device {g(self.device_rate)},"
       f" concurrent host {g(self.host_rate_concurrent)} + stream {g(self.stream_rate_concurrent)}"
       + (f", host kernel alone {g(self.host_kernel_rate)}" if self.host_kernel_rate else "")
+      + "".join(f" ({g(getattr(self, f))} with {f.rsplit('_', 1)[1]} moments)"
+                for f in _COMPACT_KERNEL_FIELDS if getattr(self, f))
     )
 
 
@@ -181,7 +204,7 @@ def _slug(s: str) -> str:
   return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "unknown"
 
 
-CACHE_FORMAT = 3  # bump when what is measured changes, so stale caches are measured again
+CACHE_FORMAT = 4  # bump when what is measured changes, so stale caches are measured again
 
 
 def calibration_key(platform: str, device_kind: str, hostname: str, jax_version: str) -> str:
