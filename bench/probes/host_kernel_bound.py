@@ -8,23 +8,26 @@ Prints what it measures and writes ``$OUT/host_kernel_bound.json`` (or ``bench/r
 
 - ``cpu``: ``lscpu``'s model, caches and vector flags (avx*, fma); llvmlite's host CPU name and the features numba
   compiles for.
-- ``asm``: for each kernel (as the engine launches it: the state written, no bfloat16 copy), its hot loops'
-  instructions (the loop with the most vector divides and square roots), the vector registers they use (``zmm``:
-  512-bit lanes, ``ymm``: 256-bit), their divides, square roots and 32-bit multiplies by width.
+- ``asm``: for each format's kernel, its innermost vector loops (one for each set of flags the kernel has a loop
+  for; int8's first pass, then its second): their instructions (``body``), the vector registers they name (``zmm``:
+  512-bit lanes, ``ymm``: 256-bit) and their divides, square roots and 32-bit multiplies by width. A loop takes
+  one vector of lanes an iteration (int8's first pass two): 3 divides and 1 square root a vector are the weight's.
 - ``stream``: a numba triad ``a = b + s c`` and copy ``a = b`` over ``--stream-elements`` float32 each (1 GiB an
   array by default) at each thread count, in GB/s counted as STREAM counts (12 and 8 B an element; a store's
   read-for-ownership not counted).
 - ``rows``: at each thread count and ``--elements`` parameters, each format's kernel and its *traffic twin*: a loop
   with the same loads and stores (g, p, m, v read; p, m, v written in place) and no arithmetic to speak of. The twin's
   rate is what the DRAM (or a core's memory concurrency) allows the kernel's bytes; a kernel near its twin is bound by
-  memory, one far below it by its arithmetic.
-- ``core``: one thread, each kernel and twin at ``--core-elements`` (in cache: the arithmetic's rate a core) and at
-  ``--elements`` (one core's memory), best of ``--core-repeats``, a launch's fixed cost (a call on 256 elements)
-  taken off the in-cache times.
+  memory, one far below it by its arithmetic (the row of one thread: a core's). Beside them the *variants*, the same
+  bits by other code (``variants_same_bits`` checks): ``bfloat16_prefetch`` (spans of 256 elements, each
+  prefetching the lines 8 spans on), ``int8_codes`` (``host_compact``'s split before: all seven divides and square
+  roots in the second pass), ``int8_weights_first`` (the weights in the first pass).
+- ``core``: one thread, each kernel, variant and twin at ``--core-elements`` (in cache: the arithmetic's rate a
+  core), best of ``--core-repeats``, a launch's fixed cost (a call on 256 elements) taken off.
 
 Rates are G parameters/s (``n / time``), the best of ``--repeats`` calls after one warm-up (which compiles). Each
 kernel feeds on its own output, as ``bench/host_kernel.py``'s do. Kernels compile into a fresh cache (``asm`` needs
-code compiled in the process); the whole probe takes about 2 minutes on a 16-core host at 256 Mi parameters.
+code compiled in the process); thread counts left after ``--budget-s`` seconds are skipped.
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import llvmlite.binding as llvm  # noqa: E402
 import numba  # noqa: E402
+import numba.extending  # noqa: E402
 import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba.core import cgutils  # noqa: E402
 
-from jax_dos import host_compact, host_kernels  # noqa: E402
+from jax_dos import adam_math, host_compact, host_kernels  # noqa: E402
 from jax_dos import moment_formats as mf  # noqa: E402
 
 F = np.float32
@@ -152,6 +158,101 @@ def _twin_8(g, p, m, v, zero, key):  # int8's (byte codes; the scales, 4 B a blo
     v[i] = v[i] ^ key
 
 
+# ----------------------------------------------------------------------------- variants (the same bits, other code)
+
+
+@numba.extending.intrinsic
+def _prefetch(typingctx, arr, idx):
+  """``llvm.prefetch`` of ``arr[idx]``'s line towards L2 (a read, locality 2): one instruction, never a fault."""
+  if not isinstance(arr, numba.types.Array) or not isinstance(idx, numba.types.Integer):
+    return None
+
+  def codegen(context, builder, sig, args):
+    data = context.make_array(sig.args[0])(context, builder, args[0]).data
+    i8p = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p.type, i32, i32, i32]),
+                                        "llvm.prefetch.p0")  # fmt: skip
+    builder.call(fn, [i8p, i32(0), i32(2), i32(1)])
+    return context.get_dummy_value()
+
+  return numba.types.void(arr, idx), codegen
+
+
+SPAN, AHEAD = 256, 8  # bfloat16_prefetch: elements a span, spans prefetched ahead (8 KB of g and of p)
+_CI = np.uint32(mf._C_IDX)
+
+
+@numba.njit(parallel=True, nogil=True, boundscheck=False, error_model="numpy")
+def _bf16_prefetch(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, key_m,
+                   key_v):  # fmt: skip
+  """host_compact's bfloat16 step (state in place, no decay, no copy) a span of ``SPAN`` elements at a time, each
+  span first prefetching the lines of the span ``AHEAD`` spans on; the hash inputs an induction."""
+  key_m, key_v = np.uint32(key_m), np.uint32(key_v)
+  n = g.shape[0]
+  for c in numba.prange((n + SPAN - 1) // SPAN):
+    lo = c * SPAN
+    ahead = lo + AHEAD * SPAN
+    if ahead + SPAN <= n:
+      for q in range(0, SPAN, 16):
+        _prefetch(g, np.uint64(ahead + q))
+        _prefetch(p, np.uint64(ahead + q))
+      for q in range(0, SPAN, 32):
+        _prefetch(m, np.uint64(ahead + q))
+        _prefetch(v, np.uint64(ahead + q))
+    h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
+    for j in range(min(SPAN, n - lo)):
+      i = np.uint64(lo + j)
+      mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_bf16_load(m[i]), mf.nb_bf16_load(v[i]), b1, one_minus_b1, b2,
+                                    one_minus_b2)  # fmt: skip
+      pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+      m[i] = mf.nb_bf16_store(mi, mf.nb_fmix(h_m))
+      v[i] = mf.nb_bf16_store(vi, mf.nb_fmix(h_v))
+      p[i] = pn
+      h_m, h_v = np.uint32(h_m + _CI), np.uint32(h_v + _CI)
+
+
+@numba.njit(parallel=True, nogil=True, boundscheck=False, error_model="numpy")
+def _int8_weights_first(g, p, mc, mw, vc, vw, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2,
+                        gs, key_m, key_v):  # fmt: skip
+  """host_compact's int8 step (state in place, no decay, no copy) with the weights in the first pass: its three
+  divides and a square root beside the decode, the second pass three square roots (the codes')."""
+  key_m, key_v = np.uint32(key_m), np.uint32(key_v)
+  B, CHUNK = mf.BLOCK, host_compact.CHUNK
+  n = g.shape[0]
+  nb = (n + B - 1) // B
+  base = nb * (B // 4)
+  for c in numba.prange((nb + CHUNK - 1) // CHUNK):
+    new_m, new_v = np.empty(B, np.float32), np.empty(B, np.float32)
+    for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
+      lo, k = b * B, min(B, n - b * B)
+      old_m, old_v = mw[base + b], vw[base + b]
+      top_m, top_v = np.int32(0), np.int32(0)
+      for j in range(k):
+        i = np.uint64(lo + j)
+        mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_mu_decode(mc[i], old_m), mf.nb_nu_decode(vc[i], old_v), b1,
+                                      one_minus_b1, b2, one_minus_b2)  # fmt: skip
+        p[i] = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+        new_m[j], new_v[j] = mi, vi
+        top_m, top_v = max(top_m, host_compact._abs_bits(mi)), max(top_v, host_compact._abs_bits(vi))
+      s_m, s_v = host_compact._max_of_bits(top_m), np.sqrt(host_compact._max_of_bits(top_v))
+      inv_m, inv_v = np.float32(1) / s_m, np.float32(1) / s_v
+      h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
+      for j in range(k):
+        i = np.uint64(lo + j)
+        mc[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_fmix(h_m)))
+        vc[i] = mf.nb_nu_code(new_v[j], inv_v, mf.nb_unit(mf.nb_fmix(h_v)))
+        h_m, h_v = np.uint32(h_m + _CI), np.uint32(h_v + _CI)
+      for j in range(k, B):
+        mc[lo + j] = 0
+        vc[lo + j] = 0
+      mw[base + b], vw[base + b] = s_m, s_v
+
+
+_INT8_CODES = host_compact.make_int8_kernel(host_kernels._load_f32, host_kernels._bf16_bits, roots_first=False)
+VARIANTS = ("bfloat16_prefetch", "int8_codes", "int8_weights_first")
+
+
 def calls(b: dict) -> dict:
   """Each format's kernel (``host_kernels``' dispatch: state written, no bfloat16 copy) and twin, as callables."""
   g, p, m, v, mb, vb, m8, v8 = (b[k] for k in ("g", "p", "m", "v", "mb", "vb", "m8", "v8"))
@@ -169,6 +270,12 @@ def calls(b: dict) -> dict:
     ),
     "bfloat16": lambda: kb(g, p, mb, vb, p, mb, vb, low, *HYPER, *STEP, *keys, False, False, True),
     "int8": lambda: ki(g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True),
+    # The variants: the same bits as the kernel of their format (checked), other code.
+    "bfloat16_prefetch": lambda: _bf16_prefetch(g, p, mb, vb, *HYPER, *STEP, *keys),
+    "int8_codes": lambda: _INT8_CODES(
+      g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True
+    ),
+    "int8_weights_first": lambda: _int8_weights_first(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
     "twin_float32": lambda: _twin_f32(g, p, m, v, z, one),
     "twin_bfloat16": lambda: _twin_16(g, p, mb, vb, z, k0),
     "twin_int8": lambda: _twin_8(g, p, mc[:n], vc[:n], z, np.uint8(0)),
@@ -215,38 +322,59 @@ def stream(n: int, threads: list[int], repeats: int) -> list[dict]:
   return rows
 
 
-def sweep(fns: dict, n: int, threads: list[int], repeats: int) -> list[dict]:
+def sweep(fns: dict, n: int, threads: list[int], repeats: int, deadline: float) -> list[dict]:
   rows = []
   for t in threads:
+    if time.perf_counter() > deadline:
+      print(f"kernels threads {t:3d}: skipped (past --budget-s)", flush=True)
+      continue
     numba.set_num_threads(t)
     row = dict(threads=t)
     for name, fn in fns.items():
       s = best(fn, repeats)
-      fmt = name.removeprefix("twin_")
       row[f"{name}_Gps"] = n / s / 1e9
-      row[f"{name}_GBps"] = n * BYTES[fmt] / s / 1e9
+      row[f"{name}_GBps"] = n * BYTES[name.removeprefix("twin_").split("_")[0]] / s / 1e9
     for fmt in FORMATS:
       row[f"{fmt}_of_twin"] = row[f"{fmt}_Gps"] / row[f"twin_{fmt}_Gps"]
       row[f"{fmt}_vs_float32"] = row[f"{fmt}_Gps"] / row["float32_Gps"]
     rows.append(row)
     print(f"kernels threads {t:3d}: " + ", ".join(f"{f} {row[f'{f}_Gps']:.3f} ({row[f'{f}_GBps']:.0f} GB/s, twin "
-          f"{row[f'twin_{f}_Gps']:.3f})" for f in FORMATS) + " G params/s", flush=True)  # fmt: skip
+          f"{row[f'twin_{f}_Gps']:.3f})" for f in FORMATS) + " G params/s; " + ", ".join(
+          f"{v} {row[f'{v}_Gps']:.3f}" for v in VARIANTS), flush=True)  # fmt: skip
   return rows
 
 
-def core(small: dict, large: dict, n_small: int, n_large: int, repeats: int) -> dict:
-  """One thread: each kernel in cache (less a launch's fixed cost) and over ``n_large`` elements."""
+def core(small: dict, n_small: int, repeats: int) -> dict:
+  """One thread, in cache: each kernel's arithmetic a core, a launch's fixed cost (a call on 256 elements) taken
+  off (the same thread's rate over ``--elements`` is ``rows``' first row)."""
   numba.set_num_threads(1)
   tiny = calls(buffers(256))
   out = {}
   for name in small:
     launch = best(tiny[name], repeats)
     t_small = best(small[name], repeats)
-    t_large = best(large[name], max(2, repeats // 5))
-    out[name] = dict(in_cache_Gps=n_small / max(t_small - launch, 1e-9) / 1e9, large_Gps=n_large / t_large / 1e9,
-                     launch_us=launch * 1e6)  # fmt: skip
-    print(f"core    {name:14s}: in cache {out[name]['in_cache_Gps']:.3f}, large {out[name]['large_Gps']:.3f} G params/s"
-          f" (launch {launch * 1e6:.0f} us)", flush=True)  # fmt: skip
+    out[name] = dict(in_cache_Gps=n_small / max(t_small - launch, 1e-9) / 1e9, launch_us=launch * 1e6)
+    print(f"core    {name:18s}: in cache {out[name]['in_cache_Gps']:.3f} G params/s (launch {launch * 1e6:.0f} us)",
+          flush=True)  # fmt: skip
+  return out
+
+
+def check_variants(n: int = 3 * mf.BLOCK + 37) -> dict:
+  """Each variant's state after two steps against its format's kernel's, byte for byte (True: the same bits)."""
+  out = {}
+  for variant in VARIANTS:
+    fmt = variant.split("_")[0]
+    state = {"bfloat16": ("p", "mb", "vb"), "int8": ("p", "m8", "v8")}[fmt]
+    a, b = buffers(n), buffers(n)
+    for bufs in (a, b):
+      bufs["v"][:5] = 0.0  # zeros among the moments
+      bufs["g"][7] = np.nan
+    fa, fb = calls(a), calls(b)
+    for _ in range(2):
+      fa[fmt]()
+      fb[variant]()
+    out[variant] = all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in state)
+  print(f"same bits: {out}", flush=True)
   return out
 
 
@@ -279,7 +407,7 @@ def hot_loops(asm: str) -> list[dict]:
     if regs["zmm"] + regs["ymm"] < 10:
       continue
     heavy = collections.Counter(f"{x.split()[0]}.{width(x)}" for x in body if re.match(r"^v(div|sqrt)[ps]s|^vpmull", x))
-    out.append(dict(instructions=len(body), registers=regs, divides_roots_multiplies=dict(heavy),
+    out.append(dict(body=body, instructions=len(body), registers=regs, divides_roots_multiplies=dict(heavy),
                     top_ops=dict(collections.Counter(x.split()[0] for x in body).most_common(10))))  # fmt: skip
   return out
 
@@ -296,7 +424,9 @@ def code_of(fns: dict) -> dict:
       out[name] = dict(whole=dict(zmm=asm.count("zmm"), ymm=asm.count("ymm")), loops=hot_loops(asm))
     except Exception as e:  # code loaded from a cache cannot be inspected
       out[name] = dict(error=repr(e))
-    print(f"asm     {name:9s}: {out[name]}", flush=True)
+    brief = [{k: v for k, v in loop.items() if k in ("instructions", "registers", "divides_roots_multiplies")}
+             for loop in out[name].get("loops", [])]  # fmt: skip
+    print(f"asm     {name:9s}: {out[name].get('error') or brief}", flush=True)
   return out
 
 
@@ -308,6 +438,7 @@ def main() -> None:
   ap.add_argument("--stream-elements", type=int, default=2**28)
   ap.add_argument("--core-elements", type=int, default=2**18)
   ap.add_argument("--core-repeats", type=int, default=20)
+  ap.add_argument("--budget-s", type=float, default=200, help="skip the thread counts left after this many seconds")
   args = ap.parse_args()
   threads = [t for t in args.threads if t <= numba.config.NUMBA_NUM_THREADS]
   t0 = time.perf_counter()
@@ -317,12 +448,14 @@ def main() -> None:
   result["threading_layer_requested"] = numba.config.THREADING_LAYER
   small = calls(buffers(args.core_elements))
   result["asm"] = code_of(small)
+  result["variants_same_bits"] = check_variants()
   result["threading_layer"] = numba.threading_layer()
   result["stream"] = stream(args.stream_elements, threads, args.repeats)
   numba.set_num_threads(max(threads))
   large = calls(buffers(args.elements))
-  result["rows"] = sweep(large, args.elements, threads, args.repeats)
-  result["core"] = core(small, large, args.core_elements, args.elements, args.core_repeats)
+  result["rows"] = sweep(large, args.elements, threads, args.repeats, t0 + args.budget_s)
+  del large
+  result["core"] = core(small, args.core_elements, args.core_repeats)
   result["seconds"] = time.perf_counter() - t0
   print(f"done in {result['seconds']:.0f} s", flush=True)
   out = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.dirname(__file__)), "results")
