@@ -11,20 +11,32 @@ int8) and reads ``g``: 20 B a parameter with float32 gradients against
 int8 takes one launch: a ``prange`` over chunks of ``CHUNK`` blocks, two
 passes over each block. The first decodes the old moments at the block's
 (hoisted) scales, takes the step's new moments into a scratch block
-(L1-resident) and their maxima as the new scales (maxima of the float bits in
-int32 lanes: a float max that keeps NaN does not vectorize, and uint32 maxima
-ran in 64-bit lanes, half as wide). The second writes the weights and encodes
+(L1-resident), nu's square roots (its code codes ``sqrt(v)``) and their maxima
+as the new scales (maxima of the float bits in int32 lanes: a float max that
+keeps NaN does not vectorize, and uint32 maxima ran in 64-bit lanes, half as
+wide; nu's scale is the largest ``sqrt(v)``, which is ``sqrt(max v)``, the jnp
+path's, as a correctly rounded square root is monotone). The second writes the weights and encodes
 the new moments, each hash's input an induction (``moment_formats.nb_seed``:
 ``C`` more an element) rather than a product of the element's index. The
 element loops index with unsigned integers: numba's negative-index wraparound
 of a signed ``lo + j`` keeps LLVM from vectorizing. Each block's codes and
 scale are read before they are written, so the output buffers may be the
-input ones (in place). Of the splits tried, this one (the divisions and
-square roots all in the second pass) ran fastest on the 2-core AVX2 machine:
-the weights in the first pass ran 5 % slower, three loops 8 %, and one loop
-taking a block's second pass with the next block's first a third slower (it
-spilled AVX2's 16 vector registers; in place, LLVM's aliasing checks sent it
-to the scalar loop).
+input ones (in place).
+
+A core's divide and square-root unit binds the second pass: a vector of lanes
+takes 3 divides and a square root for the weight, 3 square roots for the codes
+(on the 2-core AVX2 machine 10 ns of the unit for 8 elements, against 17-21 ns
+a vector in all; on Sapphire Rapids 39 cycles against about 26 for the pass's
+other 77 instructions), and the first pass had none. The split here moves
+nu's first square root into the first pass (``roots_first``; the split
+before, all seven in the second pass, is ``roots_first=False``): 2-7 % faster
+on the AVX2 machine (within its noise), about a tenth fewer cycles by the
+count for Sapphire Rapids. Of the other splits tried on the AVX2 machine, the
+weights in the first pass ran 5-10 % slower (it spilled AVX2's 16 vector
+registers; by the count it would balance the passes best with AVX-512's 32:
+``bench/probes/host_kernel_bound.py`` times it), three loops 8 %, and one loop
+taking a block's second pass with the next block's first a third slower (in
+place, LLVM's aliasing checks sent it to the scalar loop).
 
 Kernels use ``error_model="numpy"``: a zero scale gives ``1 / 0 = inf`` and
 ``0 inf = NaN``, encoded as 0.
