@@ -55,12 +55,13 @@ from numba.core import cgutils  # noqa: E402
 
 from jax_dos import adam_math, host_compact, host_kernels  # noqa: E402
 from jax_dos import moment_formats as mf  # noqa: E402
+from jax_dos.planning.cost_model import kernel_bytes  # noqa: E402
 
 F = np.float32
 HYPER = (F(0.9), F(0.1), F(0.999), F(0.001), F(1e-8), F(0), F(0))  # b1, 1 - b1, b2, 1 - b2, eps, eps_root, wd
 STEP = (F(-1e-3), F(0.65), F(0.01), F(1))  # -lr, 1 - b1**t, 1 - b2**t, gradient scale
-BYTES = {"float32": 28.0, "bfloat16": 20.0, "int8": 14.0 + 2 * (1 + 4 / mf.BLOCK)}  # DRAM bytes a parameter
 FORMATS = ("float32", "bfloat16", "int8")
+BYTES = {fmt: kernel_bytes(fmt) for fmt in FORMATS}  # DRAM bytes a parameter: 28, 20, about 16
 _OPTS = dict(parallel=True, nogil=True, boundscheck=False)
 
 
