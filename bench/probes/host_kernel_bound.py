@@ -19,9 +19,11 @@ Prints what it measures and writes ``$OUT/host_kernel_bound.json`` (or ``bench/r
   with the same loads and stores (g, p, m, v read; p, m, v written in place) and no arithmetic to speak of. The twin's
   rate is what the DRAM (or a core's memory concurrency) allows the kernel's bytes; a kernel near its twin is bound by
   memory, one far below it by its arithmetic (the row of one thread: a core's). Beside them the *variants*, the same
-  bits by other code (``variants_same_bits`` checks): ``bfloat16_prefetch`` (spans of 256 elements, each
-  prefetching the lines 8 spans on), ``int8_codes`` (``host_compact``'s split before: all seven divides and square
-  roots in the second pass), ``int8_weights_first`` (the weights in the first pass).
+  bits by other code (``variants_same_bits`` checks): ``bfloat16_spans`` (spans of 256 elements, the hash inputs an
+  induction), ``bfloat16_prefetch`` (the same, each span first prefetching the lines 8 spans on, towards L2),
+  ``int8_codes`` (``host_compact``'s split before: all seven divides and square roots in the second pass),
+  ``int8_weights_first`` (the weights in the first pass), ``int8_prefetch`` (the kernel, each block first
+  prefetching the lines 4 blocks on).
 - ``core``: one thread, each kernel, variant and twin at ``--core-elements`` (in cache: the arithmetic's rate a
   core), best of ``--core-repeats``, a launch's fixed cost (a call on 256 elements) taken off.
 
@@ -180,78 +182,103 @@ def _prefetch(typingctx, arr, idx):
   return numba.types.void(arr, idx), codegen
 
 
-SPAN, AHEAD = 256, 8  # bfloat16_prefetch: elements a span, spans prefetched ahead (8 KB of g and of p)
+SPAN = 256  # the bfloat16 variants' elements a span
 _CI = np.uint32(mf._C_IDX)
+_VOPTS = dict(parallel=True, nogil=True, boundscheck=False, error_model="numpy")
 
 
-@numba.njit(parallel=True, nogil=True, boundscheck=False, error_model="numpy")
-def _bf16_prefetch(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, key_m,
-                   key_v):  # fmt: skip
-  """host_compact's bfloat16 step (state in place, no decay, no copy) a span of ``SPAN`` elements at a time, each
-  span first prefetching the lines of the span ``AHEAD`` spans on; the hash inputs an induction."""
-  key_m, key_v = np.uint32(key_m), np.uint32(key_v)
-  n = g.shape[0]
-  for c in numba.prange((n + SPAN - 1) // SPAN):
-    lo = c * SPAN
-    ahead = lo + AHEAD * SPAN
-    if ahead + SPAN <= n:
-      for q in range(0, SPAN, 16):
-        _prefetch(g, np.uint64(ahead + q))
-        _prefetch(p, np.uint64(ahead + q))
-      for q in range(0, SPAN, 32):
-        _prefetch(m, np.uint64(ahead + q))
-        _prefetch(v, np.uint64(ahead + q))
-    h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
-    for j in range(min(SPAN, n - lo)):
-      i = np.uint64(lo + j)
-      mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_bf16_load(m[i]), mf.nb_bf16_load(v[i]), b1, one_minus_b1, b2,
-                                    one_minus_b2)  # fmt: skip
-      pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
-      m[i] = mf.nb_bf16_store(mi, mf.nb_fmix(h_m))
-      v[i] = mf.nb_bf16_store(vi, mf.nb_fmix(h_v))
-      p[i] = pn
-      h_m, h_v = np.uint32(h_m + _CI), np.uint32(h_v + _CI)
+def _make_bf16_spans(ahead: int):
+  """host_compact's bfloat16 step (state in place, no decay, no copy) a span of ``SPAN`` elements at a time, the
+  hash inputs an induction; with ``ahead``, each span first prefetches the lines of the span ``ahead`` spans on."""
 
-
-@numba.njit(parallel=True, nogil=True, boundscheck=False, error_model="numpy")
-def _int8_weights_first(g, p, mc, mw, vc, vw, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2,
-                        gs, key_m, key_v):  # fmt: skip
-  """host_compact's int8 step (state in place, no decay, no copy) with the weights in the first pass: its three
-  divides and a square root beside the decode, the second pass three square roots (the codes')."""
-  key_m, key_v = np.uint32(key_m), np.uint32(key_v)
-  B, CHUNK = mf.BLOCK, host_compact.CHUNK
-  n = g.shape[0]
-  nb = (n + B - 1) // B
-  base = nb * (B // 4)
-  for c in numba.prange((nb + CHUNK - 1) // CHUNK):
-    new_m, new_v = np.empty(B, np.float32), np.empty(B, np.float32)
-    for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
-      lo, k = b * B, min(B, n - b * B)
-      old_m, old_v = mw[base + b], vw[base + b]
-      top_m, top_v = np.int32(0), np.int32(0)
-      for j in range(k):
-        i = np.uint64(lo + j)
-        mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_mu_decode(mc[i], old_m), mf.nb_nu_decode(vc[i], old_v), b1,
-                                      one_minus_b1, b2, one_minus_b2)  # fmt: skip
-        p[i] = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
-        new_m[j], new_v[j] = mi, vi
-        top_m, top_v = max(top_m, host_compact._abs_bits(mi)), max(top_v, host_compact._abs_bits(vi))
-      s_m, s_v = host_compact._max_of_bits(top_m), np.sqrt(host_compact._max_of_bits(top_v))
-      inv_m, inv_v = np.float32(1) / s_m, np.float32(1) / s_v
+  @numba.njit(**_VOPTS)
+  def bf16_spans(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, key_m,
+                 key_v):  # fmt: skip
+    key_m, key_v = np.uint32(key_m), np.uint32(key_v)
+    n = g.shape[0]
+    for c in numba.prange((n + SPAN - 1) // SPAN):
+      lo = c * SPAN
+      nxt = lo + ahead * SPAN
+      if ahead and nxt + SPAN <= n:
+        for q in range(0, SPAN, 16):
+          _prefetch(g, np.uint64(nxt + q))
+          _prefetch(p, np.uint64(nxt + q))
+        for q in range(0, SPAN, 32):
+          _prefetch(m, np.uint64(nxt + q))
+          _prefetch(v, np.uint64(nxt + q))
       h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
-      for j in range(k):
+      for j in range(min(SPAN, n - lo)):
         i = np.uint64(lo + j)
-        mc[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_fmix(h_m)))
-        vc[i] = mf.nb_nu_code(new_v[j], inv_v, mf.nb_unit(mf.nb_fmix(h_v)))
+        mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_bf16_load(m[i]), mf.nb_bf16_load(v[i]), b1, one_minus_b1, b2,
+                                      one_minus_b2)  # fmt: skip
+        pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+        m[i] = mf.nb_bf16_store(mi, mf.nb_fmix(h_m))
+        v[i] = mf.nb_bf16_store(vi, mf.nb_fmix(h_v))
+        p[i] = pn
         h_m, h_v = np.uint32(h_m + _CI), np.uint32(h_v + _CI)
-      for j in range(k, B):
-        mc[lo + j] = 0
-        vc[lo + j] = 0
-      mw[base + b], vw[base + b] = s_m, s_v
+
+  return bf16_spans
 
 
+def _make_int8(weights_first: bool, ahead: int):
+  """host_compact's int8 step (state in place, no decay, no copy; nu's first square root in the first pass) with
+  the weights in the first pass (``weights_first``: its three divides and a square root beside the decode, the
+  second pass two square roots) or the second; with ``ahead``, each block first prefetches the lines of the block
+  ``ahead`` blocks on."""
+
+  @numba.njit(**_VOPTS)
+  def int8_variant(g, p, mc, mw, vc, vw, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs,
+                   key_m, key_v):  # fmt: skip
+    key_m, key_v = np.uint32(key_m), np.uint32(key_v)
+    B, CHUNK = mf.BLOCK, host_compact.CHUNK
+    n = g.shape[0]
+    nb = (n + B - 1) // B
+    base = nb * (B // 4)
+    for c in numba.prange((nb + CHUNK - 1) // CHUNK):
+      new_m, new_v, root_v = np.empty(B, np.float32), np.empty(B, np.float32), np.empty(B, np.float32)
+      for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
+        lo, k = b * B, min(B, n - b * B)
+        nxt = lo + ahead * B
+        if ahead and nxt + B <= n:
+          for q in range(0, B, 16):
+            _prefetch(g, np.uint64(nxt + q))
+            _prefetch(p, np.uint64(nxt + q))
+          for q in range(0, B, 64):
+            _prefetch(mc, np.uint64(nxt + q))
+            _prefetch(vc, np.uint64(nxt + q))
+        old_m, old_v = mw[base + b], vw[base + b]
+        top_m, top_v = np.int32(0), np.int32(0)
+        for j in range(k):
+          i = np.uint64(lo + j)
+          mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_mu_decode(mc[i], old_m), mf.nb_nu_decode(vc[i], old_v), b1,
+                                        one_minus_b1, b2, one_minus_b2)  # fmt: skip
+          if weights_first:
+            p[i] = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+          ri = np.sqrt(vi)
+          new_m[j], new_v[j], root_v[j] = mi, vi, ri
+          top_m, top_v = max(top_m, host_compact._abs_bits(mi)), max(top_v, host_compact._abs_bits(ri))
+        s_m, s_v = host_compact._max_of_bits(top_m), host_compact._max_of_bits(top_v)
+        inv_m, inv_v = np.float32(1) / s_m, np.float32(1) / s_v
+        h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
+        for j in range(k):
+          i = np.uint64(lo + j)
+          if not weights_first:
+            p[i] = adam_math.nb_weight(p[i], new_m[j], new_v[j], eps, eps_root, wd, neg_lr, bc1, bc2, False)
+          mc[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_fmix(h_m)))
+          vc[i] = mf.nb_nu_code_of_root(root_v[j], new_v[j], inv_v, mf.nb_unit(mf.nb_fmix(h_v)))
+          h_m, h_v = np.uint32(h_m + _CI), np.uint32(h_v + _CI)
+        for j in range(k, B):
+          mc[lo + j] = 0
+          vc[lo + j] = 0
+        mw[base + b], vw[base + b] = s_m, s_v
+
+  return int8_variant
+
+
+_BF16_SPANS, _BF16_PREFETCH = _make_bf16_spans(0), _make_bf16_spans(8)  # 8 spans: 8 KB of g and of p ahead
+_INT8_WEIGHTS_FIRST, _INT8_PREFETCH = _make_int8(True, 0), _make_int8(False, 4)
 _INT8_CODES = host_compact.make_int8_kernel(host_kernels._load_f32, host_kernels._bf16_bits, roots_first=False)
-VARIANTS = ("bfloat16_prefetch", "int8_codes", "int8_weights_first")
+VARIANTS = ("bfloat16_spans", "bfloat16_prefetch", "int8_codes", "int8_weights_first", "int8_prefetch")
 
 
 def calls(b: dict) -> dict:
@@ -272,11 +299,13 @@ def calls(b: dict) -> dict:
     "bfloat16": lambda: kb(g, p, mb, vb, p, mb, vb, low, *HYPER, *STEP, *keys, False, False, True),
     "int8": lambda: ki(g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True),
     # The variants: the same bits as the kernel of their format (checked), other code.
-    "bfloat16_prefetch": lambda: _bf16_prefetch(g, p, mb, vb, *HYPER, *STEP, *keys),
+    "bfloat16_spans": lambda: _BF16_SPANS(g, p, mb, vb, *HYPER, *STEP, *keys),
+    "bfloat16_prefetch": lambda: _BF16_PREFETCH(g, p, mb, vb, *HYPER, *STEP, *keys),
     "int8_codes": lambda: _INT8_CODES(
       g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True
     ),
-    "int8_weights_first": lambda: _int8_weights_first(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
+    "int8_weights_first": lambda: _INT8_WEIGHTS_FIRST(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
+    "int8_prefetch": lambda: _INT8_PREFETCH(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
     "twin_float32": lambda: _twin_f32(g, p, m, v, z, one),
     "twin_bfloat16": lambda: _twin_16(g, p, mb, vb, z, k0),
     "twin_int8": lambda: _twin_8(g, p, mc[:n], vc[:n], z, np.uint8(0)),
