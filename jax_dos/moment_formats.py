@@ -322,11 +322,16 @@ def nb_nu_decode(code, s):
 
 
 @numba.njit(inline="always")
-def nb_nu_code(v, inv, u):  # inv: 1 / the block's scale
-  q = nb_round(np.sqrt(np.sqrt(v) * inv) * np.float32(255), u, 255)
+def nb_nu_code_of_root(r, v, inv, u):  # nb_nu_code(v, inv, u) given r = sqrt(v)
+  q = nb_round(np.sqrt(r * inv) * np.float32(255), u, 255)
   if v > np.float32(0) and q < 1:
     q = np.int32(1)
   return np.uint8(q)
+
+
+@numba.njit(inline="always")
+def nb_nu_code(v, inv, u):  # inv: 1 / the block's scale
+  return nb_nu_code_of_root(np.sqrt(v), v, inv, u)
 
 
 @numba.njit(cache=True, error_model="numpy")

@@ -1,0 +1,497 @@
+"""Probe: what bounds the host kernels (float32, bfloat16, int8 moments) on a machine's cores.
+
+Run on the GPU machine's host (the GPU is not used), from the repository's root::
+
+    PYTHONPATH=$PWD OUT=$OUT python bench/probes/host_kernel_bound.py [--elements 268435456] [--threads 1 2 4 8 16]
+
+Prints what it measures and writes ``$OUT/host_kernel_bound.json`` (or ``bench/results/`` without ``$OUT``):
+
+- ``cpu``: ``lscpu``'s model, caches and vector flags (avx*, fma); llvmlite's host CPU name and the features numba
+  compiles for.
+- ``asm``: for each format's kernel, its innermost vector loops (one for each set of flags the kernel has a loop
+  for; int8's first pass, then its second): their instructions (``body``), the vector registers they name (``zmm``:
+  512-bit lanes, ``ymm``: 256-bit) and their divides, square roots and 32-bit multiplies by width. A loop takes
+  one vector of lanes an iteration (int8's first pass two): 3 divides and 1 square root a vector are the weight's.
+- ``stream``: a numba triad ``a = b + s c`` and copy ``a = b`` over ``--stream-elements`` float32 each (1 GiB an
+  array by default) at each thread count, in GB/s counted as STREAM counts (12 and 8 B an element; a store's
+  read-for-ownership not counted).
+- ``rows``: at each thread count and ``--elements`` parameters, each format's kernel and its *traffic twin*: a loop
+  with the same loads and stores (g, p, m, v read; p, m, v written in place) and no arithmetic to speak of. The twin's
+  rate is what the DRAM (or a core's memory concurrency) allows the kernel's bytes; a kernel near its twin is bound by
+  memory, one far below it by its arithmetic (the row of one thread: a core's). Beside them the *variants*, the same
+  bits by other code (``variants_same_bits`` checks): ``bfloat16_spans`` (spans of 256 elements, the hash inputs an
+  induction), ``bfloat16_prefetch`` (the same, each span first prefetching the lines 8 spans on, towards L2),
+  ``int8_codes`` (``host_compact``'s split before: all seven divides and square roots in the second pass),
+  ``int8_weights_first`` (the weights in the first pass), ``int8_prefetch`` (the kernel, each block first
+  prefetching the lines 4 blocks on).
+- ``core``: one thread, each kernel, variant and twin at ``--core-elements`` (in cache: the arithmetic's rate a
+  core), best of ``--core-repeats``, a launch's fixed cost (a call on 256 elements) taken off.
+
+Rates are G parameters/s (``n / time``), the best of ``--repeats`` calls after one warm-up (which compiles). Each
+kernel feeds on its own output, as ``bench/host_kernel.py``'s do. Kernels compile into a fresh cache (``asm`` needs
+code compiled in the process); thread counts left after ``--budget-s`` seconds are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("NUMBA_CACHE_DIR", tempfile.mkdtemp(prefix="host_kernel_bound_"))  # before numba: asm
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # moment_formats imports jax; no accelerator needed
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import llvmlite.binding as llvm  # noqa: E402
+import numba  # noqa: E402
+import numba.extending  # noqa: E402
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+
+from jax_dos import adam_math, host_compact, host_kernels  # noqa: E402
+from jax_dos import moment_formats as mf  # noqa: E402
+from jax_dos.planning.cost_model import kernel_bytes  # noqa: E402
+
+F = np.float32
+HYPER = (F(0.9), F(0.1), F(0.999), F(0.001), F(1e-8), F(0), F(0))  # b1, 1 - b1, b2, 1 - b2, eps, eps_root, wd
+STEP = (F(-1e-3), F(0.65), F(0.01), F(1))  # -lr, 1 - b1**t, 1 - b2**t, gradient scale
+FORMATS = ("float32", "bfloat16", "int8")
+BYTES = {fmt: kernel_bytes(fmt) for fmt in FORMATS}  # DRAM bytes a parameter: 28, 20, about 16
+_OPTS = dict(parallel=True, nogil=True, boundscheck=False)
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def cpu_info() -> dict:
+  """lscpu's model, caches and vector flags; the CPU and features numba's LLVM compiles for."""
+  try:
+    text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+  except (OSError, subprocess.SubprocessError) as e:
+    text = f"lscpu failed: {e}"
+  fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  flags = fields.get("Flags", "").split()
+  vector = sorted(f for f in flags if re.match(r"^(avx|fma|sse4|amx|f16c)", f))
+  keep = ("Model name", "CPU(s)", "Thread(s) per core", "Core(s) per socket", "Socket(s)", "CPU max MHz", "CPU MHz",
+          "L1d cache", "L2 cache", "L3 cache", "NUMA node(s)", "Hypervisor vendor")  # fmt: skip
+  features = llvm.get_host_cpu_features()
+  on = sorted(k for k, v in features.items() if v) if hasattr(features, "items") else str(features)
+  return dict(
+    lscpu={k: fields[k] for k in keep if k in fields},
+    vector_flags=vector,
+    avx512=[f for f in vector if f.startswith("avx512")],
+    llvm_host_cpu=llvm.get_host_cpu_name(),
+    numba_cpu_name=numba.config.CPU_NAME or "host",
+    numba_cpu_features=numba.config.CPU_FEATURES or "host",
+    llvm_host_features=[f for f in on if re.match(r"^(avx|fma|sse4|prefer|amx|evex)", f)],
+    numba=numba.__version__,
+    numba_threads=numba.config.NUMBA_NUM_THREADS,
+    python=sys.version.split()[0],
+  )
+
+
+# ----------------------------------------------------------------------------- buffers and kernels
+
+
+@numba.njit(**_OPTS)
+def _fill(g, p, m, v):  # deterministic values of Adam's sizes: |g|, |p| < 1, m ~ g / 10, v ~ g**2 / 100
+  for i in numba.prange(g.shape[0]):
+    h = mf.nb_hash(i, np.uint32(12345))
+    x = np.float32(np.int32(h >> np.uint32(8))) * np.float32(2.0**-24) - np.float32(0.5)
+    g[i], p[i], m[i], v[i] = x, np.float32(0.5) - x, np.float32(0.1) * x, np.float32(0.01) * x * x + np.float32(1e-6)
+
+
+@numba.njit(**_OPTS)
+def _codes(src, key, out):  # random code bytes
+  for i in numba.prange(out.shape[0]):
+    out[i] = np.uint8(mf.nb_hash(i, np.uint32(key)) >> np.uint32(24)) | np.uint8(src)
+
+
+@numba.njit(**_OPTS)
+def _to_bf16_bits(x, out):
+  for i in numba.prange(x.shape[0]):
+    out[i] = np.uint16(np.float32(x[i]).view(np.uint32) >> np.uint32(16))
+
+
+def buffers(n: int) -> dict:
+  """g, p, m, v (float32), the moments as bfloat16 bits and as int8 blocks (codes, then unit scales)."""
+  g, p, m, v = (np.empty(n, F) for _ in range(4))
+  _fill(g, p, m, v)
+  mb, vb = np.empty(n, np.uint16), np.empty(n, np.uint16)
+  _to_bf16_bits(m, mb)
+  _to_bf16_bits(v, vb)
+  nb = mf.blocks(n)
+  m8, v8 = (np.zeros(nb * (mf.BLOCK + 4), np.uint8) for _ in range(2))
+  _codes(0, 1, m8[:n])
+  _codes(1, 2, v8[:n])  # nu codes >= 1
+  for buf in (m8, v8):
+    buf[nb * mf.BLOCK :].view(F)[:] = 1.0
+  return dict(g=g, p=p, m=m, v=v, mb=mb, vb=vb, m8=m8, v8=v8)
+
+
+@numba.njit(**_OPTS)
+def _twin_f32(g, p, m, v, zero, one):  # float32's loads and stores, no arithmetic to speak of
+  for i in numba.prange(g.shape[0]):
+    p[i] = p[i] + zero * g[i]
+    m[i] = m[i] * one
+    v[i] = v[i] * one
+
+
+@numba.njit(**_OPTS)
+def _twin_16(g, p, m, v, zero, key):  # bfloat16's (16-bit moments)
+  for i in numba.prange(g.shape[0]):
+    p[i] = p[i] + zero * g[i]
+    m[i] = m[i] ^ key
+    v[i] = v[i] ^ key
+
+
+@numba.njit(**_OPTS)
+def _twin_8(g, p, m, v, zero, key):  # int8's (byte codes; the scales, 4 B a block, not touched)
+  for i in numba.prange(g.shape[0]):
+    p[i] = p[i] + zero * g[i]
+    m[i] = m[i] ^ key
+    v[i] = v[i] ^ key
+
+
+# ----------------------------------------------------------------------------- variants (the same bits, other code)
+
+
+@numba.extending.intrinsic
+def _prefetch(typingctx, arr, idx):
+  """``llvm.prefetch`` of ``arr[idx]``'s line towards L2 (a read, locality 2): one instruction, never a fault."""
+  if not isinstance(arr, numba.types.Array) or not isinstance(idx, numba.types.Integer):
+    return None
+
+  def codegen(context, builder, sig, args):
+    data = context.make_array(sig.args[0])(context, builder, args[0]).data
+    i8p = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p.type, i32, i32, i32]),
+                                        "llvm.prefetch.p0")  # fmt: skip
+    builder.call(fn, [i8p, i32(0), i32(2), i32(1)])
+    return context.get_dummy_value()
+
+  return numba.types.void(arr, idx), codegen
+
+
+SPAN = 256  # the bfloat16 variants' elements a span
+_CI = np.uint32(mf._C_IDX)
+_VOPTS = dict(parallel=True, nogil=True, boundscheck=False, error_model="numpy")
+
+
+def _make_bf16_spans(ahead: int):
+  """host_compact's bfloat16 step (state in place, no decay, no copy) a span of ``SPAN`` elements at a time, the
+  hash inputs an induction; with ``ahead``, each span first prefetches the lines of the span ``ahead`` spans on."""
+
+  @numba.njit(**_VOPTS)
+  def bf16_spans(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, key_m,
+                 key_v):  # fmt: skip
+    key_m, key_v = np.uint32(key_m), np.uint32(key_v)
+    n = g.shape[0]
+    for c in numba.prange((n + SPAN - 1) // SPAN):
+      lo = c * SPAN
+      nxt = lo + ahead * SPAN
+      if ahead and nxt + SPAN <= n:
+        for q in range(0, SPAN, 16):
+          _prefetch(g, np.uint64(nxt + q))
+          _prefetch(p, np.uint64(nxt + q))
+        for q in range(0, SPAN, 32):
+          _prefetch(m, np.uint64(nxt + q))
+          _prefetch(v, np.uint64(nxt + q))
+      h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
+      for j in range(min(SPAN, n - lo)):
+        i = np.uint64(lo + j)
+        mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_bf16_load(m[i]), mf.nb_bf16_load(v[i]), b1, one_minus_b1, b2,
+                                      one_minus_b2)  # fmt: skip
+        pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+        m[i] = mf.nb_bf16_store(mi, mf.nb_fmix(h_m))
+        v[i] = mf.nb_bf16_store(vi, mf.nb_fmix(h_v))
+        p[i] = pn
+        h_m, h_v = np.uint32(h_m + _CI), np.uint32(h_v + _CI)
+
+  return bf16_spans
+
+
+def _make_int8(weights_first: bool, ahead: int):
+  """host_compact's int8 step (state in place, no decay, no copy; nu's first square root in the first pass) with
+  the weights in the first pass (``weights_first``: its three divides and a square root beside the decode, the
+  second pass two square roots) or the second; with ``ahead``, each block first prefetches the lines of the block
+  ``ahead`` blocks on."""
+
+  @numba.njit(**_VOPTS)
+  def int8_variant(g, p, mc, mw, vc, vw, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs,
+                   key_m, key_v):  # fmt: skip
+    key_m, key_v = np.uint32(key_m), np.uint32(key_v)
+    B, CHUNK = mf.BLOCK, host_compact.CHUNK
+    n = g.shape[0]
+    nb = (n + B - 1) // B
+    base = nb * (B // 4)
+    for c in numba.prange((nb + CHUNK - 1) // CHUNK):
+      new_m, new_v, root_v = np.empty(B, np.float32), np.empty(B, np.float32), np.empty(B, np.float32)
+      for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
+        lo, k = b * B, min(B, n - b * B)
+        nxt = lo + ahead * B
+        if ahead and nxt + B <= n:
+          for q in range(0, B, 16):
+            _prefetch(g, np.uint64(nxt + q))
+            _prefetch(p, np.uint64(nxt + q))
+          for q in range(0, B, 64):
+            _prefetch(mc, np.uint64(nxt + q))
+            _prefetch(vc, np.uint64(nxt + q))
+        old_m, old_v = mw[base + b], vw[base + b]
+        top_m, top_v = np.int32(0), np.int32(0)
+        for j in range(k):
+          i = np.uint64(lo + j)
+          mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_mu_decode(mc[i], old_m), mf.nb_nu_decode(vc[i], old_v), b1,
+                                        one_minus_b1, b2, one_minus_b2)  # fmt: skip
+          if weights_first:
+            p[i] = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+          ri = np.sqrt(vi)
+          new_m[j], new_v[j], root_v[j] = mi, vi, ri
+          top_m, top_v = max(top_m, host_compact._abs_bits(mi)), max(top_v, host_compact._abs_bits(ri))
+        s_m, s_v = host_compact._max_of_bits(top_m), host_compact._max_of_bits(top_v)
+        inv_m, inv_v = np.float32(1) / s_m, np.float32(1) / s_v
+        h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
+        for j in range(k):
+          i = np.uint64(lo + j)
+          if not weights_first:
+            p[i] = adam_math.nb_weight(p[i], new_m[j], new_v[j], eps, eps_root, wd, neg_lr, bc1, bc2, False)
+          mc[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_fmix(h_m)))
+          vc[i] = mf.nb_nu_code_of_root(root_v[j], new_v[j], inv_v, mf.nb_unit(mf.nb_fmix(h_v)))
+          h_m, h_v = np.uint32(h_m + _CI), np.uint32(h_v + _CI)
+        for j in range(k, B):
+          mc[lo + j] = 0
+          vc[lo + j] = 0
+        mw[base + b], vw[base + b] = s_m, s_v
+
+  return int8_variant
+
+
+_BF16_SPANS, _BF16_PREFETCH = _make_bf16_spans(0), _make_bf16_spans(8)  # 8 spans: 8 KB of g and of p ahead
+_INT8_WEIGHTS_FIRST, _INT8_PREFETCH = _make_int8(True, 0), _make_int8(False, 4)
+_INT8_CODES = host_compact.make_int8_kernel(host_kernels._load_f32, host_kernels._bf16_bits, roots_first=False)
+VARIANTS = ("bfloat16_spans", "bfloat16_prefetch", "int8_codes", "int8_weights_first", "int8_prefetch")
+
+
+def calls(b: dict) -> dict:
+  """Each format's kernel (``host_kernels``' dispatch: state written, no bfloat16 copy) and twin, as callables."""
+  g, p, m, v, mb, vb, m8, v8 = (b[k] for k in ("g", "p", "m", "v", "mb", "vb", "m8", "v8"))
+  low = np.zeros(0, np.uint16)
+  keys = (mf.host_key(11.0, 0), mf.host_key(11.0, 1))
+  k32 = host_kernels._KERNELS["float32", "bfloat16"]
+  kb = host_kernels._COMPACT["bfloat16", "float32", "bfloat16"]
+  ki = host_kernels._COMPACT["int8", "float32", "bfloat16"]
+  (mc, mw), (vc, vw) = host_compact.int8_views(m8), host_compact.int8_views(v8)
+  n = g.shape[0]
+  z, one, k0 = F(0), F(1), np.uint16(0)
+  return {
+    "float32": lambda: k32(
+      g, p, m, v, low, low, low, *HYPER, *STEP, False, False, False, F(0), F(1), F(1), True, False
+    ),
+    "bfloat16": lambda: kb(g, p, mb, vb, p, mb, vb, low, *HYPER, *STEP, *keys, False, False, True),
+    "int8": lambda: ki(g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True),
+    # The variants: the same bits as the kernel of their format (checked), other code.
+    "bfloat16_spans": lambda: _BF16_SPANS(g, p, mb, vb, *HYPER, *STEP, *keys),
+    "bfloat16_prefetch": lambda: _BF16_PREFETCH(g, p, mb, vb, *HYPER, *STEP, *keys),
+    "int8_codes": lambda: _INT8_CODES(
+      g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True
+    ),
+    "int8_weights_first": lambda: _INT8_WEIGHTS_FIRST(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
+    "int8_prefetch": lambda: _INT8_PREFETCH(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
+    "twin_float32": lambda: _twin_f32(g, p, m, v, z, one),
+    "twin_bfloat16": lambda: _twin_16(g, p, mb, vb, z, k0),
+    "twin_int8": lambda: _twin_8(g, p, mc[:n], vc[:n], z, np.uint8(0)),
+  }
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def best(fn, repeats: int, clock=time.perf_counter) -> float:
+  fn()  # warm-up (compiles on first use)
+  out = float("inf")
+  for _ in range(repeats):
+    t0 = clock()
+    fn()
+    out = min(out, clock() - t0)
+  return out
+
+
+@numba.njit(**_OPTS)
+def _triad(a, b, c, s):
+  for i in numba.prange(a.shape[0]):
+    a[i] = b[i] + s * c[i]
+
+
+@numba.njit(**_OPTS)
+def _copy(a, b):
+  for i in numba.prange(a.shape[0]):
+    a[i] = b[i]
+
+
+def stream(n: int, threads: list[int], repeats: int) -> list[dict]:
+  a, b, c = np.empty(n, F), np.empty(n, F), np.empty(n, F)
+  numba.set_num_threads(max(threads))
+  _fill(a, b, c, a)  # first touch by all threads
+  rows = []
+  for t in threads:
+    numba.set_num_threads(t)
+    tt = best(lambda: _triad(a, b, c, F(0.5)), repeats)
+    tc = best(lambda: _copy(a, b), repeats)
+    rows.append(dict(threads=t, triad_GBps=12 * n / tt / 1e9, copy_GBps=8 * n / tc / 1e9))
+    print(f"stream  threads {t:3d}: triad {rows[-1]['triad_GBps']:7.1f} GB/s, copy {rows[-1]['copy_GBps']:7.1f} GB/s",
+          flush=True)  # fmt: skip
+  return rows
+
+
+def sweep(fns: dict, n: int, threads: list[int], repeats: int, deadline: float) -> list[dict]:
+  rows = []
+  for t in threads:
+    if time.perf_counter() > deadline:
+      print(f"kernels threads {t:3d}: skipped (past --budget-s)", flush=True)
+      continue
+    numba.set_num_threads(t)
+    row = dict(threads=t)
+    for name, fn in fns.items():
+      s = best(fn, repeats)
+      row[f"{name}_Gps"] = n / s / 1e9
+      row[f"{name}_GBps"] = n * BYTES[name.removeprefix("twin_").split("_")[0]] / s / 1e9
+    for fmt in FORMATS:
+      row[f"{fmt}_of_twin"] = row[f"{fmt}_Gps"] / row[f"twin_{fmt}_Gps"]
+      row[f"{fmt}_vs_float32"] = row[f"{fmt}_Gps"] / row["float32_Gps"]
+    rows.append(row)
+    print(f"kernels threads {t:3d}: " + ", ".join(f"{f} {row[f'{f}_Gps']:.3f} ({row[f'{f}_GBps']:.0f} GB/s, twin "
+          f"{row[f'twin_{f}_Gps']:.3f})" for f in FORMATS) + " G params/s; " + ", ".join(
+          f"{v} {row[f'{v}_Gps']:.3f}" for v in VARIANTS), flush=True)  # fmt: skip
+  return rows
+
+
+def core(small: dict, n_small: int, repeats: int) -> dict:
+  """One thread, in cache: each kernel's arithmetic a core, a launch's fixed cost (a call on 256 elements) taken
+  off (the same thread's rate over ``--elements`` is ``rows``' first row)."""
+  numba.set_num_threads(1)
+  tiny = calls(buffers(256))
+  out = {}
+  for name in small:
+    launch = best(tiny[name], repeats)
+    t_small = best(small[name], repeats)
+    out[name] = dict(in_cache_Gps=n_small / max(t_small - launch, 1e-9) / 1e9, launch_us=launch * 1e6)
+    print(f"core    {name:18s}: in cache {out[name]['in_cache_Gps']:.3f} G params/s (launch {launch * 1e6:.0f} us)",
+          flush=True)  # fmt: skip
+  return out
+
+
+def check_variants(n: int = 3 * mf.BLOCK + 37) -> dict:
+  """Each variant's state after two steps against its format's kernel's, byte for byte (True: the same bits)."""
+  out = {}
+  for variant in VARIANTS:
+    fmt = variant.split("_")[0]
+    state = {"bfloat16": ("p", "mb", "vb"), "int8": ("p", "m8", "v8")}[fmt]
+    a, b = buffers(n), buffers(n)
+    for bufs in (a, b):
+      bufs["v"][:5] = 0.0  # zeros among the moments
+      bufs["g"][7] = np.nan
+    fa, fb = calls(a), calls(b)
+    for _ in range(2):
+      fa[fmt]()
+      fb[variant]()
+    out[variant] = all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in state)
+  print(f"same bits: {out}", flush=True)
+  return out
+
+
+# ----------------------------------------------------------------------------- code
+
+
+def hot_loops(asm: str) -> list[dict]:
+  """The innermost loops (a backward branch's body holding no other) of at least 10 vector instructions, each with
+  its instructions, the vector registers they name (zmm: 512-bit lanes, ymm: 256) and its divides, square roots and
+  32-bit integer multiplies by width (a vector of float32 lanes takes 3 divides and 1 square root in the weight)."""
+  labels, ins = {}, []
+  for line in asm.splitlines():
+    s = line.split("#")[0].strip()
+    lab = re.match(r"^(\.LBB\w+):", s)
+    if lab:
+      labels[lab.group(1)] = len(ins)
+    elif s and not s.startswith("."):
+      ins.append(s)
+  loops = set()
+  for i, s in enumerate(ins):
+    jump = re.match(r"^j\w+\s+(\.LBB\w+)$", s)
+    if jump and labels.get(jump.group(1), i + 1) <= i:
+      loops.add((labels[jump.group(1)], i))
+  inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+  width = lambda x: "zmm" if "zmm" in x else "ymm" if "ymm" in x else "xmm"  # noqa: E731
+  out = []
+  for a, b in sorted(inner):
+    body = ins[a : b + 1]
+    regs = {r: sum(r in x for x in body) for r in ("zmm", "ymm", "xmm")}
+    if regs["zmm"] + regs["ymm"] < 10:
+      continue
+    heavy = collections.Counter(f"{x.split()[0]}.{width(x)}" for x in body if re.match(r"^v(div|sqrt)[ps]s|^vpmull", x))
+    out.append(dict(body=body, instructions=len(body), registers=regs, divides_roots_multiplies=dict(heavy),
+                    top_ops=dict(collections.Counter(x.split()[0] for x in body).most_common(10))))  # fmt: skip
+  return out
+
+
+def code_of(fns: dict) -> dict:
+  out = {}
+  for name, fn in (("float32", fns["float32"]), ("bfloat16", fns["bfloat16"]), ("int8", fns["int8"])):
+    kernel = {"float32": host_kernels._KERNELS["float32", "bfloat16"],
+              "bfloat16": host_kernels._COMPACT["bfloat16", "float32", "bfloat16"],
+              "int8": host_kernels._COMPACT["int8", "float32", "bfloat16"]}[name]  # fmt: skip
+    fn()
+    try:
+      asm = kernel.inspect_asm(kernel.signatures[0])
+      out[name] = dict(whole=dict(zmm=asm.count("zmm"), ymm=asm.count("ymm")), loops=hot_loops(asm))
+    except Exception as e:  # code loaded from a cache cannot be inspected
+      out[name] = dict(error=repr(e))
+    brief = [{k: v for k, v in loop.items() if k in ("instructions", "registers", "divides_roots_multiplies")}
+             for loop in out[name].get("loops", [])]  # fmt: skip
+    print(f"asm     {name:9s}: {out[name].get('error') or brief}", flush=True)
+  return out
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--elements", type=int, default=256 * 2**20)
+  ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--stream-elements", type=int, default=2**28)
+  ap.add_argument("--core-elements", type=int, default=2**18)
+  ap.add_argument("--core-repeats", type=int, default=20)
+  ap.add_argument("--budget-s", type=float, default=200, help="skip the thread counts left after this many seconds")
+  args = ap.parse_args()
+  threads = [t for t in args.threads if t <= numba.config.NUMBA_NUM_THREADS]
+  t0 = time.perf_counter()
+  result = dict(probe="host_kernel_bound", elements=args.elements, threads=threads, bytes_per_param=BYTES)
+  result["cpu"] = cpu_info()
+  print(json.dumps(result["cpu"], indent=1), flush=True)
+  result["threading_layer_requested"] = numba.config.THREADING_LAYER
+  small = calls(buffers(args.core_elements))
+  result["asm"] = code_of(small)
+  result["variants_same_bits"] = check_variants()
+  result["threading_layer"] = numba.threading_layer()
+  result["stream"] = stream(args.stream_elements, threads, args.repeats)
+  numba.set_num_threads(max(threads))
+  large = calls(buffers(args.elements))
+  result["rows"] = sweep(large, args.elements, threads, args.repeats, t0 + args.budget_s)
+  del large
+  result["core"] = core(small, args.core_elements, args.core_repeats)
+  result["seconds"] = time.perf_counter() - t0
+  print(f"done in {result['seconds']:.0f} s", flush=True)
+  out = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.dirname(__file__)), "results")
+  with open(os.path.join(out, "host_kernel_bound.json"), "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
