@@ -41,6 +41,7 @@ from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.moment_formats import state_bytes_per_param
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
+from jax_dos.overlap.clip import resolved_speculation
 from jax_dos.overlap.memory import host_need_bound
 from jax_dos.overlap.plan import abstract_state
 from jax_dos.overlap.plan import plan_step as overlapped_plan
@@ -135,6 +136,7 @@ __all__ = [
   "rematerialise",
   "remat_compiler_options",
   "resolve_plan",
+  "resolved_speculation",
   "to_optax_adamw_state",
   "timeline",
   "fired",

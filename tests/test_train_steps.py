@@ -16,6 +16,7 @@ import pytest
 from helpers import same_tree as _same_tree
 from helpers import train_tiny as _run
 
+import jax_dos
 from models import gpt as gpt_model
 from train import gpt as T
 from train import gradients as G
@@ -363,3 +364,14 @@ def test_the_first_norm_is_the_plain_gradients_norm_and_falls_back_to_the_prior(
   said = []
   assert overlapped.first_norm(gpt_model.staged(cfg), params, micro[:1], "full", said.append) is None
   assert len(said) == 1 and "the prior stands" in said[0], said
+
+
+def test_auto_speculation_waits_where_the_plan_predicts_waiting_shorter():
+  """``OverlappedStep(speculation="auto")``: ``"never"`` (every step waits for the clip's decision) where the plan's
+  fired step, which waits, is predicted shorter than its speculating step; ``"silent"`` otherwise or unpredicted."""
+  assert jax_dos.resolved_speculation("auto", {"step_speculating": 3.34, "step_clip_fired": 3.10}) == "never"
+  assert jax_dos.resolved_speculation("auto", {"step_speculating": 2.83, "step_clip_fired": 2.85}) == "silent"
+  assert jax_dos.resolved_speculation("auto", {}) == "silent"
+  assert jax_dos.resolved_speculation("always", {"step_speculating": 3.34, "step_clip_fired": 3.10}) == "always"
+  with pytest.raises(ValueError, match="speculation must be one of"):
+    jax_dos.resolved_speculation("sometimes", {})

@@ -139,6 +139,9 @@ def choose(
     bound = overlapped.predicted.get("step_clip_fired_bound")
     fired_text = "" if fired_s is None else f"; {fired_s:.2f} s after a fired clip"
     fired_text += "" if bound is None else f", {bound:.2f} s at best (the host's rates, the next forward pass)"
+    if jax_dos.resolved_speculation("auto", overlapped.predicted) == "never":
+      speculating = overlapped.predicted["step_speculating"]
+      fired_text += f"; each step waits for the clip's decision: {speculating:.2f} s if not"
     shown.append(f"overlapped {silent:.2f} s (forward/backward {own:.2f} s{fired_text})" + remat)
   if alone is not None:
     shown.append(f"plain {alone:.2f} s")

@@ -25,7 +25,21 @@ from jax_dos import trace
 from jax_dos.adam_math import clip_scale
 from jax_dos.job_thread import hand_back
 
-SPECULATION_MODES = ("silent", "always", "never")
+SPECULATION_MODES = ("auto", "silent", "always", "never")
+
+
+def resolved_speculation(mode: str, predicted: dict[str, float]) -> str:
+  """``mode``, with ``"auto"`` made ``"never"`` where a plan's predictions (``Plan.predicted``) say that waiting for
+  every decision (its step after a fired clip, ``"step_clip_fired"``) is shorter than speculating with the clip
+  silent (``"step_speculating"``), else ``"silent"``. Waiting steps every subgroup once, in the order the next
+  forward pass needs it, both paths sharing the host's; a plan made for a fired clip may run that faster than the
+  host path's hand-over order even where the clip is silent."""
+  if mode not in SPECULATION_MODES:
+    raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {mode!r}.")
+  if mode != "auto":
+    return mode
+  waiting, speculating = predicted.get("step_clip_fired"), predicted.get("step_speculating")
+  return "never" if waiting is not None and speculating is not None and waiting < speculating else "silent"
 
 
 def _step_scale(squares: list[jax.Array], clip_norm: float | None, micro_batches: int) -> tuple[jax.Array, jax.Array]:

@@ -453,10 +453,13 @@ def _timeline_plan(
   step, policies, times, window, placements, predicted, rates, slots = best
   fired = simulate_fired(window, subs, placements, rates, collectives)
   bound = fired_bound(window, subs, placements, rates, collectives)
+  compute = times.compute_s(k)
+  exposed = min(predicted["exposed_s"], fired["exposed_s"])  # waiting for the decision may be shorter (clip.py)
   predicted = {
-    "exposed": predicted["exposed_s"],
-    "step": times.compute_s(k) + predicted["exposed_s"],
-    "step_clip_fired": times.compute_s(k) + fired["exposed_s"],
+    "exposed": exposed,
+    "step": compute + exposed,
+    "step_speculating": compute + predicted["exposed_s"],
+    "step_clip_fired": compute + fired["exposed_s"],
     "step_clip_fired_bound": times.compute_s(k) + bound["exposed_s"],
     "compute_plain": (stage_times.assigned(full) if stage_times.remat_choices else stage_times).compute_s(k),
   }

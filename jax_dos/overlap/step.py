@@ -51,7 +51,7 @@ from jax_dos.overlap import plan as overlap_plan
 from jax_dos.overlap import process as overlap_process
 from jax_dos.overlap import routes as overlap_routes
 from jax_dos.overlap import state as overlap_state
-from jax_dos.overlap.clip import SPECULATION_MODES, StepRecord, speculates, start_copy_to_host, step_scale
+from jax_dos.overlap.clip import StepRecord, resolved_speculation, speculates, start_copy_to_host, step_scale
 from jax_dos.overlap.dispatch import Dispatch
 from jax_dos.overlap.plan import (
   REBALANCE_AFTER_STEPS,
@@ -112,11 +112,12 @@ class OverlappedStep:
       processes on it). The stream path speculates on what the rest holds (:attr:`stream_speculation`). Where the step
       does not fit, a ``MemoryError`` with the numbers before anything moves, on every process of the job: ``params``
       and ``opt_state`` stay usable on the plain path.
-    speculation: ``"silent"`` (the default): the workers speculate that the clip stays silent only where the last step's
-      clip was silent; after a fired step they wait for the decision and step every subgroup once, with the true scale,
-      in the order the next forward pass needs them (a fired clip makes a speculation wasted work that competes for host
-      DRAM and the link). ``"always"``: speculate every step. ``"never"``: wait for every decision. The numbers are the
-      same in all three.
+    speculation: ``"silent"``: the workers speculate that the clip stays silent only where the last step's clip was
+      silent; after a fired step they wait for the decision and step every subgroup once, with the true scale, in the
+      order the next forward pass needs them (a fired clip makes a speculation wasted work that competes for host DRAM
+      and the link). ``"always"``: speculate every step. ``"never"``: wait for every decision. ``"auto"`` (the
+      default): ``"never"`` where the plan predicts that shorter, else ``"silent"``
+      (``overlap.clip.resolved_speculation``). The numbers are the same in all.
     pinned_memory: ``"arena"``: the offloaded state, spares and copies in pinned memory the step maps itself, outside
       XLA's pinned pool (CUDA and the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``: XLA's pool;
       ``"auto"`` (the default): as ``overlap.state.PinnedMemory`` says. The numbers are the same.
@@ -150,7 +151,7 @@ class OverlappedStep:
     stream_slots: int = STREAM_SLOTS,
     host_budget_bytes: int | None = None,
     rebalance: bool = False,
-    speculation: str = "silent",
+    speculation: str = "auto",
     pinned_memory: str = "auto",
   ):
     if not isinstance(params, (list, tuple)):
@@ -161,9 +162,6 @@ class OverlappedStep:
     owner = overlappable(tx, list(params))
     overlap_process.check_no_command_buffers()
     options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
-    if speculation not in SPECULATION_MODES:
-      raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {speculation!r}.")
-    self.speculation = speculation
     if pinned_memory not in overlap_state.PINNED_MEMORY:
       raise ValueError(f"pinned_memory must be one of {overlap_state.PINNED_MEMORY}, got {pinned_memory!r}.")
     self.micro_batch_order, self.run_ahead_stages = options.micro_batch_order, options.run_ahead_stages
@@ -197,6 +195,7 @@ class OverlappedStep:
     self.plan = overlap_plan.plan_step(
       tx, stages, list(params), plan=plan, stage_times=stage_times, **dataclasses.asdict(options)
     )
+    self.speculation = resolved_speculation(speculation, self.plan.predicted)
     if self.plan.remat is not None:  # the plan's rematerialisation policies, chosen beside its placements
       if len(self.plan.remat) != len(self.model.stages):
         raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
