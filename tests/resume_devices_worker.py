@@ -1,7 +1,8 @@
 """``python -m train.gpt`` checkpoints saved on N devices and resumed on M, for ``test_train_resume.py``.
 
 ``python tests/resume_devices_worker.py STAGE DIR`` runs the training script in this process (CPU devices from
-``XLA_FLAGS``), several times, each run in ``DIR/<name>``; every run takes the same 4 rows a step (``--batch`` rows a
+``XLA_FLAGS``), several times, each run in ``DIR/<name>`` (``test_train_resume.py`` runs ``two`` so, and ``one`` in its
+own process of one device through :func:`main`); every run takes the same 4 rows a step (``--batch`` rows a
 device), so its batches do not depend on the device count. ``STAGE``:
 
 - ``two`` (2 devices): 4 steps with checkpoints at steps 2 and 4 on ``--mesh data=2 --overlap off`` (``s2off``: the

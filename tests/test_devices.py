@@ -159,13 +159,25 @@ def _train(tmp_path: Path, runs: dict[str, list[str]]) -> dict[str, tuple[dict[i
   return results
 
 
+def _train_here(tmp_path: Path, name: str, *flags: str) -> dict[int, dict]:
+  """``train.gpt`` on this process's one device; its metrics rows by step."""
+  from train import gpt
+
+  gpt.main([*TINY, "--out", str(tmp_path / name), *flags])
+  rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r for r in rows if "loss" in r}
+
+
 def test_all_devices_by_default_train_as_one_device_with_the_same_global_batch(tmp_path):
-  """One process of 2 and of 4 CPU devices (``--devices K``; every device is the default) trains as one device with
-  the same 8 rows a micro-batch (``--batch`` rows a device), on the plain step and on the overlapped one, also with
-  the parameters sharded (``--mesh fsdp=4``, ``data=2,fsdp=2``), the clip firing in the first step and silent after
-  it (the overlapped step then speculates): the same losses and gradient norms, to float32 rounding. The runs of 4
-  devices share one interpreter (the device count is fixed when jax starts)."""
-  one, _ = _train(tmp_path, {"one": ["--devices", "1", "--batch", "8"]})["one"]
+  """One process of 2 and of 4 CPU devices (``--devices K``; every device is the default) trains as one device (this
+  process) with the same 8 rows a micro-batch (``--batch`` rows a device), on the plain step and on the overlapped
+  one, also with the parameters sharded (``--mesh fsdp=4``, ``data=2,fsdp=2``), the clip firing in the first step and
+  silent after it (the overlapped step then speculates): the same losses and gradient norms, to float32 rounding. The
+  runs of 4 devices share one interpreter (the device count is fixed when jax starts)."""
+  import jax
+
+  assert jax.device_count() == 1, jax.devices()
+  one = _train_here(tmp_path, "one", "--batch", "8", "--quiet")
   assert [one[s]["clipped"] for s in (1, 2, 3)] == [True, False, False], one
   two, said = _train(tmp_path, {"two": ["--devices", "2", "--batch", "4"]})["two"]
   assert "devices 2 x cpu, all 2 of the job's, data-parallel (--mesh data=2" in said, said

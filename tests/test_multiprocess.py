@@ -170,10 +170,13 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def test_train_gpt_on_two_processes_matches_one_and_resumes_on_the_overlapped_step(tmp_path):
-  """``python -m train.gpt --mesh data=2,fsdp=2`` as 2 processes x 2 devices (explicit coordinator) trains as 1 process
-  of 4 devices does (``--overlap`` off, as ``auto`` is on a CPU), and resumes from the checkpoint the 2 processes wrote
-  as 2 processes x 1 device on the overlapped step (``--mesh data=2 --overlap on``): the same losses, to rounding
-  (float32 parameters)."""
+  """``python -m train.gpt --mesh data=2,fsdp=2`` as 2 processes x 2 devices (explicit coordinator) trains as one
+  device does on the same 8 rows a step (this process, ``--batch 4``; ``--overlap`` off, as ``auto`` is on a CPU; one
+  process of 4 devices trains as one device: ``test_devices.py``), and resumes from the checkpoint the 2 processes
+  wrote as 2 processes x 1 device on the overlapped step (``--mesh data=2 --overlap on``): the same losses, to
+  rounding (float32 parameters)."""
+  from train import gpt as train_gpt
+
   flags = [*TINY_GPT, "--param-dtype", "float32"]
 
   def gpt(*more: str):
@@ -183,8 +186,9 @@ def test_train_gpt_on_two_processes_matches_one_and_resumes_on_the_overlapped_st
 
     return command
 
-  launch(lambda port, i: ([sys.executable, "-m", "train.gpt", *flags, "--steps", "6", "--quiet", "--no-ckpt",
-                           "--out", str(tmp_path / "one")], {}), processes=1, devices=4)  # fmt: skip
+  mesh = flags.index("--mesh")
+  one_device = [*flags[:mesh], *flags[mesh + 2 :], "--batch", "4"]  # the 8 rows of a step, 4 a micro-batch
+  train_gpt.main([*one_device, "--steps", "6", "--quiet", "--no-ckpt", "--out", str(tmp_path / "one")])
   outputs = launch(gpt("--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "two")))
   assert "done: step 4" in outputs[0] and "done:" not in outputs[1], outputs  # messages from process 0 only
   for out in outputs:  # every process leaves the job together (jax.distributed.shutdown): no error line at the end
