@@ -82,7 +82,8 @@ def fired_plan(window, subs, r: timeline.Rates, moments: str, cap: int) -> list[
   largest = max(g.size for g in subs)
   resident = min(cap, int((ROOM_GIB * 2**30 - BOUNDARY_BYTES - SLOTS * (state + 4) * largest) / state))
   placements, _ = timeline.choose_placements(
-    window, subs, resident, r, score=lambda trial, _: fired.simulate_fired(window, subs, trial, r)["exposed_s"])
+    window, subs, resident, r, score=lambda trial, _: fired.simulate_fired(window, subs, trial, r)["exposed_s"]
+  )
   return placements
 
 
@@ -97,8 +98,9 @@ def row(name, times, subs, placements, r, measured) -> dict:
     "model_as_ran_s": compute + last_ones(window, subs, placements, r, r.host_after_decision)["exposed_s"],
     "interleaved_s": compute + fired.simulate_fired(window, subs, placements, r)["exposed_s"],
     "bound_s": compute + fired.fired_bound(window, subs, placements, r)["exposed_s"],
-    "placements": {p: round(sum(g.size for g, q in zip(subs, placements) if q == p) / G, 2)
-                   for p in ("device", "stream", "host")},  # fmt: skip
+    "placements": {
+      p: round(sum(g.size for g, q in zip(subs, placements) if q == p) / G, 2) for p in ("device", "stream", "host")
+    },  # fmt: skip
   }
   print(f"{name:52s} {str(measured):>11s} {compute:6.3f} {out['model_before_s']:7.3f} {out['model_as_ran_s']:7.3f}"
         f" {out['interleaved_s']:7.3f} {out['bound_s']:7.3f}  {out['placements']}")  # fmt: skip

@@ -313,8 +313,10 @@ def measure(
     solo,
     host_rate_concurrent=host_c,
     stream_rate_concurrent=stream_c,
-    **{field: host_kernel_rate(min(n, KERNEL_RATE_PARAMS), reps, host_kernels.TRAINING_CORES, moments)
-       for field, moments in KERNEL_RATE_FIELDS.items()},
+    **{
+      field: host_kernel_rate(min(n, KERNEL_RATE_PARAMS), reps, host_kernels.TRAINING_CORES, moments)
+      for field, moments in KERNEL_RATE_FIELDS.items()
+    },
     device_free_bytes=free,
     platform=dev.platform,
     device_kind=dev.device_kind,

@@ -182,8 +182,11 @@ class Calibration:
       f"host {g(self.host_rate)}, stream {g(self.stream_rate)}, device {g(self.device_rate)},"
       f" concurrent host {g(self.host_rate_concurrent)} + stream {g(self.stream_rate_concurrent)}"
       + (f", host kernel alone {g(self.host_kernel_rate)}" if self.host_kernel_rate else "")
-      + "".join(f" ({g(getattr(self, f))} with {f.rsplit('_', 1)[1]} moments)"
-                for f in _COMPACT_KERNEL_FIELDS if getattr(self, f))
+      + "".join(
+        f" ({g(getattr(self, f))} with {f.rsplit('_', 1)[1]} moments)"
+        for f in _COMPACT_KERNEL_FIELDS
+        if getattr(self, f)
+      )
     )
 
 
