@@ -182,6 +182,18 @@ def _prefetch(typingctx, arr, idx):
   return numba.types.void(arr, idx), codegen
 
 
+@numba.njit(inline="always")
+def _prefetch_lines(g, p, m, v, start, count, moment_step):
+  """Prefetches the lines of elements ``start .. start + count`` of ``g, p`` (float32: 16 a line) and of the moments
+  ``m, v`` (``moment_step`` elements a line)."""
+  for q in range(0, count, 16):
+    _prefetch(g, np.uint64(start + q))
+    _prefetch(p, np.uint64(start + q))
+  for q in range(0, count, moment_step):
+    _prefetch(m, np.uint64(start + q))
+    _prefetch(v, np.uint64(start + q))
+
+
 SPAN = 256  # the bfloat16 variants' elements a span
 _CI = np.uint32(mf._C_IDX)
 _VOPTS = dict(parallel=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -200,12 +212,7 @@ def _make_bf16_spans(ahead: int):
       lo = c * SPAN
       nxt = lo + ahead * SPAN
       if ahead and nxt + SPAN <= n:
-        for q in range(0, SPAN, 16):
-          _prefetch(g, np.uint64(nxt + q))
-          _prefetch(p, np.uint64(nxt + q))
-        for q in range(0, SPAN, 32):
-          _prefetch(m, np.uint64(nxt + q))
-          _prefetch(v, np.uint64(nxt + q))
+        _prefetch_lines(g, p, m, v, nxt, SPAN, 32)
       h_m, h_v = mf.nb_seed(lo, key_m), mf.nb_seed(lo, key_v)
       for j in range(min(SPAN, n - lo)):
         i = np.uint64(lo + j)
@@ -240,12 +247,7 @@ def _make_int8(weights_first: bool, ahead: int):
         lo, k = b * B, min(B, n - b * B)
         nxt = lo + ahead * B
         if ahead and nxt + B <= n:
-          for q in range(0, B, 16):
-            _prefetch(g, np.uint64(nxt + q))
-            _prefetch(p, np.uint64(nxt + q))
-          for q in range(0, B, 64):
-            _prefetch(mc, np.uint64(nxt + q))
-            _prefetch(vc, np.uint64(nxt + q))
+          _prefetch_lines(g, p, mc, vc, nxt, B, 64)
         old_m, old_v = mw[base + b], vw[base + b]
         top_m, top_v = np.int32(0), np.int32(0)
         for j in range(k):
