@@ -16,7 +16,7 @@ path's concurrent rate).
   (the accelerator's own work) and no earlier than ``D + W_<=j / R`` (its
   weights: both paths, full speed, all on the parameters the forward pass
   needs first), so the exposed update of a fired step is at least
-  ``max(r, max_j (W_<=j / R - F_<j))``: what ``timeline._next_forward``
+  ``max(r, max_j (W_<=j / R - F_<j))``: what ``timeline.next_forward``
   gives with stage ``j``'s weights final at ``D + W_<=j / R``. No split or order of the paths does
   better at these rates; only a larger resident share (the accelerator's
   room) or faster paths do.
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from jax_dos.collectives import Collectives
 from jax_dos.rates import Rates
-from jax_dos.timeline import StageTimes, Subgroup, _next_forward, _per_rank
+from jax_dos.timeline import StageTimes, Subgroup, next_forward, per_rank
 
 
 def _forward_order(subgroups: Sequence[Subgroup]) -> list[int]:
@@ -88,7 +88,7 @@ def simulate_fired(
   ``D`` as in ``simulate``, and the next forward pass follows stage by
   stage, each stage after its all-gather.
   """
-  subgroups, rates, ends, gathers = _per_rank(times, subgroups, rates, collectives)
+  subgroups, rates, ends, gathers = per_rank(times, subgroups, rates, collectives)
   backward_end = ends[0]
   forward_order = _forward_order(subgroups)
   hand_over = sorted(range(len(subgroups)), key=lambda s: (-subgroups[s].stage, s))
@@ -106,7 +106,7 @@ def simulate_fired(
       t += subgroups[s].size / max(rate[path], 1e-30)
       done[s] = t
     path_ends[path] = t
-  return _next_forward(times, subgroups, placements, rates, done, backward_end, path_ends, gathers)
+  return next_forward(times, subgroups, placements, rates, done, backward_end, path_ends, gathers)
 
 
 def fired_bound(
@@ -118,7 +118,7 @@ def fired_bound(
   stream_concurrent``: both paths busy from the decision to the end, on the parameters the next forward pass needs
   first. Its ``"exposed_s"`` is ``max(r, max_j (W_<=j / R - F_<j))``; ``"host_end_s"`` and
   ``"stream_end_s"`` are both ``D + W / R``."""
-  subgroups, rates, ends, gathers = _per_rank(times, subgroups, rates, collectives)
+  subgroups, rates, ends, gathers = per_rank(times, subgroups, rates, collectives)
   backward_end = ends[0]
   both = max(rates.host_after_decision + rates.stream_concurrent, 1e-30)
   offloaded = [0] * len(times.forward)
@@ -131,4 +131,4 @@ def fired_bound(
     upto.append(total)
   done = [backward_end + upto[g.stage] / both for g in subgroups]
   end = backward_end + total / both
-  return _next_forward(times, subgroups, placements, rates, done, backward_end, {"host": end, "stream": end}, gathers)
+  return next_forward(times, subgroups, placements, rates, done, backward_end, {"host": end, "stream": end}, gathers)

@@ -252,10 +252,10 @@ def simulate(
   over when it ends; the clip is decided once every reduction has ended
   (``backward_end_s``); stage ``j``'s all-gather starts once its groups are
   final and the link is free, and the next forward pass's stage ``j`` waits
-  for it (:func:`_next_forward`). With ``collectives`` the result also holds
+  for it (:func:`next_forward`). With ``collectives`` the result also holds
   ``"reduce_end_s"`` (the last reduction's end) and ``"gather_end_s"``.
   """
-  subgroups, rates, ends, gathers = _per_rank(times, subgroups, rates, collectives)
+  subgroups, rates, ends, gathers = per_rank(times, subgroups, rates, collectives)
   backward_end = ends[0]
   both = {"host", "stream"} <= set(placements)
   rate = {
@@ -279,10 +279,10 @@ def simulate(
         else:
           speculation -= subgroups[s].size
       free[path] = done[s] = _finish(start, subgroups[s].size, backward_end, during_backward[path], rate[path])
-  return _next_forward(times, subgroups, placements, rates, done, backward_end, free, gathers)
+  return next_forward(times, subgroups, placements, rates, done, backward_end, free, gathers)
 
 
-def _per_rank(
+def per_rank(
   times: StageTimes, subgroups: Sequence[Subgroup], rates: Rates, collectives: Collectives | None
 ) -> tuple[Sequence[Subgroup], Rates, list[float], list[float] | None]:
   """One rank's view of a step: ``(subgroups, rates, ends, gathers)``. ``ends[i]``: when stage ``i``'s gradients
@@ -302,7 +302,7 @@ def _per_rank(
   return shares, collectives.shared_rates(rates), ends, gathers
 
 
-def _next_forward(times, subgroups, placements, rates, done, backward_end, path_ends, gathers=None) -> dict:
+def next_forward(times, subgroups, placements, rates, done, backward_end, path_ends, gathers=None) -> dict:
   """The step's result once each offloaded subgroup's update ends at ``done[s]``: resident subgroups are updated at
   ``backward_end``, and the next forward pass runs stage by stage, each waiting for its groups' final weights and,
   with ``gathers`` (seconds per stage), for their all-gather, in stage order on the link after the last reduction.

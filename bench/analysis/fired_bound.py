@@ -72,7 +72,7 @@ def last_ones(window, subs, placements, r: timeline.Rates, host_rate: float) -> 
   for s in (s for s in host if s not in share):
     t["host"] += subs[s].size / host_rate
     done[s] = t["host"]
-  return timeline._next_forward(window, subs, placements, r, done, backward_end, t)
+  return timeline.next_forward(window, subs, placements, r, done, backward_end, t)
 
 
 def fired_plan(window, subs, r: timeline.Rates, moments: str, cap: int) -> list[str]:

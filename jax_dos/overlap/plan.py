@@ -460,7 +460,7 @@ def _timeline_plan(
     "step": compute + exposed,
     "step_speculating": compute + predicted["exposed_s"],
     "step_clip_fired": compute + fired["exposed_s"],
-    "step_clip_fired_bound": times.compute_s(k) + bound["exposed_s"],
+    "step_clip_fired_bound": compute + bound["exposed_s"],
     "compute_plain": (stage_times.assigned(full) if stage_times.remat_choices else stage_times).compute_s(k),
   }
   return Plan(subgroups, tuple(placements), sizes, slots, predicted, "model+timeline", whole.calibration,
