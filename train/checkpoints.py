@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 import warnings
 from typing import Any
 
@@ -178,4 +179,8 @@ def save(
   if not finite:
     bar.close()
     stop_non_finite(args, manager, f"the parameters after step {step_no}'s update are not finite (inf or nan)")
+  t0 = time.perf_counter()
   manager.save(step_no, params=params, opt_state=opt_state, meta=meta, force=True)
+  took = time.perf_counter() - t0
+  if took >= 1.0:  # the time the training waited for the save (all of it where the save is synchronous)
+    say(args, f"checkpoint step {step_no}: training waited {took:.1f} s for its save to {manager.directory}")

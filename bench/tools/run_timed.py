@@ -12,7 +12,8 @@ tree and the peak of the machine's used memory, sampled every 0.5 s
 the last one read): the command's resident set by mapping
 (``peak_rss_by_mapping``, from ``/proc/PID/smaps``: each file or device by
 name, anonymous memory by mapping size, and each anonymous mapping of 1 GiB
-or more with its kernel flags). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
+or more with its kernel flags), and the resident set's course (``rss_series``: ``[seconds, GiB]`` every
+``--series-every-s``, on the log's clock, so a phase's peak can be read beside its lines). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
 30 s later) and records ``stopped_at_deadline``, so that a run sized to a time
 limit still leaves its JSON.
 """
@@ -89,6 +90,7 @@ def main() -> None:
   p.add_argument("--log", required=True)
   p.add_argument("--mark", default="done: step", help="regex of the line after which the process should end")
   p.add_argument("--deadline-s", type=float, default=None, help="stop the command after this many seconds")
+  p.add_argument("--series-every-s", type=float, default=2.0, help="the resident set's course: a sample this often")
   p.add_argument("command", nargs=argparse.REMAINDER)
   args = p.parse_args()
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -118,6 +120,7 @@ def main() -> None:
   stopped_at = None
   breakdown: dict = {}
   breakdown_rss = 0.0
+  series: list[list[float]] = []
   while proc.poll() is None:
     rss = _tree_rss(ps)
     peak_rss = max(peak_rss, rss)
@@ -126,6 +129,8 @@ def main() -> None:
       breakdown_rss = rss
     peak_used = max(peak_used, psutil.virtual_memory().used)
     now = time.perf_counter() - t0
+    if not series or now >= series[-1][0] + args.series_every_s:
+      series.append([round(now, 2), round(rss / 2**30, 3)])
     if args.deadline_s is not None and now > args.deadline_s:
       if stopped_at is None:
         stopped_at = now
@@ -146,6 +151,7 @@ def main() -> None:
     "peak_rss_by_mapping": {"at_rss_gib": breakdown_rss / 2**30, **breakdown},
     "peak_machine_used_gib": peak_used / 2**30,
     "machine_total_gib": psutil.virtual_memory().total / 2**30,
+    "rss_series": series,
   }
   with open(args.json, "w") as f:
     json.dump(row, f, indent=1)
