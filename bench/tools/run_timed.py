@@ -13,9 +13,9 @@ the last one read): the command's resident set by mapping
 (``peak_rss_by_mapping``, from ``/proc/PID/smaps``: each file or device by
 name, anonymous memory by mapping size, and each anonymous mapping of 1 GiB
 or more with its kernel flags), and the resident set's course (``rss_series``: ``[seconds, GiB]`` every
-``--series-every-s``, on the log's clock, so a phase's peak can be read beside its lines). ``--deadline-s`` stops the command there (SIGINT, then SIGKILL
-30 s later) and records ``stopped_at_deadline``, so that a run sized to a time
-limit still leaves its JSON.
+``--series-every-s``, on the log's clock, so a phase's peak can be read beside its lines). ``--deadline-s``
+stops the command there (SIGINT, then SIGKILL 30 s later) and records ``stopped_at_deadline``, so that a run
+sized to a time limit still leaves its JSON.
 """
 
 from __future__ import annotations
