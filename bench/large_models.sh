@@ -10,15 +10,17 @@
 #           --grad-accum $RESUME_ACCUM (4: the same 32 rows a step as two GPUs saving), RESUME_STEPS more steps
 # The runs of STAGES go in turn while DEADLINE_S allows; a stage that needs more than is left is skipped. On H200s
 # each GPU is held to an H100's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.533: the 76.6 GiB train.gpt takes of 80 GB).
-# Usage: OUT=/some/dir STAGES="30b save" DEADLINE_S=585 bash bench/large_models.sh
+# Usage: OUT=/some/dir STAGES="30b save" DEADLINE_S=540 bash bench/large_models.sh
 # Each run writes OUT/<stage>.json, .log and _metrics.jsonl; OUT/device.txt the machine, OUT/<stage>_ckpt.txt the
-# checkpoint's size.
+# checkpoint's size, OUT/<stage>_disk.txt the bytes under runs/ every 5 s (seconds since the script's start: a save's
+# and a restore's pace, T0 of the log's clock less the stage's start).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results/large_models}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-dos-compile-cache}
 mkdir -p "$OUT" runs
 T0=$(date +%s)
-left() { echo $(( ${DEADLINE_S:-585} - ($(date +%s) - T0) )); }
+# 540: a run stopped at the deadline has 30 s to end (then SIGKILL) inside a 600 s call
+left() { echo $(( ${DEADLINE_S:-540} - ($(date +%s) - T0) )); }
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | sed -n 2p
  df -h "$PWD" /tmp | tail -n +2
  python3 -c 'import jax, flax, optax, orbax.checkpoint as o; print("jax", jax.__version__, "flax", flax.__version__,
@@ -31,10 +33,13 @@ run() {  # stage, seconds it needs at least, CUDA_VISIBLE_DEVICES, flags...
   local stage=$1 need=$2 gpus=$3; shift 3
   if (( $(left) < need )); then echo "=== $stage skipped: $(left) s left, it needs $need"; return; fi
   echo "=== $stage ($(left) s left)"
+  (while sleep 5; do echo "$(( $(date +%s) - T0 )) $(du -sb runs 2>/dev/null | cut -f1)"; done) > "$OUT/${stage}_disk.txt" &
+  local sampler=$!
   CUDA_VISIBLE_DEVICES=$gpus python3 bench/tools/run_timed.py --deadline-s "$(left)" --json "$OUT/$stage.json" \
     --log "$OUT/$stage.log" -- python3 -m train.gpt --log-every 5 "$@" | tail -1
   grep -h "^ *[0-9.]* \(devices\|step    \|memory  \|host    \|  predicted\|clip \|done\|checkpoint\|resum\)" \
     "$OUT/$stage.log" | head -12
+  kill "$sampler" 2>/dev/null
 }
 for stage in ${STAGES:-30b save resume}; do
   case $stage in

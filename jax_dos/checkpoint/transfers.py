@@ -96,6 +96,7 @@ def pytree_handler(order: TransferOrder, batch_bytes: int) -> Any:
   registry.add(jax.Array, arrays, override=True)
   return ocp.PyTreeCheckpointHandler(
     enable_pinned_host_transfer=False,
+    use_compression=False,
     save_device_host_concurrent_gb=batch_bytes / 1e9,
     type_handler_registry=registry,
   )
