@@ -121,6 +121,25 @@ def main() -> None:
   breakdown: dict = {}
   breakdown_rss = 0.0
   series: list[list[float]] = []
+
+  def write(wall: float) -> dict:  # the JSON as it stands (written again at the end)
+    row = {
+      "command": command,
+      "returncode": proc.returncode,
+      "wall_s": wall,
+      "mark_s": marked[-1] if marked else None,
+      "exit_after_mark_s": wall - marked[-1] if marked and proc.returncode is not None else None,
+      "stopped_at_deadline": stopped_at,
+      "peak_rss_gib": peak_rss / 2**30,
+      "peak_rss_by_mapping": {"at_rss_gib": breakdown_rss / 2**30, **breakdown},
+      "peak_machine_used_gib": peak_used / 2**30,
+      "machine_total_gib": psutil.virtual_memory().total / 2**30,
+      "rss_series": series,
+    }
+    with open(args.json, "w") as f:
+      json.dump(row, f, indent=1)
+    return row
+
   while proc.poll() is None:
     rss = _tree_rss(ps)
     peak_rss = max(peak_rss, rss)
@@ -134,28 +153,14 @@ def main() -> None:
     if args.deadline_s is not None and now > args.deadline_s:
       if stopped_at is None:
         stopped_at = now
+        write(now)  # a process holding much pinned memory can take minutes to end: what was seen is kept
         proc.send_signal(signal.SIGINT)
       elif now > stopped_at + 30:
         proc.kill()
     time.sleep(0.5)
   wall = time.perf_counter() - t0
   reader.join(timeout=10)
-  row = {
-    "command": command,
-    "returncode": proc.returncode,
-    "wall_s": wall,
-    "mark_s": marked[-1] if marked else None,
-    "exit_after_mark_s": wall - marked[-1] if marked else None,
-    "stopped_at_deadline": stopped_at,
-    "peak_rss_gib": peak_rss / 2**30,
-    "peak_rss_by_mapping": {"at_rss_gib": breakdown_rss / 2**30, **breakdown},
-    "peak_machine_used_gib": peak_used / 2**30,
-    "machine_total_gib": psutil.virtual_memory().total / 2**30,
-    "rss_series": series,
-  }
-  with open(args.json, "w") as f:
-    json.dump(row, f, indent=1)
-  print(json.dumps(row), flush=True)
+  print(json.dumps(write(wall)), flush=True)
 
 
 if __name__ == "__main__":
