@@ -205,6 +205,32 @@ def test_a_save_waited_for_copies_to_host_in_batches(tmp_path, async_save):
   assert peaks[1] <= 3 < 7 <= peaks[2**30], peaks  # the optimizer state's tree: count, 3 mu, 3 nu
 
 
+def test_auto_saves_asynchronously_only_what_adds_at_most_a_batch(tmp_path, caplog):
+  """``host_copy="auto"``: a state whose asynchronous save could add more host memory than a save's batch (twice its
+  host bytes, for the guard's copy and Orbax's, plus the rest) is saved synchronously, said once; a smaller one
+  asynchronously. ``save_added_bytes`` states each bound; both checkpoints restore the same state."""
+  tx = interleaved("host")
+  params, state = train(tx, make_params(), tx.init(make_params()), 2)
+  want = snapshot((params, state))
+  trees, _ = jax_dos.checkpoint.canonical.to_disk(params, state)
+  total = sum(x.nbytes for x in jax.tree.leaves(trees))  # the CPU backend: every array is host-resident
+  for batch, blocks in ((total, True), (2 * total, False)):
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jax_dos.checkpoint"):
+      with CheckpointManager(tmp_path / str(batch), save_interval_steps=1, save_batch_bytes=batch) as mgr:
+        added = mgr.save_added_bytes(params, state)
+        for step in (1, 2):
+          mgr.save(step, params=params, opt_state=state)
+          assert step in mgr.complete_steps() or not blocks  # a synchronous save is complete when it returns
+        mgr.wait_until_finished()
+        tp, ts = fresh(tx)
+        rp, rs, _ = mgr.restore(2, params=tp, opt_state=ts)
+    assert_equal_trees(want, (rp, rs))
+    said = [r for r in caplog.records if "saves are waited for" in r.getMessage()]
+    assert len(said) == (1 if blocks else 0), caplog.text
+    assert added == (total if blocks else 2 * total), (added, total)
+
+
 def test_tree_mismatch_and_missing_directory(tmp_path):
   tx = interleaved("host")
   params = make_params()

@@ -427,6 +427,10 @@ def train(args: TrainConfig) -> dict[str, Any]:
        + (f" (weights predicted from the {args.delay_predict})" if args.delay_predict else ""))  # fmt: skip
   for line in built.notes:
     say(args, line)
+  if manager is not None:
+    added = manager.save_added_bytes(step.params, step.opt_state)
+    every = f"every {args.ckpt_every} steps and " if args.ckpt_every > 0 else ""
+    say(args, f"ckpt    {every}at the end to {ckpt_dir}: a save adds up to {added / 2**30:.2f} GiB of host memory")
   if start_step:
     say(args, f"resumed from step {start_step} ({ckpt_dir})")
   if start_step >= args.steps:

@@ -13,11 +13,21 @@ array (``host_copy="copy"``: ``host_copies.snapshot``, a copy into ordinary
 memory by all cores, finished before ``save`` returns; XLA's own host-to-host
 copy ran single-threaded at 1.7 GB/s on the H100 machine). The copy costs host
 memory equal to the host state until the write ends; at most one save is in
-flight, so at most one copy exists. If that copy does not
-fit in half the available host memory, ``host_copy="auto"`` (the default)
-instead saves synchronously (``"block"``): slower, but never out of memory.
-Accelerator-resident arrays need nothing: Orbax copies them to host before
-``save`` returns.
+flight, so at most one copy exists. Accelerator-resident arrays need no guard,
+but an asynchronous save has Orbax copy every one of them to host memory before
+``save`` returns, and on a GPU the guarded copies once more (``np.asarray`` of a
+``pinned_host`` shard is a copy there): an asynchronous save can add up to
+``2 * host + accelerator`` bytes to the host's memory (:func:`async_added_bytes`).
+
+``host_copy="auto"`` (the default) therefore saves asynchronously only where
+that bound is at most the save's batch (``save_batch_bytes``, 8 GiB) and the
+copy fits in half the available host memory; otherwise it saves synchronously
+(``"block"``), Orbax copying a batch at a time (``transfers.py``), so that any
+save adds at most about a batch. The rule before this one copied whenever the
+host state fit in half the available memory: the 13B GPT on two H100s (110 GiB
+of host state, 250 GiB available) spent over two minutes copying before its
+first byte was written, and its save grew the process to the host's limit
+(``bench/results/large_models-h100x4/gpt13b_save_stopped/``).
 """
 
 from __future__ import annotations
@@ -51,8 +61,22 @@ def process_bytes(x: Any) -> int:
   return int(getattr(x, "nbytes", 0))
 
 
-def guard_mode(trees: Any, async_save: bool, host_copy: HostCopy) -> str:
+def async_added_bytes(trees: Any) -> int:
+  """The most an asynchronous save of ``trees`` adds to this process's host memory: the guard's copies of the
+  host-resident arrays, Orbax's copies of every array (``2 * host + accelerator`` bytes)."""
+  host = device = 0
+  for x in jax.tree.leaves(trees):
+    if aliases_host(x):
+      host += process_bytes(x)
+    else:
+      device += process_bytes(x)
+  return 2 * host + device
+
+
+def guard_mode(trees: Any, async_save: bool, host_copy: HostCopy, batch_bytes: int, warn: bool = True) -> str:
   """``"none"``, ``"copy"`` or ``"block"``: how a save guards ``trees``' host-resident arrays (module docstring).
+  ``batch_bytes``: the save's batch (``save_batch_bytes``), which ``"auto"`` keeps an asynchronous save within;
+  ``warn``: say so (once a manager) where ``"auto"`` blocks.
 
   With several processes a collective: all block if one does (a process blocking alone would wait at a barrier
   the others pass only at their next call).
@@ -60,10 +84,20 @@ def guard_mode(trees: Any, async_save: bool, host_copy: HostCopy) -> str:
   if not async_save:
     return "none"
   host_bytes = sum(process_bytes(x) for x in jax.tree.leaves(trees) if aliases_host(x))
-  too_much = host_copy == "auto" and host_bytes > host_ram.host_memory_available() // 2
-  mode = "none" if host_bytes == 0 else "block" if too_much else host_copy.replace("auto", "copy")
-  if too_much:
-    log.warning("checkpoint: %.2f GiB of host state is too much to copy; saving synchronously.", host_bytes / 2**30)
+  mode = host_copy.replace("auto", "copy")
+  if host_copy == "auto":
+    added = async_added_bytes(trees)
+    too_much = added > batch_bytes or host_bytes > host_ram.host_memory_available() // 2
+    if too_much:
+      mode = "block"
+      if warn:
+        log.warning(
+          "checkpoint: an asynchronous save of this state could add %.2f GiB of host memory, more than a save's"
+          " batch (%.2f GiB): saves are waited for, copied to host memory a batch at a time.",
+          added / 2**30, batch_bytes / 2**30,
+        )  # fmt: skip
+  if mode == "copy" and host_bytes == 0:
+    mode = "none"
   return "block" if any_process(mode == "block") else mode
 
 

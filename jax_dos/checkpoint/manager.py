@@ -111,7 +111,9 @@ class CheckpointManager:
       directory another process is writing (a step being committed there has
       no manifest yet): such steps are then only skipped.
     save_batch_bytes: a save waited for (``async_save=False``, or ``"block"``) copies
-      arrays to host memory this many bytes at a time (``checkpoint/transfers.py``).
+      arrays to host memory this many bytes at a time (``checkpoint/transfers.py``);
+      ``host_copy="auto"`` saves asynchronously only a state whose save adds at most
+      this much (``checkpoint/host_copy.py``): every save adds about this much at most.
   """
 
   def __init__(
@@ -144,6 +146,7 @@ class CheckpointManager:
       enable_async_checkpointing=async_save,
       create=False,  # made by the first save, so restore from a mistyped path fails clearly
     )
+    self._batch_bytes, self._warned = save_batch_bytes, False
     self._transfer_order = transfers.TransferOrder()  # how the next save copies to host memory (transfers.py)
     handlers = {name: transfers.pytree_handler(self._transfer_order, save_batch_bytes) for name in _PYTREE_ITEMS}
     handlers |= {"meta": ocp.JsonCheckpointHandler(), "format": ocp.JsonCheckpointHandler()}
@@ -173,7 +176,8 @@ class CheckpointManager:
     self.wait_until_finished()  # one save in flight: bounds the memory of host copies; applies retention
     self.check_space(trees)  # (creates a local directory)
     self._clear_step(step)
-    mode = host_guard.guard_mode(trees, self.async_save, self.host_copy)
+    mode = host_guard.guard_mode(trees, self.async_save, self.host_copy, self._batch_bytes, warn=not self._warned)
+    self._warned |= mode == "block"
     trees = host_guard.guarded(trees, mode)
     self._transfer_order.start(batched=mode == "block" or not self.async_save)  # waited for: copies in batches
     args = {name: ocp.args.PyTreeSave(tree) for name, tree in trees.items()}
@@ -219,6 +223,20 @@ class CheckpointManager:
       self._write_pending_manifests()
     except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
       self._finisher_error = e
+
+  def save_added_bytes(self, params: Any, opt_state: Any) -> int:
+    """The most a :meth:`save` of ``params`` and ``opt_state`` adds to this process's host memory (bytes): an
+    asynchronous save's copies (``host_copy.async_added_bytes``) where it would save asynchronously, else one batch
+    of Orbax's copies (``save_batch_bytes``, or the largest array where that is larger). No collective, no copy."""
+    trees, _ = canonical.to_disk(params, opt_state)
+    sizes = [host_guard.process_bytes(x) for x in jax.tree.leaves(trees)]
+    added = host_guard.async_added_bytes(trees)
+    asynchronous = (
+      self.async_save and self.host_copy != "block" and (self.host_copy == "copy" or added <= self._batch_bytes)
+    )  # (where ``"auto"`` blocks for want of available memory instead, a batch is less than this)
+    if asynchronous:
+      return added
+    return min(sum(sizes), max(self._batch_bytes, max(sizes, default=0)))
 
   def check_space(self, *trees: Any) -> None:
     """Raises ``OSError`` if the checkpoint directory's disk cannot hold one checkpoint of ``trees``.

@@ -29,6 +29,7 @@ previous one first); Orbax's threads only read it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -81,6 +82,16 @@ class TransferOrder:
     pass
 
 
+class _QuietBatches(logging.Filter):
+  """Drops Orbax's warning that no array's copy is prioritized: in a batched save that is the order asked for."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("No prioritized params found for saving")
+
+
+_QUIET = _QuietBatches()
+
+
 def pytree_handler(order: TransferOrder, batch_bytes: int) -> Any:
   """An Orbax ``PyTreeCheckpointHandler`` whose jax arrays are copied to host memory in ``order``, at most
   ``batch_bytes`` at a time when batched. Not through XLA's pinned pool (``enable_pinned_host_transfer=False``:
@@ -94,6 +105,8 @@ def pytree_handler(order: TransferOrder, batch_bytes: int) -> Any:
   )
   arrays = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(), callback=order)
   registry.add(jax.Array, arrays, override=True)
+  if _QUIET not in logging.getLogger("absl").filters:
+    logging.getLogger("absl").addFilter(_QUIET)
   return ocp.PyTreeCheckpointHandler(
     enable_pinned_host_transfer=False,
     use_compression=False,
