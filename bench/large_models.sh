@@ -12,7 +12,8 @@
 # each GPU is held to an H100's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.533: the 76.6 GiB train.gpt takes of 80 GB).
 # Usage: OUT=/some/dir STAGES="30b save" DEADLINE_S=540 bash bench/large_models.sh
 # Each run writes OUT/<stage>.json, .log and _metrics.jsonl; OUT/device.txt the machine, OUT/<stage>_ckpt.txt the
-# checkpoint's size, OUT/<stage>_disk.txt the bytes under runs/ every 5 s (seconds since the script's start: a save's
+# checkpoint's size, OUT/<stage>.log the main thread's stacks and Orbax's every 5 s (bench/tools/stack_sampler.py) among
+# the run's lines, OUT/<stage>_disk.txt the bytes under runs/ every 5 s (seconds since the script's start: a save's
 # and a restore's pace, T0 of the log's clock less the stage's start).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results/large_models}
@@ -36,8 +37,9 @@ run() {  # stage, seconds it needs at least, CUDA_VISIBLE_DEVICES, flags...
   (while sleep 5; do echo "$(( $(date +%s) - T0 )) $(du -sb runs 2>/dev/null | cut -f1)"; done) > "$OUT/${stage}_disk.txt" &
   local sampler=$!
   CUDA_VISIBLE_DEVICES=$gpus python3 bench/tools/run_timed.py --deadline-s "$(left)" --json "$OUT/$stage.json" \
-    --log "$OUT/$stage.log" -- python3 -m train.gpt --log-every 5 "$@" | tail -1
-  grep -h "^ *[0-9.]* \(devices\|step    \|memory  \|host    \|  predicted\|clip \|done\|checkpoint\|resum\)" \
+    --log "$OUT/$stage.log" -- python3 bench/tools/stack_sampler.py --every 5 --match 'orbax|tensorstore|checkpoint' \
+    -- -m train.gpt --log-every 5 "$@" | tail -c 400
+  grep -h "^ *[0-9.]* \(devices\|step    \|memory  \|host    \|  predicted\|clip \|done\|checkpoint\|ckpt    \|resum\|warning\)" \
     "$OUT/$stage.log" | head -12
   kill "$sampler" 2>/dev/null
 }
