@@ -179,8 +179,11 @@ def save(
   if not finite:
     bar.close()
     stop_non_finite(args, manager, f"the parameters after step {step_no}'s update are not finite (inf or nan)")
+  nbytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves((params, opt_state)))
+  if nbytes >= 2**30:  # a save that takes a while says so first (a synchronous one holds the run, Ctrl-C included)
+    say(args, f"checkpoint step {step_no}: saving {nbytes / 1e9:.1f} GB to {manager.directory}")
   t0 = time.perf_counter()
   manager.save(step_no, params=params, opt_state=opt_state, meta=meta, force=True)
   took = time.perf_counter() - t0
   if took >= 1.0:  # the time the training waited for the save (all of it where the save is synchronous)
-    say(args, f"checkpoint step {step_no}: training waited {took:.1f} s for its save to {manager.directory}")
+    say(args, f"checkpoint step {step_no}: training waited {took:.1f} s for its save")
