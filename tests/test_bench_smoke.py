@@ -180,6 +180,23 @@ def test_run_timed_records_the_end_and_what_the_peak_resident_set_holds(tmp_path
   assert any(m["rss_gib"] >= 0.9 and m["size_gib"] >= 1.0 and "rd" in m["flags"] for m in large), large
   assert row["peak_rss_by_mapping"]["gib"]["[anon >=1GiB]"] >= 0.9
   assert "done: step 1" in (tmp_path / "timed.log").read_text()
+  assert max(gib for _, gib in row["rss_series"]) >= 0.9  # the course holds the peak's samples
+
+
+def test_run_timed_keeps_its_record_of_a_run_stopped_at_the_deadline_with_its_stacks(tmp_path):
+  """A run stopped at ``--deadline-s`` still leaves its JSON (written when it is stopped, and at its end); the
+  stack sampler (``bench/tools/stack_sampler.py``) puts the main thread's stack in the log, once for a stack that
+  stays."""
+  out, log = tmp_path / "timed.json", tmp_path / "timed.log"
+  sampler = os.path.join(ROOT, "bench", "tools", "stack_sampler.py")
+  run(tmp_path, "tools/run_timed.py", "--json", str(out), "--log", str(log), "--deadline-s", "3", "--",
+      sys.executable, sampler, "--every", "0.2", "--", "-m", "timeit", "-n", "1", "-r", "1",
+      "__import__('time').sleep(60)")  # fmt: skip
+  row = json.loads(out.read_text())
+  assert row["stopped_at_deadline"] is not None and row["returncode"] != 0 and row["wall_s"] < 30, row
+  stacks = [line for line in log.read_text().splitlines() if " stack " in line and "MainThread" in line]
+  sleeping = [line for line in stacks if "<timeit-src>" in line]
+  assert len(sleeping) == 1 and "timeit.py" in sleeping[0], stacks  # 3 s of the same stack: one line
 
 
 def test_the_fired_bound_on_the_committed_runs():
