@@ -46,7 +46,8 @@ def compact(moments, grad, low) -> None:
   from jax_dos import moment_formats as mf
 
   g, p, copy = _vector(grad), _vector(np.float32), _vector(low)
-  m, v = (mf.host_encode(np.ones(N, np.float32), moments, 1.0, salt) for salt in (0, 1))
+  # Zeros, not host_encode's moments: the other share compiles host_encode, once.
+  m, v = (np.zeros(mf.stored_shape((N,), moments), mf.stored_dtype(moments)) for _ in range(2))
   host_kernels.adam_many([(g, p, m, v, copy)], [True], **_hyper([-1e-3, 0.1, 0.01, 1.0, 3.0]))
 
 
