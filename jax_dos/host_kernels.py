@@ -250,7 +250,7 @@ def _compact(buffers, decay, hyper: tuple, scalars, write_state: bool, into: boo
     moment_size = np.prod(mf.stored_shape((n,), fmt))
     if any(b.size != n for b in (bufs[1], *bufs[n_state:])) or any(b.size != moment_size for b in bufs[2:4]):
       raise ValueError(f"host kernel: buffers of {n} parameters need {fmt} moments of {moment_size} elements each.")
-    flat = [_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)]
+    flat = _flat_all(bufs, dtypes)
     g, p, m, v = flat[:4]
     po, mo, vo = flat[4:7] if into else (p, m, v)
     low = flat[n_state] if len(flat) > n_state else _NO_LOW
@@ -323,7 +323,7 @@ def adam_many(
       )
     if (next_scalars is not None or not write_state) and len(bufs) == 4:
       raise ValueError("a prediction (next_scalars) or write_state=False needs a fifth buffer to write to.")
-    flat = [_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)]
+    flat = _flat_all(bufs, dtypes)
     views.append(flat + [_NO_LOW] * (7 - len(flat)))
   f = np.float32
   # (1 - b) is rounded from a Python double, exactly as JAX does for optax.
@@ -375,7 +375,7 @@ def adam_many_into(
         f"adam_many_into needs float32 state (in and out), {' or '.join(GRAD_DTYPES)} gradients and a bfloat16 or"
         f" float32 copy, got {dtypes}."
       )
-    views.append([_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)])
+    views.append(_flat_all(bufs, dtypes))
   f = np.float32
   hyper = (f(b1), f(1 - b1), f(b2), f(1 - b2), f(eps), f(eps_root), f(weight_decay))
   step = (f(scalars[0]), f(scalars[1]), f(scalars[2]), f(scalars[3]) if len(scalars) > 3 else f(1))
@@ -425,6 +425,16 @@ _NO_LOW = np.empty((0,), np.uint16)
 def _flat(buffer, dtype) -> np.ndarray:
   """A flat, writable view of ``buffer`` (a numpy array or a host-memory shard) as ``dtype``."""
   return buffer.reshape(-1).view(dtype) if isinstance(buffer, np.ndarray) else writable_view(buffer, dtype)
+
+
+def _flat_all(bufs, dtypes) -> list[np.ndarray]:
+  """``bufs`` as flat views (``_flat``), the gradient (only read) made read-only: numba compiles a kernel once for
+  each set of argument types, a read-only array's among them, so a gradient given read-only (``np.asarray`` of a jax
+  array) or writable gets the one compiled kernel (the same machine code either way) instead of two compilations."""
+  flat = [_flat(b, _VIEW[t]) for b, t in zip(bufs, dtypes)]
+  flat[0] = flat[0].view()
+  flat[0].flags.writeable = False
+  return flat
 
 
 def adam_inplace(g: np.ndarray, p: np.ndarray, m: np.ndarray, v: np.ndarray, *, decay: bool, **hyper) -> None:

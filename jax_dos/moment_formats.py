@@ -359,9 +359,17 @@ def _nb_encode(x, key, salt, fmt_int8, out16, codes, words):
     words[nb * (BLOCK // 4) + b] = s
 
 
+def _read_only(x: np.ndarray) -> np.ndarray:
+  """A read-only view of ``x``: the numba functions' inputs always read-only, given read-only or not, so that each is
+  compiled for one set of argument types (numba compiles a function again for a read-only array)."""
+  x = x.view()
+  x.flags.writeable = False
+  return x
+
+
 def host_encode(x: np.ndarray, moments: str, seed: float, salt: int) -> np.ndarray:
   """:func:`encode` by the host kernel's numba functions (one flat float32 array): the same bits."""
-  x = np.ascontiguousarray(x, np.float32).reshape(-1)
+  x = _read_only(np.ascontiguousarray(x, np.float32).reshape(-1))
   out = np.zeros(stored_shape(x.shape, moments), stored_dtype(moments))
   bf16 = moments == "bfloat16"
   flat = out.reshape(-1).view(np.uint16 if bf16 else np.uint8)
@@ -391,9 +399,9 @@ def host_decode(stored: np.ndarray, n: int, moments: str, salt: int) -> np.ndarr
     return np.array(stored, np.float32).reshape(-1)[:n]
   bf16 = moments == "bfloat16"
   block = 0 if bf16 else int(np.shape(stored)[-1]) - 4
-  flat = np.ascontiguousarray(stored).reshape(-1).view(np.uint16 if bf16 else np.uint8)
+  flat = _read_only(np.ascontiguousarray(stored).reshape(-1).view(np.uint16 if bf16 else np.uint8))
   out = np.empty(n, np.float32)
-  none16, none8, none32 = np.zeros(0, np.uint16), np.zeros(0, np.uint8), np.zeros(0, np.float32)
+  none16, none8, none32 = (_read_only(np.zeros(0, t)) for t in (np.uint16, np.uint8, np.float32))
   _nb_decode(n, salt, not bf16, flat if bf16 else none16, none8 if bf16 else flat,
              none32 if bf16 else flat.view(np.float32), out, block)  # fmt: skip
   return out

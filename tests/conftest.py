@@ -15,6 +15,9 @@ for the same CPU time (10 s, not 15 s: no threads of their own to wait for on tw
 no multiply-adds: a result may differ from an optimized build's in its last bits, which no test compares against
 (tests compare programs compiled alike, or within tolerances).
 
+Before pytest-xdist starts its workers, two interpreters fill numba's cache with every host kernel the tests run
+(``numba_warmup.py``), so that no two processes compile one kernel at once.
+
 The longest tests run first (``RUN_FIRST``), so that pytest-xdist's workers (``-n 2`` in pyproject.toml) share out
 the short ones after them instead of one worker finishing a long test alone at the end.
 """
@@ -25,6 +28,8 @@ import functools
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -73,6 +78,8 @@ def pytest_configure(config):
   if not hasattr(config, "workerinput") and not os.environ.get(CACHE_ENV):  # the controller (or a run without -n)
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="jax-dos-tests-compilation-cache-")
     os.environ[OWNED_ENV] = "1"
+  if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+    _fill_numba_cache()
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tests' programs compile quickly
   flags = os.environ.get("XLA_FLAGS", "")
   given = {f.split("=")[0] for f in flags.split()}  # a value given by the caller is kept
@@ -83,6 +90,21 @@ def pytest_configure(config):
   jax.config.update(
     "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
   )
+
+
+def _fill_numba_cache() -> None:
+  """Every host kernel the tests run compiled into numba's cache (or found there) by two interpreters side by side,
+  before pytest-xdist starts its workers (``numba_warmup.py`` says why); a share that fails says so and the tests
+  compile what they need as before."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+  script = os.path.join(root, "tests", "numba_warmup.py")
+  shares = [subprocess.Popen([sys.executable, script, str(i)], cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]  # fmt: skip
+  for i, share in enumerate(shares):
+    _, err = share.communicate()
+    if share.returncode:
+      logging.getLogger(__name__).warning("numba_warmup.py %d failed:\n%s", i, err[-3000:])
 
 
 def pytest_collection_modifyitems(config, items):

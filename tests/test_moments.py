@@ -160,6 +160,7 @@ def test_the_host_kernel_gives_the_jnp_paths_bits_for_every_flag(moments, grad, 
       np.testing.assert_array_equal(_bytes(b[-1]), _bytes(low))
 
 
+@pytest.mark.xdist_group("int8_roots_after")  # one worker compiles the roots_first=False kernel (about 12 s), once
 @pytest.mark.parametrize("mode", ["state", "state_low16", "low16"])
 def test_the_int8_kernels_split_without_roots_first_gives_the_same_bits(mode, monkeypatch):
   """host_compact.make_int8_kernel(roots_first=False) (nu's square root and scale in the second pass, the split
