@@ -61,16 +61,28 @@ def process_bytes(x: Any) -> int:
   return int(getattr(x, "nbytes", 0))
 
 
-def async_added_bytes(trees: Any) -> int:
-  """The most an asynchronous save of ``trees`` adds to this process's host memory: the guard's copies of the
-  host-resident arrays, Orbax's copies of every array (``2 * host + accelerator`` bytes)."""
+def held_bytes(trees: Any) -> tuple[int, int]:
+  """``(host, accelerator)``: the bytes of ``trees``' host-resident arrays and of the others this process holds."""
   host = device = 0
   for x in jax.tree.leaves(trees):
     if aliases_host(x):
       host += process_bytes(x)
     else:
       device += process_bytes(x)
+  return host, device
+
+
+def async_added_bytes(host: int, device: int) -> int:
+  """The most an asynchronous save adds to this process's host memory, for ``host`` and ``accelerator`` bytes
+  (:func:`held_bytes`): the guard's copies of the host-resident arrays, Orbax's copies of every array."""
   return 2 * host + device
+
+
+def saves_asynchronously(async_save: bool, host_copy: HostCopy, added: int, batch_bytes: int) -> bool:
+  """Whether a save whose asynchronous form adds ``added`` bytes is asynchronous: ``"auto"`` where ``added`` is at
+  most a batch (``batch_bytes``), ``"copy"`` always (:func:`guard_mode` also blocks ``"auto"`` where the host state
+  does not fit half the available memory)."""
+  return async_save and (host_copy == "copy" or (host_copy == "auto" and added <= batch_bytes))
 
 
 def guard_mode(trees: Any, async_save: bool, host_copy: HostCopy, batch_bytes: int, warn: bool = True) -> str:
@@ -83,19 +95,16 @@ def guard_mode(trees: Any, async_save: bool, host_copy: HostCopy, batch_bytes: i
   """
   if not async_save:
     return "none"
-  host_bytes = sum(process_bytes(x) for x in jax.tree.leaves(trees) if aliases_host(x))
-  mode = host_copy.replace("auto", "copy")
-  if host_copy == "auto":
-    added = async_added_bytes(trees)
-    too_much = added > batch_bytes or host_bytes > host_ram.host_memory_available() // 2
-    if too_much:
-      mode = "block"
-      if warn:
-        log.warning(
-          "checkpoint: an asynchronous save of this state could add %.2f GiB of host memory, more than a save's"
-          " batch (%.2f GiB): saves are waited for, copied to host memory a batch at a time.",
-          added / 2**30, batch_bytes / 2**30,
-        )  # fmt: skip
+  host_bytes, device_bytes = held_bytes(trees)
+  added = async_added_bytes(host_bytes, device_bytes)
+  fits = host_copy != "auto" or host_bytes <= host_ram.host_memory_available() // 2
+  mode = "copy" if saves_asynchronously(async_save, host_copy, added, batch_bytes) and fits else "block"
+  if mode == "block" and host_copy == "auto" and warn:
+    log.warning(
+      "checkpoint: an asynchronous save of this state could add %.2f GiB of host memory, more than a save's"
+      " batch (%.2f GiB): saves are waited for, copied to host memory a batch at a time.",
+      added / 2**30, batch_bytes / 2**30,
+    )  # fmt: skip
   if mode == "copy" and host_bytes == 0:
     mode = "none"
   return "block" if any_process(mode == "block") else mode

@@ -229,13 +229,10 @@ class CheckpointManager:
     asynchronous save's copies (``host_copy.async_added_bytes``) where it would save asynchronously, else one batch
     of Orbax's copies (``save_batch_bytes``, or the largest array where that is larger). No collective, no copy."""
     trees, _ = canonical.to_disk(params, opt_state)
+    added = host_guard.async_added_bytes(*host_guard.held_bytes(trees))
+    if host_guard.saves_asynchronously(self.async_save, self.host_copy, added, self._batch_bytes):
+      return added  # (where ``"auto"`` blocks for want of available memory instead, a batch is less than this)
     sizes = [host_guard.process_bytes(x) for x in jax.tree.leaves(trees)]
-    added = host_guard.async_added_bytes(trees)
-    asynchronous = (
-      self.async_save and self.host_copy != "block" and (self.host_copy == "copy" or added <= self._batch_bytes)
-    )  # (where ``"auto"`` blocks for want of available memory instead, a batch is less than this)
-    if asynchronous:
-      return added
     return min(sum(sizes), max(self._batch_bytes, max(sizes, default=0)))
 
   def check_space(self, *trees: Any) -> None:
