@@ -1,8 +1,8 @@
 """Copies of host-resident arrays made by all cores, at DRAM speed: a checkpoint's snapshot of live host state.
 
 XLA's host-to-host ``device_put`` copies on one thread (1.7 GB/s measured on the H100 machine); a ``prange`` copy on
-numba's workqueue layer runs at the host's DRAM bandwidth, one launch at a time with the host kernels
-(``host_kernels.one_launch_at_a_time``).
+numba's parallel layer runs at the host's DRAM bandwidth, one launch at a time with the host kernels
+(``parallel_launch``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax
 import numba
 import numpy as np
 
-from jax_dos.host_kernels import one_launch_at_a_time
+from jax_dos.parallel_launch import one_launch_at_a_time
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)

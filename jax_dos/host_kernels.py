@@ -13,9 +13,8 @@ in optax's order, written once for every kernel (``adam_math.nb_moments``
 and ``nb_weight``): every constant is a float32 argument, so nothing is
 promoted to float64, and there is no ``fastmath``.
 
-Each buffer is one ``prange`` over all cores, launched on numba's workqueue
-layer (about 50 us a launch; OpenMP's took milliseconds whenever a core was
-busy, see below). ``nogil=True`` lets the engine's Python thread keep
+Each buffer is one ``prange`` over all cores, one launch at a time in the
+process (``parallel_launch``). ``nogil=True`` lets the engine's Python thread keep
 dispatching accelerator work meanwhile.
 
 Ownership (why in-place writes are safe): the engine only passes buffers it
@@ -28,10 +27,8 @@ the accelerator, say) before it writes them again. Gradients are only read.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
-import threading
 from collections.abc import Sequence
 
 import numba
@@ -39,44 +36,7 @@ import numpy as np
 
 from jax_dos import adam_math, host_compact
 from jax_dos import moment_formats as mf
-
-_layer_chosen = False
-_LAUNCH = threading.RLock()  # held by the one thread whose parallel kernel runs
-
-
-def use_workqueue_layer() -> None:
-  """Selects numba's workqueue threading layer, once, before this module's first parallel launch.
-
-  numba's OpenMP layer waits at its barriers for every thread of the team: with
-  any core busy (XLA's threads, the engine's dispatch thread) a launch took
-  4-8 ms, against about 50 us for the workqueue layer. A user's
-  ``NUMBA_THREADING_LAYER`` wins, and importing this module changes nothing:
-  numba reads the setting when it first starts its threads, so it is set at
-  first use.
-  """
-  global _layer_chosen
-  if not _layer_chosen:
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-      numba.config.THREADING_LAYER = "workqueue"
-    _layer_chosen = True
-
-
-def one_launch_at_a_time(fn):
-  """``fn`` runs its parallel kernels while no other thread runs one.
-
-  The workqueue layer aborts the process when two threads launch parallel
-  kernels at once (two optimizers' host workers, a checkpoint's snapshot beside
-  an update). A launch takes about 50 us beside kernels of milliseconds, so
-  waiting for the other thread's launch costs nothing that running both at
-  once on the same cores would have saved.
-  """
-
-  @functools.wraps(fn)
-  def launch(*args, **kwargs):
-    with _LAUNCH:
-      return fn(*args, **kwargs)
-
-  return launch
+from jax_dos.parallel_launch import one_launch_at_a_time
 
 
 def _sources_digest() -> str:

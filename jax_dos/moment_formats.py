@@ -55,6 +55,7 @@ import numba.extending
 import numpy as np
 
 from jax_dos import memory
+from jax_dos.parallel_launch import one_launch_at_a_time
 
 FORMATS = ("float32", "bfloat16", "int8")
 BLOCK = 256  # int8 elements per float32 scale; docs/design.md says why
@@ -334,15 +335,15 @@ def nb_nu_code(v, inv, u):  # inv: 1 / the block's scale
   return nb_nu_code_of_root(np.sqrt(v), v, inv, u)
 
 
-@numba.njit(cache=True, error_model="numpy")
+@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
 def _nb_encode(x, key, salt, fmt_int8, out16, codes, words):
   n = x.shape[0]
   if not fmt_int8:
-    for i in range(n):
+    for i in numba.prange(n):
       out16[i] = nb_bf16_store(x[i], nb_hash(i, key))
     return
   nb = (n + BLOCK - 1) // BLOCK
-  for b in range(nb):
+  for b in numba.prange(nb):  # each block reads its elements and writes its codes and its scale only
     lo, hi = b * BLOCK, min(n, (b + 1) * BLOCK)
     s, bad = np.float32(0), False
     for i in range(lo, hi):
@@ -367,8 +368,10 @@ def _read_only(x: np.ndarray) -> np.ndarray:
   return x
 
 
+@one_launch_at_a_time
 def host_encode(x: np.ndarray, moments: str, seed: float, salt: int) -> np.ndarray:
-  """:func:`encode` by the host kernel's numba functions (one flat float32 array): the same bits."""
+  """:func:`encode` by the host kernel's numba functions (one flat float32 array), on all cores: the same bits (each
+  element's random bits are a hash of its index, each int8 block's scale its own elements')."""
   x = _read_only(np.ascontiguousarray(x, np.float32).reshape(-1))
   out = np.zeros(stored_shape(x.shape, moments), stored_dtype(moments))
   bf16 = moments == "bfloat16"
@@ -379,10 +382,10 @@ def host_encode(x: np.ndarray, moments: str, seed: float, salt: int) -> np.ndarr
   return out
 
 
-@numba.njit(cache=True, error_model="numpy")
+@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
 def _nb_decode(n, salt, fmt_int8, bits16, codes8, words, out, block):
   nb = (n + block - 1) // block if fmt_int8 else 0
-  for i in range(n):
+  for i in numba.prange(n):
     if not fmt_int8:
       out[i] = nb_bf16_load(bits16[i])
     else:
@@ -390,13 +393,15 @@ def _nb_decode(n, salt, fmt_int8, bits16, codes8, words, out, block):
       out[i] = nb_mu_decode(codes8[i], s) if salt == 0 else nb_nu_decode(codes8[i], s)
 
 
+@one_launch_at_a_time
 def host_decode(stored: np.ndarray, n: int, moments: str, salt: int) -> np.ndarray:
-  """:func:`decode` by the host kernel's numba functions, as a flat float32 array of ``n``: the same bits.
+  """:func:`decode` by the host kernel's numba functions, on all cores, as a flat float32 array of ``n``: the same
+  bits; float32 moments as they are (a view of ``stored`` where it is float32 already: read it, do not write it).
 
   An int8 moment's block is its row's length less 4 (so a checkpoint's other block size decodes too).
   """
   if moments == "float32":
-    return np.array(stored, np.float32).reshape(-1)[:n]
+    return np.asarray(stored, np.float32).reshape(-1)[:n]
   bf16 = moments == "bfloat16"
   block = 0 if bf16 else int(np.shape(stored)[-1]) - 4
   flat = _read_only(np.ascontiguousarray(stored).reshape(-1).view(np.uint16 if bf16 else np.uint8))

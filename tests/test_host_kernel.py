@@ -1,6 +1,5 @@
 """The fused host kernel computes adam_math's step on many buffers at once."""
 
-import concurrent.futures
 import os
 import subprocess
 import sys
@@ -136,31 +135,54 @@ def test_the_moment_copies_are_the_new_moments_in_the_copies_dtype(dtype):
     host_kernels.adam_many([seven[:5] + [np.zeros(n, np.float32), np.zeros(n, jnp.bfloat16)]], [True], **kw)
 
 
+_TWO_THREADS = """
+import concurrent.futures
+import numba
+import numpy as np
+from jax_dos import host_kernels, moment_formats
+
+rng = np.random.default_rng()
+hyper = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.1)
+scalars = np.asarray([-1e-3, 0.1, 0.001], np.float32)
+state = lambda: [rng.standard_normal(100_003).astype(np.float32) for _ in range(4)]
+inputs = [state() for _ in range(2)]
+for _, _, _, v in inputs:
+  v[:] = np.abs(v)
+alone = [[x.copy() for x in s] for s in inputs]
+for g, p, m, v in alone:
+  for _ in range(20):
+    host_kernels.adam_many([(g, p, m, v)], [True], scalars=scalars, **hyper)
+codes = moment_formats.host_encode(inputs[0][0], "int8", 3.0, 0)
+
+def run(bufs):
+  for _ in range(20):
+    host_kernels.adam_many([tuple(bufs)], [True], scalars=scalars, **hyper)
+
+def convert():
+  return [moment_formats.host_encode(inputs[0][0], "int8", 3.0, 0) for _ in range(20)]
+
+with concurrent.futures.ThreadPoolExecutor(3) as pool:
+  futures = [pool.submit(run, s) for s in inputs] + [pool.submit(convert)]
+  converted = [f.result() for f in futures][-1]
+for got, want in zip(inputs, alone):
+  for x, y in zip(got, want):
+    np.testing.assert_array_equal(x, y)
+for c in converted:
+  np.testing.assert_array_equal(c, codes)
+print(numba.threading_layer())
+"""
+
+
 def test_two_threads_launching_at_once_both_finish_with_one_threads_numbers():
-  """Two optimizers' host workers step at the same time: numba's workqueue layer would abort the process."""
-  rng = np.random.default_rng()
-  hyper = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.1)
-  scalars = np.asarray([-1e-3, 0.1, 0.001], np.float32)
-  state = lambda: [rng.standard_normal(100_003).astype(np.float32) for _ in range(4)]  # noqa: E731
-  inputs = [state() for _ in range(2)]
-  alone = [[x.copy() for x in s] for s in inputs]
-  for g, p, m, v in alone:
-    v[:] = np.abs(v)
-    for _ in range(20):
-      host_kernels.adam_many([(g, p, m, v)], [True], scalars=scalars, **hyper)
-  for _, _, _, v in inputs:
-    v[:] = np.abs(v)
-
-  def run(bufs):
-    for _ in range(20):
-      host_kernels.adam_many([tuple(bufs)], [True], scalars=scalars, **hyper)
-
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    for done in [pool.submit(run, s) for s in inputs]:
-      done.result()
-  for got, want in zip(inputs, alone):
-    for x, y in zip(got, want):
-      np.testing.assert_array_equal(x, y)
+  """Two optimizers' host workers step while a checkpoint's moments are converted, on numba's workqueue layer, which
+  aborts the process where two threads launch at once: every launch waits for the one running, and each thread's
+  numbers are those of one thread alone."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+  out = subprocess.run([sys.executable, "-c", _TWO_THREADS], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split()[-1] == "workqueue"
 
 
 _STEP_ONCE = """

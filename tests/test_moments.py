@@ -354,7 +354,7 @@ def test_write_behind_and_the_plain_delay_keep_the_rounding():
   runs = []
   for kw in ({}, {"write_behind": True}, {"delay": 1, "delay_warmup": 1}):
     runs.append(_run(jax_dos.interleaved_adam(LR, plan="host", moments="int8", **kw), params, grads)[1])
-    jax_dos.wait_for_host_updates()  # one optimizer's kernels at a time: numba's workqueue layer takes one caller
+    jax_dos.wait_for_host_updates()  # this run's host updates done before the next run starts
   for other in runs[1:]:
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(other)):
       np.testing.assert_array_equal(_bytes(a), _bytes(b))

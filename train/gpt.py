@@ -194,6 +194,15 @@ def _init_params(args: TrainConfig, cfg: Any, shardings: Any) -> tuple[Any, dict
     raise SystemExit(f"error: --init-from: {e}") from None
 
 
+def _free_now() -> str:
+  """The accelerator memory free on the fullest local device now, as the plans read it (``bytes_limit`` less
+  ``bytes_in_use``): what their room beside the step's peak is sized from, said so that a run shows what it had."""
+  stats = [(d, d.memory_stats() or {}) for d in jax.local_devices()]
+  device, s = min(stats, key=lambda ds: ds[1].get("bytes_limit", 0) - ds[1].get("bytes_in_use", 0))
+  limit, used = s.get("bytes_limit", 0), s.get("bytes_in_use", 0)
+  return f"{(limit - used) / 2**30:.1f} GiB free of {limit / 2**30:.1f} on {device} when planned"
+
+
 def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_from) -> _Built:
   """The plain or the overlapped training step, chosen from both plans before any optimizer state exists.
 
@@ -213,10 +222,11 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
         graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum, batch_sharding=batch_layout
       )
   notes = []
+  tx, schedule = make_optimizer(args, step_memory)
   if step_memory is not None:
     notes.append(f"memory  the gradient step needs {step_memory.peak_bytes / 2**30:.1f} GiB at its peak,"
-                 f" {step_memory.live_bytes / 2**30:.1f} GiB through the update (left free)")  # fmt: skip
-  tx, schedule = make_optimizer(args, step_memory)
+                 f" {step_memory.live_bytes / 2**30:.1f} GiB through the update (left free);"
+                 f" {_free_now()}")  # fmt: skip
   plain_plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)  # from shapes: no state exists yet
   refusal = overlapped_lib.refusal(args)
   if refusal is None and args.overlap == "auto" and jax.default_backend() != "gpu":
