@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jax_dos import adam_math, host_kernels
+from jax_dos import moment_formats as mf
 
 
 def test_many_buffers_match_the_shared_maths():
@@ -191,16 +192,49 @@ from jax_dos import host_kernels
 g, p, m, v = (np.ones(64, np.float32) for _ in range(4))
 host_kernels.adam_many([(g, p, m, v)], [True], b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.1,
                        scalars=np.array([-1e-3, 0.1, 0.001], np.float32))
+import numba
+print("threading layer", numba.threading_layer())
 """
 
 
 def test_a_new_interpreter_loads_the_kernel_compiled_here_from_numbas_cache():
-  """The kernels are closures over jitted helpers; numba's cache finds them in every process (not compiled again)."""
+  """The kernels are closures over jitted helpers; numba's cache finds them in every process (not compiled again).
+  Their first launch selects numba's workqueue layer (``jax_dos.parallel_launch``) where no layer was asked for."""
   exec(_STEP_ONCE, {})  # compiled (or loaded) and cached here
   env = dict(os.environ, NUMBA_DEBUG_CACHE="1")
+  env.pop("NUMBA_THREADING_LAYER", None)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   command = [sys.executable, "-c", _STEP_ONCE]
   out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   lines = [line for line in out.stdout.splitlines() if "adam_inplace" in line and "data" in line]
   assert lines and all("data loaded" in line for line in lines), out.stdout[-3000:]
+  assert "threading layer workqueue" in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16", "int8"])
+def test_subnormals_flush_to_zero_as_xla_on_the_cpu_does(moments):
+  """Gradients so small that ``(1 - b2) g^2`` is subnormal: the host kernel's new state equals the jnp path's under
+  XLA's CPU backend, which flushes subnormals (bit for bit with compact moments; float32's to an ulp, XLA fusing
+  multiply-adds), where keeping them gave nonzero ``nu``; the calling thread's own floating-point mode comes back."""
+  rng = np.random.default_rng()
+  n = 4099
+  hyper = adam_math.AdamHyper(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, moments=moments)
+  count = jnp.asarray(int(rng.integers(0, 50)), jnp.int32)
+  scalars = adam_math.step_scalars(hyper, count)
+  g = (rng.standard_normal(n) * 1e-20).astype(np.float32)
+  g[: n // 2] *= np.float32(1e3)  # half of them 1e-17: g^2 normal, (1 - b2) g^2 not
+  p = rng.standard_normal(n).astype(np.float32)
+  m, v = (mf.host_encode(np.zeros(n, np.float32), moments, 1.0, s) if moments != "float32"
+          else np.zeros(n, np.float32) for s in (0, 1))  # fmt: skip
+  _, p_new, m_new, v_new = adam_math.leaf_update(*(jnp.asarray(x) for x in (g, p, m, v, p)), scalars, hyper, True)
+  expected = [np.array(x) for x in (p_new, m_new, v_new)]
+  tiny = jnp.asarray(g[n // 2 :])
+  assert not np.any(np.asarray(jnp.float32(1 - hyper.b2) * (tiny * tiny))), "XLA's CPU backend kept subnormals"
+  host_kernels.adam_many([(g, p, m, v)], [True], b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=hyper.eps_root,
+                         weight_decay=hyper.weight_decay, scalars=np.asarray(scalars))  # fmt: skip
+  np.testing.assert_array_equal(v.view(np.uint8), expected[2].view(np.uint8))
+  if moments != "float32":
+    np.testing.assert_array_equal(m.view(np.uint8), expected[1].view(np.uint8))
+  np.testing.assert_allclose(p, expected[0], rtol=1e-6, atol=1e-7)
+  assert np.float32(1e-36) * np.float32(1e-3) != 0  # numpy in this thread still makes subnormals
