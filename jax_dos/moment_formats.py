@@ -384,13 +384,20 @@ def host_encode(x: np.ndarray, moments: str, seed: float, salt: int) -> np.ndarr
 
 @numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
 def _nb_decode(n, salt, fmt_int8, bits16, codes8, words, out, block):
-  nb = (n + block - 1) // block if fmt_int8 else 0
-  for i in numba.prange(n):
-    if not fmt_int8:
+  if not fmt_int8:
+    for i in numba.prange(n):
       out[i] = nb_bf16_load(bits16[i])
+    return
+  nb = (n + block - 1) // block
+  scales = nb * (block // 4)  # the blocks' scales follow their codes
+  for b in numba.prange(nb):  # a block's scale read once, no branch in the element loops
+    s, lo, hi = words[scales + b], b * block, min(n, (b + 1) * block)
+    if salt == 0:
+      for i in range(lo, hi):
+        out[i] = nb_mu_decode(codes8[i], s)
     else:
-      s = words[nb * (block // 4) + i // block]
-      out[i] = nb_mu_decode(codes8[i], s) if salt == 0 else nb_nu_decode(codes8[i], s)
+      for i in range(lo, hi):
+        out[i] = nb_nu_decode(codes8[i], s)
 
 
 @one_launch_at_a_time
