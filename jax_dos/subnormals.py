@@ -3,9 +3,9 @@
 A float32 below 2**-126 in magnitude is subnormal. Adam makes them where gradients are tiny (``(1 - b2) g^2`` for
 ``|g| < 1e-19``: the head's rows of tokens a fine-tuning run never sees, while its loss spikes) and where a moment
 decays with no gradient (``b1**k mu``). x86 cores handle a subnormal operand or result of a vector instruction by a
-microcode assist of about a hundred cycles unless the thread's MXCSR flushes them: measured on the development
-machine (AMD EPYC, 4 Mi parameters, two threads, ``bench/probes/host_kernel_subnormal.py``), the bfloat16 kernel ran
-0.23x its rate with every gradient tiny and 0.81x with 1.5 % of them tiny.
+microcode assist unless the thread's MXCSR flushes them: measured on the development machine (AMD EPYC, 4 Mi
+parameters, two busy threads, ``bench/results/host_kernel_subnormal-cpu/``), the bfloat16 kernel ran 0.47-0.48x its
+rate with every gradient that small and 0.74-0.76x with 1.5 % of them; flushed, 0.99-1.04x.
 
 XLA's CPU backend runs its programs with FTZ and DAZ set, so the jnp path flushes them (``x * 0.001`` of
 ``x = 1e-36`` is 0 under ``jit``); numba's kernels did not. With the flags set in every thread a kernel runs on, the
