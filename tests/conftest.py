@@ -151,6 +151,16 @@ def calibration():
   return _this_machines_calibration()
 
 
+@pytest.fixture(scope="session")
+def four_devices():
+  """One interpreter of 4 CPU devices a worker, which runs the tests' mesh scripts in turn (``script_host.py``)."""
+  from script_host import ScriptHost
+
+  host = ScriptHost(4)
+  yield host
+  host.close()
+
+
 @pytest.fixture
 def calibrated_cache(tmp_path, calibration):
   """``tmp_path / "cache"``, an ``XDG_CACHE_HOME`` holding this machine's calibration: a script run with it plans

@@ -132,16 +132,13 @@ def test_two_processes_match_optax(two_processes):
 
 
 @pytest.mark.xdist_group("two_processes")
-def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(two_processes):
+def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(two_processes, four_devices):
   """Each process writes its shards; the step restores bit-exact into 2 processes, and into 1 on other layouts; and
   with its moments converted: to bfloat16 in the 2 processes, to int8 on one device."""
   root, parts = two_processes
   for out in (p["checkpoint"] for p in parts):
     assert "ok restored in 2 processes" in out and "ok converted in 2 processes" in out, out
-  env = cpu_devices_env(4)
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-  command = [sys.executable, str(CHECKPOINT_WORKER), "single", str(root / "checkpoint")]
-  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  result = four_devices.run(None, "single", str(root / "checkpoint"), path=str(CHECKPOINT_WORKER), timeout=TIMEOUT_S)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok restored in one process") == 3, result.stdout
 

@@ -106,10 +106,8 @@ SCRIPT = textwrap.dedent(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_partitioned_state_matches_optax_and_holds_shares():
-  env = cpu_devices_env(4)
-  command = [sys.executable, "-c", SCRIPT]
-  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def test_partitioned_state_matches_optax_and_holds_shares(four_devices):
+  result = four_devices.run(SCRIPT)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok ") == 13, result.stdout
 
