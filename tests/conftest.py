@@ -161,6 +161,16 @@ def four_devices():
   host.close()
 
 
+@pytest.fixture(scope="session")
+def two_devices():
+  """One interpreter of 2 CPU devices a worker, for the scripts that take every device of 2 (``script_host.py``)."""
+  from script_host import ScriptHost
+
+  host = ScriptHost(2)
+  yield host
+  host.close()
+
+
 @pytest.fixture
 def calibrated_cache(tmp_path, calibration):
   """``tmp_path / "cache"``, an ``XDG_CACHE_HOME`` holding this machine's calibration: a script run with it plans
