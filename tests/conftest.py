@@ -162,6 +162,16 @@ def four_devices():
 
 
 @pytest.fixture(scope="session")
+def bench_host():
+  """One interpreter a worker, of this process's environment, for the benchmark scripts (``script_host.py``)."""
+  from script_host import ScriptHost
+
+  host = ScriptHost(None)
+  yield host
+  host.close()
+
+
+@pytest.fixture(scope="session")
 def two_devices():
   """One interpreter of 2 CPU devices a worker, for the scripts that take every device of 2 (``script_host.py``)."""
   from script_host import ScriptHost

@@ -1,12 +1,13 @@
-"""One interpreter of several CPU devices that runs the tests' mesh scripts one after another.
+"""One interpreter that runs the tests' scripts one after another, instead of one interpreter a script.
 
 A test that needs a mesh of CPU devices runs its check in an interpreter started with that many devices (the count is
 fixed when jax starts); a fresh interpreter for each such check paid jax's and the library's imports and the
 backend's start each time. ``ScriptHost(4)`` starts one interpreter of 4 devices (``python tests/script_host.py``,
-serving) that runs each script it is given in a namespace of its own, as ``python -c CODE ARGS...`` (or ``python PATH
-ARGS...``) would, and answers with its exit status and what it wrote to stdout and stderr; ``sys.argv``,
-``sys.path``, ``os.environ`` and the working directory are restored after each. The scripts share what they import
-and compile. A script that outlives its timeout ends the interpreter (the next script starts another).
+serving) that runs each script it is given in a namespace of its own, as ``python -c CODE ARGS...`` (or ``python
+PATH ARGS...``) would, with the environment variables it is given, and answers with its exit status and what it
+wrote to stdout and stderr; ``sys.argv``, ``sys.path``, ``os.environ`` and the working directory are restored after
+each. The scripts share what they import and compile. A script that outlives its timeout ends the interpreter (the
+next script starts another).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class ScriptHost:
-  """An interpreter of ``devices`` CPU devices (started at the first script) that runs scripts in turn."""
+  """An interpreter of ``devices`` CPU devices (started at the first script) that runs scripts in turn; with
+  ``devices=None``, of this process's environment as it is (its backend, its devices)."""
 
-  def __init__(self, devices: int):
+  def __init__(self, devices: int | None):
     self.devices = devices
     self._proc: subprocess.Popen | None = None
     self._answers: queue.Queue = queue.Queue()
@@ -39,7 +41,8 @@ class ScriptHost:
   def _start(self) -> subprocess.Popen:
     from helpers import cpu_devices_env
 
-    env = cpu_devices_env(self.devices, PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, PYTHONFAULTHANDLER="1") if self.devices is None else cpu_devices_env(self.devices)
+    env["PYTHONFAULTHANDLER"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen([sys.executable, __file__], cwd=ROOT, env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=self._log, text=True)  # fmt: skip
@@ -48,12 +51,14 @@ class ScriptHost:
                      daemon=True).start()  # fmt: skip
     return proc
 
-  def run(self, code: str | None = None, *argv: str, path: str | None = None, timeout: float = 600):
-    """Runs ``code`` (or the file ``path``) with ``argv`` as its arguments, in ``ROOT``; a
-    ``subprocess.CompletedProcess`` (``returncode``, ``stdout``, ``stderr``), as ``subprocess.run`` would give."""
+  def run(self, code: str | None = None, *argv: str, path: str | None = None, env: dict | None = None,
+          timeout: float = 600):  # fmt: skip
+    """Runs ``code`` (or the file ``path``) with ``argv`` as its arguments, in ``ROOT``, the variables of ``env`` set
+    in its environment; a ``subprocess.CompletedProcess`` (``returncode``, ``stdout``, ``stderr``), as
+    ``subprocess.run`` would give."""
     if self._proc is None or self._proc.poll() is not None:
       self._proc = self._start()
-    request = {"code": code, "path": path, "argv": list(argv)}
+    request = {"code": code, "path": path, "argv": list(argv), "env": env or {}}
     self._proc.stdin.write(json.dumps(request) + "\n")
     self._proc.stdin.flush()
     try:
@@ -79,6 +84,7 @@ def _run_one(request: dict) -> dict:
   saved = (list(sys.argv), list(sys.path), dict(os.environ), os.getcwd())
   out, err, code = io.StringIO(), io.StringIO(), 0
   try:
+    os.environ.update(request["env"])
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
       if request["path"]:
         sys.argv = [request["path"], *request["argv"]]
