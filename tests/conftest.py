@@ -48,8 +48,7 @@ COMPILE_FLAGS = (
 RUN_FIRST = (
   "tests/test_multiprocess.py::test_train_gpt_on_two_processes_matches_one_and_resumes",
   "tests/test_bench_smoke.py::test_train_step_smoke",  # the xdist_group train_step_smoke: one run for two tests
-  "tests/test_multiprocess.py",  # the xdist_group two_processes: one job for three tests
-  "tests/test_stage_rng.py::test_dropout_over_two_processes",
+  "tests/test_multiprocess.py",  # the xdist_group two_processes: one job for four tests
   "tests/test_stage_rng.py::test_dropout_on_a_data_parallel_mesh",
   "tests/test_devices.py::test_all_devices_by_default",
   "tests/test_overlap_numbers.py::test_sharded_on_four_devices",

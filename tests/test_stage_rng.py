@@ -9,15 +9,14 @@ before the head (one ``nnx.Dropout``, drawn from by the first and the last stage
 all keep (``shared``: the stream counts on across the layers in call order), or from the ``nnx.Rngs`` the model is
 called with (``called``: ``model(tokens, rngs=rngs)``, the same ``rngs`` passed to every step; ``nnx.scan`` carries
 it through a stack). The blocks rematerialise themselves (``nnx.remat``), as a plain model often does. On one
-device, on a mesh of two, and over two processes (``tests/multiprocess_dropout_worker.py``).
+device, on a mesh of two, and over two processes (``tests/multiprocess_dropout_worker.py``, run by
+``test_multiprocess.py``'s job of two processes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +33,6 @@ LR, WD, B1, B2, CLIP = 1e-2, 0.1, 0.9, 0.95, 1.0
 DROP = 0.25
 LAYOUTS = ("list", "stack", "shared")  # the model's own streams
 CALLED = ("called", "called_stack")  # the keys given at call time, model(tokens, rngs=rngs)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Block(nnx.Module):
@@ -240,19 +238,6 @@ def test_dropout_on_a_data_parallel_mesh_is_the_plain_models(four_devices):
   result = four_devices.run(MESH_SCRIPT)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok ") == 2, result.stdout
-
-
-def test_dropout_over_two_processes_is_the_plain_models():
-  """2 processes (``jax.distributed``, gloo, one CPU device each) train data-parallel through the stages and draw
-  the plain path's masks on the whole batches: its losses, parameters and counters
-  (``tests/multiprocess_dropout_worker.py``), with the model's own streams and with keys given at call time."""
-  from test_multiprocess import launch
-
-  seed = str(np.random.default_rng().integers(2**31))
-  outputs = launch(lambda port, i: ([sys.executable, str(ROOT / "tests" / "multiprocess_dropout_worker.py"), port,
-                                     str(i), seed], {}), devices=1)  # fmt: skip
-  for out in outputs:
-    assert out.count("ok ") == 2, out
 
 
 @pytest.mark.parametrize("layout", ["list", "called"])
