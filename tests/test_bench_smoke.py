@@ -196,15 +196,18 @@ def test_run_timed_records_the_end_and_what_the_peak_resident_set_holds(tmp_path
 def test_run_timed_keeps_its_record_of_a_run_stopped_at_the_deadline_with_its_stacks(tmp_path):
   """A run stopped at ``--deadline-s`` still leaves its JSON (written when it is stopped, and at its end); the
   stack sampler (``bench/tools/stack_sampler.py``) puts the main thread's stack in the log, once for a stack that
-  stays. The child sleeps in steps of 0.1 s: the deadline's SIGINT may land on the sampler's thread, and Python runs
-  its handler in the main thread only when that wakes (one sleep of 60 s: killed 30 s later, after the test's bound)."""
+  stays."""
   out, log = tmp_path / "timed.json", tmp_path / "timed.log"
   sampler = os.path.join(ROOT, "bench", "tools", "stack_sampler.py")
   run(tmp_path, "tools/run_timed.py", "--json", str(out), "--log", str(log), "--deadline-s", "3", "--",
       sys.executable, sampler, "--every", "0.2", "--", "-m", "timeit", "-n", "1", "-r", "1",
-      "for _ in range(600): __import__('time').sleep(0.1)")  # fmt: skip
+      "__import__('time').sleep(60)")  # fmt: skip
   row = json.loads(out.read_text())
-  assert row["stopped_at_deadline"] is not None and row["returncode"] != 0 and row["wall_s"] < 30, row
+  # In 3 of 4 full runs here (never alone) the command outlived the deadline's SIGINT and was killed 30 s later:
+  # what the worker ignores (inherited by the command) and what the log says, to tell why.
+  ignored = [line for line in open("/proc/self/status") if line.startswith("SigIgn")]
+  said = log.read_text()[-3000:]
+  assert row["stopped_at_deadline"] is not None and row["returncode"] != 0 and row["wall_s"] < 30, (row, ignored, said)
   stacks = [line for line in log.read_text().splitlines() if " stack " in line and "MainThread" in line]
   sleeping = [line for line in stacks if "<timeit-src>" in line]
   assert len(sleeping) == 1 and "timeit.py" in sleeping[0], stacks  # 3 s of the same stack: one line
