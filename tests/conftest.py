@@ -18,6 +18,10 @@ no multiply-adds: a result may differ from an optimized build's in its last bits
 Before pytest-xdist starts its workers, two interpreters fill numba's cache with every host kernel the tests run
 (``numba_warmup.py``), so that no two processes compile one kernel at once.
 
+Scripts that need an interpreter of their own only for its device count (a mesh of 2 or 4 CPU devices), and the
+benchmark scripts, run in one interpreter of that kind a worker (``four_devices``, ``two_devices``, ``bench_host``:
+``script_host.py``), one script after another, instead of paying jax's start in a fresh interpreter each.
+
 The longest tests run first (``RUN_FIRST``), so that pytest-xdist's workers (``-n 2`` in pyproject.toml) share out
 the short ones after them instead of one worker finishing a long test alone at the end.
 """

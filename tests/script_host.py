@@ -41,7 +41,7 @@ class ScriptHost:
   def _start(self) -> subprocess.Popen:
     from helpers import cpu_devices_env
 
-    env = dict(os.environ, PYTHONFAULTHANDLER="1") if self.devices is None else cpu_devices_env(self.devices)
+    env = dict(os.environ) if self.devices is None else cpu_devices_env(self.devices)
     env["PYTHONFAULTHANDLER"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen([sys.executable, __file__], cwd=ROOT, env=env, stdin=subprocess.PIPE,
