@@ -226,9 +226,9 @@ def init_params(cfg: GPTConfig, seed: int = 0, shardings: Any = None) -> tuple[n
 
 
 def abstract_params(cfg: GPTConfig) -> dict:
-  """The parameter tree as ``jax.ShapeDtypeStruct`` s, built with ``nnx.eval_shape`` (allocates nothing)."""
-  model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  """The parameter tree as ``jax.ShapeDtypeStruct`` s, built with ``nnx.eval_shape`` (allocates nothing; one block
+  traced, ``lm.abstract_by_block``)."""
+  return lm.abstract_by_block(GPT, cfg)
 
 
 def param_count(cfg: GPTConfig) -> int:

@@ -294,8 +294,9 @@ def graphdef(cfg: LlamaConfig) -> nnx.GraphDef:
 
 
 def abstract_params(cfg: LlamaConfig) -> dict:
-  """The parameter tree as ``jax.ShapeDtypeStruct`` s, built with ``nnx.eval_shape`` (allocates nothing)."""
-  return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param))
+  """The parameter tree as ``jax.ShapeDtypeStruct`` s, built with ``nnx.eval_shape`` (allocates nothing; one block
+  traced, ``lm.abstract_by_block``)."""
+  return lm.abstract_by_block(Llama, cfg)
 
 
 def param_count(cfg: LlamaConfig) -> int:

@@ -18,6 +18,10 @@ no multiply-adds: a result may differ from an optimized build's in its last bits
 Before pytest-xdist starts its workers, two interpreters fill numba's cache with every host kernel the tests run
 (``numba_warmup.py``), so that no two processes compile one kernel at once.
 
+Scripts that need an interpreter of their own only for its device count (a mesh of 2 or 4 CPU devices), and the
+benchmark scripts, run in one interpreter of that kind a worker (``four_devices``, ``two_devices``, ``bench_host``:
+``script_host.py``), one script after another, instead of paying jax's start in a fresh interpreter each.
+
 The longest tests run first (``RUN_FIRST``), so that pytest-xdist's workers (``-n 2`` in pyproject.toml) share out
 the short ones after them instead of one worker finishing a long test alone at the end.
 """
@@ -48,8 +52,7 @@ COMPILE_FLAGS = (
 RUN_FIRST = (
   "tests/test_multiprocess.py::test_train_gpt_on_two_processes_matches_one_and_resumes",
   "tests/test_bench_smoke.py::test_train_step_smoke",  # the xdist_group train_step_smoke: one run for two tests
-  "tests/test_multiprocess.py",  # the xdist_group two_processes: one job for three tests
-  "tests/test_stage_rng.py::test_dropout_over_two_processes",
+  "tests/test_multiprocess.py",  # the xdist_group two_processes: one job for four tests
   "tests/test_stage_rng.py::test_dropout_on_a_data_parallel_mesh",
   "tests/test_devices.py::test_all_devices_by_default",
   "tests/test_overlap_numbers.py::test_sharded_on_four_devices",
@@ -149,6 +152,36 @@ def calibration():
   """This machine's calibration for the performance model, measured once a worker (``jax_dos.calibrate``'s
   cache)."""
   return _this_machines_calibration()
+
+
+@pytest.fixture(scope="session")
+def four_devices():
+  """One interpreter of 4 CPU devices a worker, which runs the tests' mesh scripts in turn (``script_host.py``)."""
+  from script_host import ScriptHost
+
+  host = ScriptHost(4)
+  yield host
+  host.close()
+
+
+@pytest.fixture(scope="session")
+def bench_host():
+  """One interpreter a worker, of this process's environment, for the benchmark scripts (``script_host.py``)."""
+  from script_host import ScriptHost
+
+  host = ScriptHost(None)
+  yield host
+  host.close()
+
+
+@pytest.fixture(scope="session")
+def two_devices():
+  """One interpreter of 2 CPU devices a worker, for the scripts that take every device of 2 (``script_host.py``)."""
+  from script_host import ScriptHost
+
+  host = ScriptHost(2)
+  yield host
+  host.close()
 
 
 @pytest.fixture

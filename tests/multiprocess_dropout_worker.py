@@ -1,7 +1,8 @@
 """Dropout in a Flax NNX model trained through ``jax_dos.nnx_stages`` by 2 processes, for ``test_stage_rng.py``.
 
 ``python tests/multiprocess_dropout_worker.py PORT PROCESS_ID SEED`` is one of 2 processes (one CPU device each,
-gloo) that train ``test_stage_rng``'s model with ``jax_dos.OverlappedStep`` on a data-parallel mesh of both: the
+gloo; ``test_multiprocess.py`` calls :func:`run` in its job of 2 processes of 2 devices, on one device of each) that
+train ``test_stage_rng``'s model with ``jax_dos.OverlappedStep`` on a data-parallel mesh of both: the
 model's state (parameters, RNG keys and counters) replicated, each global batch's rows split between the processes
 (each makes its half, as a data loader would). Two models: a stack whose streams are split per layer, and one that
 keeps no stream and is called with ``rngs=`` (an ``nnx.Rngs`` each process makes from the seed, not put on the
@@ -41,8 +42,9 @@ def run(seed: int) -> None:
 
   import jax_dos
 
-  assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES
-  mesh = Mesh(np.array(jax.devices()), ("data",))
+  assert jax.process_count() == NUM_PROCESSES
+  # One device of each process (all of them where it has one; test_multiprocess.py's job gives each process 2).
+  mesh = Mesh(np.array([jax.local_devices(process_index=p)[0] for p in range(NUM_PROCESSES)]), ("data",))
   rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
   rng = np.random.default_rng(seed)
   local = jax.local_devices()[0]

@@ -1,5 +1,9 @@
 """The benchmark scripts run end to end on tiny sizes (CPU) and write what their readers expect.
 
+Most scripts run in one interpreter a worker (``bench_host``: each as ``python bench/SCRIPT`` would run it, in
+turn; ``train_step.py`` still starts a process a variant); ``scale_out.py`` (a job of several processes) and the
+tools that watch a command run in interpreters of their own.
+
 Timings on the CPU mean nothing; these only keep the scripts that produce BENCHMARKS.md working.
 """
 
@@ -14,20 +18,24 @@ from helpers import cache_calibration
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(tmp_path, script, *args):
-  """Runs ``bench/script``, its output and its cache in ``tmp_path`` (``calibrated_cache`` seeds that cache)."""
-  env = dict(os.environ, PYTHONPATH=ROOT, OUT=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"))
-  proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "bench", script), *args], env=env, capture_output=True, text=True, timeout=600
-  )
+def run(tmp_path, script, *args, host=None):
+  """Runs ``bench/script``, its output and its cache in ``tmp_path`` (``calibrated_cache`` seeds that cache): in
+  ``host`` (the ``bench_host`` interpreter, as ``python bench/script`` would), or in an interpreter of its own."""
+  env = dict(PYTHONPATH=ROOT, OUT=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"))
+  path = os.path.join(ROOT, "bench", script)
+  if host is not None:
+    proc = host.run(None, *args, path=path, env=env)
+  else:
+    proc = subprocess.run([sys.executable, path, *args], env=os.environ | env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
 
 
 @pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
-def test_update_phase_smoke(tmp_path):
+def test_update_phase_smoke(tmp_path, bench_host):
   run(tmp_path, "update_phase.py", "--smoke", "--sizes", "smoke", "--skip", "torch,optax", "--budgets", "0,0.25",
-      "--trace")  # fmt: skip
+      "--trace", host=bench_host)  # fmt: skip
   out = json.loads((tmp_path / "update_phase.json").read_text())
   (size,) = out["sizes"]
   assert [b["fraction"] for b in size["budgets"]] == [0.0, 0.25]
@@ -38,8 +46,8 @@ def test_update_phase_smoke(tmp_path):
     assert sum(b["auto_plan"]["placements"].values()) == size["params"]
 
 
-def test_contention_smoke(tmp_path):
-  run(tmp_path, "contention.py", "--configs", "4x4096", "--reps", "1")
+def test_contention_smoke(tmp_path, bench_host):
+  run(tmp_path, "contention.py", "--configs", "4x4096", "--reps", "1", host=bench_host)
   rows = json.loads((tmp_path / "contention.json").read_text())["rows"]
   assert [r["plan"] for r in rows] == ["host", "stream", "mix"]
   assert all(r["time_s"] > 0 and r["predicted_s"] > 0 and "wall" in r["trace"] for r in rows)
@@ -49,7 +57,7 @@ PLAIN, OVERLAPPED = ["host", "auto"], ["overlap", "overlapfire", "overlapbatch"]
 
 
 @pytest.fixture(scope="module")
-def train_step_smoke(tmp_path_factory, calibration):
+def train_step_smoke(tmp_path_factory, calibration, bench_host):
   """One ``train_step.py --smoke`` run of two micro-batches a step for the plain variants and the overlapped ones (each
   variant its own process, as always; one driver and one calibration process for both tests), the overlapped variants
   planned by the stages' timeline and rebalancing (``--overlap-*`` flags, which only they read); its JSON."""
@@ -58,7 +66,7 @@ def train_step_smoke(tmp_path_factory, calibration):
   path = tmp_path / "train_step.json"
   run(tmp_path, "train_step.py", "--smoke", "--grad-accum", "2", "--variants", ",".join(PLAIN + OVERLAPPED),
       "--steps", "2", "--warmup", "3", "--overlap-rebalance", "--overlap-stream-slots", "2",
-      "--out", str(path))  # fmt: skip
+      "--out", str(path), host=bench_host)  # fmt: skip
   return json.loads(path.read_text())
 
 
@@ -76,26 +84,28 @@ def test_train_step_smoke(train_step_smoke):
     assert r["tokens_per_step"] == 2 * 4 * 64
 
 
-def test_flush_probe_smoke(tmp_path):
+def test_flush_probe_smoke(tmp_path, bench_host):
   """Every flush variant of the gradient program compiles (the in-backward one leans on custom_vjp rules)."""
   out = tmp_path / "flush_probe.json"
-  run(tmp_path, "probes/flush_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out))
+  run(tmp_path, "probes/flush_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out),
+      host=bench_host)  # fmt: skip
   rows = json.loads(out.read_text())["rows"]
   assert [r["variant"] for r in rows] == ["none", "all", "half", "first", "bwd-all", "bwd-half"]
   assert all("error" not in r and r["temp_gib"] > 0 for r in rows)
 
 
-def test_accum_probe_smoke(tmp_path):
+def test_accum_probe_smoke(tmp_path, bench_host):
   """The three accumulation programs compile (the in-backward one leans on a custom_vjp returning None)."""
   out = tmp_path / "accum_probe.json"
-  run(tmp_path, "probes/accum_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out))
+  run(tmp_path, "probes/accum_probe.py", "--preset", "tiny", "--batch", "2", "--seq-len", "64", "--out", str(out),
+      host=bench_host)  # fmt: skip
   rows = json.loads(out.read_text())["rows"]
   assert [r["variant"] for r in rows] == ["one", "sum", "inbwd"]
   assert rows[1]["alias_gib"] > 0 and rows[2]["alias_gib"] > 0  # the running sum is updated in place
 
 
-def test_checkpoint_cost_smoke(tmp_path):
-  run(tmp_path, "checkpoint_cost.py", "--params", "3e6")
+def test_checkpoint_cost_smoke(tmp_path, bench_host):
+  run(tmp_path, "checkpoint_cost.py", "--params", "3e6", host=bench_host)
   out = json.loads((tmp_path / "checkpoint_cost.json").read_text())
   assert out["params"] == 3_000_000 and out["bytes_on_disk"] > 14 * 3_000_000 // 2
   assert set(out["seconds"]) == {"save_returned", "save_complete", "manifest", "verify", "restore"}
@@ -131,14 +141,14 @@ def test_train_step_smoke_overlapped(train_step_smoke):
 
 
 @pytest.mark.usefixtures("calibrated_cache")  # tmp_path/cache: the calibration, measured once
-def test_train_step_smoke_llama(tmp_path):
+def test_train_step_smoke_llama(tmp_path, bench_host):
   """``--arch llama``: the overlapped step on the Llama (the variants share the model's construction, which the GPT's
   smoke tests run through every other variant), its size and FLOPs its module's."""
   from models import llama
 
   path = tmp_path / "train_step.json"
   run(tmp_path, "train_step.py", "--arch", "llama", "--smoke", "--grad-accum", "2", "--variants", "overlap",
-      "--steps", "2", "--out", str(path))  # fmt: skip
+      "--steps", "2", "--out", str(path), host=bench_host)  # fmt: skip
   doc = json.loads(path.read_text())
   cfg = llama.get_config("tiny", vocab_size=256)
   assert [r["variant"] for r in doc["results"]] == ["overlap"]
@@ -193,7 +203,11 @@ def test_run_timed_keeps_its_record_of_a_run_stopped_at_the_deadline_with_its_st
       sys.executable, sampler, "--every", "0.2", "--", "-m", "timeit", "-n", "1", "-r", "1",
       "__import__('time').sleep(60)")  # fmt: skip
   row = json.loads(out.read_text())
-  assert row["stopped_at_deadline"] is not None and row["returncode"] != 0 and row["wall_s"] < 30, row
+  # In 3 of 4 full runs here (never alone) the command outlived the deadline's SIGINT and was killed 30 s later:
+  # what the worker ignores (inherited by the command) and what the log says, to tell why.
+  ignored = [line for line in open("/proc/self/status") if line.startswith("SigIgn")]
+  said = log.read_text()[-3000:]
+  assert row["stopped_at_deadline"] is not None and row["returncode"] != 0 and row["wall_s"] < 30, (row, ignored, said)
   stacks = [line for line in log.read_text().splitlines() if " stack " in line and "MainThread" in line]
   sleeping = [line for line in stacks if "<timeit-src>" in line]
   assert len(sleeping) == 1 and "timeit.py" in sleeping[0], stacks  # 3 s of the same stack: one line

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import cpu_devices_env
 
 import jax_dos
 from jax_dos.checkpoint import MANIFEST, CheckpointManager, from_optax_adamw_state, to_optax_adamw_state
@@ -572,11 +571,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sharded_restore_4_devices(tmp_path):
-  env = cpu_devices_env(4)
-  proc = subprocess.run(
-    [sys.executable, "-c", _SHARDED_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
-  )
+def test_sharded_restore_4_devices(tmp_path, four_devices):
+  proc = four_devices.run(_SHARDED_SCRIPT, str(tmp_path), timeout=120)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 

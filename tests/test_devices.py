@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cpu_devices_env
 
 from train import parallel
 from train.flags import parse_args
@@ -100,10 +99,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_relayouts_and_reduce_scattered_gradients_on_two_devices():
-  env = cpu_devices_env(2)
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-  out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def test_relayouts_and_reduce_scattered_gradients_on_two_devices(two_devices):
+  out = two_devices.run(SCRIPT, timeout=300)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert out.stdout.count("ok ") == 4, out.stdout
 
@@ -140,15 +137,19 @@ RUNS = textwrap.dedent(
 SEPARATOR = "----- next run -----"
 
 
-def _train(tmp_path: Path, runs: dict[str, list[str]]) -> dict[str, tuple[dict[int, dict], str]]:
-  """``train.gpt``'s ``runs`` (``{name: flags}``, each ``--devices`` the same) one after another in one fresh
-  interpreter, started with no device count (each run's ``--devices K`` sets it); each run's metrics rows by step and
-  its output, by name."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+def _train(tmp_path: Path, runs: dict[str, list[str]], host=None) -> dict[str, tuple[dict[int, dict], str]]:
+  """``train.gpt``'s ``runs`` (``{name: flags}``, each ``--devices`` the same) one after another in one interpreter:
+  ``host`` (a ``script_host.ScriptHost`` of that many devices), or a fresh one started with no device count (each
+  run's ``--devices K`` sets it); each run's metrics rows by step and its output, by name."""
   argvs = [[*TINY, "--out", str(tmp_path / name), *flags] for name, flags in runs.items()]
-  command = [sys.executable, "-c", RUNS, json.dumps(argvs), SEPARATOR]
-  out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  if host is not None:
+    out = host.run(RUNS, json.dumps(argvs), SEPARATOR, timeout=300)
+  else:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    command = [sys.executable, "-c", RUNS, json.dumps(argvs), SEPARATOR]
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   said = out.stderr.split(SEPARATOR + "\n")[1:]
   assert len(said) == len(runs), out.stderr[-3000:]
@@ -168,18 +169,19 @@ def _train_here(tmp_path: Path, name: str, *flags: str) -> dict[int, dict]:
   return {r["step"]: r for r in rows if "loss" in r}
 
 
-def test_all_devices_by_default_train_as_one_device_with_the_same_global_batch(tmp_path):
+def test_all_devices_by_default_train_as_one_device_with_the_same_global_batch(tmp_path, two_devices):
   """One process of 2 and of 4 CPU devices (``--devices K``; every device is the default) trains as one device (this
   process) with the same 8 rows a micro-batch (``--batch`` rows a device), on the plain step and on the overlapped
   one, also with the parameters sharded (``--mesh fsdp=4``, ``data=2,fsdp=2``), the clip firing in the first step and
   silent after it (the overlapped step then speculates): the same losses and gradient norms, to float32 rounding. The
-  runs of 4 devices share one interpreter (the device count is fixed when jax starts)."""
+  runs of 4 devices share one interpreter started with no device count (the device count is fixed when jax starts;
+  ``--devices 4`` sets it); the run of 2 runs in the ``two_devices`` interpreter."""
   import jax
 
   assert jax.device_count() == 1, jax.devices()
   one = _train_here(tmp_path, "one", "--batch", "8", "--quiet")
   assert [one[s]["clipped"] for s in (1, 2, 3)] == [True, False, False], one
-  two, said = _train(tmp_path, {"two": ["--devices", "2", "--batch", "4"]})["two"]
+  two, said = _train(tmp_path, {"two": ["--devices", "2", "--batch", "4"]}, two_devices)["two"]
   assert "devices 2 x cpu, all 2 of the job's, data-parallel (--mesh data=2" in said, said
   assert "a step 16 x 16 = 256 tokens" in said, said
   # The parameters sharded too (issue 50's layouts): over fsdp=4, and over data=2 x fsdp=2, on the overlapped step.

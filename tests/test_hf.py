@@ -245,16 +245,9 @@ print("ok", len(jax.tree.leaves(sharded)))
 """
 
 
-def test_a_checkpoint_loads_into_any_sharding_and_memory(tmp_path):
+def test_a_checkpoint_loads_into_any_sharding_and_memory(tmp_path, four_devices):
   """Each tensor goes straight into its sharding: a named sharding of the transposed kernels (the devices transpose
   them), one in pinned host memory, on a 2 x 2 mesh of CPU devices, equal to the one-device read."""
-  import subprocess
-  import sys
-
-  from helpers import cpu_devices_env
-
   write_checkpoint(tmp_path / "c", "llama3", np.random.default_rng(), dtype=np.float32)
-  root = Path(__file__).resolve().parents[1]
-  out = subprocess.run([sys.executable, "-c", SHARDED_LOAD, str(tmp_path / "c")], cwd=root, env=cpu_devices_env(4),
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+  out = four_devices.run(SHARDED_LOAD, str(tmp_path / "c"), timeout=300)
   assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr

@@ -1,9 +1,10 @@
 """Several processes joined by ``jax.distributed``: 2 CPU processes with 2 devices each, gloo collectives.
 
 One pair of processes (``two_processes``) runs the checks of ``tests/multiprocess_worker.py`` (FSDP-sharded and
-data-parallel parameters, every placement, against ``optax.adamw``), of ``tests/multiprocess_checkpoint_worker.py``
-and of ``tests/multiprocess_overlap_worker.py`` one after another, each process checking the shards it addresses; a
-test reads its part of their outputs. The processes are bounded in time and killed if they outlive it.
+data-parallel parameters, every placement, against ``optax.adamw``), of ``tests/multiprocess_checkpoint_worker.py``,
+of ``tests/multiprocess_overlap_worker.py`` and of ``tests/multiprocess_dropout_worker.py`` (``test_stage_rng``'s
+dropout) one after another, each process checking the shards it addresses; a test reads its part of their outputs.
+The processes are bounded in time and killed if they outlive it.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ JOINED = textwrap.dedent(
     import sys
     sys.path.insert(0, sys.argv[1])
     import jax
-    import multiprocess_checkpoint_worker, multiprocess_overlap_worker, multiprocess_worker
+    import multiprocess_checkpoint_worker, multiprocess_dropout_worker, multiprocess_overlap_worker
+    import multiprocess_worker
 
     port, process_id, seed, checkpoints, overlapped = sys.argv[2:]
     multiprocess_worker.join(int(port), int(process_id))
@@ -96,6 +98,7 @@ JOINED = textwrap.dedent(
         ("optax", lambda: multiprocess_worker.run_checks(int(seed))),
         ("checkpoint", lambda: multiprocess_checkpoint_worker.train_and_save(int(seed), checkpoints)),
         ("overlapped", lambda: multiprocess_overlap_worker.run(int(seed), overlapped)),
+        ("dropout", lambda: multiprocess_dropout_worker.run(int(seed))),
       ):
         print("{PART}", name, flush=True)
         check()
@@ -108,7 +111,7 @@ JOINED = textwrap.dedent(
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
   """The three workers' checks in one pair of processes (2 x 2 CPU devices), their checkpoints under the folder
-  returned; each process's output by part (``optax``, ``checkpoint``, ``overlapped``)."""
+  returned; each process's output by part (``optax``, ``checkpoint``, ``overlapped``, ``dropout``)."""
   root = tmp_path_factory.mktemp("two_processes")
   seed = str(np.random.default_rng().integers(2**31))
   for name in ("checkpoint", "overlapped"):
@@ -121,7 +124,7 @@ def two_processes(tmp_path_factory) -> tuple[Path, list[dict[str, str]]]:
   for out in outputs:
     pieces = re.split(rf"^{PART} (\w+)\n", out, flags=re.M)[1:]
     parts.append(dict(zip(pieces[::2], pieces[1::2])))
-    assert list(parts[-1]) == ["optax", "checkpoint", "overlapped"], out
+    assert list(parts[-1]) == ["optax", "checkpoint", "overlapped", "dropout"], out
   return root, parts
 
 
@@ -132,16 +135,13 @@ def test_two_processes_match_optax(two_processes):
 
 
 @pytest.mark.xdist_group("two_processes")
-def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(two_processes):
+def test_checkpoint_saved_by_two_processes_restores_in_two_and_in_one(two_processes, four_devices):
   """Each process writes its shards; the step restores bit-exact into 2 processes, and into 1 on other layouts; and
   with its moments converted: to bfloat16 in the 2 processes, to int8 on one device."""
   root, parts = two_processes
   for out in (p["checkpoint"] for p in parts):
     assert "ok restored in 2 processes" in out and "ok converted in 2 processes" in out, out
-  env = cpu_devices_env(4)
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-  command = [sys.executable, str(CHECKPOINT_WORKER), "single", str(root / "checkpoint")]
-  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+  result = four_devices.run(None, "single", str(root / "checkpoint"), path=str(CHECKPOINT_WORKER), timeout=TIMEOUT_S)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok restored in one process") == 3, result.stdout
 
@@ -156,6 +156,16 @@ def test_overlapped_step_on_two_processes_matches_optax_agrees_on_one_plan_and_r
   for out in (parts["overlapped"] for parts in two_processes[1]):
     for check in checks:
       assert f"ok {check}" in out, out
+
+
+@pytest.mark.xdist_group("two_processes")
+def test_dropout_over_two_processes_is_the_plain_models(two_processes):
+  """2 processes (``jax.distributed``, gloo) train ``test_stage_rng``'s NNX model data-parallel through the stages,
+  on a mesh of one device of each, and draw the plain path's masks on the whole batches: its losses, parameters and
+  counters (``tests/multiprocess_dropout_worker.py``), with the model's own streams and with keys given at call
+  time."""
+  for out in (parts["dropout"] for parts in two_processes[1]):
+    assert out.count("ok ") == 2, out
 
 
 # A GPT small enough that a run takes seconds; 8 rows a step (2 micro-batches of 4: one per device of the mesh).

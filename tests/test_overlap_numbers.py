@@ -8,16 +8,12 @@ a mesh of four devices. The model and the reference are ``overlap_model``'s.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cpu_devices_env
 from overlap_model import (
   B1,
   B2,
@@ -318,9 +314,7 @@ SHARDED = textwrap.dedent(
 )
 
 
-def test_sharded_on_four_devices():
-  env = cpu_devices_env(4)
-  root = Path(__file__).resolve().parent.parent
-  out = subprocess.run([sys.executable, "-c", SHARDED], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+def test_sharded_on_four_devices(four_devices):
+  out = four_devices.run(SHARDED)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "sharded ok" in out.stdout

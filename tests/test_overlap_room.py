@@ -10,13 +10,10 @@ from the calibration here (``Calibration.device_free_bytes``, as ``planning.budg
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import cpu_devices_env
 
 import jax_dos
 from jax_dos.overlap import plan as overlap_plan
@@ -190,7 +187,7 @@ GPT_PATH = textwrap.dedent(
 
 
 @pytest.mark.parametrize("mesh", [{"data": 1, "fsdp": 4}, {"data": 4, "fsdp": 1}], ids=["fsdp4", "data4"])
-def test_the_gpu_setup_path_on_a_cpu_mesh(tmp_path, mesh):
+def test_the_gpu_setup_path_on_a_cpu_mesh(tmp_path, mesh, four_devices):
   """``train.gpt``'s setup on a GPU, on 4 CPU devices: with the parameters sharded (``fsdp=4``) the overlapped plan's
   room is the stage programs' (the module's formula from the measured temporaries and stage inputs, each stage's
   input checked against its shape, and the groups' gradient shards), larger than the plain program's, and every
@@ -198,9 +195,7 @@ def test_the_gpu_setup_path_on_a_cpu_mesh(tmp_path, mesh):
   every device, the plain program's room stands."""
   import json
 
-  env = cpu_devices_env(4, PYTHONPATH=str(ROOT))
-  command = [sys.executable, "-c", GPT_PATH, json.dumps(mesh), str(tmp_path / "out")]
-  out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  out = four_devices.run(GPT_PATH, json.dumps(mesh), str(tmp_path / "out"))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "gpt path ok" in out.stdout, out.stdout
 
@@ -245,8 +240,7 @@ NUMBERS = textwrap.dedent(
 )
 
 
-def test_the_steps_numbers_with_state_resident_beside_the_stage_programs():
-  env = cpu_devices_env(4)
-  out = subprocess.run([sys.executable, "-c", NUMBERS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def test_the_steps_numbers_with_state_resident_beside_the_stage_programs(four_devices):
+  out = four_devices.run(NUMBERS)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "numbers ok" in out.stdout, out.stdout

@@ -7,12 +7,8 @@ the parameters must come back replicated, and the numbers must be optax's.
 Runs in a fresh interpreter with 4 host devices (set before jax starts).
 """
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
-
-from helpers import cpu_devices_env
 
 SCRIPT = textwrap.dedent(
   """
@@ -106,10 +102,8 @@ SCRIPT = textwrap.dedent(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_partitioned_state_matches_optax_and_holds_shares():
-  env = cpu_devices_env(4)
-  command = [sys.executable, "-c", SCRIPT]
-  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def test_partitioned_state_matches_optax_and_holds_shares(four_devices):
+  result = four_devices.run(SCRIPT)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok ") == 13, result.stdout
 
@@ -123,7 +117,7 @@ SHARE_SCRIPT = textwrap.dedent(
     import jax_dos
     from jax_dos.overlap import plan as overlap_plan
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))  # 2 of the interpreter's 4
     groups = jax.device_put(make_groups(np.random.default_rng()), NamedSharding(mesh, P()))  # replicated parameters
     model = jax_dos.StagedModel(STAGES, len(groups))
     split = overlap_plan.step_layout(model, groups, 8, partitioned=True)
@@ -140,10 +134,9 @@ SHARE_SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_overlapped_plan_counts_a_device_its_share_of_the_partitioned_state():
+def test_the_overlapped_plan_counts_a_device_its_share_of_the_partitioned_state(four_devices):
   """On a mesh of 2, each device holds half of a replicated parameter's state: the overlapped plan keeps resident
   what fits that half (it counted the whole state on each device, and kept half of the 6.7B state off two H100s
   that hold all of it)."""
-  result = subprocess.run([sys.executable, "-c", SHARE_SCRIPT], cwd=ROOT, env=cpu_devices_env(2),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+  result = four_devices.run(SHARE_SCRIPT, timeout=300)
   assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr

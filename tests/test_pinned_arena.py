@@ -6,15 +6,12 @@ run the arena's code as the GPU does; only the driver's copy (``cuMemcpyDtoHAsyn
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cpu_devices_env
 
 from jax_dos.copy_out import CopyOut
 from jax_dos.hand_off import HandOffError
@@ -125,9 +122,8 @@ SHARDED = textwrap.dedent(
 )
 
 
-def test_sharded_arena_arrays_on_four_devices():
-  out = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=cpu_devices_env(4),
-                       timeout=120)  # fmt: skip
+def test_sharded_arena_arrays_on_four_devices(four_devices):
+  out = four_devices.run(SHARDED, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "sharded ok" in out.stdout
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import jax
 import pytest
-from helpers import cpu_devices_env
 
 SCRIPT = textwrap.dedent(
   """
@@ -89,17 +88,21 @@ SCRIPT = textwrap.dedent(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(env: dict, *args: str) -> str:
-  result = subprocess.run(
-    [sys.executable, "-c", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-  )
+def _run(env: dict | None, *args: str, host=None) -> str:
+  """The script in ``host`` (an interpreter of 4 CPU devices) or in a fresh interpreter of ``env``."""
+  if host is not None:
+    result = host.run(SCRIPT, *args)
+  else:
+    result = subprocess.run(
+      [sys.executable, "-c", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok ") == 12, result.stdout
   return result.stdout
 
 
-def test_sharded_params_match_optax():
-  _run(cpu_devices_env(4))
+def test_sharded_params_match_optax(four_devices):
+  _run(None, host=four_devices)
 
 
 def _accelerators() -> int:

@@ -9,16 +9,14 @@ before the head (one ``nnx.Dropout``, drawn from by the first and the last stage
 all keep (``shared``: the stream counts on across the layers in call order), or from the ``nnx.Rngs`` the model is
 called with (``called``: ``model(tokens, rngs=rngs)``, the same ``rngs`` passed to every step; ``nnx.scan`` carries
 it through a stack). The blocks rematerialise themselves (``nnx.remat``), as a plain model often does. On one
-device, on a mesh of two, and over two processes (``tests/multiprocess_dropout_worker.py``).
+device, on a mesh of two, and over two processes (``tests/multiprocess_dropout_worker.py``, run by
+``test_multiprocess.py``'s job of two processes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import cpu_devices_env, max_rel_diff
+from helpers import max_rel_diff
 
 import jax_dos
 
@@ -35,7 +33,6 @@ LR, WD, B1, B2, CLIP = 1e-2, 0.1, 0.9, 0.95, 1.0
 DROP = 0.25
 LAYOUTS = ("list", "stack", "shared")  # the model's own streams
 CALLED = ("called", "called_stack")  # the keys given at call time, model(tokens, rngs=rngs)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Block(nnx.Module):
@@ -221,7 +218,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import test_stage_rng as t
 
-mesh = Mesh(np.array(jax.devices()), ("data",))
+mesh = Mesh(np.array(jax.devices()[:2]), ("data",))  # 2 of the interpreter's 4
 rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 
 def place(model):  # the parameters (and the streams' keys and counters) replicated over the mesh
@@ -235,26 +232,12 @@ for layout in ("stack", "shared"):  # a stream split per layer, one stream count
 """
 
 
-def test_dropout_on_a_data_parallel_mesh_is_the_plain_models():
+def test_dropout_on_a_data_parallel_mesh_is_the_plain_models(four_devices):
   """On 2 devices, the batch's rows over them and the model replicated, the stages draw the plain path's masks:
   the same numbers as the plain NNX model trained on the same mesh (a mask does not depend on the layout)."""
-  result = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=ROOT, env=cpu_devices_env(2), capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+  result = four_devices.run(MESH_SCRIPT)
   assert result.returncode == 0, result.stdout + result.stderr
   assert result.stdout.count("ok ") == 2, result.stdout
-
-
-def test_dropout_over_two_processes_is_the_plain_models():
-  """2 processes (``jax.distributed``, gloo, one CPU device each) train data-parallel through the stages and draw
-  the plain path's masks on the whole batches: its losses, parameters and counters
-  (``tests/multiprocess_dropout_worker.py``), with the model's own streams and with keys given at call time."""
-  from test_multiprocess import launch
-
-  seed = str(np.random.default_rng().integers(2**31))
-  outputs = launch(lambda port, i: ([sys.executable, str(ROOT / "tests" / "multiprocess_dropout_worker.py"), port,
-                                     str(i), seed], {}), devices=1)  # fmt: skip
-  for out in outputs:
-    assert out.count("ok ") == 2, out
 
 
 @pytest.mark.parametrize("layout", ["list", "called"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import optax
 import pytest
-from helpers import TINY, cpu_devices_env
+from helpers import TINY
 from helpers import same_tree as _same_tree
 from helpers import train_tiny as _run
 
@@ -126,20 +126,17 @@ def test_overlapped_step_trains_and_its_checkpoint_resumes_on_the_plain_path(tmp
 DEVICES_WORKER = Path(__file__).resolve().parent / "resume_devices_worker.py"
 
 
-def test_a_checkpoint_saved_on_two_devices_resumes_on_one_and_in_other_moment_formats(tmp_path, capsys):
+def test_a_checkpoint_saved_on_two_devices_resumes_on_one_and_in_other_moment_formats(tmp_path, capsys, two_devices):
   """Issue 50's N -> M devices through the script (``tests/resume_devices_worker.py`` says what runs where): saved on
   ``--mesh data=2`` (plain step) and ``--mesh fsdp=2`` (overlapped), resumed on one device and, with bfloat16
   moments, on ``data=2``. What each resume restored was checked in its process: the parameters and master weights
   bit for bit, the moments too or converted as ``moment_formats`` converts them. Here, the losses: the same format
   continues as the uninterrupted run on 2 devices, to float32 rounding; a converted one takes step 3 (from the
   restored parameters) as that run, and step 4 (after one update with rounded moments) close to it. The saves run in
-  an interpreter of 2 devices; the resumes on one device in this process."""
+  the ``two_devices`` interpreter; the resumes on one device in this process."""
   import resume_devices_worker
 
-  env = cpu_devices_env(2)
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-  command = [sys.executable, str(DEVICES_WORKER), "two", str(tmp_path)]
-  out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  out = two_devices.run(None, "two", str(tmp_path), path=str(DEVICES_WORKER), timeout=300)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
   capsys.readouterr()
   resume_devices_worker.main("one", str(tmp_path))  # this process: one device
