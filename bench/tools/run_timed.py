@@ -97,6 +97,10 @@ def main() -> None:
   mark = re.compile(args.mark)
   t0 = time.perf_counter()
   env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+  # SIGINT handled, not ignored, so that the command starts with it at its default and its Python installs the
+  # KeyboardInterrupt that the deadline's SIGINT raises: an ignored SIGINT is inherited through exec (a background
+  # job of a non-interactive shell, a test runner's worker), and the command then outlived the deadline by 30 s.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
   marked: list[float] = []
 
