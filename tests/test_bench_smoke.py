@@ -180,9 +180,9 @@ def test_run_timed_records_the_end_and_what_the_peak_resident_set_holds(tmp_path
   the process's end, the peak resident set, and at that peak each anonymous mapping of 1 GiB or more."""
   child = "import numpy as np, time; a = np.ones(2**27 + 2**20); print('done: step 1', flush=True); time.sleep(1.5)"
   out = tmp_path / "timed.json"
-  run(tmp_path, "tools/run_timed.py", "--json", str(out), "--log", str(tmp_path / "timed.log"), "--",
-      sys.executable, "-c", child)  # fmt: skip
-  row = json.loads(out.read_text())
+  run(tmp_path, "tools/run_timed.py", "--json", str(out), "--log", str(tmp_path / "timed.log"), "--series-every-s",
+      "0.5", "--", sys.executable, "-c", child)  # fmt: skip
+  row = json.loads(out.read_text())  # the course sampled at every look (0.5 s): the 1.5 s the array is held
   assert row["returncode"] == 0 and row["stopped_at_deadline"] is None
   assert 1.0 <= row["exit_after_mark_s"] < 30 and row["peak_rss_gib"] >= 1.0
   large = row["peak_rss_by_mapping"]["large_anon"]
