@@ -136,3 +136,13 @@ def check(args: TrainConfig, cfg: Any, mesh: Any) -> None:
                            device_bytes, host.ram_bytes, others)  # fmt: skip
   if message is not None:
     raise SystemExit(f"error: {message}")
+
+
+def free_when_planned() -> str:
+  """The accelerator memory free on the fullest local device now, as the plans read it (``bytes_limit`` less
+  ``bytes_in_use``), and that limit: what their room beside the step's peak is sized from, said in the ``memory``
+  line so that a run shows what it had."""
+  stats = [(d, d.memory_stats() or {}) for d in jax.local_devices()]
+  device, s = min(stats, key=lambda ds: ds[1].get("bytes_limit", 0) - ds[1].get("bytes_in_use", 0))
+  limit, used = s.get("bytes_limit", 0), s.get("bytes_in_use", 0)
+  return f"{(limit - used) / 2**30:.1f} GiB free of {limit / 2**30:.1f} on {device} when planned"

@@ -194,15 +194,6 @@ def _init_params(args: TrainConfig, cfg: Any, shardings: Any) -> tuple[Any, dict
     raise SystemExit(f"error: --init-from: {e}") from None
 
 
-def _free_now() -> str:
-  """The accelerator memory free on the fullest local device now, as the plans read it (``bytes_limit`` less
-  ``bytes_in_use``): what their room beside the step's peak is sized from, said so that a run shows what it had."""
-  stats = [(d, d.memory_stats() or {}) for d in jax.local_devices()]
-  device, s = min(stats, key=lambda ds: ds[1].get("bytes_limit", 0) - ds[1].get("bytes_in_use", 0))
-  limit, used = s.get("bytes_limit", 0), s.get("bytes_in_use", 0)
-  return f"{(limit - used) / 2**30:.1f} GiB free of {limit / 2**30:.1f} on {device} when planned"
-
-
 def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_from) -> _Built:
   """The plain or the overlapped training step, chosen from both plans before any optimizer state exists.
 
@@ -218,15 +209,13 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   sized = jax.local_devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
   if args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized:
     with _setup_phase(args, "the gradient step compiled, for its memory"):
-      step_memory = gradient_step_memory(
-        graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum, batch_sharding=batch_layout
-      )
-  notes = []
-  tx, schedule = make_optimizer(args, step_memory)
+      step_memory = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum,
+                                         batch_sharding=batch_layout)  # fmt: skip
+  notes, (tx, schedule) = [], make_optimizer(args, step_memory)
   if step_memory is not None:
-    notes.append(f"memory  the gradient step needs {step_memory.peak_bytes / 2**30:.1f} GiB at its peak,"
-                 f" {step_memory.live_bytes / 2**30:.1f} GiB through the update (left free);"
-                 f" {_free_now()}")  # fmt: skip
+    peak, live = step_memory.peak_bytes / 2**30, step_memory.live_bytes / 2**30
+    notes.append(f"memory  the gradient step needs {peak:.1f} GiB at its peak, {live:.1f} GiB through the update (left"
+                 f" free); {device_memory.free_when_planned()}")  # fmt: skip
   plain_plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)  # from shapes: no state exists yet
   refusal = overlapped_lib.refusal(args)
   if refusal is None and args.overlap == "auto" and jax.default_backend() != "gpu":
