@@ -94,7 +94,7 @@ def abstract_by_block(model_cls: type, cfg: Any) -> dict:
   :func:`init_by_block` returns: ``nnx.eval_shape`` of a one-block model, its block's shapes for every block (the
   blocks are alike, as there). Not the whole model traced at once: under ``nnx.eval_shape`` each draw from an
   ``nnx.Rngs`` stream reads its traced counter's ``sharding``, whose error jax words from the trace so far, so a deep
-  model took time quadratic in its depth (gpt-13b 2.7 s, gpt-30b 4 s on a CPU; now a fraction of a second)."""
+  model took time quadratic in its depth (seconds for the 13B and 30B presets on a CPU)."""
   one = nnx.eval_shape(lambda: model_cls(dataclasses.replace(cfg, n_layer=1), rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(nnx.state(one, nnx.Param))
   block = params["blocks"][0]

@@ -154,34 +154,31 @@ def calibration():
   return _this_machines_calibration()
 
 
+def _hosted(devices):
+  """A ``script_host.ScriptHost`` of ``devices`` CPU devices (``None``: this process's environment), closed after."""
+  from script_host import ScriptHost
+
+  host = ScriptHost(devices)
+  yield host
+  host.close()
+
+
 @pytest.fixture(scope="session")
 def four_devices():
   """One interpreter of 4 CPU devices a worker, which runs the tests' mesh scripts in turn (``script_host.py``)."""
-  from script_host import ScriptHost
-
-  host = ScriptHost(4)
-  yield host
-  host.close()
+  yield from _hosted(4)
 
 
 @pytest.fixture(scope="session")
 def bench_host():
   """One interpreter a worker, of this process's environment, for the benchmark scripts (``script_host.py``)."""
-  from script_host import ScriptHost
-
-  host = ScriptHost(None)
-  yield host
-  host.close()
+  yield from _hosted(None)
 
 
 @pytest.fixture(scope="session")
 def two_devices():
   """One interpreter of 2 CPU devices a worker, for the scripts that take every device of 2 (``script_host.py``)."""
-  from script_host import ScriptHost
-
-  host = ScriptHost(2)
-  yield host
-  host.close()
+  yield from _hosted(2)
 
 
 @pytest.fixture
