@@ -447,11 +447,14 @@ def test_the_processes_of_one_host_measure_one_calibration(tmp_path):
 
 
 def test_a_profile_of_the_steps_asked_for_and_its_summary(tmp_path):
-  """``--profile 2:4`` traces steps 2 and 3 (jax.profiler, with a Perfetto trace), and the summary script reads it:
-  the CPU's rows and the gradient programs' names."""
+  """``--profile 2:4`` traces steps 2 and 3 (jax.profiler, with a Perfetto trace, and jax_dos's host spans), and the
+  summary script reads it: the CPU's rows and the gradient programs' names."""
   _run(tmp_path, "run", "--steps", "4", "--profile", "2:4")
   traces = list((tmp_path / "run" / "profile").rglob("*.trace.json.gz"))
   assert len(traces) == 1 and list((tmp_path / "run" / "profile").rglob("perfetto_trace.json.gz"))
+  spans = json.loads((tmp_path / "run" / "profile" / "spans.json").read_text())
+  assert spans["steps"] == [2, 4] and spans["totals"]["wall"]["seconds"] > 0, spans["totals"]
+  assert all(0 <= s["start"] <= s["end"] for s in spans["spans"])
   root = Path(__file__).resolve().parents[1]
   out = subprocess.run([sys.executable, "bench/probes/trace_summary.py", str(tmp_path / "run" / "profile"), "--host",
                         "--json", str(tmp_path / "summary.json")], cwd=root, capture_output=True, text=True,

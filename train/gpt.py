@@ -65,7 +65,7 @@ import numpy as np
 
 import jax_dos
 from models import hf
-from train import calibration, checkpoints, device_memory, host_memory, parallel, progress, step_log, steps
+from train import calibration, checkpoints, device_memory, host_memory, parallel, profiling, progress, step_log, steps
 from train import data as data_lib
 from train import overlapped as overlapped_lib
 from train.evaluate import validation_loss
@@ -321,32 +321,6 @@ def _finish(args, log, record, val_losses, step_no, start_step, rate, num_params
   }
 
 
-class Profile:
-  """``--profile FIRST:STOP``: jax.profiler's trace of steps ``FIRST`` to ``STOP - 1`` in ``folder``, the step
-  settled at both ends so that the trace holds those steps' work whole."""
-
-  def __init__(self, steps: tuple[int, int] | None, folder: str, step, say) -> None:
-    self._steps, self._folder, self._step, self._say, self._on = steps, folder, step, say, False
-
-  def before(self, step_no: int) -> None:
-    if self._steps is not None and step_no == self._steps[0] and not self._on:
-      self._step.settle()
-      options = jax.profiler.ProfileOptions()
-      options.python_tracer_level = 0  # the Python threads' every call would bloat the trace and slow the step
-      jax.profiler.start_trace(self._folder, create_perfetto_trace=True, profiler_options=options)
-      self._on = True
-
-  def after(self, step_no: int | None) -> None:
-    """After step ``step_no`` (``None``: the run's end, which ends a trace still open)."""
-    if self._on and (step_no is None or step_no == self._steps[1] - 1):
-      self._step.settle()
-      jax.profiler.stop_trace()
-      self._on = False
-      first, last = self._steps[0], self._steps[1] - 1
-      steps = f"step {first}" if first == last else f"steps {first}-{last}"
-      self._say(f"wrote the profile of {steps} to {self._folder}")
-
-
 def plain_remat(remat: str) -> str:
   """The plain step's block policy for ``--remat``: ``auto`` is ``full`` on an accelerator that reports its memory
   (its activations may not fit) and ``none`` elsewhere (the CPU: nothing to save); the overlapped step's plan
@@ -447,7 +421,7 @@ def train(args: TrainConfig) -> dict[str, Any]:
   record = step_log.StepLog(args.clip)
   t_start = time.perf_counter()
   step_no = start_step
-  profile = Profile(args.profile, os.path.join(args.out, "profile"), step, lambda line: say(args, line))
+  profile = profiling.Profile(args.profile, os.path.join(args.out, "profile"), step, lambda line: say(args, line))
   for it in range(start_step, args.steps):
     profile.before(it + 1)
     loss = step(get_batch(splits.train, args.global_batch * args.grad_accum, it))

@@ -199,9 +199,46 @@ _CI = np.uint32(mf._C_IDX)
 _VOPTS = dict(parallel=True, nogil=True, boundscheck=False, error_model="numpy")
 
 
-def _make_bf16_spans(ahead: int):
+TINY, UP, DOWN = F(2.0**-60), F(2.0**64), F(2.0**-64)
+
+
+@numba.njit(inline="always")
+def _div_by(a, b, y):
+  """``RN(a / b)`` for a step constant ``0 < b <= 1`` given ``y = RN(1 / b)``, without a divide: Markstein's theorem
+  (``q`` within an ulp of ``a / b`` and ``y`` within half an ulp of ``1 / b`` make ``r = a - b q`` exact and
+  ``RN(q + r y)`` the correctly rounded quotient) where ``r`` does not underflow, so ``|a| < 2**-60`` is scaled by
+  ``2**64`` first (exact both ways: ``|a / b| >= |a|``)."""
+  small = abs(a) < TINY
+  x = a * UP if small else a
+  q = x * y
+  q = mf.nb_fma(mf.nb_fma(-q, b, x), y, q)
+  return q * DOWN if small else q
+
+
+@numba.njit(inline="always")
+def _weight_reciprocal(p, m, v, eps, eps_root, wd, neg_lr, bc1, bc2, decay):
+  """``adam_math.nb_weight``'s bits with its two divides by the step's constants as ``_div_by`` (the reciprocals
+  loop-invariant, hoisted out of the loop)."""
+  u = _div_by(m, bc1, F(1) / bc1) / (np.sqrt(_div_by(v, bc2, F(1) / bc2) + eps_root) + eps)
+  if decay:
+    u = u + wd * p
+  return p + neg_lr * u
+
+
+@numba.njit(**_OPTS)
+def _f32_reciprocal(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs):
+  """host_kernels' float32 step (state in place, no decay, no copy), the weight by ``_weight_reciprocal``."""
+  for i in numba.prange(g.shape[0]):
+    mi, vi = adam_math.nb_moments(g[i] * gs, m[i], v[i], b1, one_minus_b1, b2, one_minus_b2)
+    p[i] = _weight_reciprocal(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+    m[i] = mi
+    v[i] = vi
+
+
+def _make_bf16_spans(ahead: int, weight=adam_math.nb_weight):
   """host_compact's bfloat16 step (state in place, no decay, no copy) a span of ``SPAN`` elements at a time, the
-  hash inputs an induction; with ``ahead``, each span first prefetches the lines of the span ``ahead`` spans on."""
+  hash inputs an induction; with ``ahead``, each span first prefetches the lines of the span ``ahead`` spans on;
+  ``weight``: ``adam_math.nb_weight`` or ``_weight_reciprocal``."""
 
   @numba.njit(**_VOPTS)
   def bf16_spans(g, p, m, v, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs, key_m,
@@ -218,7 +255,7 @@ def _make_bf16_spans(ahead: int):
         i = np.uint64(lo + j)
         mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_bf16_load(m[i]), mf.nb_bf16_load(v[i]), b1, one_minus_b1, b2,
                                       one_minus_b2)  # fmt: skip
-        pn = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+        pn = weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
         m[i] = mf.nb_bf16_store(mi, mf.nb_fmix(h_m))
         v[i] = mf.nb_bf16_store(vi, mf.nb_fmix(h_v))
         p[i] = pn
@@ -227,11 +264,11 @@ def _make_bf16_spans(ahead: int):
   return bf16_spans
 
 
-def _make_int8(weights_first: bool, ahead: int):
+def _make_int8(weights_first: bool, ahead: int, weight=adam_math.nb_weight):
   """host_compact's int8 step (state in place, no decay, no copy; nu's first square root in the first pass) with
   the weights in the first pass (``weights_first``: its three divides and a square root beside the decode, the
   second pass two square roots) or the second; with ``ahead``, each block first prefetches the lines of the block
-  ``ahead`` blocks on."""
+  ``ahead`` blocks on; ``weight``: ``adam_math.nb_weight`` or ``_weight_reciprocal``."""
 
   @numba.njit(**_VOPTS)
   def int8_variant(g, p, mc, mw, vc, vw, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, wd, neg_lr, bc1, bc2, gs,
@@ -255,7 +292,7 @@ def _make_int8(weights_first: bool, ahead: int):
           mi, vi = adam_math.nb_moments(g[i] * gs, mf.nb_mu_decode(mc[i], old_m), mf.nb_nu_decode(vc[i], old_v), b1,
                                         one_minus_b1, b2, one_minus_b2)  # fmt: skip
           if weights_first:
-            p[i] = adam_math.nb_weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
+            p[i] = weight(p[i], mi, vi, eps, eps_root, wd, neg_lr, bc1, bc2, False)
           ri = np.sqrt(vi)
           new_m[j], new_v[j], root_v[j] = mi, vi, ri
           top_m, top_v = max(top_m, host_compact._abs_bits(mi)), max(top_v, host_compact._abs_bits(ri))
@@ -265,7 +302,7 @@ def _make_int8(weights_first: bool, ahead: int):
         for j in range(k):
           i = np.uint64(lo + j)
           if not weights_first:
-            p[i] = adam_math.nb_weight(p[i], new_m[j], new_v[j], eps, eps_root, wd, neg_lr, bc1, bc2, False)
+            p[i] = weight(p[i], new_m[j], new_v[j], eps, eps_root, wd, neg_lr, bc1, bc2, False)
           mc[i] = mf.nb_mu_code(new_m[j], inv_m, mf.nb_unit(mf.nb_fmix(h_m)))
           vc[i] = mf.nb_nu_code_of_root(root_v[j], new_v[j], inv_v, mf.nb_unit(mf.nb_fmix(h_v)))
           h_m, h_v = np.uint32(h_m + _CI), np.uint32(h_v + _CI)
@@ -279,8 +316,10 @@ def _make_int8(weights_first: bool, ahead: int):
 
 _BF16_SPANS, _BF16_PREFETCH = _make_bf16_spans(0), _make_bf16_spans(8)  # 8 spans: 8 KB of g and of p ahead
 _INT8_WEIGHTS_FIRST, _INT8_PREFETCH = _make_int8(True, 0), _make_int8(False, 4)
+_BF16_RECIPROCAL, _INT8_RECIPROCAL = _make_bf16_spans(0, _weight_reciprocal), _make_int8(False, 0, _weight_reciprocal)
 _INT8_CODES = host_compact.make_int8_kernel(host_kernels._load_f32, host_kernels._bf16_bits, roots_first=False)
-VARIANTS = ("bfloat16_spans", "bfloat16_prefetch", "int8_codes", "int8_weights_first", "int8_prefetch")
+VARIANTS = ("float32_reciprocal", "bfloat16_spans", "bfloat16_prefetch", "bfloat16_reciprocal", "int8_codes",
+            "int8_weights_first", "int8_prefetch", "int8_reciprocal")  # fmt: skip
 
 
 def calls(b: dict) -> dict:
@@ -301,13 +340,16 @@ def calls(b: dict) -> dict:
     "bfloat16": lambda: kb(g, p, mb, vb, p, mb, vb, low, *HYPER, *STEP, *keys, False, False, True),
     "int8": lambda: ki(g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True),
     # The variants: the same bits as the kernel of their format (checked), other code.
+    "float32_reciprocal": lambda: _f32_reciprocal(g, p, m, v, *HYPER, *STEP),
     "bfloat16_spans": lambda: _BF16_SPANS(g, p, mb, vb, *HYPER, *STEP, *keys),
+    "bfloat16_reciprocal": lambda: _BF16_RECIPROCAL(g, p, mb, vb, *HYPER, *STEP, *keys),
     "bfloat16_prefetch": lambda: _BF16_PREFETCH(g, p, mb, vb, *HYPER, *STEP, *keys),
     "int8_codes": lambda: _INT8_CODES(
       g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True
     ),
     "int8_weights_first": lambda: _INT8_WEIGHTS_FIRST(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
     "int8_prefetch": lambda: _INT8_PREFETCH(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
+    "int8_reciprocal": lambda: _INT8_RECIPROCAL(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
     "twin_float32": lambda: _twin_f32(g, p, m, v, z, one),
     "twin_bfloat16": lambda: _twin_16(g, p, mb, vb, z, k0),
     "twin_int8": lambda: _twin_8(g, p, mc[:n], vc[:n], z, np.uint8(0)),
@@ -396,11 +438,13 @@ def check_variants(n: int = 3 * mf.BLOCK + 37) -> dict:
   out = {}
   for variant in VARIANTS:
     fmt = variant.split("_")[0]
-    state = {"bfloat16": ("p", "mb", "vb"), "int8": ("p", "m8", "v8")}[fmt]
+    state = {"float32": ("p", "m", "v"), "bfloat16": ("p", "mb", "vb"), "int8": ("p", "m8", "v8")}[fmt]
     a, b = buffers(n), buffers(n)
     for bufs in (a, b):
       bufs["v"][:5] = 0.0  # zeros among the moments
       bufs["g"][7] = np.nan
+      bufs["m"][9:40] *= np.exp2(np.arange(-140, -109, dtype=F))  # tiny moments: the reciprocal's scaled range
+      bufs["g"][9:40] *= np.exp2(np.arange(-140, -109, dtype=F))
     fa, fb = calls(a), calls(b)
     for _ in range(2):
       fa[fmt]()
