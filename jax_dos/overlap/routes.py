@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jax_dos.fired import fired_share
 from jax_dos.overlap.memory import check_host_memory, speculation_cap
@@ -35,8 +36,12 @@ def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
   :func:`room_beside_step` budgets its stream slots beside the step's peak
   whatever the timeline then places, and after the decision the host path
   alone would take the whole update. A user's plan shares only where it
-  streams (only then did the user give the slots room).
+  streams (only then did the user give the slots room). ``JAX_DOS_FIRED_REDO_ON_STREAM=0`` in the environment: no
+  share, the host kernel alone steps every host subgroup after the decision (a measurement's switch: the host's DRAM
+  serves both paths, docs/overlap.md).
   """
+  if os.environ.get("JAX_DOS_FIRED_REDO_ON_STREAM", "1") == "0":
+    return set()
   if not plan.indices("stream") and not (plan.source.startswith("model") and plan.indices("host")):
     return set()
   cal = plan.calibration or {}
