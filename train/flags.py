@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--profile", default=None, metavar="FIRST:STOP",
                  help="write a profile of steps FIRST to STOP-1 (as the log numbers them, from 1) to <out>/profile:"
                       " jax.profiler's trace, for TensorBoard's profile plugin or ui.perfetto.dev"
-                      " (perfetto_trace.json.gz)")  # fmt: skip
+                      " (perfetto_trace.json.gz), and what the step's threads did on the host"
+                      " (spans.json)")  # fmt: skip
   return p
 
 
