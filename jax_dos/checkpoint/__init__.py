@@ -8,6 +8,7 @@ The modules, each importing only those above it in this list and ``jax_dos``'s o
 - ``moments``: the moments' stored format and its conversion on restore;
 - ``optax_state``: the state as optax's ``adamw`` state and back (``from_optax_adamw_state``, ``split_adam``);
 - ``canonical``: the on-disk form a save writes and the template a restore reads into;
+- ``reading``: a verified step read into the caller's templates (the moments converted where their format differs);
 - ``host_copy``: host-resident arrays guarded (copied, or saved synchronously) while Orbax writes them;
 - ``manager``: ``CheckpointManager`` (``docs/checkpoints.md``).
 """

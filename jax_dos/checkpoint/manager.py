@@ -17,10 +17,8 @@ in ``<step>.orbax-checkpoint-tmp`` and renamed when committed)::
 Every state leaf mirrors a parameter leaf, whatever its placement (``canonical.py``): a checkpoint restores into
 any plan, and into either optimizer.
 
-Restore places every array directly in its memory kind: the restore arguments
-are built from the template's shardings (memory kind included), so Orbax reads
-each shard from disk into a buffer of that sharding; ``pinned_host`` state
-never passes through accelerator memory.
+Restore reads a verified step straight into the templates' shardings and memory kinds (``reading.py``): ``pinned_host``
+state never passes through accelerator memory.
 
 Host state is guarded while Orbax writes it (``host_copy.py``): copied, or saved synchronously. Orbax's own copy of
 every shard into pinned memory first (its default on a GPU) is off: a second pinned copy of the host state
@@ -52,20 +50,11 @@ from typing import Any, Optional
 
 import jax
 
-from jax_dos.checkpoint import canonical, integrity, transfers
+from jax_dos.checkpoint import canonical, integrity, reading, transfers
 from jax_dos.checkpoint import host_copy as host_guard
-from jax_dos.checkpoint import moments as checkpoint_moments
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.checkpoint.processes import barrier, from_primary
-from jax_dos.checkpoint.template import (
-  PLACEHOLDER,
-  TemplateMismatchError,
-  check_tree,
-  disk_template,
-  fill_empties,
-  ocp,
-  restore_item,
-)
+from jax_dos.checkpoint.template import TemplateMismatchError, ocp
 from jax_dos.engine import wait_for_host_updates
 
 __all__ = [
@@ -426,17 +415,12 @@ class CheckpointManager:
       ValueError: ``step`` fails verification.
       TemplateMismatchError: the templates' trees differ from the checkpoint's (a ``ValueError``).
     """
-    return self._restore_step(self._verified_step(step), params, opt_state)
+    return reading.read_step(self._mgr, self._verified_step(step), params, opt_state)
 
   def restore_params(self, step: Optional[int] = None, *, params: Any) -> tuple[Any, dict]:
     """``(params, meta)`` of a step, without its optimizer state (to export or evaluate a run's weights): the step
     and the template ``params`` as :meth:`restore` takes them, with the same verification and errors."""
-    step = self._verified_step(step)
-    metadata = self._mgr.item_metadata(step)
-    check_tree("params", step, disk_template(params), getattr(metadata["params"], "tree", metadata["params"]))
-    items = ocp.args.Composite(params=restore_item(params), meta=ocp.args.JsonRestore())
-    out = self._mgr.restore(step, args=items)
-    return fill_empties(out["params"], params), out["meta"]
+    return reading.read_params(self._mgr, self._verified_step(step), params)
 
   def meta(self, step: Optional[int] = None) -> dict:
     """The ``meta`` dict saved with a step (default the newest complete one), read without verifying the step (a
@@ -475,39 +459,3 @@ class CheckpointManager:
         + ")."
       )
     return found
-
-  def _restore_step(self, step: int, params_t: Any, opt_t: Any) -> tuple[Any, Any, dict]:
-    fmt = self._mgr.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))["format"]
-    t = canonical.from_disk_template(step, fmt, params_t, opt_t)
-    parts, canon_t, source, target = t.parts, t.canon, t.source, t.target
-    metadata = self._mgr.item_metadata(step)
-    tree_of = lambda m: getattr(m, "tree", m)  # noqa: E731
-    check_tree("params", step, disk_template(params_t), tree_of(metadata["params"]))
-    check_tree("optimizer state (count, mu, nu)", step, disk_template(canon_t), tree_of(metadata["opt_state"]))
-
-    converting = source != target  # the moments read apart, a group of leaves at a time (moments.read_converted)
-    unread = lambda tree: jax.tree.map(lambda _: PLACEHOLDER, tree)  # noqa: E731
-    read_t = {**canon_t, "mu": unread(canon_t["mu"]), "nu": unread(canon_t["nu"])} if converting else canon_t
-    want_master = parts.kind == "interleaved"
-    items = {
-      "params": restore_item(params_t),
-      "opt_state": restore_item(read_t),
-      "meta": ocp.args.JsonRestore(),
-    }
-    if want_master and fmt["has_master"]:
-      check_tree("master weights", step, disk_template(parts.master), tree_of(metadata["master"]))
-      items["master"] = restore_item(parts.master)
-    out = self._mgr.restore(step, args=ocp.args.Composite(**items))
-    master = fill_empties(out["master"], parts.master) if "master" in items else None
-    if want_master and not fmt["has_master"]:
-      # An optax checkpoint: master = float32(saved params), read straight into the master's memory kind.
-      check_tree("params (as master weights)", step, disk_template(parts.master), tree_of(metadata["params"]))
-      master = self._mgr.restore(step, args=ocp.args.Composite(params=restore_item(parts.master)))["params"]
-      master = fill_empties(master, parts.master)
-    c = fill_empties(out["opt_state"], read_t)
-    if converting:  # stored in another format: converted to the template's
-      c["mu"], c["nu"] = checkpoint_moments.read_converted(self._mgr.restore, step, t)
-      checkpoint_moments.say_converted(step, source, target)
-    extra = [c["extra"][str(i)] for i in range(len(parts.extra))] if parts.extra else []
-    params = fill_empties(out["params"], params_t)
-    return params, parts.rebuild(c["count"], master, c["mu"], c["nu"], extra), out["meta"]
