@@ -23,7 +23,9 @@ Prints what it measures and writes ``$OUT/host_kernel_bound.json`` (or ``bench/r
   induction), ``bfloat16_prefetch`` (the same, each span first prefetching the lines 8 spans on, towards L2),
   ``int8_codes`` (``host_compact``'s split before: all seven divides and square roots in the second pass),
   ``int8_weights_first`` (the weights in the first pass), ``int8_prefetch`` (the kernel, each block first
-  prefetching the lines 4 blocks on).
+  prefetching the lines 4 blocks on), ``bfloat16_prefetch_far`` and ``int8_prefetch_far`` (32 spans, 16 blocks
+  on), and the ``_reciprocal`` variants of each format (the weight's two divides by the step's constants
+  ``1 - b**t`` as a multiply and two fused multiply-adds, Markstein's correction: ``_div_by``).
 - ``core``: one thread, each kernel, variant and twin at ``--core-elements`` (in cache: the arithmetic's rate a
   core), best of ``--core-repeats``, a launch's fixed cost (a call on 256 elements) taken off.
 
@@ -317,9 +319,10 @@ def _make_int8(weights_first: bool, ahead: int, weight=adam_math.nb_weight):
 _BF16_SPANS, _BF16_PREFETCH = _make_bf16_spans(0), _make_bf16_spans(8)  # 8 spans: 8 KB of g and of p ahead
 _INT8_WEIGHTS_FIRST, _INT8_PREFETCH = _make_int8(True, 0), _make_int8(False, 4)
 _BF16_RECIPROCAL, _INT8_RECIPROCAL = _make_bf16_spans(0, _weight_reciprocal), _make_int8(False, 0, _weight_reciprocal)
+_BF16_PREFETCH_FAR, _INT8_PREFETCH_FAR = _make_bf16_spans(32), _make_int8(False, 16)  # 32 KB and 64 KB of g ahead
 _INT8_CODES = host_compact.make_int8_kernel(host_kernels._load_f32, host_kernels._bf16_bits, roots_first=False)
-VARIANTS = ("float32_reciprocal", "bfloat16_spans", "bfloat16_prefetch", "bfloat16_reciprocal", "int8_codes",
-            "int8_weights_first", "int8_prefetch", "int8_reciprocal")  # fmt: skip
+VARIANTS = ("float32_reciprocal", "bfloat16_spans", "bfloat16_prefetch", "bfloat16_prefetch_far", "bfloat16_reciprocal",
+            "int8_codes", "int8_weights_first", "int8_prefetch", "int8_prefetch_far", "int8_reciprocal")  # fmt: skip
 
 
 def calls(b: dict) -> dict:
@@ -343,6 +346,7 @@ def calls(b: dict) -> dict:
     "float32_reciprocal": lambda: _f32_reciprocal(g, p, m, v, *HYPER, *STEP),
     "bfloat16_spans": lambda: _BF16_SPANS(g, p, mb, vb, *HYPER, *STEP, *keys),
     "bfloat16_reciprocal": lambda: _BF16_RECIPROCAL(g, p, mb, vb, *HYPER, *STEP, *keys),
+    "bfloat16_prefetch_far": lambda: _BF16_PREFETCH_FAR(g, p, mb, vb, *HYPER, *STEP, *keys),
     "bfloat16_prefetch": lambda: _BF16_PREFETCH(g, p, mb, vb, *HYPER, *STEP, *keys),
     "int8_codes": lambda: _INT8_CODES(
       g, p, mc, mw, vc, vw, p, mc, mw, vc, vw, low, *HYPER, *STEP, *keys, False, False, True
@@ -350,6 +354,7 @@ def calls(b: dict) -> dict:
     "int8_weights_first": lambda: _INT8_WEIGHTS_FIRST(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
     "int8_prefetch": lambda: _INT8_PREFETCH(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
     "int8_reciprocal": lambda: _INT8_RECIPROCAL(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
+    "int8_prefetch_far": lambda: _INT8_PREFETCH_FAR(g, p, mc, mw, vc, vw, *HYPER, *STEP, *keys),
     "twin_float32": lambda: _twin_f32(g, p, m, v, z, one),
     "twin_bfloat16": lambda: _twin_16(g, p, mb, vb, z, k0),
     "twin_int8": lambda: _twin_8(g, p, mc[:n], vc[:n], z, np.uint8(0)),
