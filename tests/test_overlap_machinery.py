@@ -449,3 +449,23 @@ def test_the_fired_redos_share_counts_the_host_kernel_alone_where_the_calibratio
 
   assert share(0.0) == share(rate) and share(rate)
   assert share(3 * rate) < share(rate)  # spread through the forward order, fewer parameters
+
+
+def test_the_fired_redo_switch_leaves_every_host_subgroup_to_the_host_kernel(monkeypatch):
+  """``JAX_DOS_FIRED_REDO_ON_STREAM=0`` (a measurement's switch, ``bench/fired_redo.sh``): no host subgroup is shared
+  with the stream path after a decision; any other value keeps the plan's share."""
+  from jax_dos.overlap import plan as overlap_plan
+  from jax_dos.overlap import routes as overlap_routes
+  from jax_dos.stages import StagedModel
+
+  rng = np.random.default_rng()
+  groups = make_groups(rng)
+  tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan="host")
+  users = jax_dos.overlapped_plan(tx, STAGES, groups, micro_batches=2)
+  layout = overlap_plan.step_layout(StagedModel(STAGES, len(groups)), groups, 40)
+  cal = {"host_rate": 1e9, "host_rate_concurrent": 1e9, "stream_rate_concurrent": 1e9}
+  plan = users.with_placements(users.placements, source="model+timeline", calibration=cal)
+  monkeypatch.setenv("JAX_DOS_FIRED_REDO_ON_STREAM", "1")
+  assert overlap_routes.stream_share_of_host(plan, layout)
+  monkeypatch.setenv("JAX_DOS_FIRED_REDO_ON_STREAM", "0")
+  assert overlap_routes.stream_share_of_host(plan, layout) == set()
