@@ -426,6 +426,7 @@ def train(args: TrainConfig) -> dict[str, Any]:
     profile.before(it + 1)
     loss = step(get_batch(splits.train, args.global_batch * args.grad_accum, it))
     step_no = it + 1
+    rate.returned(step_no, time.perf_counter())
     profile.after(step_no)
     record.add(step_no, loss, step.grad_norm)
     if it == start_step:  # the first step compiles: start the clocks after it

@@ -55,16 +55,30 @@ class StepLog:
 
 
 class Rate:
-  """Tokens/s and MFU over the steps between two marks (:meth:`restart` leaves an evaluation or a save out)."""
+  """Tokens/s and MFU over the steps between two marks.
+
+  A mark is a step's return, when work of the steps before it may still run (an overlapped step's offloaded update,
+  the accelerator's queue): each window then starts and ends with a step's work in flight, and measures the steady
+  rate. After a point where nothing is in flight (:meth:`start`, the first step settled; :meth:`restart`, after an
+  evaluation or a save), the next window starts at the next step's return (:meth:`returned`): one started at the
+  settled point would leave its last step's work to the window after it and read faster than the steady rate.
+  """
 
   def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None):
     self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
     self.t_mark, self.step_mark = time.perf_counter(), 0
     self.tokens_per_s: float | None = None
     self.mfu: float | None = None
+    self._settled = False  # nothing in flight at the mark: the window starts at the next step's return
 
   def start(self, step: int) -> None:
-    self.t_mark, self.step_mark = time.perf_counter(), step
+    """``step`` done and settled: the first window starts at the next step's return."""
+    self.t_mark, self.step_mark, self._settled = time.perf_counter(), step, True
+
+  def returned(self, step: int, now: float) -> None:
+    """Step ``step`` returned at ``now``: a window after a settled point starts here."""
+    if self._settled:
+      self.t_mark, self.step_mark, self._settled = now, step, False
 
   def mark(self, step: int, now: float) -> None:
     if step > self.step_mark:
@@ -73,4 +87,5 @@ class Rate:
       self.t_mark, self.step_mark = now, step
 
   def restart(self) -> None:
-    self.t_mark = time.perf_counter()
+    """After an evaluation or a save (the step's work drained): the next window starts at the next step's return."""
+    self.t_mark, self._settled = time.perf_counter(), True
