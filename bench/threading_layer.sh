@@ -6,12 +6,15 @@
 #      default) and on OpenMP (NUMBA_THREADING_LAYER=omp, as every GPU run between 79653c4 and the layer's return),
 #      STEPS steps each, with the clip as the README's command has it (EXTRA adds flags: "--clip 1e6" for a silent one).
 # Writes OUT/probe_<layer>_<flush|keep>/host_kernel_subnormal.json and OUT/readme_<layer>.{json,log,_metrics.jsonl}.
-# Usage: OUT=/some/dir [STEPS=25] [EXTRA=...] [DEADLINE_S=570] bash bench/threading_layer.sh
+# Usage: OUT=/some/dir [STEPS=25] [EXTRA=...] [DEADLINE_S=570] [PROBES=1] bash bench/threading_layer.sh
+#   The four probes took 300 s of a call on an H100 machine (bench/results/threading_layer-h100/), which left the two
+#   runs 124 s each, too little for the first on a fresh machine (its calibration, 56-72 s, then 100-130 s of setup):
+#   PROBES=0 STEPS=12 runs only the README's command on both layers (about 230 + 160 s).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results/threading_layer}
 mkdir -p "$OUT"
 T0=$(date +%s)
-for layer in workqueue omp; do
+for layer in $( [[ ${PROBES:-1} == 1 ]] && echo workqueue omp ); do
   for mode in flush keep; do
     flag=""; [[ $mode == keep ]] && flag="--keep-subnormals"
     NUMBA_THREADING_LAYER=$layer OUT="$OUT/probe_${layer}_$mode" python3 bench/probes/host_kernel_subnormal.py \
