@@ -251,3 +251,30 @@ def test_the_fired_summary_reads_the_readme_commands_runs(tmp_path):
   assert bf16["plain_s"] == pytest.approx(32768 / 10.3e3, rel=0.01)
   assert bf16["predicted_fired_s"] == pytest.approx(3.31104) and bf16["chose_overlapped"]
   assert bf16["speedup"] < 1 and rows[0]["overlapped_s"] is None
+
+
+def test_the_fired_spans_after_each_decision():
+  """``bench/analysis/fired_spans.py``: each decision's paths' ends, subgroups and the rate both reached, from spans
+  laid out by hand."""
+  sys.path.insert(0, os.path.join(ROOT, "bench", "analysis"))
+  import fired_spans
+
+  def span(name, start, end):
+    return {"name": name, "thread": "t", "start": start, "end": end}
+
+  spans = [
+    span("host.kernel", 0.1, 0.2),  # before the first decision: not counted
+    span("decide.read", 1.0, 1.1),
+    span("host.kernel_after_decision", 1.1, 1.5), span("host.kernel", 1.2, 1.4),
+    span("host.kernel_after_decision", 1.5, 2.1), span("host.kernel", 1.6, 2.0),
+    span("stream.redo_host", 1.1, 1.9),
+    span("overlap.wait_params", 1.3, 1.6),
+    span("decide.read", 4.0, 4.1),
+    span("host.kernel_after_decision", 4.1, 4.6),
+  ]  # fmt: skip
+  first, second = fired_spans.after_decisions(spans, host_params=2_000_000_000)
+  assert (first["host_subgroups"], first["stream_subgroups"]) == (2, 1)
+  assert first["host_end_s"] == pytest.approx(1.0) and first["stream_end_s"] == pytest.approx(0.8)
+  assert first["host_kernel_busy_s"] == pytest.approx(0.6) and first["wait_params_s"] == pytest.approx(0.3)
+  assert first["next_decision_s"] == pytest.approx(2.9) and first["both_paths_Gps"] == pytest.approx(2.0)
+  assert second["next_decision_s"] is None and second["stream_subgroups"] == 0
