@@ -19,6 +19,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -26,10 +27,10 @@ import jax_dos
 
 
 class Profile:
-  """``--profile FIRST:STOP`` (``steps``; ``None``: nothing recorded) of ``step``, into ``folder``; ``say`` takes the
-  line that names what was written."""
+  """``--profile FIRST:STOP`` (``steps``; ``None``: nothing recorded) of ``step`` (a train step with ``settle()``),
+  into ``folder``; ``say`` takes the line that names what was written."""
 
-  def __init__(self, steps: tuple[int, int] | None, folder: str, step, say: Callable[[str], None]) -> None:
+  def __init__(self, steps: tuple[int, int] | None, folder: str, step: Any, say: Callable[[str], None]) -> None:
     self._steps, self._folder, self._step, self._say = steps, folder, step, say
     self._spans: contextlib.ExitStack | None = None
     self._recorded: list[jax_dos.trace.Span] = []
