@@ -21,6 +21,8 @@ grep "^kernels\|^stream\|^core\|^same" "$OUT/probe/host_kernel_bound.log"
 OUT=$OUT PLAIN=0 STEPS=${STEPS:-15} NAME=readme_fired EXTRA="--profile ${PROFILE:-12:14}" \
   DEADLINE_S=$(( $(left) - 120 )) bash bench/readme_command.sh
 cp /tmp/readme_fired/profile/spans.json "$OUT/readme_fired_spans.json"
-python3 bench/probes/trace_summary.py /tmp/readme_fired/profile --json "$OUT/readme_fired_trace_summary.json" | head -30
+python3 bench/probes/trace_summary.py /tmp/readme_fired/profile --json "$OUT/readme_fired_trace_summary.json" \
+  > "$OUT/readme_fired_trace_summary.txt" 2>&1
+head -30 "$OUT/readme_fired_trace_summary.txt"  # not piped: a closed pipe stopped the summary before its JSON
 OUT=$OUT PLAIN=0 STEPS=${PLAIN_STEPS:-10} NAME=readme_fired_plain EXTRA="--overlap off" DEADLINE_S=$(( $(left) )) \
   bash bench/readme_command.sh

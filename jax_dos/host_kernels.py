@@ -317,9 +317,12 @@ def adam_many_into(
 
   :func:`adam_many`'s arithmetic, bit for bit, reading ``p, m, v`` and
   writing the new ``p, m, v`` (float32) into ``p_out, m_out, v_out`` and the
-  new ``p`` in ``low``'s dtype (bfloat16 or float32) into ``low``: the same
-  28 bytes of DRAM traffic a parameter as in place (30 with ``low``), and the
-  old state stays intact, so a step can be taken again from it.
+  new ``p`` in ``low``'s dtype (bfloat16 or float32) into ``low``. The old
+  state stays intact, so a step can be taken again from it. It moves more
+  DRAM than in place: a store to a line the cache does not hold reads the
+  line first, so the three new state buffers are read as well as written
+  (about 42 bytes a parameter against in place's 30; 0.69-0.76x in place's
+  rate on an H100 machine's 16 cores, ``bench/results/host_kernel_into-h100``).
   """
   if len(buffers) != len(decay):
     raise ValueError(f"{len(buffers)} buffer tuples but {len(decay)} decay flags.")
