@@ -22,16 +22,18 @@ import argparse
 import functools
 import json
 import os
-import statistics
-import time
+import sys
 
-import jax.numpy as jnp
-import numba
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common
 
-from jax_dos import adam_math, host_kernels
-from jax_dos import moment_formats as mf
-from jax_dos.adam_math import AdamHyper
+import common  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_dos import adam_math, host_kernels  # noqa: E402
+from jax_dos import moment_formats as mf  # noqa: E402
+from jax_dos.adam_math import AdamHyper  # noqa: E402
 
 HYPER = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.01)
 
@@ -50,13 +52,8 @@ def buffers(n: int, moments: str) -> tuple[tuple, tuple, np.ndarray]:
 
 
 def rate(fn, n: int, repeats: int) -> float:
-  fn()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return n / statistics.median(times) / 1e9
+  """``fn``'s parameters a second (G), the median of ``repeats`` after one pass that touches the pages."""
+  return n / common.timed(fn, reps=repeats)["time_s"] / 1e9
 
 
 def main() -> None:
