@@ -104,6 +104,16 @@ def test_accum_probe_smoke(tmp_path, bench_host):
   assert rows[1]["alias_gib"] > 0 and rows[2]["alias_gib"] > 0  # the running sum is updated in place
 
 
+def test_host_kernel_into_smoke(tmp_path, bench_host):
+  """The in-place against into probe times every format at each thread count and writes their ratio."""
+  run(tmp_path, "probes/host_kernel_into.py", "--elements", "8192", "--threads", "1", "2", "--repeats", "1",
+      host=bench_host)  # fmt: skip
+  rows = json.loads((tmp_path / "host_kernel_into.json").read_text())["rows"]
+  formats = ("float32", "bfloat16", "int8")
+  assert [(r["moments"], r["threads"]) for r in rows] == [(m, t) for m in formats for t in (1, 2)]
+  assert all(r["in_place"] > 0 and r["into"] > 0 and r["into_over_in_place"] > 0 for r in rows)
+
+
 def test_checkpoint_cost_smoke(tmp_path, bench_host):
   run(tmp_path, "checkpoint_cost.py", "--params", "3e6", host=bench_host)
   out = json.loads((tmp_path / "checkpoint_cost.json").read_text())
