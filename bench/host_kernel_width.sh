@@ -14,8 +14,9 @@ for width in default zmm; do
   mkdir -p "$OUT/$width"
   env=()
   [[ $width == zmm ]] && env=(NUMBA_CPU_NAME="$cpu_name" NUMBA_CPU_FEATURES="$features,-prefer-256-bit")
-  env "${env[@]}" OUT="$OUT/$width" timeout "${TIMEOUT_S:-600}" python3 bench/probes/host_kernel_bound.py --elements "${ELEMENTS:-134217728}" \
-    --threads ${THREADS:-8 16} --stream-elements "${ELEMENTS:-134217728}" --budget-s "${BUDGET_S:-150}" \
+  env "${env[@]}" OUT="$OUT/$width" timeout "${TIMEOUT_S:-600}" python3 bench/probes/host_kernel_bound.py \
+    --elements "${ELEMENTS:-134217728}" --threads ${THREADS:-8 16} --stream-elements "${ELEMENTS:-134217728}" \
+    --budget-s "${BUDGET_S:-150}" \
     > "$OUT/$width/host_kernel_bound.log" 2>&1
   echo "== $width"; grep "^asm\|^kernels\|^stream\|^core\|^same" "$OUT/$width/host_kernel_bound.log" | cut -c1-400
 done

@@ -2,9 +2,10 @@
 
 A :class:`HostPath` belongs to the host worker thread: every method but the
 constructor runs there, and it alone writes its buffers: the host subgroups'
-state (master, mu, nu in pinned host memory), their spare state (the fused
-kernel steps from the state into it: a speculation leaves the state as it
-was) and the staging copies of the new weights. The training thread hands it
+state (master, mu, nu in pinned host memory), their spare state (a
+speculation steps from the state into it and leaves the state as it was; a
+step with the decision known steps the state in place) and the staging
+copies of the new weights. The training thread hands it
 a subgroup's gradients (already on their way to pinned host memory), the
 subgroup's parameters (which it gives up until the new ones come back) and a
 ``concurrent.futures.Future``; the host path resolves the future with the new
@@ -177,7 +178,8 @@ class HostPath:
     buffers and leaves the state as it was; a step with the true scale (``final``) steps the state in place.
 
     In place moves 30 bytes of host DRAM a parameter; into the spare, 42: a store to a line the cache does not hold
-    reads it first, so each new state buffer is read as well as written (0.62x in place's rate, docs/overlap.md).
+    reads it first, so each new state buffer is read as well as written (0.69-0.76x in place's rate on an H100
+    machine's 16 cores, docs/overlap.md, "The cause, and the fix").
     The copy to the accelerator is issued and left in flight (it starts only once the compute queue has reached
     the point where it was issued, a few stage programs later); the program that writes the weights in place
     is dispatched once the copy has landed (:meth:`_assign_sent`), while the kernel steps later subgroups.
