@@ -194,8 +194,10 @@ KERNEL_RATE_FIELDS = {
 def host_kernel_rate(n: int, reps: int = 3, leave: int = 0, moments: str = "float32") -> float:
   """The host kernel's rate alone (params/s): AdamW in place on ``n`` float32 parameters with ``moments`` moments,
   bfloat16 gradients and a bfloat16 copy out, on buffers already in host memory, as the overlapped step's host worker
-  runs it (its thread count: all cores less ``leave`` where there are four times as many,
-  ``host_kernels.set_num_threads``). Median of ``reps`` after a pass that touches the pages."""
+  runs it once the clip decision is known (a speculation steps into the spare state instead, 0.69-0.76x this rate
+  with float32 moments: ``bench/results/host_kernel_into-h100``) (its thread count: all cores less ``leave`` where
+  there are four times as many, ``host_kernels.set_num_threads``). Median of ``reps`` after a pass that touches the
+  pages."""
   g, low = (np.zeros(n, jnp.bfloat16) for _ in range(2))
   p = np.zeros(n, np.float32)
   hyper = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.01)
