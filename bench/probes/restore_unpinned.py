@@ -22,22 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for common
 
-from jax_dos import pinned_arena
-from jax_dos.copy_out import CopyOut
-from jax_dos.hand_off import receive
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from common import rss_gib  # noqa: E402
 
-
-def rss_gib() -> float:
-  with open("/proc/self/status") as f:
-    kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-  return kib / 2**20
+from jax_dos import pinned_arena  # noqa: E402
+from jax_dos.copy_out import CopyOut  # noqa: E402
+from jax_dos.hand_off import receive  # noqa: E402
 
 
 def main() -> None:
