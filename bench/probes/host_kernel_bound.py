@@ -28,6 +28,10 @@ Prints what it measures and writes ``$OUT/host_kernel_bound.json`` (or ``bench/r
   ``1 - b**t`` as a multiply and two fused multiply-adds, Markstein's correction: ``_div_by``).
 - ``core``: one thread, each kernel, variant and twin at ``--core-elements`` (in cache: the arithmetic's rate a
   core), best of ``--core-repeats``, a launch's fixed cost (a call on 256 elements) taken off.
+- ``hot``: all the threads at once, each on its own ``--hot-per-thread`` elements (in its core's cache), best of
+  ``--core-repeats``, a launch's cost (256 elements a thread) taken off: the cores' arithmetic together, at the
+  clocks all of them busy allow and sharing whatever a core's threads share. No memory system lets a kernel run
+  faster than this over DRAM.
 
 Rates are G parameters/s (``n / time``), the best of ``--repeats`` calls after one warm-up (which compiles). Each
 kernel feeds on its own output, as ``bench/host_kernel.py``'s do. Kernels compile into a fresh cache (``asm`` needs
@@ -289,6 +293,22 @@ def core(small: dict, n_small: int, repeats: int) -> dict:
   return out
 
 
+def hot(per_thread: int, threads: int, repeats: int) -> dict:
+  """All ``threads`` at once in cache (module docstring): each kernel's rate with every core busy."""
+  numba.set_num_threads(threads)
+  n = per_thread * threads
+  fns, tiny = calls(buffers(n)), calls(buffers(256 * threads))
+  out = {}
+  for name in fns:
+    launch = best(tiny[name], repeats)
+    t = best(fns[name], repeats)
+    net = n / (t - launch) / 1e9 if t > 2 * launch else None  # None: the launch too large a part to take off
+    out[name] = dict(in_cache_Gps=net, raw_Gps=n / t / 1e9, launch_us=launch * 1e6)
+    print(f"hot     {name:18s}: {threads} threads in cache {net or float('nan'):.3f} G params/s (raw "
+          f"{out[name]['raw_Gps']:.3f}, launch {launch * 1e6:.0f} us)", flush=True)  # fmt: skip
+  return dict(threads=threads, per_thread=per_thread, kernels=out)
+
+
 def check_variants(n: int = 3 * mf.BLOCK + 37) -> dict:
   """Each variant's state after two steps against its format's kernel's, byte for byte (True: the same bits)."""
   out = {}
@@ -370,6 +390,7 @@ def main() -> None:
   ap.add_argument("--stream-elements", type=int, default=2**28)
   ap.add_argument("--core-elements", type=int, default=2**18)
   ap.add_argument("--core-repeats", type=int, default=20)
+  ap.add_argument("--hot-per-thread", type=int, default=2**15, help="elements a thread in the hot rows; 0: none")
   ap.add_argument("--budget-s", type=float, default=200, help="skip the thread counts left after this many seconds")
   args = ap.parse_args()
   threads = [t for t in args.threads if t <= numba.config.NUMBA_NUM_THREADS]
@@ -388,6 +409,8 @@ def main() -> None:
   result["rows"] = sweep(large, args.elements, threads, args.repeats, t0 + args.budget_s)
   del large
   result["core"] = core(small, args.core_elements, args.core_repeats)
+  if args.hot_per_thread:
+    result["hot"] = hot(args.hot_per_thread, max(threads), args.core_repeats)
   result["seconds"] = time.perf_counter() - t0
   print(f"done in {result['seconds']:.0f} s", flush=True)
   out = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.dirname(__file__)), "results")
