@@ -26,18 +26,6 @@ def _meminfo(field: str) -> int | None:
   return None
 
 
-def rss_gib() -> float:
-  """This process's resident set now (``VmRSS``), in GiB; NaN where ``/proc`` does not say."""
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith("VmRSS:"):
-          return int(line.split()[1]) / 2**20
-  except OSError:
-    pass
-  return float("nan")
-
-
 def host_ram_bytes() -> int:
   """Total host RAM (``MemTotal``)."""
   return _meminfo("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

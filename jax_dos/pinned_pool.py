@@ -165,7 +165,7 @@ def resident_estimate(
 
 
 def check_host_capacity(
-  nbytes: int, what: str = "the offloaded Adam state", on_host: tuple[int, int] | None = None
+  nbytes: int, what: str = "the offloaded Adam state", on_host: tuple[int, int] | None = None, released: int = 0
 ) -> None:
   """Fails early, with advice, if ``nbytes`` of pinned host memory cannot be had by this process.
 
@@ -177,7 +177,8 @@ def check_host_capacity(
   memory or XLA's pinned pool limit on a GPU. When it exceeds what the OS
   reports available, only warns: XLA's pinned-host pool keeps memory it has
   freed (a previous state's, say), which the OS counts as used, so that figure
-  understates what a new state can get.
+  understates what a new state can get. ``released``: bytes this process holds now and frees as the request is
+  met (a state given in ordinary host memory, moved leaf by leaf), counted as available.
   """
   advice = (
     "Keep more subgroups on the device (plan='device' or a larger resident budget), use a smaller model,"
@@ -185,7 +186,7 @@ def check_host_capacity(
   )
   host_bytes, processes = on_host or (nbytes, 1)
   on_this_host = f"{what} ({processes} processes on this host together)" if processes > 1 else what
-  total, available = host_ram.host_memory_total(), host_ram.host_memory_available()
+  total, available = host_ram.host_memory_total(), host_ram.host_memory_available() + released
   if host_bytes > total:
     raise MemoryError(
       f"{on_this_host} needs {host_bytes / 2**30:.2f} GiB of pinned host memory but this machine has"

@@ -114,13 +114,6 @@ def test_host_kernel_into_smoke(tmp_path, bench_host):
   assert all(r["in_place"] > 0 and r["into"] > 0 and r["into_over_in_place"] > 0 for r in rows)
 
 
-def test_restore_unpinned_smoke(tmp_path, bench_host):
-  """A checkpoint restored into ``unpinned_host`` and moved leaf by leaf into a pinned arena, its bytes equal."""
-  run(tmp_path, "probes/restore_unpinned.py", "--gib", "0.01", "--leaves", "3", host=bench_host)
-  out = json.loads((tmp_path / "restore_unpinned.json").read_text())
-  assert out["restored_kinds"] == ["unpinned_host"] and out["ok"] is True, out
-
-
 def test_checkpoint_cost_smoke(tmp_path, bench_host):
   run(tmp_path, "checkpoint_cost.py", "--params", "3e6", host=bench_host)
   out = json.loads((tmp_path / "checkpoint_cost.json").read_text())

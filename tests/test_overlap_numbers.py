@@ -224,12 +224,23 @@ def test_resume_from_checkpoint_is_bit_exact(tmp_path):
     tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan=plan)
     template = make_groups(rng)
     params, state, _ = mgr.restore(2, params=template, opt_state=tx.init(template))
+    # Into ordinary host memory (each offloaded leaf whole on the CPU device), which the step moves into its arena.
+    staged_t = jax_dos.abstract_state(first.plan, template, host_kind="unpinned_host")
+    params2, staged, _ = mgr.restore(2, params=template, opt_state=staged_t)
+  offloaded = [x for x in jax.tree.leaves(staged[1:]) if x.sharding.memory_kind == "unpinned_host"]
+  assert offloaded and len(offloaded) < len(jax.tree.leaves(staged[1:])), "the plan mixes placements"
   resumed = jax_dos.OverlappedStep(tx, STAGES, params, state, clip_norm=FIRES, micro_batches=2)
+  moved = jax_dos.OverlappedStep(tx, STAGES, params2, staged, clip_norm=FIRES, micro_batches=2, pinned_memory="arena")
+  assert all(x.is_deleted() for x in offloaded), "each leaf given in unpinned_host memory is freed as it lands"
+  host = [x for x in jax.tree.leaves(moved.opt_state[1:]) if x.sharding.memory_kind == "pinned_host"]
+  assert len(host) == len(offloaded) and all(moved.arena.owns(x) for x in host)
   for batch in batches[2:]:
     resumed(batch)
-  ours, theirs = (resumed.params, resumed.opt_state), (whole.params, whole.opt_state)
-  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moved(batch)
+  theirs = jax.tree.leaves((whole.params, whole.opt_state))
+  for step in (resumed, moved):
+    for a, b in zip(jax.tree.leaves((step.params, step.opt_state)), theirs):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 SHARDED = textwrap.dedent(
@@ -276,6 +287,25 @@ SHARDED = textwrap.dedent(
         for tree, want in zip(step.opt_state[1:], jax_dos.abstract_state(step.plan, groups)[1:]):
             for x, a in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
                 assert (x.shape, x.dtype) == (a.shape, a.dtype) and x.sharding.is_equivalent_to(a.sharding, x.ndim), a
+    # Restored into ordinary host memory (each offloaded leaf whole on one CPU device), the state is moved into the
+    # new step's arena in the same layout, partitioned over "data", each given leaf freed.
+    import tempfile
+    with jax_dos.CheckpointManager(tempfile.mkdtemp(), save_interval_steps=1) as mgr:
+        mgr.save(1, params=step.params, opt_state=step.opt_state, force=True)
+        mgr.wait_until_finished()
+        staged_t = jax_dos.abstract_state(step.plan, groups, host_kind="unpinned_host")
+        params, staged, _ = mgr.restore(1, params=groups, opt_state=staged_t)
+    given = [x for x in jax.tree.leaves(staged[1:]) if x.sharding.memory_kind == "unpinned_host"]
+    assert given and all(len(x.sharding.device_set) == 1 for x in given)
+    tx = jax_dos.interleaved_adamw(t.LR, b1=t.B1, b2=t.B2, weight_decay=t.WD, subgroup_size=40, plan=step.plan)
+    moved = jax_dos.OverlappedStep(tx, t.STAGES, params, staged, clip_norm=t.NEVER, micro_batches=2,
+                                   pinned_memory="arena")
+    assert all(x.is_deleted() for x in given)
+    for x, y in zip(jax.tree.leaves(moved.opt_state), jax.tree.leaves(step.opt_state)):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (x.sharding, y.sharding)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert any(moved.arena.owns(x) for x in jax.tree.leaves(moved.opt_state.master))
+    moved.close()
     # Each stage's backward program reduce-scatters a replicated parameter's gradients into its state's layout: the
     # running sums hold each device's share. Without partitioning they keep the parameters' layout (all-reduced).
     for partitioned in (True, False):

@@ -96,10 +96,11 @@ def check_host_memory(
   moments: str = "float32",
   host: host_plan.HostMemory | None = None,
   on_host: tuple[int, int] | None = None,
+  released: int = 0,
 ) -> None:
   """A ``MemoryError`` naming what to change where the plan's host bytes exceed ``budget``, this process's share of
   ``host`` (if given), or the machine (``on_host``: ``host_ram.bytes_on_this_host``'s figures for the host's
-  processes together)."""
+  processes together); ``released``: host bytes of a given state that the step frees as it moves it."""
   need = host_bytes(plan, layout, speculation, moments)
   try:
     if need > budget:
@@ -111,20 +112,21 @@ def check_host_memory(
     refusal = None if host is None else host_refusal(need, host, moments)
     if refusal is not None:
       raise MemoryError(refusal)
-    pinned_pool.check_host_capacity(need, "the overlapped step's host memory", on_host)
+    pinned_pool.check_host_capacity(need, "the overlapped step's host memory", on_host, released)
   except MemoryError as e:
     raise MemoryError(f"{e}\nThe overlapped step's plan:\n{plan}") from None
 
 
 def check_agreed(
-  plan: Plan, layout: Any, speculation: int | None, budget: int, moments: str, host: host_plan.HostMemory, spans: bool
+  plan: Plan, layout: Any, speculation: int | None, budget: int, moments: str, host: host_plan.HostMemory, spans: bool,
+  released: int = 0,
 ) -> None:  # fmt: skip
   """:func:`check_host_memory` for a step whose tree ``spans`` the job's processes or not: with ``spans`` the host's
   processes are counted together and the refusal is agreed, raised on every process of the job if on one (a
   collective, which every process reaches)."""
   on_host = host_ram.bytes_on_this_host(host_bytes(plan, layout, speculation, moments)) if spans else None
   try:
-    check_host_memory(plan, layout, speculation, budget, moments, host, on_host)
+    check_host_memory(plan, layout, speculation, budget, moments, host, on_host, released)
     message = None
   except MemoryError as e:
     message = str(e)

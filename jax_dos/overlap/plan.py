@@ -278,9 +278,13 @@ def plan_step(
   return agreed_step_plan(made) if isinstance(spec, str) and spec == "auto" else made
 
 
+HOST_KINDS = ("pinned_host", "unpinned_host")  # abstract_state(host_kind=...)
+
+
 def abstract_state(
-  plan: Plan, params: Any, moments: str = "float32", partition_replicated: bool | str = "auto"
-) -> InterleavedAdamState:
+  plan: Plan, params: Any, moments: str = "float32", partition_replicated: bool | str = "auto",
+  host_kind: str = "pinned_host",
+) -> InterleavedAdamState:  # fmt: skip
   """``tx.init(params)``'s shapes, dtypes, shardings and memory kinds under ``plan``, with nothing allocated.
 
   ``moments`` and ``partition_replicated``: the optimizer's (``interleaved_adam``'s arguments of those names), which
@@ -290,16 +294,28 @@ def abstract_state(
 
   A template to restore a checkpoint straight into the plan's placements and the state's layout
   (``jax_dos.CheckpointManager.restore(params=..., opt_state=<this>)``): each device reads only its shards.
+
+  ``host_kind``: where the offloaded leaves are read. ``"pinned_host"``: in their layout, in XLA's pinned pool, where
+  ``OverlappedStep`` runs on them as they are (and the pool keeps that memory). ``"unpinned_host"``: each leaf whole
+  on this process's CPU device, in ordinary memory; ``OverlappedStep`` given that state moves each leaf into its own
+  pinned memory and deletes it, which gives the memory back, so a resumed process holds the state once, as a fresh
+  one does (``docs/checkpoints.md``, "A resume's host memory"). Every process reads whole leaves that way: for a
+  process of its own.
   """
+  if host_kind not in HOST_KINDS:
+    raise ValueError(f"host_kind must be one of {HOST_KINDS}, got {host_kind!r}.")
   leaves, treedef = jax.tree.flatten(partition.state_layout(params) if partition_replicated is not False else params)
   kinds = plan.leaf_memory_kinds()
   if len(kinds) != len(leaves):
     raise ValueError(f"the plan covers {len(kinds)} leaves, params have {len(leaves)}.")
+  cpu = jax.local_devices(backend="cpu")[0] if host_kind == "unpinned_host" else None
 
   def like(x, kind, fmt="float32"):
     sharding = getattr(x, "sharding", None)
     sharding = None if sharding is None else sharding.with_memory_kind(kind)
-    if fmt == "int8" and sharding is not None:
+    if cpu is not None and kind != "device":  # whole, in this process's ordinary memory
+      sharding = jax.sharding.SingleDeviceSharding(cpu, memory_kind="unpinned_host")
+    elif fmt == "int8" and sharding is not None:
       sharding = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)), memory_kind=kind)
     shape = moment_formats.stored_shape(x.shape, fmt)
     return jax.ShapeDtypeStruct(shape, moment_formats.stored_dtype(fmt), sharding=sharding)

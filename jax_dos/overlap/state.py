@@ -8,7 +8,11 @@ in it, outside XLA's pinned pool: a fresh master is copied there from the
 accelerator (:class:`~jax_dos.copy_out.CopyOut`), fresh moments are its zero
 pages; a given offloaded leaf on the accelerator is copied in, and one in
 XLA's pool stays there (the host and stream paths write it in place as they
-write the arena's). :class:`PinnedMemory` is where that memory comes from.
+write the arena's). A given leaf in ordinary host memory (``unpinned_host``: a
+restore into ``abstract_state(..., host_kind="unpinned_host")``) is written
+into its placement, the arena's where there is one, and deleted, one leaf at a
+time: the process holds the state about once. :class:`PinnedMemory` is where
+that memory comes from.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax_dos import memory, moment_formats, partition, pinned_arena
+from jax_dos import host_copies, memory, moment_formats, partition, pinned_arena
 from jax_dos.copy_out import CopyOut
 from jax_dos.hand_off import receive
 from jax_dos.pinned_arena import PinnedArena
@@ -65,6 +70,12 @@ class PinnedMemory:
         copier.close()
 
 
+def unpinned_bytes(opt_state: InterleavedAdamState | None) -> int:
+  """Bytes of ``opt_state`` in ``unpinned_host`` memory: what :func:`initial_state` frees as it moves them."""
+  leaves = [] if opt_state is None else jax.tree.leaves(opt_state)
+  return sum(x.nbytes for x in leaves if memory.memory_kind(x) == "unpinned_host")
+
+
 def check_given(opt_state: InterleavedAdamState | None, treedef: jax.tree_util.PyTreeDef) -> None:
   """A ``TypeError`` or ``ValueError`` that says what to pass where ``opt_state`` is neither ``None`` nor an
   ``InterleavedAdamState`` whose master and moments have the parameters' structure ``treedef``."""
@@ -88,7 +99,8 @@ def initial_state(
 ) -> tuple:  # fmt: skip
   """``(masters, mus, nus, count)`` in ``plan``'s placements and ``relayout``: a fresh state (``tx.init``'s: masters
   copied from ``leaves``, moments zero in the ``moments`` format), allocated once, or ``opt_state`` moved there where
-  it is not; the offloaded leaves in ``arena`` if given (``copier`` copying into it from the accelerator)."""
+  it is not; the offloaded leaves in ``arena`` if given (``copier`` copying into it from the accelerator). A given
+  leaf in ``unpinned_host`` memory is consumed: written into its placement and deleted (:func:`_adopted`)."""
   placement = plan.leaf_placements()
   kinds = [MEMORY_KIND[p] for p in placement]
   if opt_state is None:
@@ -116,10 +128,41 @@ def initial_state(
     return memory.copy_in(a, kind, a.dtype)
 
   place = lambda xs: [move(a, k) for a, k in zip(xs, kinds)]  # noqa: E731
-  # A state in another layout (the parameters', or partitioned where the step keeps the parameters') moves to the
-  # step's own.
-  state = (opt_state.master, opt_state.mu, opt_state.nu)
+  # Leaves in ordinary host memory go to their placements first, one at a time, each freed as it lands; a state in
+  # another layout (the parameters', or partitioned where the step keeps the parameters') then moves to the step's.
+  state = [
+    [_adopted(x, relayout.state[i], kinds[i], fmt, arena) for i, x in enumerate(jax.tree.leaves(tree))]
+    for tree, fmt in zip((opt_state.master, opt_state.mu, opt_state.nu), ("float32", moments, moments))
+  ]
   # The count as an uncommitted scalar (as a fresh one is): a restored count is committed to one device, and the
   # step's scalars live on the mesh of the gradient scale.
   count = jnp.asarray(int(opt_state.count), jnp.int32)
-  return (*(place(partition.relaid(jax.tree.leaves(t), relayout.state)) for t in state), count)
+  return (*(place(partition.relaid(xs, relayout.state)) for xs in state), count)
+
+
+def _adopted(x: jax.Array, param: jax.ShapeDtypeStruct, kind: str, fmt: str, arena: PinnedArena | None) -> jax.Array:
+  """``x`` itself, or where it is in ``unpinned_host`` memory (whole, a restore's), its values in the step's layout
+  (``param``'s, the state's format ``fmt``) and memory ``kind``: in ``arena`` for the host (written by all cores),
+  else placed shard by shard; ``x`` is then deleted, which frees its memory."""
+  if memory.memory_kind(x) != "unpinned_host":
+    return x
+  st = moment_formats.moment_struct(param, fmt)  # the leaf as the step keeps it ("float32": the master)
+  if (tuple(x.shape), x.dtype) != (tuple(st.shape), st.dtype):
+    raise ValueError(
+      f"a given state leaf in unpinned_host memory is {x.dtype}{tuple(x.shape)} where the step keeps"
+      f" {st.dtype}{tuple(st.shape)}: restore into jax_dos.abstract_state(plan, params, moments,"
+      " host_kind='unpinned_host') with the step's plan and moments."
+    )
+  target = jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=st.sharding.with_memory_kind(kind))
+  out = _placed(np.asarray(x), target, arena)  # np.asarray: a view of x's memory, dropped before x is deleted
+  x.delete()
+  return out
+
+
+def _placed(values: np.ndarray, target: jax.ShapeDtypeStruct, arena: PinnedArena | None) -> jax.Array:
+  """``values`` in an array laid out and placed as ``target``: the arena's where it serves ``target``'s host memory."""
+  if arena is not None and target.sharding.memory_kind != "device":
+    out = arena.array_like(target)
+    host_copies.fill(out, values)
+    return out
+  return jax.make_array_from_callback(target.shape, target.sharding, lambda index: values[index])

@@ -82,7 +82,8 @@ class OverlappedStep:
       updates them.
     opt_state: ``tx.init(params)`` or a restored state for ``params`` (consumed), or ``None``: a fresh state (float32
       copies of ``params``, zero moments), allocated once, straight in the step's own placements. A state in other
-      placements is moved into them.
+      placements is moved into them; a leaf in ``unpinned_host`` memory (``jax_dos.abstract_state``'s
+      ``host_kind="unpinned_host"``) is moved and deleted, one at a time.
     clip_norm: ``optax.clip_by_global_norm``'s ``max_norm`` before AdamW, or ``None`` for no clip.
     micro_batches: a step's batch is split into this many equal consecutive parts along its leading axis; their
       gradients are summed in place and the update takes their mean (the whole batch's mean gradient).
@@ -211,7 +212,8 @@ class OverlappedStep:
     self._relayout = partition.ParamStateLayouts(list(self._params), owner.partition_replicated is not False)
     # The host memory the step needs, checked (on every process of the job) before any state moves or is made.
     overlap_memory.check_agreed(self.plan, self._layout, self.stream_speculation, self.host_budget_bytes,
-                                self.hyper.moments, self.host_memory, spans)  # fmt: skip
+                                self.hyper.moments, self.host_memory, spans,
+                                overlap_state.unpinned_bytes(opt_state))  # fmt: skip
     # The offloaded state outside XLA's pinned pool (docs/overlap.md, "Pinned memory of our own"), or in it.
     self._pinned = overlap_state.PinnedMemory.for_step(pinned_memory, list(self._params), opt_state)
     self.arena = self._pinned.arena
