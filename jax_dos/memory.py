@@ -58,6 +58,15 @@ def with_kind(x: Any, kind: str) -> Sharding:
   return sharding_of(x).with_memory_kind(kind)
 
 
+def cpu_device() -> jax.Device | None:
+  """This process's first CPU device (every process has one unless ``JAX_PLATFORMS`` leaves the CPU out), or
+  ``None``."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
+
+
 def memory_kind(x: Any) -> str | None:
   if isinstance(x, jax.Array) and not is_traced(x):
     return x.sharding.memory_kind

@@ -226,7 +226,15 @@ def test_resume_from_checkpoint_is_bit_exact(tmp_path):
     params, state, _ = mgr.restore(2, params=template, opt_state=tx.init(template))
     # Into ordinary host memory (each offloaded leaf whole on the CPU device), which the step moves into its arena.
     staged_t = jax_dos.abstract_state(first.plan, template, host_kind="unpinned_host")
+    assert jax_dos.abstract_state(first.plan, template, host_kind="auto") == staged_t  # a process of its own
+    with pytest.raises(ValueError, match="host_kind must be one of"):
+      jax_dos.abstract_state(first.plan, template, host_kind="pinned")
     params2, staged, _ = mgr.restore(2, params=template, opt_state=staged_t)
+    _, wrong, _ = mgr.restore(2, params=template, opt_state=staged_t)
+  tx16 = jax_dos.interleaved_adamw(LR, subgroup_size=40, plan=plan, moments="bfloat16")
+  with pytest.raises(ValueError, match="restore into jax_dos.abstract_state"):  # float32 moments, bfloat16 kept
+    jax_dos.OverlappedStep(tx16, STAGES, params2, wrong, clip_norm=FIRES, micro_batches=2)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(wrong)), "a refused state is left as it was given"
   offloaded = [x for x in jax.tree.leaves(staged[1:]) if x.sharding.memory_kind == "unpinned_host"]
   assert offloaded and len(offloaded) < len(jax.tree.leaves(staged[1:])), "the plan mixes placements"
   resumed = jax_dos.OverlappedStep(tx, STAGES, params, state, clip_norm=FIRES, micro_batches=2)

@@ -92,10 +92,9 @@ def abstract_state(
 ) -> jax_dos.InterleavedAdamState:
   """The optimizer state's shapes in the plan's placements, in the model's layout: a template to restore into. A
   process of its own reads the offloaded leaves into ordinary host memory, which the step moves into its own pinned
-  memory and gives back, leaf by leaf (``jax_dos.abstract_state``'s ``host_kind``): the resumed run holds the state
-  once, as a fresh one does. Processes of a job read their shards into XLA's pinned pool."""
-  host_kind = "unpinned_host" if jax.process_count() == 1 else "pinned_host"
-  return _in_model_layout(staged, jax_dos.abstract_state(step_plan, staged.split(params), moments, host_kind=host_kind))
+  memory and gives back, leaf by leaf (``jax_dos.abstract_state``'s ``host_kind="auto"``): the resumed run holds the
+  state once, as a fresh one does. Processes of a job read their shards into XLA's pinned pool."""
+  return _in_model_layout(staged, jax_dos.abstract_state(step_plan, staged.split(params), moments, host_kind="auto"))
 
 
 class OverlappedTraining:

@@ -278,7 +278,7 @@ def plan_step(
   return agreed_step_plan(made) if isinstance(spec, str) and spec == "auto" else made
 
 
-HOST_KINDS = ("pinned_host", "unpinned_host")  # abstract_state(host_kind=...)
+HOST_KINDS = ("pinned_host", "unpinned_host", "auto")  # abstract_state(host_kind=...)
 
 
 def abstract_state(
@@ -300,15 +300,24 @@ def abstract_state(
   on this process's CPU device, in ordinary memory; ``OverlappedStep`` given that state moves each leaf into its own
   pinned memory and deletes it, which gives the memory back, so a resumed process holds the state once, as a fresh
   one does (``docs/checkpoints.md``, "A resume's host memory"). Every process reads whole leaves that way: for a
-  process of its own.
+  process of its own. ``"auto"``: ``"unpinned_host"`` in a process of its own that has a CPU backend, else
+  ``"pinned_host"``.
   """
   if host_kind not in HOST_KINDS:
     raise ValueError(f"host_kind must be one of {HOST_KINDS}, got {host_kind!r}.")
+  if host_kind == "auto":
+    alone = jax.process_count() == 1 and memory.cpu_device() is not None
+    host_kind = "unpinned_host" if alone else "pinned_host"
   leaves, treedef = jax.tree.flatten(partition.state_layout(params) if partition_replicated is not False else params)
   kinds = plan.leaf_memory_kinds()
   if len(kinds) != len(leaves):
     raise ValueError(f"the plan covers {len(kinds)} leaves, params have {len(leaves)}.")
-  cpu = jax.local_devices(backend="cpu")[0] if host_kind == "unpinned_host" else None
+  cpu = memory.cpu_device() if host_kind == "unpinned_host" else None
+  if host_kind == "unpinned_host" and cpu is None:
+    raise ValueError(
+      "host_kind='unpinned_host' reads the offloaded leaves onto this process's CPU device, and this process has no"
+      " CPU backend (JAX_PLATFORMS leaves it out): add cpu to JAX_PLATFORMS, or pass host_kind='pinned_host'."
+    )
 
   def like(x, kind, fmt="float32"):
     sharding = getattr(x, "sharding", None)

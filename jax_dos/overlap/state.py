@@ -100,7 +100,8 @@ def initial_state(
   """``(masters, mus, nus, count)`` in ``plan``'s placements and ``relayout``: a fresh state (``tx.init``'s: masters
   copied from ``leaves``, moments zero in the ``moments`` format), allocated once, or ``opt_state`` moved there where
   it is not; the offloaded leaves in ``arena`` if given (``copier`` copying into it from the accelerator). A given
-  leaf in ``unpinned_host`` memory is consumed: written into its placement and deleted (:func:`_adopted`)."""
+  leaf in ``unpinned_host`` memory is consumed: written into its placement and deleted (:func:`_adopted`), once every
+  such leaf has been checked (:func:`_target`)."""
   placement = plan.leaf_placements()
   kinds = [MEMORY_KIND[p] for p in placement]
   if opt_state is None:
@@ -130,22 +131,23 @@ def initial_state(
   place = lambda xs: [move(a, k) for a, k in zip(xs, kinds)]  # noqa: E731
   # Leaves in ordinary host memory go to their placements first, one at a time, each freed as it lands; a state in
   # another layout (the parameters', or partitioned where the step keeps the parameters') then moves to the step's.
-  state = [
-    [_adopted(x, relayout.state[i], kinds[i], fmt, arena) for i, x in enumerate(jax.tree.leaves(tree))]
+  given = [  # (leaf, its target where it is in ordinary memory): every such leaf checked before any moves
+    [(x, _target(x, relayout.state[i], kinds[i], fmt)) for i, x in enumerate(jax.tree.leaves(tree))]
     for tree, fmt in zip((opt_state.master, opt_state.mu, opt_state.nu), ("float32", moments, moments))
   ]
+  state = [[x if t is None else _adopted(x, t, arena) for x, t in row] for row in given]
   # The count as an uncommitted scalar (as a fresh one is): a restored count is committed to one device, and the
   # step's scalars live on the mesh of the gradient scale.
   count = jnp.asarray(int(opt_state.count), jnp.int32)
   return (*(place(partition.relaid(xs, relayout.state)) for xs in state), count)
 
 
-def _adopted(x: jax.Array, param: jax.ShapeDtypeStruct, kind: str, fmt: str, arena: PinnedArena | None) -> jax.Array:
-  """``x`` itself, or where it is in ``unpinned_host`` memory (whole, a restore's), its values in the step's layout
-  (``param``'s, the state's format ``fmt``) and memory ``kind``: in ``arena`` for the host (written by all cores),
-  else placed shard by shard; ``x`` is then deleted, which frees its memory."""
+def _target(x: jax.Array, param: jax.ShapeDtypeStruct, kind: str, fmt: str) -> jax.ShapeDtypeStruct | None:
+  """Where ``x``, a given leaf in ``unpinned_host`` memory (whole, a restore's), goes: the step's layout (``param``'s),
+  the state's format ``fmt`` and memory ``kind``; ``None`` for a leaf elsewhere. A ``ValueError`` where ``x`` is not
+  that leaf's shape and dtype."""
   if memory.memory_kind(x) != "unpinned_host":
-    return x
+    return None
   st = moment_formats.moment_struct(param, fmt)  # the leaf as the step keeps it ("float32": the master)
   if (tuple(x.shape), x.dtype) != (tuple(st.shape), st.dtype):
     raise ValueError(
@@ -153,7 +155,12 @@ def _adopted(x: jax.Array, param: jax.ShapeDtypeStruct, kind: str, fmt: str, are
       f" {st.dtype}{tuple(st.shape)}: restore into jax_dos.abstract_state(plan, params, moments,"
       " host_kind='unpinned_host') with the step's plan and moments."
     )
-  target = jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=st.sharding.with_memory_kind(kind))
+  return jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=st.sharding.with_memory_kind(kind))
+
+
+def _adopted(x: jax.Array, target: jax.ShapeDtypeStruct, arena: PinnedArena | None) -> jax.Array:
+  """``x``'s values in an array of ``target``'s layout and memory (:func:`_placed`); ``x`` is then deleted, which
+  frees its memory."""
   out = _placed(np.asarray(x), target, arena)  # np.asarray: a view of x's memory, dropped before x is deleted
   x.delete()
   return out
