@@ -114,6 +114,15 @@ def test_host_kernel_into_smoke(tmp_path, bench_host):
   assert all(r["in_place"] > 0 and r["into"] > 0 and r["into_over_in_place"] > 0 for r in rows)
 
 
+def test_gather_probe_smoke(tmp_path, bench_host):
+  out = tmp_path / "gather_probe.json"
+  run(tmp_path, "probes/gather_probe.py", "--preset", "tiny", "--rows", "1", "--seq", "32", "--reps", "1", "--out",
+      str(out), host=bench_host)  # fmt: skip
+  (row,) = json.loads(out.read_text())["rows"]
+  times = ("forward_sharded_s", "backward_sharded_s", "forward_gathered_s", "backward_gathered_s", "gather_alone_s")
+  assert row["preset"] == "tiny" and row["block_gib"] > 0 and all(row[k] > 0 for k in times), row
+
+
 def test_checkpoint_cost_smoke(tmp_path, bench_host):
   run(tmp_path, "checkpoint_cost.py", "--params", "3e6", host=bench_host)
   out = json.loads((tmp_path / "checkpoint_cost.json").read_text())
