@@ -3,8 +3,9 @@
 # and peak, the seconds the process takes to end after its last line), to hold a resumed process's host memory
 # against a fresh one's and against the need it prints. The run: python -m train.gpt --preset PRESET (gpt-2.7b) with
 # FLAGS (its whole state on the host path: --offload host --overlap on), STEPS (3) steps, saved at the end; the resume:
-# --resume for 2 steps more, writing nothing (--no-ckpt). With BASELINE (a folder holding another commit's source
-# tree: jax_dos, train, models, data), the same resume again from that folder's code, beside it.
+# --resume for 2 steps more, writing nothing (--no-ckpt). With BASELINE (a folder holding another commit's jax_dos,
+# train and models: git archive COMMIT jax_dos train models | tar -x -C build/baseline), the same resume again from that
+# folder's code, beside it.
 # Writes OUT/{run,resume,resume_baseline}.{json,log} and OUT/device.txt. A checkpoint of the 2.7B GPT takes 35 GB of
 # disk under RUN_DIR.
 # Usage: OUT=/some/dir [PRESET=gpt-2.7b] [STEPS=3] [FLAGS="--offload host --overlap on"] [DEADLINE_S=540]
@@ -14,7 +15,7 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results/resume_memory}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-dos-compile-cache}
 run_dir=${RUN_DIR:-/tmp/resume_memory}
 here=$PWD
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the baseline runs from its own folder
 T0=$(date +%s)
 left() { echo $(( ${DEADLINE_S:-540} - ($(date +%s) - T0) )); }
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g | sed -n 2p
