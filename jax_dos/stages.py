@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import memory, partition
+from jax_dos import gather_ahead, memory, partition
 from jax_dos.micro_batches import micro_batch, schedule
 from jax_dos.remat import Saved, check_policy, rematerialise
 from jax_dos.timeline import RematCosts, StageTimes
@@ -133,16 +133,23 @@ def _forward_saving(fn, policy: str, params, x, batch, inputs):
   return y, Saved(tuple(a for a, s in zip(leaves, sources) if s < 0), treedef, sources)
 
 
-def _backward(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums, inputs):
-  """``(loss or None, new sums, dx or None, sums of squares of the completed groups)`` for one stage."""
+def _backward(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums, inputs, ahead, whole):
+  """``(loss or None, new sums, dx or None, sums of squares of the completed groups, ahead gathered)`` for one
+  stage: ``ahead`` (sharded leaves of the next stage's weights) are gathered into ``whole`` (their shardings)."""
   y, vjp = _stage_vjp(fn, "none", params, x, batch, inputs)
-  return _summed(vjp(jnp.ones_like(y) if dy is None else dy), x, complete, layouts, sums, y if dy is None else None)
+  out = _summed(vjp(jnp.ones_like(y) if dy is None else dy), x, complete, layouts, sums, y if dy is None else None)
+  return (*out, _gathered(ahead, whole))
 
 
-def _backward_saved(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums, saved: Saved, inputs):
+def _backward_saved(fn, complete, layouts, params, x, batch, dy, sums, saved: Saved, inputs, ahead, whole):
   """:func:`_backward` of a stage whose forward program kept ``saved``: nothing it saved is recomputed."""
   del fn
-  return _summed(saved.vjp(params, x, batch, inputs)(dy), x, complete, layouts, sums, None)
+  return (*_summed(saved.vjp(params, x, batch, inputs)(dy), x, complete, layouts, sums, None), _gathered(ahead, whole))
+
+
+def _gathered(ahead: tuple, whole: tuple) -> tuple:
+  """``ahead`` laid out as ``whole`` says: an all-gather each, which nothing else in the program waits for."""
+  return tuple(jax.lax.with_sharding_constraint(a, s) for a, s in zip(ahead, whole))
 
 
 def _laid_out(tree: Any, layout: tuple | None) -> Any:
@@ -165,13 +172,14 @@ def _summed(cotangents, x, complete, layouts, sums, loss):
 _jit_forward = jax.jit(_forward, static_argnums=0)
 _jit_forward_saving = jax.jit(_forward_saving, static_argnums=(0, 1))
 # dy is dead after its stage's backward and dx is written into it; the running sums are updated in place.
-_jit_backward = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(6, 7))
+# The weights gathered ahead are not donated: the stage's programs of the other micro-batches still read them.
+_jit_backward = jax.jit(_backward, static_argnums=(0, 1, 2, 10), donate_argnums=(6, 7))
 # A stage whose dx cannot take dy's buffers (the first stage has no dx; another whose input differs in shape or
 # dtype from its output) keeps dy: a donated buffer no output reuses is not freed any sooner, and jax warns of it.
-_jit_backward_keep_dy = jax.jit(_backward, static_argnums=(0, 1, 2), donate_argnums=(7,))
+_jit_backward_keep_dy = jax.jit(_backward, static_argnums=(0, 1, 2, 10), donate_argnums=(7,))
 # The saved residuals are not donated: no output takes their shapes, and they are freed once the program has run.
-_jit_backward_saved = jax.jit(_backward_saved, static_argnums=(0, 1, 2), donate_argnums=(6, 7))
-_jit_backward_saved_keep_dy = jax.jit(_backward_saved, static_argnums=(0, 1, 2), donate_argnums=(7,))
+_jit_backward_saved = jax.jit(_backward_saved, static_argnums=(0, 1, 2, 11), donate_argnums=(6, 7))
+_jit_backward_saved_keep_dy = jax.jit(_backward_saved, static_argnums=(0, 1, 2, 11), donate_argnums=(7,))
 
 
 def _forward_call(st: Stage, params: tuple, x: Any, batch: Any, inputs: Any = None) -> tuple[Any, Saved | None]:
@@ -180,34 +188,41 @@ def _forward_call(st: Stage, params: tuple, x: Any, batch: Any, inputs: Any = No
   return _jit_forward_saving(st.fn, st.remat, params, x, batch, inputs)
 
 
-def gradient_layouts(params: tuple, partitioned: bool) -> tuple:
+def gradient_layouts(params: tuple, partitioned: bool, gathered: bool = False) -> tuple:
   """Per group of ``params`` (a stage's), the shardings (flat) its gradients take in the stage's backward program:
   with ``partitioned``, on a mesh, the partitioned state's (``partition.state_shardings``: a replicated
   parameter's gradients are reduce-scattered, each device keeping the sum of its share); else ``None`` (XLA's
-  choice, the parameters' own: all-reduced)."""
-  if not partitioned:
+  choice, the parameters' own: all-reduced), or with ``gathered`` (the program takes the weights gathered whole,
+  ``jax_dos.gather_ahead``) the parameters' own shardings, named: their gradients reduce-scattered into them."""
+  if not partitioned and not gathered:
     return (None,) * len(params)
   layouts = []
   for tree in params:
     leaves = jax.tree.leaves(tree)
     meshed = leaves and all(isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) for x in leaves)
-    layouts.append(tuple(jax.tree.leaves(partition.state_shardings(leaves))) if meshed else None)
+    if not meshed:
+      layouts.append(None)
+    elif partitioned:
+      layouts.append(tuple(jax.tree.leaves(partition.state_shardings(leaves))))
+    else:
+      layouts.append(tuple(x.sharding.with_memory_kind("device") for x in leaves))
   return tuple(layouts)
 
 
 def _backward_call(
-  st: Stage, complete: tuple[bool, ...], params, x, batch, dy, sums, saved, layouts: tuple | None = None, inputs=None
-) -> tuple[Callable, tuple]:
+  st: Stage, complete: tuple[bool, ...], params, x, batch, dy, sums, saved, layouts: tuple | None = None, inputs=None,
+  ahead: tuple = (), whole: tuple = (),
+) -> tuple[Callable, tuple]:  # fmt: skip
   """The jitted backward program for stage ``st`` and its arguments (to run, or to lower for its memory);
   ``layouts``: :func:`gradient_layouts`' (``None``: each group's as XLA likes); ``inputs``: the stage's
-  (``Stage.inputs``)."""
+  (``Stage.inputs``); ``ahead``: leaves to gather into the shardings ``whole``, returned last."""
   layouts = (None,) * len(st.groups) if layouts is None else layouts
   donate = dy is None or (x is not None and _same_types(x, dy))
   if saved is not None:
     program = _jit_backward_saved if donate else _jit_backward_saved_keep_dy
-    return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), saved, inputs)
+    return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), saved, inputs, ahead, whole)
   program = _jit_backward if donate else _jit_backward_keep_dy
-  return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), inputs)
+  return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), inputs, ahead, whole)
 
 
 def _same_types(a: Any, b: Any) -> bool:
@@ -225,6 +240,10 @@ class StagedModel:
   program puts a replicated parameter's gradients in its partitioned state's
   layout (:func:`gradient_layouts`): XLA reduce-scatters them as the stage's
   backward pass ends, and the running sums hold each device's share only.
+  With ``gather_ahead`` (the default), where a stage's weights are sharded,
+  the backward program before it gathers them whole beside its own compute
+  (``jax_dos.gather_ahead``; :meth:`backward`'s ``ahead``), in
+  :meth:`loss_and_grads`, :meth:`measure_times` and the overlapped step.
 
   Attributes:
     stages: the stages, in forward order.
@@ -232,9 +251,11 @@ class StagedModel:
       gradient (the first stage that uses it).
   """
 
-  def __init__(self, stages: Sequence[Stage], num_groups: int, *, partition_gradients: bool = True):
+  def __init__(
+    self, stages: Sequence[Stage], num_groups: int, *, partition_gradients: bool = True, gather_ahead: bool = True
+  ):
     self.stages = tuple(stages)
-    self.partition_gradients = partition_gradients
+    self.partition_gradients, self.gather_ahead = partition_gradients, gather_ahead
     self._layouts: dict[tuple, tuple] = {}  # (stage, its parameters' shardings) -> their gradient_layouts
     if len(self.stages) < 2:
       raise ValueError("a staged model needs at least two stages (the first reads the batch, the last the loss).")
@@ -270,8 +291,9 @@ class StagedModel:
     return _forward_call(self.stages[stage], params, x, batch, self.inputs(stage, micro_batch))
 
   def backward(
-    self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool, saved=None, micro_batch=0
-  ) -> tuple[Any, tuple, Any, tuple]:
+    self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool, saved=None, micro_batch=0,
+    *, gathered: tuple | None = None, ahead: tuple | None = None,
+  ) -> tuple:  # fmt: skip
     """Stage ``stage``'s backward pass; ``sums`` are consumed, and ``dy`` where ``dx`` can take its buffers.
 
     ``dy`` is ``None`` for the last stage (whose output is the loss), and
@@ -286,18 +308,40 @@ class StagedModel:
     stage) and, with ``last`` (the last micro-batch), the float32 sums of
     squares of the groups this stage completes. ``micro_batch`` picks the
     stage's :meth:`inputs`: its forward program's.
+
+    Weights gathered ahead (``jax_dos.gather_ahead``): ``ahead``, the next
+    backward program's stage's parameters (sharded, as ``params`` are), are
+    gathered whole by this program and returned as a fifth element (the
+    leaves of :func:`gather_ahead.gather_targets`, or ``None`` where every
+    leaf is whole already); ``gathered``, what an earlier program returned
+    so for this stage, is used in place of those leaves of ``params``, and
+    the gradients keep ``params``' sharded layout.
     """
     st = self.stages[stage]
     complete = tuple(last and self.completion[g] == stage for g in st.groups)
-    program, args = _backward_call(st, complete, params, x, batch, dy, sums, saved, self.layouts(stage, params),
-                                   self.inputs(stage, micro_batch))  # fmt: skip
-    return program(*args)
+    # Named where any program may take the weights whole, so that every program leaves a group's sum in one layout.
+    layouts = self.layouts(stage, params, gathered is not None or self.gathers(params))
+    if gathered is not None:
+      params = gather_ahead.with_gathered(params, gather_ahead.gather_targets(params), gathered)
+    targets = () if ahead is None else gather_ahead.gather_targets(ahead)
+    leaves = () if ahead is None else jax.tree.leaves(ahead)
+    program, args = _backward_call(st, complete, params, x, batch, dy, sums, saved, layouts,
+                                   self.inputs(stage, micro_batch), tuple(leaves[j] for j, _ in targets),
+                                   tuple(s for _, s in targets))  # fmt: skip
+    *out, whole = program(*args)
+    return tuple(out) if ahead is None else (*out, whole or None)
 
-  def layouts(self, stage: int, params: tuple) -> tuple:
-    """Stage ``stage``'s :func:`gradient_layouts` for its parameters ``params`` (found once a stage and layout)."""
-    key = (stage, tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(params)))
+  def gathers(self, params: tuple) -> bool:
+    """Whether the backward program before a stage's gathers its parameters ``params`` (sharded) ahead: with
+    :attr:`gather_ahead`, where a device does not hold some leaf whole (``fsdp``)."""
+    return self.gather_ahead and bool(gather_ahead.gather_targets(params))
+
+  def layouts(self, stage: int, params: tuple, gathered: bool = False) -> tuple:
+    """Stage ``stage``'s :func:`gradient_layouts` for its parameters ``params`` (found once a stage and layout);
+    ``gathered``: the program takes them gathered whole."""
+    key = (stage, gathered, tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(params)))
     if key not in self._layouts:
-      self._layouts[key] = gradient_layouts(params, self.partition_gradients)
+      self._layouts[key] = gradient_layouts(params, self.partition_gradients, gathered)
     return self._layouts[key]
 
   def loss_and_grads(
@@ -319,14 +363,20 @@ class StagedModel:
     saved = [[None] * n for _ in range(k)]
     sums: list[Any] = [None] * len(groups)
     dys, losses = [None] * k, [None] * k
-    for kind, i, m in schedule(n, k, order):
-      st = self.stages[i]
-      params = tuple(groups[g] for g in st.groups)
+    programs = schedule(n, k, order)
+    stage_params = [tuple(groups[g] for g in st.groups) for st in self.stages]
+    held = gather_ahead.HeldWeights(programs, [self.gathers(p) for p in stage_params])
+    for j, (kind, i, m) in enumerate(programs):
+      st, params = self.stages[i], stage_params[i]
       if kind == "forward":
         inputs[m][i + 1], saved[m][i] = self.forward(i, params, inputs[m][i], parts[m], m)
         continue
-      out, new, dys[m], _ = self.backward(i, params, inputs[m][i], parts[m], dys[m],
-                                          tuple(sums[g] for g in st.groups), m == k - 1, saved[m][i], m)  # fmt: skip
+      ahead = held.ahead(j)
+      out, new, dys[m], _, *whole = self.backward(
+        i, params, inputs[m][i], parts[m], dys[m], tuple(sums[g] for g in st.groups), m == k - 1, saved[m][i], m,
+        gathered=held.mine(j), ahead=None if ahead is None else stage_params[ahead],
+      )  # fmt: skip
+      held.ran(j, whole[0] if whole else None)
       inputs[m][i] = saved[m][i] = None
       losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):
@@ -361,12 +411,17 @@ class StagedModel:
       inputs = tuple(_device_bytes(a) for a in xs)
       sums: list[Any] = [None] * len(groups)
       dy = None
-      for i in reversed(range(n)):
-        st = self.stages[i]
+      programs = schedule(n, 1, "stage")[n - 1 :]  # the backward programs, as the step runs them (weights ahead)
+      stage_params = [tuple(groups[g] for g in st.groups) for st in self.stages]
+      held = gather_ahead.HeldWeights(programs, [self.gathers(p) for p in stage_params])
+      for j, (_, i, _) in enumerate(programs):
+        st, ahead = self.stages[i], held.ahead(j)
         t = time.perf_counter()
-        _, new, dy, _ = jax.block_until_ready(self.backward(i, tuple(groups[g] for g in st.groups), xs[i], batch, dy,
-                                                            tuple(sums[g] for g in st.groups), True,
-                                                            saved[i] if i < n - 1 else None))  # fmt: skip
+        _, new, dy, _, *whole = jax.block_until_ready(self.backward(
+          i, stage_params[i], xs[i], batch, dy, tuple(sums[g] for g in st.groups), True,
+          saved[i] if i < n - 1 else None, gathered=held.mine(j), ahead=None if ahead is None else stage_params[ahead],
+        ))  # fmt: skip
+        held.ran(j, whole[0] if whole else None)
         bwd.append(time.perf_counter() - t)
         xs[i] = None
         if i < n - 1:

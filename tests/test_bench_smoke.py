@@ -116,11 +116,15 @@ def test_host_kernel_into_smoke(tmp_path, bench_host):
 
 def test_gather_probe_smoke(tmp_path, bench_host):
   out = tmp_path / "gather_probe.json"
-  run(tmp_path, "probes/gather_probe.py", "--preset", "tiny", "--rows", "1", "--seq", "32", "--reps", "1", "--out",
-      str(out), host=bench_host)  # fmt: skip
-  (row,) = json.loads(out.read_text())["rows"]
-  times = ("forward_sharded_s", "backward_sharded_s", "forward_gathered_s", "backward_gathered_s", "gather_alone_s")
+  run(tmp_path, "probes/gather_probe.py", "--preset", "tiny", "--rows", "1", "--seq", "32", "--reps", "1",
+      "--whole", "tiny", "--out", str(out), host=bench_host)  # fmt: skip
+  result = json.loads(out.read_text())
+  (row,), (model,) = result["rows"], result["models"]
+  times = ("forward_sharded_s", "backward_sharded_s", "forward_gathered_s", "backward_gathered_s", "gather_alone_s",
+           "backward_ahead_s")  # fmt: skip
   assert row["preset"] == "tiny" and row["block_gib"] > 0 and all(row[k] > 0 for k in times), row
+  times = ("forward_own_s", "backward_own_s", "forward_ahead_s", "backward_ahead_s")
+  assert model["preset"] == "tiny" and all(model[k] > 0 for k in times) and model["speedup"] > 0, model
 
 
 def test_checkpoint_cost_smoke(tmp_path, bench_host):

@@ -14,6 +14,10 @@ either way).
 
 ``--rows``: rows a device a micro-batch (the README's ``--batch``). Zero weights and random activations: the time of
 the programs, not of a model.
+
+Since the prefetch was built (``jax_dos.gather_ahead``), a third backward row: the program as the overlapped step runs
+it, given its weights whole and gathering the next block's (``backward_ahead_s``); and with ``--whole PRESET`` the
+whole model's stage times (``StagedModel.measure_times``) without and with the weights gathered ahead.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, ".")
 import jax_dos  # noqa: E402
+from jax_dos.gather_ahead import gather_targets  # noqa: E402
 from models import gpt  # noqa: E402
 from train import parallel  # noqa: E402
 
@@ -75,10 +80,47 @@ def block(preset: str, rows: int, seq: int, reps: int) -> dict:
       return model.backward(1, p, x, batch, dy, (None,) * len(st.groups), False)[1]
 
     out[f"backward_{name}_s"] = median_s(backward, reps)
+  # The overlapped step's backward program with the weights gathered ahead (jax_dos.gather_ahead): given its own
+  # weights whole by the program before it, it gathers the next block's (here the same shapes, its own shards again).
+  whole = tuple(jax.tree.leaves(gathered)[j] for j, _ in gather_targets(sharded))  # the leaves a device lacks
+
+  def backward_ahead():
+    dy = jnp.ones_like(x)
+    given = whole or None  # on one device nothing is gathered
+    out = model.backward(1, sharded, x, batch, dy, (None,) * len(st.groups), False, gathered=given, ahead=sharded)
+    return out[1], out[4]
+
+  out["backward_ahead_s"] = median_s(backward_ahead, reps)
   gather = jax.jit(lambda p: jax.lax.with_sharding_constraint(p, NamedSharding(mesh, P())))
   out["gather_alone_s"] = median_s(lambda: gather(sharded), reps)
   both = out["forward_sharded_s"] + out["backward_sharded_s"]
   out["exposed_share"] = (both - out["forward_gathered_s"] - out["backward_gathered_s"]) / both
+  # Of the backward program's loss to its gathers, what gathering ahead takes back (1: all of it).
+  lost = out["backward_sharded_s"] - out["backward_gathered_s"]
+  out["backward_taken_back"] = (out["backward_sharded_s"] - out["backward_ahead_s"]) / lost if lost > 0 else None
+  print(json.dumps(out), flush=True)
+  return out
+
+
+def whole_model(preset: str, rows: int, seq: int) -> dict:
+  """The whole model's stage times (``StagedModel.measure_times``, one micro-batch) on ``fsdp`` over every local
+  device, without and with the weights gathered ahead: the forward and backward pass the overlapped step plans by."""
+  mesh = parallel.make_mesh({"data": 1, "fsdp": len(jax.devices())})
+  cfg = gpt.get_config(preset, vocab_size=50304, block_size=seq, dtype="bfloat16", param_dtype="bfloat16")
+  staged = gpt.staged(cfg)
+  zeros = lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), parallel.param_sharding(mesh, tuple(s.shape)))  # noqa: E731
+  groups = [jax.tree.map(zeros, g) for g in staged.split(gpt.abstract_params(cfg))]
+  bsh = parallel.batch_sharding(mesh)
+  tokens = jax.device_put(jnp.zeros((rows * mesh.size, seq), jnp.int32), bsh)
+  out: dict = dict(preset=preset, devices=mesh.size, rows=rows, seq=seq, stages=len(staged.stages))
+  for ahead in (False, True):
+    times = jax_dos.StagedModel(staged.stages, len(groups), gather_ahead=ahead).measure_times(groups, (tokens, tokens))
+    name = "ahead" if ahead else "own"
+    out[f"forward_{name}_s"], out[f"backward_{name}_s"] = sum(times.forward), sum(times.backward)
+    out[f"temp_bytes_{name}"] = times.temp_bytes
+  own, ahead = (out[f"forward_{n}_s"] + out[f"backward_{n}_s"] for n in ("own", "ahead"))
+  out["speedup"] = own / ahead
+  out["tokens_per_s_own"], out["tokens_per_s_ahead"] = (rows * mesh.size * seq / t for t in (own, ahead))
   print(json.dumps(out), flush=True)
   return out
 
@@ -89,10 +131,13 @@ def main() -> None:
   ap.add_argument("--rows", type=int, default=8)
   ap.add_argument("--seq", type=int, default=2048)
   ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--whole", nargs="*", default=[], help="presets whose whole model's stage times to measure")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
   rows = [block(p, args.rows, args.seq, args.reps) for p in args.preset]
-  result = dict(probe="gather_probe", device=str(jax.devices()[0].device_kind), jax=jax.__version__, rows=rows)
+  models = [whole_model(p, args.rows, args.seq) for p in args.whole]
+  result = dict(probe="gather_probe", device=str(jax.devices()[0].device_kind), jax=jax.__version__, rows=rows,
+                models=models)  # fmt: skip
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dos import memory, moment_formats, partition
+from jax_dos import gather_ahead, memory, moment_formats, partition
 from jax_dos.collectives import Collectives
 from jax_dos.fired import fired_bound, simulate_fired
 from jax_dos.interleaved import InterleavedAdam, find_interleaved
@@ -104,7 +104,10 @@ class StepLayout:
   ``leaf_param_on_device`` the elements of each leaf's parameter one device
   holds (its shard: ``1/F`` over ``fsdp=F``), the leaf's size where not given;
   ``last_stages`` each subgroup's last stage using its group (whose backward
-  pass starts its gradient's sum), its ``stages`` entry where not given.
+  pass starts its gradient's sum), its ``stages`` entry where not given;
+  ``ahead_bytes`` the bytes one device holds of the largest stage's weights
+  gathered whole ahead of its backward programs (``jax_dos.gather_ahead``),
+  0 where none are.
   """
 
   subgroups: tuple[tuple[int, ...], ...]
@@ -117,6 +120,7 @@ class StepLayout:
   leaf_on_device: tuple[int, ...] = ()
   leaf_param_on_device: tuple[int, ...] = ()
   last_stages: tuple[int, ...] = ()
+  ahead_bytes: int = 0
 
   @property
   def device_share(self) -> float:
@@ -171,6 +175,7 @@ class StepOptions:
   run_ahead_stages: int | None = None
   stream_slots: int = STREAM_SLOTS
   host_budget_bytes: int | None = None
+  gather_ahead: bool = True
 
   def __post_init__(self):
     if self.run_ahead_stages is None and isinstance(self.micro_batches, int):
@@ -183,6 +188,8 @@ class StepOptions:
       raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {self.micro_batch_order!r}.")
     if self.host_budget_bytes is None:
       object.__setattr__(self, "host_budget_bytes", default_host_budget())
+    if not isinstance(self.gather_ahead, bool):
+      raise ValueError(f"gather_ahead must be True or False, got {self.gather_ahead!r}.")
 
 
 def overlappable(tx: Any, params: Any) -> InterleavedAdam:
@@ -215,12 +222,14 @@ def step_layout(model: StagedModel, groups: list, subgroup_size: int, partitione
   subgroups, sizes, group_of = partition_groups(groups, subgroup_size)
   of_group = [[s for s, g in enumerate(group_of) if g == gi] for gi in range(len(groups))]
   hand_over = [s for i in reversed(range(len(model.stages))) for g in model.groups_completing(i) for s in of_group[g]]
+  stage_params = [tuple(groups[g] for g in st.groups) for st in model.stages]
+  ahead = [gather_ahead.gathered_bytes(jax.tree.leaves(p)) for p in stage_params[:-1] if model.gathers(p)]
   return StepLayout(
     tuple(subgroups), tuple(sizes), tuple(model.completion[g] for g in group_of),
     tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves), tuple(hand_over),
     tuple(memory.process_elements(x) for x in state), tuple(memory.device_elements(x) for x in state),
     tuple(memory.device_elements(x) for x in leaves),
-    tuple(max(i for i, st in enumerate(model.stages) if g in st.groups) for g in group_of),
+    tuple(max(i for i, st in enumerate(model.stages) if g in st.groups) for g in group_of), max(ahead, default=0),
   )  # fmt: skip
 
 
@@ -236,6 +245,7 @@ def plan_step(
   run_ahead_stages: int | None = None,
   stream_slots: int = STREAM_SLOTS,
   host_budget_bytes: int | None = None,
+  gather_ahead: bool = True,
   collectives: Collectives | None = None,
   fired_share: float = 0.0,
 ) -> Plan:
@@ -258,12 +268,13 @@ def plan_step(
   (``jax_dos.Collectives``), which the timeline then prices; without it the
   prediction holds one device's programs alone.
   """
-  options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
+  options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes,
+                        gather_ahead)  # fmt: skip
   if not 0 <= fired_share <= 1:
     raise ValueError(f"fired_share is a share of steps, from 0 to 1; got {fired_share!r}.")
   groups = list(groups)
   owner = overlappable(tx, groups)
-  model = StagedModel(stages, len(groups))
+  model = StagedModel(stages, len(groups), gather_ahead=options.gather_ahead)
   if stage_times is not None and len(stage_times.forward) != len(model.stages):
     raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(model.stages)}.")
   layout = step_layout(model, groups, owner.subgroup_size, owner.partitions)
@@ -373,7 +384,7 @@ def make_step_plan(
       boundaries = (micro_batches - 1) * stage_times.boundary_bytes
     most = None  # resident elements at most: the plain plan's, unless the room is the stage programs'
     own = stage_room(whole.step_usable_bytes, stage_times, layout.gradient_bytes, layout.last_stages or layout.stages,
-                     layout.params_sharded, micro_batches, micro_batch_order)  # fmt: skip
+                     layout.params_sharded, micro_batches, micro_batch_order, layout.ahead_bytes)  # fmt: skip
     if own is not None:  # its peak holds every micro-batch's stage inputs
       whole = dataclasses.replace(whole, step_room_bytes=own.room, step_room_terms=own.terms())
       boundaries, most = 0, sum(sizes)

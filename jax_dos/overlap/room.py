@@ -6,7 +6,7 @@ all-gathers of many layers in that program, and its peak is not the overlapped s
 stage's gathered weights (the 30B GPT on four H100s: 69.6 GiB a device for the plain program, 31.2 GiB in use at
 most by the overlapped step). There the overlapped step's room is its own (:func:`stage_room`), per device::
 
-    room = U - ((1 + TEMP_MARGIN) T + k' c + max_i (k x_<=i + g_>=i))
+    room = U - ((1 + TEMP_MARGIN) T + A + k' c + max_i (k x_<=i + g_>=i))
 
 * ``U``: the accelerator bytes the step may take beside what was allocated when planning (the parameters' shards),
   ``(1 - STEP_MARGIN) F`` (``Plan.step_usable_bytes``, ``planning.budgets``: 8 % of the free memory kept back);
@@ -15,6 +15,9 @@ most by the overlapped step). There the overlapped step's room is its own (:func
   their gradients before the reduce-scatter; a backward program under ``"full"`` recomputes its forward pass, so
   they hold the forward program's too. A policy other than ``"full"`` adds its saved residuals and any growth of
   ``T`` on top (``StageTimes.extra_activation_bytes``, as beside the plain program's peak);
+* ``A``: the largest stage's weights gathered whole ahead of its backward programs (``StepLayout.ahead_bytes``,
+  ``jax_dos.gather_ahead``): alive beside the program before it, which gathers them, and its own gathered weights
+  (those ``T`` holds as temporaries where they are gathered in the program); 0 where none are gathered ahead;
 * ``c``: the largest cotangent a micro-batch's backward pass carries between stages (``StageTimes.cotangent_bytes``),
   ``k' = k`` of them in the ``"stage"`` order (each micro-batch's is alive through the backward pass), one in the
   ``"batch"`` order;
@@ -68,11 +71,12 @@ class StageRoom:
   stage_inputs: int  # k x_<=i at the stage i where the sum is largest
   gradients: int  # g_>=i there
   at: int  # that stage
+  gathered_ahead: int = 0  # A
 
   @property
   def peak(self) -> int:
     """The overlapped step's peak beside the parameters, its resident state and its streamed subgroups in flight."""
-    return self.temporaries + self.cotangents + self.stage_inputs + self.gradients
+    return self.temporaries + self.gathered_ahead + self.cotangents + self.stage_inputs + self.gradients
 
   @property
   def room(self) -> int:
@@ -84,6 +88,7 @@ class StageRoom:
     return (
       ("usable", self.usable),
       (f"stage temporaries x{1 + TEMP_MARGIN}", self.temporaries),
+      *((("weights gathered ahead", self.gathered_ahead),) if self.gathered_ahead else ()),
       ("cotangents", self.cotangents),
       (f"stage inputs at stage {self.at}", self.stage_inputs),
       ("gradients", self.gradients),
@@ -92,12 +97,12 @@ class StageRoom:
 
 def stage_room(
   usable: int | None, times: StageTimes | None, gradient_bytes: Sequence[int], last_stages: Sequence[int],
-  sharded: bool, micro_batches: int, order: str,
+  sharded: bool, micro_batches: int, order: str, ahead_bytes: int = 0,
 ) -> StageRoom | None:  # fmt: skip
   """The room beside the overlapped step's own peak (the module docstring), or ``None`` where the plain program's
   stands: parameters whole on every device (``sharded`` false), no usable bytes known (``usable``), or no stage
   program's temporaries measured (``times.temp_bytes`` 0). ``gradient_bytes`` and ``last_stages``: each subgroup's
-  gradient shard on one device, and the last stage using its group."""
+  gradient shard on one device, and the last stage using its group; ``ahead_bytes``: ``A``."""
   if not sharded or usable is None or times is None or times.temp_bytes <= 0:
     return None
   n, k = len(times.forward), micro_batches
@@ -113,7 +118,7 @@ def stage_room(
     rows.append((inputs + grads, i, inputs, grads))
   _, at, inputs, grads = max(rows)
   return StageRoom(int(usable), (1 + TEMP_MARGIN) * int(times.temp_bytes), copies * int(times.cotangent_bytes),
-                   int(inputs), int(grads), at)  # fmt: skip
+                   int(inputs), int(grads), at, int(ahead_bytes))  # fmt: skip
 
 
 def device_bytes(moments: str) -> tuple[float, float]:

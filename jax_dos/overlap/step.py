@@ -43,6 +43,7 @@ from jax_dos import (
   pinned_pool,
   trace,
 )
+from jax_dos.gather_ahead import HeldWeights
 from jax_dos.hand_off import HandOff, Slots, receive
 from jax_dos.job_thread import Failure, result_of
 from jax_dos.micro_batches import micro_batch, schedule
@@ -122,6 +123,11 @@ class OverlappedStep:
     pinned_memory: ``"arena"``: the offloaded state, spares and copies in pinned memory the step maps itself, outside
       XLA's pinned pool (CUDA and the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``: XLA's pool;
       ``"auto"`` (the default): as ``overlap.state.PinnedMemory`` says. The numbers are the same.
+    gather_ahead: where a stage's parameters are sharded (``fsdp``), each backward program gathers the next backward
+      program's weights whole beside its own compute, and that stage's programs take them so, a stage's micro-batches
+      sharing the one gather (``jax_dos.gather_ahead``); the plan's room counts one more stage's gathered weights on
+      each device. ``False``: each program gathers its own weights (or, under tensor parallelism, computes on them
+      sharded). Nothing changes where every device holds the weights whole.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch (an accelerator scalar), with the parameters
   it was computed at being the previous step's. It returns once the backward pass is dispatched; reading the loss waits
@@ -154,6 +160,7 @@ class OverlappedStep:
     rebalance: bool = False,
     speculation: str = "auto",
     pinned_memory: str = "auto",
+    gather_ahead: bool = True,
   ):
     if not isinstance(params, (list, tuple)):
       raise TypeError(
@@ -162,7 +169,8 @@ class OverlappedStep:
       )
     owner = overlappable(tx, list(params))
     overlap_process.check_no_command_buffers()
-    options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes)
+    options = StepOptions(micro_batches, micro_batch_order, run_ahead_stages, stream_slots, host_budget_bytes,
+                          gather_ahead)  # fmt: skip
     if pinned_memory not in overlap_state.PINNED_MEMORY:
       raise ValueError(f"pinned_memory must be one of {overlap_state.PINNED_MEMORY}, got {pinned_memory!r}.")
     self.micro_batch_order, self.run_ahead_stages = options.micro_batch_order, options.run_ahead_stages
@@ -183,7 +191,8 @@ class OverlappedStep:
     self._steps_taken = 0
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
-    self.model = StagedModel(stages, len(params), partition_gradients=owner.partitions)
+    self.model = StagedModel(stages, len(params), partition_gradients=owner.partitions,
+                             gather_ahead=options.gather_ahead)  # fmt: skip
     self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, options.micro_batches
     self._scalars = device_steps.scalars_for(self.hyper)  # (count, grad_scale) -> the step scalars
     leaves, self._treedef = leaves_with_paths(list(params), "params")
@@ -201,7 +210,8 @@ class OverlappedStep:
       if len(self.plan.remat) != len(self.model.stages):
         raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
       self.model = StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)],
-                               len(params), partition_gradients=owner.partitions)  # fmt: skip
+                               len(params), partition_gradients=owner.partitions,
+                               gather_ahead=options.gather_ahead)  # fmt: skip
     self.routes = overlap_routes.routes(self.plan, self._layout, self._host_room, self.hyper.moments)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
@@ -225,6 +235,8 @@ class OverlappedStep:
     # (training thread) The resident state: leaf -> (master, mu, nu).
     self._resident: dict[int, tuple] = by("device")
     self._group_start = np.cumsum([0] + [len(jax.tree.leaves(t)) for t in params]).tolist()
+    # Whether the backward program before each stage's gathers its weights ahead (their layouts do not change).
+    self._gathers = [self.model.gathers(self._stage_params(i)) for i in range(len(self.model.stages))]
     self._pending: dict[int, Future] = {}  # (training thread) subgroup -> the future of its new parameters
     self._closed = False
     self._updating = False  # between a step's first hand-over and its decision
@@ -312,11 +324,13 @@ class OverlappedStep:
     sums: list[Any] = [None] * len(self.group_subgroups)
     dys, losses, squares = [None] * k, [None] * k, []
     reached: set[int] = set()  # stages whose groups' final weights were waited for
+    held = HeldWeights(programs, self._gathers)  # sharded weights gathered by the program before
     for j, (kind, i, m) in enumerate(programs):
-      st = self.model.stages[i]
-      if i not in reached:
-        self._wait_groups(st.groups)  # at once where they are final
-        reached.add(i)
+      st, ahead = self.model.stages[i], held.ahead(j)
+      for stage in (i, ahead):
+        if stage is not None and stage not in reached:
+          self._wait_groups(self.model.stages[stage].groups)  # at once where they are final
+          reached.add(stage)
       if j == window and self.routes.stream_order:
         self._dispatch.submit(self._workers.stream, self._workers.stream_path.prefetch)
       if kind == "forward":
@@ -328,8 +342,11 @@ class OverlappedStep:
         continue
       last = m == k - 1
       with trace.span("overlap.backward"):
-        out, new, dys[m], sq = self.model.backward(i, self._stage_params(i), inputs[m][i], parts[m], dys[m],
-                                                   tuple(sums[g] for g in st.groups), last, saved[m][i], m)  # fmt: skip
+        out, new, dys[m], sq, *whole = self.model.backward(
+          i, self._stage_params(i), inputs[m][i], parts[m], dys[m], tuple(sums[g] for g in st.groups), last,
+          saved[m][i], m, gathered=held.mine(j), ahead=None if ahead is None else self._stage_params(ahead),
+        )  # fmt: skip
+      held.ran(j, whole[0] if whole else None)
       inputs[m][i] = saved[m][i] = None
       losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):

@@ -1,0 +1,137 @@
+"""Sharded weights gathered one stage ahead (``jax_dos.gather_ahead``): which program gathers which stage's weights,
+how long they are held, what the programs gather, the room, and optax's numbers on meshes of 4 CPU devices."""
+
+import textwrap
+
+import pytest
+
+from jax_dos import gather_ahead
+from jax_dos.micro_batches import schedule
+from jax_dos.overlap.room import stage_room
+from jax_dos.timeline import StageTimes
+
+
+@pytest.mark.parametrize("order", ["stage", "batch"])
+def test_each_backward_program_gathers_the_next_stages_weights(order):
+  programs = schedule(4, 2, order)
+  ahead = gather_ahead.ahead_stages(programs, [True, True, False, True])
+  got = {p: a for p, a in zip(programs, ahead) if a is not None}
+  if order == "stage":  # the last micro-batch's program of a stage gathers the next stage's, for all its programs
+    want = {("backward", 3, 1): None, ("backward", 2, 1): 1, ("backward", 1, 1): 0}
+  else:  # each micro-batch's programs gather for the next one of the same micro-batch
+    want = {("backward", 3, m): None for m in range(2)} | {("backward", 2, m): 1 for m in range(2)}
+    want |= {("backward", 1, m): 0 for m in range(2)}
+  assert got == {p: a for p, a in want.items() if a is not None}, got  # stage 2 has nothing to gather
+  assert all(a is None for (kind, _, _), a in zip(programs, ahead) if kind == "forward")
+
+
+def test_gathered_weights_are_held_through_their_stages_programs_then_dropped():
+  programs = schedule(3, 2, "stage")  # forward 0, 0, 1, 1; backward 2, 2, 1, 1, 0, 0
+  held = gather_ahead.HeldWeights(programs, [True, True, True])
+  seen = []
+  for j in range(len(programs)):
+    seen.append(held.mine(j))
+    held.ran(j, f"whole {held.ahead(j)}" if held.ahead(j) is not None else None)
+  assert seen == [None] * 4 + [None, None, "whole 1", "whole 1", "whole 0", "whole 0"], seen
+  assert held.mine(len(programs) - 1) is None  # dropped after the last program of its stage
+  programs = schedule(3, 2, "batch")  # per micro-batch: forward 0, 1; backward 2, 1, 0
+  held = gather_ahead.HeldWeights(programs, [True, True, True])
+  seen = []
+  for j in range(len(programs)):
+    seen.append(held.mine(j))
+    held.ran(j, f"whole {held.ahead(j)}" if held.ahead(j) is not None else None)
+  assert seen == [None, None, None, "whole 1", "whole 0"] * 2, seen
+
+
+def test_the_room_counts_one_stages_weights_gathered_ahead():
+  times = StageTimes((0.1,) * 3, (0.2,) * 3, 64, input_bytes=(0, 32, 32), temp_bytes=1000)
+  args = (10_000, times, (100, 100), (2, 1), True, 2, "stage")
+  without, with_ahead = stage_room(*args), stage_room(*args, ahead_bytes=300)
+  assert with_ahead.peak == without.peak + 300 and with_ahead.room == without.room - 300
+  assert ("weights gathered ahead", 300) in with_ahead.terms()
+  assert all(name != "weights gathered ahead" for name, _ in without.terms())
+
+
+SCRIPT = textwrap.dedent(
+  """
+    import jax, jax.numpy as jnp, numpy as np, sys
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sys.path.insert(0, "tests")
+    import jax_dos
+    from jax_dos import gather_ahead, stages
+    from helpers import max_rel_diff
+    import overlap_model as t
+
+    rng = np.random.default_rng()
+    for shape in ((4,), (2, 2)):  # fsdp=4, and data=2 x fsdp=2
+        axes = ("fsdp",) if len(shape) == 1 else ("data", "fsdp")
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(shape), axes)
+        spec = lambda x: P("fsdp") if x.shape[0] % mesh.shape["fsdp"] == 0 else P()  # the embedding's w stays whole
+        groups = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), t.make_groups(rng))
+        rows = NamedSharding(mesh, P(axes))
+        batches = [jax.device_put(t.make_batch(rng), rows) for _ in range(3)]
+        for order in ("stage", "batch"):
+            for clip in (t.FIRES, t.NEVER):
+                runs = {}
+                for ahead in (True, False):
+                    step, _ = t.overlapped_run(groups, batches, clip, 2, t.MIXED[: t._subgroup_count(groups)],
+                                               micro_batch_order=order, gather_ahead=ahead)
+                    assert bool(step.grad_norm > clip) == (clip == t.FIRES)
+                    assert step._gathers == [ahead] * len(t.STAGES), step._gathers
+                    if ahead:  # optax's numbers, on the gradients of the programs that gather ahead
+                        t.check_against_reference(step, groups, batches, clip, 2)
+                    runs[ahead] = step.opt_state.master
+                    for p, g in zip(jax.tree.leaves(step.params), jax.tree.leaves(groups)):
+                        assert p.sharding.is_equivalent_to(g.sharding, p.ndim), (p.sharding, g.sharding)
+                    step.close()
+                assert max_rel_diff(runs[True], runs[False]) <= 1e-6, (shape, order, clip)
+        print("ok numbers", shape)
+
+    # The programs: a backward program given its weights whole gathers none; one gathering ahead gathers more than
+    # its own stage's program alone.
+    model = jax_dos.StagedModel(t.STAGES, len(groups))
+    block, before = (tuple(groups[g] for g in model.stages[i].groups) for i in (2, 1))
+    x = jax.device_put(jnp.zeros((t.ROWS, t.D_H)), rows)
+
+    def gathers(params, layouts, ahead=()):
+        targets = gather_ahead.gather_targets(ahead)
+        leaves = jax.tree.leaves(ahead)
+        program, args = stages._backward_call(model.stages[2], (False,), params, x, batches[0], jnp.ones_like(x),
+                                              (None,), None, layouts, None, tuple(leaves[j] for j, _ in targets),
+                                              tuple(s for _, s in targets))
+        return program.lower(*args).compile().as_text().count("all-gather")
+
+    targets = gather_ahead.gather_targets(block)
+    whole = gather_ahead.with_gathered(block, targets, [jax.device_put(jax.tree.leaves(block)[j], s)
+                                                        for j, s in targets])
+    own, given, ahead = gathers(block, model.layouts(2, block)), gathers(whole, model.layouts(2, block, True)), \\
+        gathers(block, model.layouts(2, block), before)
+    assert given == 0 < own < ahead, (given, own, ahead)
+    # The gradients of weights given whole keep the sharded weights' layout: reduce-scattered into the partitioned
+    # state's, or into the parameters' own without partitioning (where XLA chooses without gathering ahead).
+    from jax_dos import partition
+    for partitioned, ahead in ((True, True), (True, False), (False, True)):
+        _, sums = jax_dos.StagedModel(t.STAGES, len(groups), partition_gradients=partitioned,
+                                      gather_ahead=ahead).loss_and_grads(groups, batches[0], 2)
+        for s, p in zip(jax.tree.leaves(sums), jax.tree.leaves(groups)):
+            want = (partition.state_sharding(p) if partitioned else None) or p.sharding
+            assert s.sharding.is_equivalent_to(want.with_memory_kind("device"), p.ndim), (partitioned, s.sharding)
+    print("ok programs")
+
+    # The room: the largest stage's weights gathered whole, on each device (the head's stage, last, is never
+    # gathered ahead); none without gather_ahead.
+    from jax_dos.overlap import plan as overlap_plan
+    layout = lambda **kw: overlap_plan.step_layout(jax_dos.StagedModel(t.STAGES, len(groups), **kw), groups, 40)
+    block_bytes = (t.D_H * t.D_H + t.D_H) * 4
+    assert layout().ahead_bytes == block_bytes and layout(gather_ahead=False).ahead_bytes == 0, layout()
+    print("ok room")
+  """
+)
+
+
+def test_gathered_ahead_on_four_devices_keeps_optaxs_numbers(four_devices):
+  """fsdp=4 and data=2 x fsdp=2, both micro-batch orders, the clip firing and silent: optax's numbers with the
+  weights gathered ahead, the same as without to float32 rounding, each program gathering what it should."""
+  out = four_devices.run(SCRIPT, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert out.stdout.count("ok ") == 4, out.stdout
