@@ -240,10 +240,11 @@ class StagedModel:
   program puts a replicated parameter's gradients in its partitioned state's
   layout (:func:`gradient_layouts`): XLA reduce-scatters them as the stage's
   backward pass ends, and the running sums hold each device's share only.
-  With ``gather_ahead`` (the default), where a stage's weights are sharded,
-  the backward program before it gathers them whole beside its own compute
-  (``jax_dos.gather_ahead``; :meth:`backward`'s ``ahead``), in
-  :meth:`loss_and_grads`, :meth:`measure_times` and the overlapped step.
+  With ``gather_ahead``, where a stage's weights are sharded, the backward
+  program before it gathers them whole beside its own compute
+  (``jax_dos.gather_ahead``; :meth:`backward`'s ``ahead``) in
+  :meth:`loss_and_grads` (the overlapped step runs its programs so where it
+  gathers ahead); :meth:`measure_times` times both ways.
 
   Attributes:
     stages: the stages, in forward order.
@@ -252,7 +253,7 @@ class StagedModel:
   """
 
   def __init__(
-    self, stages: Sequence[Stage], num_groups: int, *, partition_gradients: bool = True, gather_ahead: bool = True
+    self, stages: Sequence[Stage], num_groups: int, *, partition_gradients: bool = True, gather_ahead: bool = False
   ):
     self.stages = tuple(stages)
     self.partition_gradients, self.gather_ahead = partition_gradients, gather_ahead
@@ -319,8 +320,9 @@ class StagedModel:
     """
     st = self.stages[stage]
     complete = tuple(last and self.completion[g] == stage for g in st.groups)
-    # Named where any program may take the weights whole, so that every program leaves a group's sum in one layout.
-    layouts = self.layouts(stage, params, gathered is not None or self.gathers(params))
+    # Named where the weights are sharded (any program may take them whole): every program, gathering ahead or not,
+    # leaves a group's sum in the one layout, the sharded weights'.
+    layouts = self.layouts(stage, params, gathered is not None or bool(gather_ahead.gather_targets(params)))
     if gathered is not None:
       params = gather_ahead.with_gathered(params, gather_ahead.gather_targets(params), gathered)
     targets = () if ahead is None else gather_ahead.gather_targets(ahead)
@@ -389,47 +391,31 @@ class StagedModel:
     and of the largest backward program's temporaries under ``"full"`` (:attr:`StageTimes.temp_bytes`,
     :meth:`full_temp_bytes`).
 
-    A first pass compiles; the second is timed, waiting for each program.
-    The parameters are committed first, as the overlapped step commits them:
-    the programs compiled here are then the step's. With ``policies``
-    (``jax_dos.remat`` names) or a stage whose policy is not ``"full"``, also
-    what each stage costs under each of those policies and its own
-    (:attr:`StageTimes.remat`, :meth:`remat_costs`), for a plan to choose
-    among them (``policies``: :attr:`StageTimes.remat_choices`).
+    A first pass compiles; two more are timed, waiting for each program,
+    and the faster kept. The parameters are committed first, as the
+    overlapped step commits them: the programs compiled here are then the
+    step's. Where some stage's weights are sharded, the passes run both with
+    them gathered ahead (``jax_dos.gather_ahead``) and without, alternately:
+    the faster backward pass is :attr:`StageTimes.gather_ahead`'s choice and
+    gives the times (the gathers' cost depends on the shapes: measured on two
+    H200s, a 13B GPT's blocks gained 10 % from gathering ahead and a 6.7B
+    GPT's lost, XLA hiding their gathers inside each program already). With
+    ``policies`` (``jax_dos.remat`` names) or a stage whose policy is not
+    ``"full"``, also what each stage costs under each of those policies and
+    its own (:attr:`StageTimes.remat`, :meth:`remat_costs`), for a plan to
+    choose among them (``policies``: :attr:`StageTimes.remat_choices`).
     """
     groups = memory.committed(list(groups))
-    n = len(self.stages)
-    for _ in range(2):  # the first pass compiles
-      fwd, bwd, xs, saved, x = [], [], [], [], None
-      for i in range(n):
-        xs.append(x)
-        t = time.perf_counter()
-        if i < n - 1:
-          x, kept_i = jax.block_until_ready(self.forward(i, tuple(groups[g] for g in self.stages[i].groups), x, batch))
-          saved.append(kept_i)
-        fwd.append(time.perf_counter() - t)
-      inputs = tuple(_device_bytes(a) for a in xs)
-      sums: list[Any] = [None] * len(groups)
-      dy = None
-      programs = schedule(n, 1, "stage")[n - 1 :]  # the backward programs, as the step runs them (weights ahead)
-      stage_params = [tuple(groups[g] for g in st.groups) for st in self.stages]
-      held = gather_ahead.HeldWeights(programs, [self.gathers(p) for p in stage_params])
-      for j, (_, i, _) in enumerate(programs):
-        st, ahead = self.stages[i], held.ahead(j)
-        t = time.perf_counter()
-        _, new, dy, _, *whole = jax.block_until_ready(self.backward(
-          i, stage_params[i], xs[i], batch, dy, tuple(sums[g] for g in st.groups), True,
-          saved[i] if i < n - 1 else None, gathered=held.mine(j), ahead=None if ahead is None else stage_params[ahead],
-        ))  # fmt: skip
-        held.ran(j, whole[0] if whole else None)
-        bwd.append(time.perf_counter() - t)
-        xs[i] = None
-        if i < n - 1:
-          saved[i] = None
-        for g, s in zip(st.groups, new):
-          sums[g] = s
-      del sums
-    times = StageTimes(tuple(fwd), tuple(reversed(bwd)), sum(inputs), input_bytes=inputs)
+    stage_params = [tuple(groups[g] for g in st.groups) for st in self.stages]
+    ways = (False, True) if any(gather_ahead.gather_targets(p) for p in stage_params) else (False,)
+    for ahead in ways:  # compiles
+      self._timed_pass(stage_params, batch, ahead)
+    passes = [(ahead, self._timed_pass(stage_params, batch, ahead)) for _ in range(2) for ahead in ways]
+    best = {way: min((p for a, p in passes if a == way), key=lambda p: sum(p[1])) for way in ways}
+    ahead = len(ways) > 1 and sum(best[True][1]) < sum(best[False][1])
+    fwd, bwd, inputs = best[ahead]
+    times = StageTimes(fwd, bwd, sum(inputs), input_bytes=inputs, gather_ahead=ahead if len(ways) > 1 else None,
+                       backward_pass_s=tuple(sum(best[w][1]) for w in ways) if len(ways) > 1 else ())  # fmt: skip
     if not policies and all(st.remat == "full" for st in self.stages[:-1]):
       return dataclasses.replace(times, temp_bytes=self.full_temp_bytes(groups, batch))
     for name in policies:
@@ -438,6 +424,39 @@ class StagedModel:
     return dataclasses.replace(
       times, remat=costs, remat_choices=tuple(dict.fromkeys(policies)), temp_bytes=max(costs["full"].temp_bytes)
     )
+
+  def _timed_pass(self, stage_params: list, batch: Any, ahead: bool) -> tuple[tuple, tuple, tuple]:
+    """``(forward s, backward s, input bytes)`` per stage (forward order) of one pass on ``batch``, each program
+    waited for; the backward programs gather the next stage's sharded weights ahead where ``ahead``."""
+    n, fwd, bwd, xs, saved, x = len(self.stages), [], [], [], [], None
+    for i in range(n):
+      xs.append(x)
+      t = time.perf_counter()
+      if i < n - 1:
+        x, kept_i = jax.block_until_ready(self.forward(i, stage_params[i], x, batch))
+        saved.append(kept_i)
+      fwd.append(time.perf_counter() - t)
+    inputs = tuple(_device_bytes(a) for a in xs)
+    sums: list[Any] = [None] * (1 + max(g for st in self.stages for g in st.groups))
+    dy = None
+    programs = schedule(n, 1, "stage")[n - 1 :]  # the backward programs, as the step runs them
+    held = gather_ahead.HeldWeights(programs, [ahead and bool(gather_ahead.gather_targets(p)) for p in stage_params])
+    for j, (_, i, _) in enumerate(programs):
+      st, next_stage = self.stages[i], held.ahead(j)
+      t = time.perf_counter()
+      _, new, dy, _, *whole = jax.block_until_ready(self.backward(
+        i, stage_params[i], xs[i], batch, dy, tuple(sums[g] for g in st.groups), True,
+        saved[i] if i < n - 1 else None, gathered=held.mine(j),
+        ahead=None if next_stage is None else stage_params[next_stage],
+      ))  # fmt: skip
+      held.ran(j, whole[0] if whole else None)
+      bwd.append(time.perf_counter() - t)
+      xs[i] = None
+      if i < n - 1:
+        saved[i] = None
+      for g, s in zip(st.groups, new):
+        sums[g] = s
+    return tuple(fwd), tuple(reversed(bwd)), inputs
 
   def full_temp_bytes(self, groups: Sequence[Any], batch: Any) -> int:
     """The largest backward program's temporaries (per device) with every stage under ``"full"``, on ``batch``

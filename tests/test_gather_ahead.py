@@ -107,10 +107,10 @@ SCRIPT = textwrap.dedent(
     own, given, ahead = gathers(block, model.layouts(2, block)), gathers(whole, model.layouts(2, block, True)), \\
         gathers(block, model.layouts(2, block), before)
     assert given == 0 < own < ahead, (given, own, ahead)
-    # The gradients of weights given whole keep the sharded weights' layout: reduce-scattered into the partitioned
-    # state's, or into the parameters' own without partitioning (where XLA chooses without gathering ahead).
+    # The gradients of sharded weights keep their layout whether the program gathers them or takes them whole:
+    # reduce-scattered into the partitioned state's, or into the parameters' own without partitioning.
     from jax_dos import partition
-    for partitioned, ahead in ((True, True), (True, False), (False, True)):
+    for partitioned, ahead in ((True, True), (True, False), (False, True), (False, False)):
         _, sums = jax_dos.StagedModel(t.STAGES, len(groups), partition_gradients=partitioned,
                                       gather_ahead=ahead).loss_and_grads(groups, batches[0], 2)
         for s, p in zip(jax.tree.leaves(sums), jax.tree.leaves(groups)):
@@ -123,7 +123,7 @@ SCRIPT = textwrap.dedent(
     from jax_dos.overlap import plan as overlap_plan
     layout = lambda **kw: overlap_plan.step_layout(jax_dos.StagedModel(t.STAGES, len(groups), **kw), groups, 40)
     block_bytes = (t.D_H * t.D_H + t.D_H) * 4
-    assert layout().ahead_bytes == block_bytes and layout(gather_ahead=False).ahead_bytes == 0, layout()
+    assert layout(gather_ahead=True).ahead_bytes == block_bytes and layout().ahead_bytes == 0, layout()
     print("ok room")
   """
 )

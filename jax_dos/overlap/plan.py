@@ -175,7 +175,7 @@ class StepOptions:
   run_ahead_stages: int | None = None
   stream_slots: int = STREAM_SLOTS
   host_budget_bytes: int | None = None
-  gather_ahead: bool = True
+  gather_ahead: bool | str = "auto"
 
   def __post_init__(self):
     if self.run_ahead_stages is None and isinstance(self.micro_batches, int):
@@ -188,8 +188,15 @@ class StepOptions:
       raise ValueError(f"micro_batch_order must be one of {MICRO_BATCH_ORDERS}, got {self.micro_batch_order!r}.")
     if self.host_budget_bytes is None:
       object.__setattr__(self, "host_budget_bytes", default_host_budget())
-    if not isinstance(self.gather_ahead, bool):
-      raise ValueError(f"gather_ahead must be True or False, got {self.gather_ahead!r}.")
+    if not isinstance(self.gather_ahead, bool) and self.gather_ahead != "auto":
+      raise ValueError(f"gather_ahead must be 'auto', True or False, got {self.gather_ahead!r}.")
+
+  def gathers_ahead(self, stage_times: StageTimes | None) -> bool:
+    """:attr:`gather_ahead` resolved: ``"auto"`` gathers ahead where the stage times were measured faster so
+    (``StageTimes.gather_ahead``), else not."""
+    if self.gather_ahead == "auto":
+      return bool(stage_times is not None and stage_times.gather_ahead)
+    return self.gather_ahead
 
 
 def overlappable(tx: Any, params: Any) -> InterleavedAdam:
@@ -245,7 +252,7 @@ def plan_step(
   run_ahead_stages: int | None = None,
   stream_slots: int = STREAM_SLOTS,
   host_budget_bytes: int | None = None,
-  gather_ahead: bool = True,
+  gather_ahead: bool | str = "auto",
   collectives: Collectives | None = None,
   fired_share: float = 0.0,
 ) -> Plan:
@@ -274,7 +281,7 @@ def plan_step(
     raise ValueError(f"fired_share is a share of steps, from 0 to 1; got {fired_share!r}.")
   groups = list(groups)
   owner = overlappable(tx, groups)
-  model = StagedModel(stages, len(groups), gather_ahead=options.gather_ahead)
+  model = StagedModel(stages, len(groups), gather_ahead=options.gathers_ahead(stage_times))
   if stage_times is not None and len(stage_times.forward) != len(model.stages):
     raise ValueError(f"stage_times has {len(stage_times.forward)} stages, the model {len(model.stages)}.")
   layout = step_layout(model, groups, owner.subgroup_size, owner.partitions)

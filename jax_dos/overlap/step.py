@@ -123,11 +123,13 @@ class OverlappedStep:
     pinned_memory: ``"arena"``: the offloaded state, spares and copies in pinned memory the step maps itself, outside
       XLA's pinned pool (CUDA and the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``: XLA's pool;
       ``"auto"`` (the default): as ``overlap.state.PinnedMemory`` says. The numbers are the same.
-    gather_ahead: where a stage's parameters are sharded (``fsdp``), each backward program gathers the next backward
-      program's weights whole beside its own compute, and that stage's programs take them so, a stage's micro-batches
-      sharing the one gather (``jax_dos.gather_ahead``); the plan's room counts one more stage's gathered weights on
-      each device. ``False``: each program gathers its own weights (or, under tensor parallelism, computes on them
-      sharded). Nothing changes where every device holds the weights whole.
+    gather_ahead: ``True``: where a stage's parameters are sharded (``fsdp``), each backward program gathers the next
+      backward program's weights whole beside its own compute, and that stage's programs take them so, a stage's
+      micro-batches sharing the one gather (``jax_dos.gather_ahead``); the plan's room counts one more stage's gathered
+      weights on each device. ``False``: each program gathers its own weights (or, under tensor parallelism, computes
+      on them sharded). ``"auto"`` (the default): as ``stage_times`` were measured faster
+      (``StageTimes.gather_ahead``), else ``False``. Nothing changes where every device holds the weights whole, and
+      the numbers are the same either way.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch (an accelerator scalar), with the parameters
   it was computed at being the previous step's. It returns once the backward pass is dispatched; reading the loss waits
@@ -160,7 +162,7 @@ class OverlappedStep:
     rebalance: bool = False,
     speculation: str = "auto",
     pinned_memory: str = "auto",
-    gather_ahead: bool = True,
+    gather_ahead: bool | str = "auto",
   ):
     if not isinstance(params, (list, tuple)):
       raise TypeError(
@@ -191,8 +193,9 @@ class OverlappedStep:
     self._steps_taken = 0
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
+    self.gather_ahead = options.gathers_ahead(stage_times)  # resolved: whether the step gathers ahead
     self.model = StagedModel(stages, len(params), partition_gradients=owner.partitions,
-                             gather_ahead=options.gather_ahead)  # fmt: skip
+                             gather_ahead=self.gather_ahead)  # fmt: skip
     self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, options.micro_batches
     self._scalars = device_steps.scalars_for(self.hyper)  # (count, grad_scale) -> the step scalars
     leaves, self._treedef = leaves_with_paths(list(params), "params")
@@ -211,7 +214,7 @@ class OverlappedStep:
         raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
       self.model = StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)],
                                len(params), partition_gradients=owner.partitions,
-                               gather_ahead=options.gather_ahead)  # fmt: skip
+                               gather_ahead=self.gather_ahead)  # fmt: skip
     self.routes = overlap_routes.routes(self.plan, self._layout, self._host_room, self.hyper.moments)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
