@@ -34,6 +34,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+# How much faster a block's backward program must run gathering ahead for a step to do so
+# (``StagedModel.measure_times``): it holds one more block's weights on each device, and a smaller gain is within the
+# timing's noise.
+AHEAD_MARGIN = 0.02
+
 
 def whole_sharding(x: Any) -> NamedSharding | None:
   """``x``'s sharding with every mesh axis dropped (whole on each device, in device memory), or ``None`` where a

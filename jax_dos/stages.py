@@ -54,6 +54,7 @@ squares of that group's gradient, in float32, for the global norm.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -394,12 +395,12 @@ class StagedModel:
     A first pass compiles; two more are timed, waiting for each program,
     and the faster kept. The parameters are committed first, as the
     overlapped step commits them: the programs compiled here are then the
-    step's. Where some stage's weights are sharded, the passes run both with
-    them gathered ahead (``jax_dos.gather_ahead``) and without, alternately:
-    the faster backward pass is :attr:`StageTimes.gather_ahead`'s choice and
-    gives the times (the gathers' cost depends on the shapes: measured on two
-    H200s, a 13B GPT's blocks gained 10 % from gathering ahead and a 6.7B
-    GPT's lost, XLA hiding their gathers inside each program already). With
+    step's. Where a block's weights are sharded, its backward program is
+    first timed both ways (:meth:`_gather_ahead_gain`), and the passes
+    gather the weights ahead (``jax_dos.gather_ahead``) where that was
+    faster by more than ``gather_ahead.AHEAD_MARGIN``:
+    :attr:`StageTimes.gather_ahead` (what the gathers cost depends on the
+    shapes and the rows: docs/scaling.md, "Gathering the weights ahead"). With
     ``policies`` (``jax_dos.remat`` names) or a stage whose policy is not
     ``"full"``, also what each stage costs under each of those policies and
     its own (:attr:`StageTimes.remat`, :meth:`remat_costs`), for a plan to
@@ -407,15 +408,12 @@ class StagedModel:
     """
     groups = memory.committed(list(groups))
     stage_params = [tuple(groups[g] for g in st.groups) for st in self.stages]
-    ways = (False, True) if any(gather_ahead.gather_targets(p) for p in stage_params) else (False,)
-    for ahead in ways:  # compiles
-      self._timed_pass(stage_params, batch, ahead)
-    passes = [(ahead, self._timed_pass(stage_params, batch, ahead)) for _ in range(2) for ahead in ways]
-    best = {way: min((p for a, p in passes if a == way), key=lambda p: sum(p[1])) for way in ways}
-    ahead = len(ways) > 1 and sum(best[True][1]) < sum(best[False][1])
-    fwd, bwd, inputs = best[ahead]
-    times = StageTimes(fwd, bwd, sum(inputs), input_bytes=inputs, gather_ahead=ahead if len(ways) > 1 else None,
-                       backward_pass_s=tuple(sum(best[w][1]) for w in ways) if len(ways) > 1 else ())  # fmt: skip
+    gain = self._gather_ahead_gain(stage_params, batch)
+    ahead = gain is not None and gain[1] < (1 - gather_ahead.AHEAD_MARGIN) * gain[0]
+    self._timed_pass(stage_params, batch, ahead)  # compiles
+    fwd, bwd, inputs = min((self._timed_pass(stage_params, batch, ahead) for _ in range(2)), key=lambda p: sum(p[1]))
+    times = StageTimes(fwd, bwd, sum(inputs), input_bytes=inputs, gather_ahead=None if gain is None else ahead,
+                       gather_ahead_s=gain or ())  # fmt: skip
     if not policies and all(st.remat == "full" for st in self.stages[:-1]):
       return dataclasses.replace(times, temp_bytes=self.full_temp_bytes(groups, batch))
     for name in policies:
@@ -424,6 +422,36 @@ class StagedModel:
     return dataclasses.replace(
       times, remat=costs, remat_choices=tuple(dict.fromkeys(policies)), temp_bytes=max(costs["full"].temp_bytes)
     )
+
+  def _gather_ahead_gain(self, stage_params: list, batch: Any, reps: int = 3) -> tuple[float, float] | None:
+    """``(own s, ahead s)``: the backward program of the block with the most sharded weights, gathering them itself,
+    and given them whole while it gathers as many ahead (the next block's shapes: its own shards again), the
+    fastest of ``reps`` runs each, alternately; ``None`` where no block (a stage between the first and the last)
+    has sharded weights. Two programs of one stage, not two passes: the second way's other programs are compiled
+    only where it is taken."""
+    blocks = [i for i in range(1, len(self.stages) - 1) if gather_ahead.gather_targets(stage_params[i])]
+    if not blocks:
+      return None
+    i = max(blocks, key=lambda i: gather_ahead.gathered_bytes(jax.tree.leaves(stage_params[i])))
+    x = None
+    for j in range(i):
+      x, _ = self.forward(j, stage_params[j], x, batch)
+    params = stage_params[i]
+    y, saved = self.forward(i, params, x, batch)
+    targets = gather_ahead.gather_targets(params)
+    leaves = jax.tree.leaves(params)
+    whole = _relaid_copy(tuple(s for _, s in targets))(*(leaves[j] for j, _ in targets))
+    none = (None,) * len(self.stages[i].groups)
+    best = {False: float("inf"), True: float("inf")}
+    for run in range(reps + 1):  # the first run of each compiles
+      for ahead in (False, True):
+        dy = jax.block_until_ready(jnp.ones_like(y))  # donated: a new one a run
+        t = time.perf_counter()
+        jax.block_until_ready(self.backward(i, params, x, batch, dy, none, False, saved,
+                                            **(dict(gathered=whole, ahead=params) if ahead else {})))  # fmt: skip
+        if run:
+          best[ahead] = min(best[ahead], time.perf_counter() - t)
+    return best[False], best[True]
 
   def _timed_pass(self, stage_params: list, batch: Any, ahead: bool) -> tuple[tuple, tuple, tuple]:
     """``(forward s, backward s, input bytes)`` per stage (forward order) of one pass on ``batch``, each program
@@ -524,6 +552,13 @@ class StagedModel:
       rows.append((times.forward[-1], times.backward[-1], 0, last_temp))
       costs[p] = RematCosts(*(tuple(column) for column in zip(*rows)))
     return costs
+
+
+@functools.cache
+def _relaid_copy(shardings: tuple) -> Callable:
+  """A jitted copy of arrays into ``shardings`` (an all-gather on the devices; ``jax.device_put`` would go through the
+  host in one process of several devices)."""
+  return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
 def _device_bytes(tree: Any) -> int:

@@ -91,11 +91,12 @@ class StageTimes:
   sharded mesh they hold the stage's gathered weights and their gradients
   before the reduce-scatter), 0: not measured; ``input_bytes``: each
   stage's input (per device, one micro-batch; ``boundary_bytes`` is their
-  sum), empty: not measured. ``gather_ahead``: where some stage's weights
-  are sharded, whether the backward pass was faster with them gathered one
-  stage ahead (``jax_dos.gather_ahead``; the backward times are that way's),
-  ``None`` where none is or it was not measured; ``backward_pass_s`` the
-  backward pass's seconds each way, ``(own, ahead)``.
+  sum), empty: not measured. ``gather_ahead``: where a block's weights are
+  sharded, whether its backward program was faster given them whole and
+  gathering the next block's beside its compute (``jax_dos.gather_ahead``;
+  the times are then that way's), ``None`` where none is or it was not
+  measured; ``gather_ahead_s`` that program's seconds each way,
+  ``(gathering its own, given them whole and gathering ahead)``.
   """
 
   forward: tuple[float, ...]
@@ -106,7 +107,7 @@ class StageTimes:
   temp_bytes: int = dataclasses.field(default=0, compare=False)
   input_bytes: tuple[int, ...] = dataclasses.field(default=(), compare=False)
   gather_ahead: bool | None = dataclasses.field(default=None, compare=False)
-  backward_pass_s: tuple[float, ...] = dataclasses.field(default=(), compare=False)
+  gather_ahead_s: tuple[float, ...] = dataclasses.field(default=(), compare=False)
 
   def __post_init__(self):
     if len(self.forward) != len(self.backward) or not self.forward:

@@ -125,6 +125,7 @@ def test_gather_probe_smoke(tmp_path, bench_host):
   assert row["preset"] == "tiny" and row["block_gib"] > 0 and all(row[k] > 0 for k in times), row
   times = ("forward_own_s", "backward_own_s", "forward_ahead_s", "backward_ahead_s")
   assert model["preset"] == "tiny" and all(model[k] > 0 for k in times) and model["speedup"] > 0, model
+  assert model["chosen_ahead"] is None and model["block_backward_s"] == [], model  # one device: nothing sharded
 
 
 def test_checkpoint_cost_smoke(tmp_path, bench_host):

@@ -118,6 +118,26 @@ SCRIPT = textwrap.dedent(
             assert s.sharding.is_equivalent_to(want.with_memory_kind("device"), p.ndim), (partitioned, s.sharding)
     print("ok programs")
 
+    # "auto": the step gathers ahead as the stage times were measured faster (a block's backward program both ways,
+    # AHEAD_MARGIN deciding; set here to force each answer), and its programs are then timed that way.
+    margin = gather_ahead.AHEAD_MARGIN
+    try:
+        for gather_ahead.AHEAD_MARGIN, want in ((-10.0, True), (1.0, False)):
+            times = model.measure_times(groups, batches[0])
+            assert times.gather_ahead is want and len(times.gather_ahead_s) == 2 and min(times.gather_ahead_s) > 0
+            tx = jax_dos.interleaved_adamw(t.LR, subgroup_size=40, plan="host")
+            step = jax_dos.OverlappedStep(tx, t.STAGES, jax.tree.map(jnp.copy, groups), micro_batches=2,
+                                          stage_times=times)
+            assert step.gather_ahead is want and step._gathers == [want] * len(t.STAGES), step._gathers
+            step(batches[0])
+            step.close()
+    finally:
+        gather_ahead.AHEAD_MARGIN = margin
+    replicated = jax.device_put(groups, NamedSharding(mesh, P()))  # nothing to gather: nothing measured
+    times = model.measure_times(replicated, batches[0])
+    assert times.gather_ahead is None and times.gather_ahead_s == (), times
+    print("ok auto")
+
     # The room: the largest stage's weights gathered whole, on each device (the head's stage, last, is never
     # gathered ahead); none without gather_ahead.
     from jax_dos.overlap import plan as overlap_plan
@@ -134,4 +154,4 @@ def test_gathered_ahead_on_four_devices_keeps_optaxs_numbers(four_devices):
   weights gathered ahead, the same as without to float32 rounding, each program gathering what it should."""
   out = four_devices.run(SCRIPT, timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  assert out.stdout.count("ok ") == 4, out.stdout
+  assert out.stdout.count("ok ") == 5, out.stdout

@@ -169,7 +169,7 @@ GPT_PATH = textwrap.dedent(
       alive = max(2 * i * act + sum(b for b, l in zip(grads, last) if l >= i) for i in range(n))  # 2 micro-batches
       # the largest stage's weights gathered whole ahead of its backward programs (the last stage's never are)
       # (where the stage times were measured faster so: both ways were timed)
-      assert times.gather_ahead is not None and len(times.backward_pass_s) == 2, times
+      assert times.gather_ahead is not None and len(times.gather_ahead_s) == 2, times
       whole = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree) if x.addressable_shards[0].data.size < x.size)
       ahead = max(sum(whole(groups[g]) for g in st.groups) for st in staged.stages[:-1]) if times.gather_ahead else 0
       assert ("weights gathered ahead", ahead) in over.step_room_terms or not ahead, over.step_room_terms
@@ -184,7 +184,7 @@ GPT_PATH = textwrap.dedent(
       assert full.step_room_bytes == over.step_room_bytes and full.remat is None, full
       assert full.elements("device") == total > plain.elements("device"), full
     else:  # the parameters whole on every device: the plain program's peak stands, and the plain plan's share
-      assert times.gather_ahead is None and times.backward_pass_s == (), times  # nothing to gather
+      assert times.gather_ahead is None and times.gather_ahead_s == (), times  # nothing to gather
       assert over.step_room_terms == () and over.step_room_bytes == plain.step_room_bytes, over
       assert over.elements("device") <= tx.interleaved.plan_for(staged.split(params)).elements("device"), over
       assert "(usable" not in str(over)

@@ -232,10 +232,11 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       with _setup_phase(args, measured):
         times = overlapped_lib.stage_times(staged, params, part, args.remat)
       if times.gather_ahead is not None:  # the weights sharded: both ways timed, the faster taken
-        own, ahead = times.backward_pass_s
+        own, ahead = times.gather_ahead_s
         how = "gathered one stage ahead" if times.gather_ahead else "gathered by each program itself"
-        notes.append(f"gather  the sharded weights {how} in the overlapped step's backward pass (a micro-batch's:"
-                     f" {ahead:.3f} s ahead, {own:.3f} s each its own)")  # fmt: skip
+        notes.append(f"gather  the sharded weights {how} in the overlapped step's backward pass (a block's"
+                     f" backward program: {1e3 * own:.2f} ms gathering its own, {1e3 * ahead:.2f} ms gathering"
+                     f" ahead)")  # fmt: skip
       if args.clip > 0 and restore_from is None:  # what the clip first meets: the plan is made for it
         with _setup_phase(args, "the first batch's gradient norm measured"):
           norm = overlapped_lib.first_norm(staged, params, part, args.remat, lambda line: say(args, line))
