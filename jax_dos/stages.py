@@ -61,176 +61,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax_dos import gather_ahead, memory, partition
+from jax_dos import gather_ahead, memory
 from jax_dos.micro_batches import micro_batch, schedule
-from jax_dos.remat import Saved, check_policy, rematerialise
+from jax_dos.remat import Saved, check_policy
+from jax_dos.stage_programs import Stage, backward_call, forward_call, gradient_layouts
 from jax_dos.timeline import RematCosts, StageTimes
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-  """One stage: ``fn(params, x, batch) -> y`` over the parameter groups ``groups`` (indices).
-
-  ``params`` is the tuple of those groups' trees, in ``groups`` order. The
-  first stage gets ``x = None``; the last returns the scalar loss. Use the
-  same ``fn`` object for identical stages (transformer blocks): each distinct
-  ``fn`` compiles its own programs. ``remat`` is the stage's
-  rematerialisation policy (``jax_dos.remat.REMAT_POLICIES``; the module
-  docstring says what each keeps); an overlapped step's plan may choose
-  another (``Plan.remat``).
-
-  ``inputs``: what the stage reads beside them and is not trained (random
-  keys and counters, a layer's index), or ``None``. A stage with ``inputs``
-  is called ``fn(params, x, batch, inputs.at(m))`` for micro-batch ``m`` of
-  the coming step (a tree of arrays, the same in the micro-batch's forward
-  and backward programs: a recomputed forward draws the same random numbers),
-  and ``inputs.advance(micro_batches)`` once a step's programs are dispatched
-  (``jax_dos.stage_rng``: an NNX model's RNG streams).
-  """
-
-  fn: Callable[..., Any]
-  groups: tuple[int, ...]
-  remat: str = "full"
-  inputs: Any = None
-
-  def __post_init__(self):
-    groups = tuple(self.groups)
-    if not groups or len(set(groups)) != len(groups) or any(not isinstance(g, int) or g < 0 for g in groups):
-      raise ValueError(f"a Stage's groups must be distinct group indices >= 0, at least one; got {self.groups!r}.")
-    object.__setattr__(self, "groups", groups)
-    check_policy(self.remat)
-
-
-def _sum_of_squares(tree: Any) -> jax.Array:
-  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)), jnp.float32(0))
-
-
-def _forward(fn, params, x, batch, inputs):
-  return fn(params, x, batch) if inputs is None else fn(params, x, batch, inputs)
-
-
-def _stage_vjp(fn, policy: str, params, x, batch, inputs) -> tuple[Any, Callable]:
-  """``jax.vjp`` of the stage under ``policy``, over the parameters (and ``x``, where the stage has one)."""
-  if x is None:
-    return jax.vjp(rematerialise(lambda p: _forward(fn, p, None, batch, inputs), policy), params)
-  return jax.vjp(rematerialise(lambda p, x: _forward(fn, p, x, batch, inputs), policy), params, x)
-
-
-def _forward_saving(fn, policy: str, params, x, batch, inputs):
-  """``(y, Saved)``: the stage's output and the residuals ``policy`` keeps for its backward program."""
-  y, vjp = _stage_vjp(fn, policy, params, x, batch, inputs)
-  leaves, treedef = jax.tree.flatten(vjp)
-  # A constant the stage closes over (a numpy table) becomes a saved array like any other residual.
-  leaves = [jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a for a in leaves]
-  if not all(isinstance(a, jax.Array) for a in leaves):
-    raise TypeError(
-      f"this jax ({jax.__version__}) returns a vjp function that is not a tree of arrays, so a stage's forward program"
-      f" cannot hand its residuals to its backward program; use remat='full' for the stages (--remat full)."
-    )
-  where = {id(a): j for j, a in enumerate(jax.tree.leaves((params, x, batch, inputs)))}
-  sources = tuple(where.get(id(a), -1) for a in leaves)
-  return y, Saved(tuple(a for a, s in zip(leaves, sources) if s < 0), treedef, sources)
-
-
-def _backward(fn, complete: tuple[bool, ...], layouts, params, x, batch, dy, sums, inputs, ahead, whole):
-  """``(loss or None, new sums, dx or None, sums of squares of the completed groups, ahead gathered)`` for one
-  stage: ``ahead`` (sharded leaves of the next stage's weights) are gathered into ``whole`` (their shardings)."""
-  y, vjp = _stage_vjp(fn, "none", params, x, batch, inputs)
-  out = _summed(vjp(jnp.ones_like(y) if dy is None else dy), x, complete, layouts, sums, y if dy is None else None)
-  return (*out, _gathered(ahead, whole))
-
-
-def _backward_saved(fn, complete, layouts, params, x, batch, dy, sums, saved: Saved, inputs, ahead, whole):
-  """:func:`_backward` of a stage whose forward program kept ``saved``: nothing it saved is recomputed."""
-  del fn
-  return (*_summed(saved.vjp(params, x, batch, inputs)(dy), x, complete, layouts, sums, None), _gathered(ahead, whole))
-
-
-def _gathered(ahead: tuple, whole: tuple) -> tuple:
-  """``ahead`` laid out as ``whole`` says: an all-gather each, which nothing else in the program waits for."""
-  return tuple(jax.lax.with_sharding_constraint(a, s) for a, s in zip(ahead, whole))
-
-
-def _laid_out(tree: Any, layout: tuple | None) -> Any:
-  """``tree`` constrained to ``layout`` (its leaves' shardings, flat); as it is where ``layout`` is ``None``."""
-  if layout is None:
-    return tree
-  return jax.lax.with_sharding_constraint(tree, jax.tree.unflatten(jax.tree.structure(tree), list(layout)))
-
-
-def _summed(cotangents, x, complete, layouts, sums, loss):
-  (grads, dx) = (cotangents[0], None) if x is None else cotangents
-  grads = tuple(_laid_out(g, lay) for g, lay in zip(grads, layouts))
-  new = tuple(g if s is None else jax.tree.map(jnp.add, s, g) for s, g in zip(sums, grads))
-  squares = tuple(_sum_of_squares(t) for t, c in zip(new, complete) if c)
-  return loss, new, dx, squares
-
-
-# One jitted wrapper per program kind, the stage function a static argument: every StagedModel of the same stages
-# (the one that measures their times, the overlapped step's) shares the compiled programs.
-_jit_forward = jax.jit(_forward, static_argnums=0)
-_jit_forward_saving = jax.jit(_forward_saving, static_argnums=(0, 1))
-# dy is dead after its stage's backward and dx is written into it; the running sums are updated in place.
-# The weights gathered ahead are not donated: the stage's programs of the other micro-batches still read them.
-_jit_backward = jax.jit(_backward, static_argnums=(0, 1, 2, 10), donate_argnums=(6, 7))
-# A stage whose dx cannot take dy's buffers (the first stage has no dx; another whose input differs in shape or
-# dtype from its output) keeps dy: a donated buffer no output reuses is not freed any sooner, and jax warns of it.
-_jit_backward_keep_dy = jax.jit(_backward, static_argnums=(0, 1, 2, 10), donate_argnums=(7,))
-# The saved residuals are not donated: no output takes their shapes, and they are freed once the program has run.
-_jit_backward_saved = jax.jit(_backward_saved, static_argnums=(0, 1, 2, 11), donate_argnums=(6, 7))
-_jit_backward_saved_keep_dy = jax.jit(_backward_saved, static_argnums=(0, 1, 2, 11), donate_argnums=(7,))
-
-
-def _forward_call(st: Stage, params: tuple, x: Any, batch: Any, inputs: Any = None) -> tuple[Any, Saved | None]:
-  if st.remat == "full":
-    return _jit_forward(st.fn, params, x, batch, inputs), None
-  return _jit_forward_saving(st.fn, st.remat, params, x, batch, inputs)
-
-
-def gradient_layouts(params: tuple, partitioned: bool, gathered: bool = False) -> tuple:
-  """Per group of ``params`` (a stage's), the shardings (flat) its gradients take in the stage's backward program:
-  with ``partitioned``, on a mesh, the partitioned state's (``partition.state_shardings``: a replicated
-  parameter's gradients are reduce-scattered, each device keeping the sum of its share); else ``None`` (XLA's
-  choice, the parameters' own: all-reduced), or with ``gathered`` (the program takes the weights gathered whole,
-  ``jax_dos.gather_ahead``) the parameters' own shardings, named: their gradients reduce-scattered into them."""
-  if not partitioned and not gathered:
-    return (None,) * len(params)
-  layouts = []
-  for tree in params:
-    leaves = jax.tree.leaves(tree)
-    meshed = leaves and all(isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) for x in leaves)
-    if not meshed:
-      layouts.append(None)
-    elif partitioned:
-      layouts.append(tuple(jax.tree.leaves(partition.state_shardings(leaves))))
-    else:
-      layouts.append(tuple(x.sharding.with_memory_kind("device") for x in leaves))
-  return tuple(layouts)
-
-
-def _backward_call(
-  st: Stage, complete: tuple[bool, ...], params, x, batch, dy, sums, saved, layouts: tuple | None = None, inputs=None,
-  ahead: tuple = (), whole: tuple = (),
-) -> tuple[Callable, tuple]:  # fmt: skip
-  """The jitted backward program for stage ``st`` and its arguments (to run, or to lower for its memory);
-  ``layouts``: :func:`gradient_layouts`' (``None``: each group's as XLA likes); ``inputs``: the stage's
-  (``Stage.inputs``); ``ahead``: leaves to gather into the shardings ``whole``, returned last."""
-  layouts = (None,) * len(st.groups) if layouts is None else layouts
-  donate = dy is None or (x is not None and _same_types(x, dy))
-  if saved is not None:
-    program = _jit_backward_saved if donate else _jit_backward_saved_keep_dy
-    return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), saved, inputs, ahead, whole)
-  program = _jit_backward if donate else _jit_backward_keep_dy
-  return program, (st.fn, complete, layouts, params, x, batch, dy, tuple(sums), inputs, ahead, whole)
-
-
-def _same_types(a: Any, b: Any) -> bool:
-  """Whether trees ``a`` and ``b`` have one structure and leaves of equal shapes and dtypes (one buffer fits both)."""
-  if jax.tree.structure(a) != jax.tree.structure(b):
-    return False
-  return all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 class StagedModel:
@@ -245,7 +81,8 @@ class StagedModel:
   program before it gathers them whole beside its own compute
   (``jax_dos.gather_ahead``; :meth:`backward`'s ``ahead``) in
   :meth:`loss_and_grads` (the overlapped step runs its programs so where it
-  gathers ahead); :meth:`measure_times` times both ways.
+  gathers ahead); :meth:`measure_times` times a block both ways and says
+  which was faster.
 
   Attributes:
     stages: the stages, in forward order.
@@ -290,7 +127,7 @@ class StagedModel:
   def forward(self, stage: int, params: tuple, x: Any, batch: Any, micro_batch: int = 0) -> tuple[Any, Saved | None]:
     """``(y, saved)``: stage ``stage``'s output and what its policy keeps for its backward pass (``None`` under
     ``"full"``), dispatched asynchronously; ``micro_batch`` picks the stage's :meth:`inputs`."""
-    return _forward_call(self.stages[stage], params, x, batch, self.inputs(stage, micro_batch))
+    return forward_call(self.stages[stage], params, x, batch, self.inputs(stage, micro_batch))
 
   def backward(
     self, stage: int, params: tuple, x: Any, batch: Any, dy: Any, sums: tuple, last: bool, saved=None, micro_batch=0,
@@ -328,7 +165,7 @@ class StagedModel:
       params = gather_ahead.with_gathered(params, gather_ahead.gather_targets(params), gathered)
     targets = () if ahead is None else gather_ahead.gather_targets(ahead)
     leaves = () if ahead is None else jax.tree.leaves(ahead)
-    program, args = _backward_call(st, complete, params, x, batch, dy, sums, saved, layouts,
+    program, args = backward_call(st, complete, params, x, batch, dy, sums, saved, layouts,
                                    self.inputs(stage, micro_batch), tuple(leaves[j] for j, _ in targets),
                                    tuple(s for _, s in targets))  # fmt: skip
     *out, whole = program(*args)
@@ -392,10 +229,9 @@ class StagedModel:
     and of the largest backward program's temporaries under ``"full"`` (:attr:`StageTimes.temp_bytes`,
     :meth:`full_temp_bytes`).
 
-    A first pass compiles; two more are timed, waiting for each program,
-    and the faster kept. The parameters are committed first, as the
-    overlapped step commits them: the programs compiled here are then the
-    step's. Where a block's weights are sharded, its backward program is
+    A first pass compiles; the second is timed, waiting for each program.
+    The parameters are committed first, as the overlapped step commits them:
+    the programs compiled here are then the step's. Where a block's weights are sharded, its backward program is
     first timed both ways (:meth:`_gather_ahead_gain`), and the passes
     gather the weights ahead (``jax_dos.gather_ahead``) where that was
     faster by more than ``gather_ahead.AHEAD_MARGIN``:
@@ -411,7 +247,7 @@ class StagedModel:
     gain = self._gather_ahead_gain(stage_params, batch)
     ahead = gain is not None and gain[1] < (1 - gather_ahead.AHEAD_MARGIN) * gain[0]
     self._timed_pass(stage_params, batch, ahead)  # compiles
-    fwd, bwd, inputs = min((self._timed_pass(stage_params, batch, ahead) for _ in range(2)), key=lambda p: sum(p[1]))
+    fwd, bwd, inputs = self._timed_pass(stage_params, batch, ahead)
     times = StageTimes(fwd, bwd, sum(inputs), input_bytes=inputs, gather_ahead=None if gain is None else ahead,
                        gather_ahead_s=gain or ())  # fmt: skip
     if not policies and all(st.remat == "full" for st in self.stages[:-1]):
@@ -496,7 +332,7 @@ class StagedModel:
     full = [dataclasses.replace(st, remat="full") for st in self.stages]
     for i in range(n - 1):
       xs.append(x)
-      x, _ = _forward_call(full[i], tuple(groups[g] for g in full[i].groups), x, batch, self.inputs(i))
+      x, _ = forward_call(full[i], tuple(groups[g] for g in full[i].groups), x, batch, self.inputs(i))
     xs.append(x)
     first: dict[Any, int] = {}
     for i in range(n - 1):
@@ -505,7 +341,7 @@ class StagedModel:
     for i in (*first.values(), n - 1):
       st, params = full[i], tuple(groups[g] for g in full[i].groups)
       dy = None if i == n - 1 else jax.tree.map(jnp.ones_like, xs[i + 1])
-      program, args = _backward_call(st, (False,) * len(params), params, xs[i], batch, dy, (None,) * len(params),
+      program, args = backward_call(st, (False,) * len(params), params, xs[i], batch, dy, (None,) * len(params),
                                      None, self.layouts(i, params), self.inputs(i))  # fmt: skip
       most = max(most, _temp_bytes(program, args))
     return most
@@ -539,7 +375,7 @@ class StagedModel:
            for i in first.values() for p in names}  # fmt: skip
     last = self.stages[-1]
     last_params = tuple(groups[g] for g in last.groups)
-    last_temp = _temp_bytes(*_backward_call(last, (False,) * len(last.groups), last_params, x, batch, None,
+    last_temp = _temp_bytes(*backward_call(last, (False,) * len(last.groups), last_params, x, batch, None,
                                             (None,) * len(last.groups), None, layouts[n - 1],
                                             self.inputs(n - 1)))  # fmt: skip
     costs = {}
@@ -578,9 +414,9 @@ def _measure_stage(st: Stage, groups: list, x: Any, batch: Any, layouts: tuple) 
   inputs = None if st.inputs is None else st.inputs.at(0)
   for _ in range(2):
     t = time.perf_counter()
-    y, saved = jax.block_until_ready(_forward_call(st, params, x, batch, inputs))
+    y, saved = jax.block_until_ready(forward_call(st, params, x, batch, inputs))
     forward = time.perf_counter() - t
-    program, args = _backward_call(st, (False,) * len(params), params, x, batch, jnp.ones_like(y),
+    program, args = backward_call(st, (False,) * len(params), params, x, batch, jnp.ones_like(y),
                                    (None,) * len(params), saved, layouts, inputs)  # fmt: skip
     temp = _temp_bytes(program, args) if temp is None else temp  # before the run donates dy
     t = time.perf_counter()

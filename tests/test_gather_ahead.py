@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     sys.path.insert(0, "tests")
     import jax_dos
-    from jax_dos import gather_ahead, stages
+    from jax_dos import gather_ahead, stage_programs
     from helpers import max_rel_diff
     import overlap_model as t
 
@@ -96,9 +96,9 @@ SCRIPT = textwrap.dedent(
     def gathers(params, layouts, ahead=()):
         targets = gather_ahead.gather_targets(ahead)
         leaves = jax.tree.leaves(ahead)
-        program, args = stages._backward_call(model.stages[2], (False,), params, x, batches[0], jnp.ones_like(x),
-                                              (None,), None, layouts, None, tuple(leaves[j] for j, _ in targets),
-                                              tuple(s for _, s in targets))
+        program, args = stage_programs.backward_call(model.stages[2], (False,), params, x, batches[0],
+                                                     jnp.ones_like(x), (None,), None, layouts, None,
+                                                     tuple(leaves[j] for j, _ in targets), tuple(s for _, s in targets))
         return program.lower(*args).compile().as_text().count("all-gather")
 
     targets = gather_ahead.gather_targets(block)

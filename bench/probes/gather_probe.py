@@ -121,7 +121,7 @@ def whole_model(preset: str, rows: int, seq: int) -> dict:
   for ahead in (False, True):
     model._timed_pass(stage_params, (tokens, tokens), ahead)  # compiles
     fwd, bwd, _ = min((model._timed_pass(stage_params, (tokens, tokens), ahead) for _ in range(2)),
-                      key=lambda p: sum(p[1]))  # fmt: skip
+                      key=lambda p: sum(p[1]))  # the faster of two  # fmt: skip
     name = "ahead" if ahead else "own"
     out[f"forward_{name}_s"], out[f"backward_{name}_s"] = sum(fwd), sum(bwd)
   own, ahead = (out[f"forward_{n}_s"] + out[f"backward_{n}_s"] for n in ("own", "ahead"))

@@ -41,7 +41,7 @@ def host_bytes_per(moments: str = "float32", held_share: float = 1.0) -> HostByt
 
 
 def fixed_host_bytes(plan: Plan, layout: Any, moments: str = "float32") -> int:
-  """:func:`host_bytes` before the streamed speculation (``layout``: the plan's ``overlap.plan.StepLayout``)."""
+  """:func:`host_bytes` before the streamed speculation (``layout``: the plan's ``overlap.layout.StepLayout``)."""
   per = host_bytes_per(moments)
   held = layout.held
   return int(sum(held[i] * per.per_parameter(placement, layout.leaf_bytes[i])

@@ -31,10 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dos import gather_ahead, memory, moment_formats, partition
+from jax_dos import memory, moment_formats, partition
 from jax_dos.collectives import Collectives
 from jax_dos.fired import fired_bound, simulate_fired
 from jax_dos.interleaved import InterleavedAdam, find_interleaved
+from jax_dos.overlap.layout import StepLayout, step_layout
 from jax_dos.overlap.memory import (
   default_host_budget,
   host_bytes_per,
@@ -44,7 +45,6 @@ from jax_dos.plan import (
   PLACEMENTS,
   Plan,
   agreed_step_plan,
-  partition_groups,
 )
 from jax_dos.rates import Rates
 from jax_dos.stages import Stage, StagedModel
@@ -53,13 +53,11 @@ from jax_dos.timeline import (
   MICRO_BATCH_ORDERS,
   PREDICTION_ERROR,
   StageTimes,
-  Subgroup,
   choose_placements,
   remat_candidates,
   stage_ordered_placements,
   stream_rate_during_backward,
 )
-from jax_dos.trees import leaves_with_paths
 
 # How many stage programs the training thread may have dispatched beyond the one the accelerator is running. The
 # workers' programs (streamed updates, the host path's copies) queue behind whatever the training thread dispatched
@@ -85,85 +83,6 @@ REBALANCE_GAP_S = 0.05
 REBALANCE_STEPS = 12
 # The first steps' ends are not used: they compile the update programs and the host kernel.
 REBALANCE_AFTER_STEPS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class StepLayout:
-  """A staged model's parameters as the plan sees them.
-
-  ``subgroups`` (leaf indices) and ``sizes`` (elements) are
-  ``jax_dos.plan.partition_groups``'; ``stages`` gives each subgroup's stage,
-  the one whose backward pass completes its gradient; ``leaf_sizes`` and
-  ``leaf_bytes`` each leaf's elements and bytes per element; ``hand_over``
-  every subgroup in the order the backward pass hands them over;
-  ``leaf_held`` the elements of each leaf's state this process holds (its
-  devices' shards, summed: ``memory.process_elements``), the leaf's size
-  where not given; ``leaf_on_device`` the elements of each leaf's state one
-  device holds (its shard: ``memory.device_elements``; ``1/N`` of a state
-  partitioned over ``N`` devices), the leaf's size where not given;
-  ``leaf_param_on_device`` the elements of each leaf's parameter one device
-  holds (its shard: ``1/F`` over ``fsdp=F``), the leaf's size where not given;
-  ``last_stages`` each subgroup's last stage using its group (whose backward
-  pass starts its gradient's sum), its ``stages`` entry where not given;
-  ``ahead_bytes`` the bytes one device holds of the largest stage's weights
-  gathered whole ahead of its backward programs (``jax_dos.gather_ahead``),
-  0 where none are.
-  """
-
-  subgroups: tuple[tuple[int, ...], ...]
-  sizes: tuple[int, ...]
-  stages: tuple[int, ...]
-  leaf_sizes: tuple[int, ...]
-  leaf_bytes: tuple[int, ...]
-  hand_over: tuple[int, ...] = ()
-  leaf_held: tuple[int, ...] = ()
-  leaf_on_device: tuple[int, ...] = ()
-  leaf_param_on_device: tuple[int, ...] = ()
-  last_stages: tuple[int, ...] = ()
-  ahead_bytes: int = 0
-
-  @property
-  def device_share(self) -> float:
-    """Elements of state one device holds a parameter of the model: what a resident or streamed parameter costs
-    each device's memory (``1/N`` partitioned over ``N`` devices)."""
-    return sum(self.leaf_on_device or self.leaf_sizes) / (sum(self.leaf_sizes) or 1)
-
-  @property
-  def params_sharded(self) -> bool:
-    """Whether a device holds less than a whole parameter of some leaf (``fsdp``): the stage programs then gather
-    the weights they use, and the plain program's peak is not the overlapped step's (``overlap.room``)."""
-    return any(p < n for p, n in zip(self.leaf_param_on_device, self.leaf_sizes))
-
-  @property
-  def gradient_bytes(self) -> tuple[int, ...]:
-    """Bytes one device holds of each subgroup's gradient: its leaves' elements in the state's layout (the
-    gradients' in the stage programs, ``stages.gradient_layouts``) at the parameters' itemsize."""
-    per_leaf = [n * b for n, b in zip(self.leaf_on_device or self.leaf_sizes, self.leaf_bytes)]
-    return tuple(sum(per_leaf[i] for i in leaves) for leaves in self.subgroups)
-
-  @property
-  def held(self) -> tuple[int, ...]:
-    """Elements of each leaf's state this process holds."""
-    return self.leaf_held or self.leaf_sizes
-
-  @property
-  def held_sizes(self) -> tuple[int, ...]:
-    """Elements of each subgroup's state this process holds."""
-    held = self.held
-    return tuple(sum(held[i] for i in leaves) for leaves in self.subgroups)
-
-  @property
-  def held_share(self) -> float:
-    """Elements this process holds a parameter of the model (``1/N`` partitioned over ``N`` processes)."""
-    return sum(self.held) / (sum(self.leaf_sizes) or 1)
-
-  @property
-  def forward_order(self) -> list[int]:
-    """Subgroup indices in the order the forward pass needs them."""
-    return sorted(range(len(self.sizes)), key=lambda s: (self.stages[s], s))
-
-  def timeline(self) -> list[Subgroup]:
-    return [Subgroup(n, self.stages[s], self.leaf_bytes[self.subgroups[s][0]]) for s, n in enumerate(self.sizes)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,26 +137,6 @@ def overlappable(tx: Any, params: Any) -> InterleavedAdam:
       " without delay/write_behind, or keep those modes on the plain path (jax_dos.update_params after jax.grad)."
     )
   return owner
-
-
-def step_layout(model: StagedModel, groups: list, subgroup_size: int, partitioned: bool = True) -> StepLayout:
-  """The parameter groups as the plan sees them: subgroups within groups, each one's stage, each leaf's size, and
-  the elements of each leaf's state this process holds (partitioned over the mesh axes a parameter is replicated
-  over where ``partitioned``, as ``partition.state_layout``; else in the parameter's layout)."""
-  leaves, _ = leaves_with_paths(list(groups), "params")
-  state = partition.state_layout(list(leaves)) if partitioned else leaves
-  subgroups, sizes, group_of = partition_groups(groups, subgroup_size)
-  of_group = [[s for s, g in enumerate(group_of) if g == gi] for gi in range(len(groups))]
-  hand_over = [s for i in reversed(range(len(model.stages))) for g in model.groups_completing(i) for s in of_group[g]]
-  stage_params = [tuple(groups[g] for g in st.groups) for st in model.stages]
-  ahead = [gather_ahead.gathered_bytes(jax.tree.leaves(p)) for p in stage_params[:-1] if model.gathers(p)]
-  return StepLayout(
-    tuple(subgroups), tuple(sizes), tuple(model.completion[g] for g in group_of),
-    tuple(int(x.size) for x in leaves), tuple(jnp.result_type(x).itemsize for x in leaves), tuple(hand_over),
-    tuple(memory.process_elements(x) for x in state), tuple(memory.device_elements(x) for x in state),
-    tuple(memory.device_elements(x) for x in leaves),
-    tuple(max(i for i, st in enumerate(model.stages) if g in st.groups) for g in group_of), max(ahead, default=0),
-  )  # fmt: skip
 
 
 def plan_step(

@@ -16,8 +16,9 @@ import dataclasses
 import os
 
 from jax_dos.fired import fired_share
+from jax_dos.overlap.layout import StepLayout
 from jax_dos.overlap.memory import check_host_memory, speculation_cap
-from jax_dos.overlap.plan import REBALANCE_GAP_S, StepLayout
+from jax_dos.overlap.plan import REBALANCE_GAP_S
 from jax_dos.plan import Plan
 from jax_dos.rates import Rates
 

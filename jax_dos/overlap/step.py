@@ -86,50 +86,36 @@ class OverlappedStep:
       placements is moved into them; a leaf in ``unpinned_host`` memory (``jax_dos.abstract_state``'s
       ``host_kind="unpinned_host"``) is moved and deleted, one at a time.
     clip_norm: ``optax.clip_by_global_norm``'s ``max_norm`` before AdamW, or ``None`` for no clip.
-    micro_batches: a step's batch is split into this many equal consecutive parts along its leading axis; their
-      gradients are summed in place and the update takes their mean (the whole batch's mean gradient).
-    micro_batch_order: ``"stage"`` (every micro-batch through a stage before the next stage: the update's window is the
-      whole backward pass, and the forward pass keeps every micro-batch's stage inputs) or ``"batch"`` (micro-batch
-      after micro-batch: the window is the last micro-batch's backward pass, one micro-batch's inputs kept)
-      (``jax_dos.micro_batches.schedule``).
-    plan: overrides ``tx``'s plan (same forms). ``jax_dos.overlapped_plan`` makes the step's plan from shapes before any
-      state exists (to compare it with the plain step's, and to restore a checkpoint straight into its placements and
-      layout with ``jax_dos.abstract_state``); pass it here.
+    micro_batches: equal consecutive parts of a step's batch (its leading axis), their gradients summed in place: the
+      update takes their mean.
+    micro_batch_order: ``"stage"`` (every micro-batch through a stage before the next: the update's window is the whole
+      backward pass, every micro-batch's stage inputs kept) or ``"batch"`` (micro-batch after micro-batch: the window is
+      the last one's backward pass) (``jax_dos.micro_batches.schedule``).
+    plan: overrides ``tx``'s plan (same forms): ``jax_dos.overlapped_plan``'s, made from shapes before any state exists
+      (to compare with the plain step's, and to restore a checkpoint into: ``jax_dos.abstract_state``).
     stage_times: the stages' measured times (``StagedModel.measure_times``). With them, ``"auto"`` places subgroups by
-      the step's timeline (``jax_dos.timeline``), keeping as many resident as ``tx``'s planner would, and records the
-      predicted step in ``plan.predicted``; without them it keeps ``tx``'s planner's shares, by stage order. Measured
-      with ``policies``, ``"auto"`` also chooses each stage's rematerialisation policy beside the placements
-      (``plan.remat``), and the step runs its stages under them.
-    run_ahead_stages: how many stage programs the training thread may have dispatched beyond the one the accelerator
-      runs (default ``RUN_AHEAD_STAGES``, one with one micro-batch). Fewer: the workers' programs and copies wait less
-      behind the stage programs; more: the accelerator is less likely to wait for a dispatch.
-    stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``), fewer where the room beside the step's peak
-      cannot hold them (``"auto"``).
+      the step's timeline (``jax_dos.timeline``; the predicted step in ``plan.predicted``), and chooses each stage's
+      rematerialisation where they were measured with ``policies`` (``plan.remat``); without, by stage order.
+    run_ahead_stages: stage programs the training thread may have dispatched beyond the one the accelerator runs
+      (``RUN_AHEAD_STAGES``, one with one micro-batch): fewer, the workers wait less; more, the accelerator does.
+    stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``; ``"auto"``: fewer where the room needs).
     rebalance: move one subgroup a step across the host/stream boundary, away from the path that finished later
-      (``overlap.routes.rebalanced``), after ``REBALANCE_AFTER_STEPS`` steps; a step that rebalances first waits for the
-      last one's update to end. The numbers do not change.
+      (``overlap.routes.rebalanced``), after ``REBALANCE_AFTER_STEPS`` steps, each such step settled first.
     host_budget_bytes: pinned host bytes this process's step may use at most (:meth:`host_bytes`); ``None``:
-      ``overlap.memory.HOST_SHARE`` of RAM, and no more than XLA's pinned pool. Nor more than the process's share of its
-      host's pinned pool (``host_plan.pool_share`` of ``tx``'s ``host_memory``, else of this machine's RAM and the job's
-      processes on it). The stream path speculates on what the rest holds (:attr:`stream_speculation`). Where the step
-      does not fit, a ``MemoryError`` with the numbers before anything moves, on every process of the job: ``params``
-      and ``opt_state`` stay usable on the plain path.
-    speculation: ``"silent"``: the workers speculate that the clip stays silent only where the last step's clip was
-      silent; after a fired step they wait for the decision and step every subgroup once, with the true scale, in the
-      order the next forward pass needs them (a fired clip makes a speculation wasted work that competes for host DRAM
-      and the link). ``"always"``: speculate every step. ``"never"``: wait for every decision. ``"auto"`` (the
-      default): ``"never"`` where the plan predicts that shorter, else ``"silent"``
-      (``overlap.clip.resolved_speculation``). The numbers are the same in all.
-    pinned_memory: ``"arena"``: the offloaded state, spares and copies in pinned memory the step maps itself, outside
-      XLA's pinned pool (CUDA and the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``: XLA's pool;
-      ``"auto"`` (the default): as ``overlap.state.PinnedMemory`` says. The numbers are the same.
+      ``overlap.memory.HOST_SHARE`` of RAM, within XLA's pinned pool and the process's share of its host's
+      (``host_plan.pool_share``). Where the step does not fit, a ``MemoryError`` with the numbers before anything
+      moves, on every process of the job: ``params`` and ``opt_state`` stay usable on the plain path.
+    speculation: ``"silent"``: the workers speculate that the clip stays silent only after a silent step; after a
+      fired one they wait for the decision and step every subgroup once, in the order the next forward pass needs
+      them. ``"always"``, ``"never"``: every step, none. ``"auto"`` (the default): ``"never"`` where the plan predicts
+      that shorter, else ``"silent"`` (``overlap.clip.resolved_speculation``). The numbers are the same in all.
+    pinned_memory: ``"arena"``: the offloaded state, spares and copies in pinned memory the step maps itself (CUDA and
+      the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``: XLA's pool; ``"auto"``: as
+      ``overlap.state.PinnedMemory`` says. The numbers are the same.
     gather_ahead: ``True``: where a stage's parameters are sharded (``fsdp``), each backward program gathers the next
-      backward program's weights whole beside its own compute, and that stage's programs take them so, a stage's
-      micro-batches sharing the one gather (``jax_dos.gather_ahead``); the plan's room counts one more stage's gathered
-      weights on each device. ``False``: each program gathers its own weights (or, under tensor parallelism, computes
-      on them sharded). ``"auto"`` (the default): as ``stage_times`` were measured faster
-      (``StageTimes.gather_ahead``), else ``False``. Nothing changes where every device holds the weights whole, and
-      the numbers are the same either way.
+      one's weights whole beside its compute, for all of that stage's programs (``jax_dos.gather_ahead``; the room
+      counts one more stage's gathered weights). ``False``: each program gathers its own. ``"auto"`` (the default):
+      as ``stage_times`` were measured faster (``StageTimes.gather_ahead``), else ``False``. The numbers are the same.
 
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch (an accelerator scalar), with the parameters
   it was computed at being the previous step's. It returns once the backward pass is dispatched; reading the loss waits
@@ -194,8 +180,9 @@ class OverlappedStep:
     if clip_norm is not None and not clip_norm > 0:
       raise ValueError(f"clip_norm must be > 0 or None (no clip), got {clip_norm!r}.")
     self.gather_ahead = options.gathers_ahead(stage_times)  # resolved: whether the step gathers ahead
-    self.model = StagedModel(stages, len(params), partition_gradients=owner.partitions,
-                             gather_ahead=self.gather_ahead)  # fmt: skip
+    model = lambda stages: StagedModel(stages, len(params), partition_gradients=owner.partitions,  # noqa: E731
+                                       gather_ahead=self.gather_ahead)  # fmt: skip
+    self.model = model(stages)
     self.hyper, self.clip_norm, self.micro_batches = owner.hyper, clip_norm, options.micro_batches
     self._scalars = device_steps.scalars_for(self.hyper)  # (count, grad_scale) -> the step scalars
     leaves, self._treedef = leaves_with_paths(list(params), "params")
@@ -212,9 +199,7 @@ class OverlappedStep:
     if self.plan.remat is not None:  # the plan's rematerialisation policies, chosen beside its placements
       if len(self.plan.remat) != len(self.model.stages):
         raise ValueError(f"the plan's remat names {len(self.plan.remat)} policies for {len(self.model.stages)} stages.")
-      self.model = StagedModel([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)],
-                               len(params), partition_gradients=owner.partitions,
-                               gather_ahead=self.gather_ahead)  # fmt: skip
+      self.model = model([dataclasses.replace(st, remat=p) for st, p in zip(self.model.stages, self.plan.remat)])
     self.routes = overlap_routes.routes(self.plan, self._layout, self._host_room, self.hyper.moments)
     self.group_subgroups = [[s for s, g in enumerate(self.subgroup_group) if g == gi] for gi in range(len(params))]
     # (training thread) The parameters: the programs of the first step are then those of every later one.
@@ -235,11 +220,9 @@ class OverlappedStep:
     )
     placement = self.plan.leaf_placements()
     by = lambda where: {i: (masters[i], mus[i], nus[i]) for i, p in enumerate(placement) if p == where}  # noqa: E731
-    # (training thread) The resident state: leaf -> (master, mu, nu).
-    self._resident: dict[int, tuple] = by("device")
+    self._resident: dict[int, tuple] = by("device")  # (training thread) the resident state: leaf -> (master, mu, nu)
     self._group_start = np.cumsum([0] + [len(jax.tree.leaves(t)) for t in params]).tolist()
-    # Whether the backward program before each stage's gathers its weights ahead (their layouts do not change).
-    self._gathers = [self.model.gathers(self._stage_params(i)) for i in range(len(self.model.stages))]
+    self._gathers = [self.model.gathers(self._stage_params(i)) for i in range(len(self.model.stages))]  # per stage
     self._pending: dict[int, Future] = {}  # (training thread) subgroup -> the future of its new parameters
     self._closed = False
     self._updating = False  # between a step's first hand-over and its decision
