@@ -1,11 +1,13 @@
 """Sharded weights gathered one stage ahead: a backward program all-gathers the next backward program's weights.
 
 Where a stage's parameters are sharded over the mesh (``fsdp``), its programs compute on them whole: XLA all-gathers
-them at the start of each program, and nothing in the program can run beside that gather, since every operation
-needs its result (``bench/results/gather_probe-h200x2/``: 18.1 % of a 13B GPT block's forward and backward programs
-on ``fsdp=2``, the backward program about two gathers' time). Gathered ahead, the gather runs inside the program
-before, beside its compute (XLA's latency-hiding scheduler starts the all-gather early and waits for it late), and
-the program that uses the weights receives them whole.
+them inside each program, where little can run beside the gather of the weights the first operations need
+(``bench/results/gather_probe-h200x2/``: 18.1 % of a 13B GPT block's forward and backward programs on ``fsdp=2``,
+the backward program about two gathers' time; a 6.7B block's none, XLA hiding them). Gathered ahead, the gather runs
+inside the program before, beside its compute (XLA's latency-hiding scheduler starts the all-gather early and waits
+for it late), and the program that uses the weights receives them whole. Whether that is faster depends on the
+shapes, so ``StagedModel.measure_times`` times one block both ways (:data:`AHEAD_MARGIN`;
+``bench/results/gather_ahead-h200x2/``).
 
 In the backward pass the next stage's weights are already final: nothing updates a stage's weights before its own
 backward program has run (a group's update starts once the first stage using it is through its backward pass). So a
