@@ -52,6 +52,17 @@ def test_the_room_counts_one_stages_weights_gathered_ahead():
   assert all(name != "weights gathered ahead" for name, _ in without.terms())
 
 
+def test_a_gather_ahead_that_is_not_a_choice_is_refused_with_the_choices():
+  from jax_dos.overlap.plan import StepOptions
+
+  for bad in ("yes", 1, None):
+    with pytest.raises(ValueError, match="gather_ahead must be 'auto', True or False"):
+      StepOptions(gather_ahead=bad)
+  times = StageTimes((0.1,) * 3, (0.2,) * 3, gather_ahead=True)
+  assert StepOptions().gathers_ahead(times) and not StepOptions().gathers_ahead(None)
+  assert not StepOptions(gather_ahead=False).gathers_ahead(times) and StepOptions(gather_ahead=True).gathers_ahead(None)
+
+
 SCRIPT = textwrap.dedent(
   """
     import jax, jax.numpy as jnp, numpy as np, sys
