@@ -26,8 +26,8 @@ class Rates:
     kernel (``k``, :attr:`host_kernel`), slowed as the host path is beside
     the stream path (``h_c / h``); the plain engine's host rate ``h`` counts
     the copies too. Where the kernel was not measured, ``h_c``."""
-    if self.host_kernel > 0 and self.host > 0:
-      return self.host_kernel * self.host_concurrent / self.host
+    if self.host_kernel > 0 and self.host > 0:  # the slowdown first: exactly k where h_c = h
+      return self.host_kernel * (self.host_concurrent / self.host)
     return self.host_concurrent
 
   @classmethod
