@@ -54,7 +54,6 @@ squares of that group's gradient, in float32, for the global norm.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,7 +61,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dos import gather_ahead, memory
+from jax_dos import gather_ahead, memory, partition
 from jax_dos.micro_batches import micro_batch, schedule
 from jax_dos.remat import Saved, check_policy
 from jax_dos.stage_programs import Stage, backward_call, forward_call, gradient_layouts
@@ -158,9 +157,7 @@ class StagedModel:
     """
     st = self.stages[stage]
     complete = tuple(last and self.completion[g] == stage for g in st.groups)
-    # Named where the weights are sharded (any program may take them whole): every program, gathering ahead or not,
-    # leaves a group's sum in the one layout, the sharded weights'.
-    layouts = self.layouts(stage, params, gathered is not None or bool(gather_ahead.gather_targets(params)))
+    layouts = self.layouts(stage, params)
     if gathered is not None:
       params = gather_ahead.with_gathered(params, gather_ahead.gather_targets(params), gathered)
     targets = () if ahead is None else gather_ahead.gather_targets(ahead)
@@ -176,12 +173,14 @@ class StagedModel:
     :attr:`gather_ahead`, where a device does not hold some leaf whole (``fsdp``)."""
     return self.gather_ahead and bool(gather_ahead.gather_targets(params))
 
-  def layouts(self, stage: int, params: tuple, gathered: bool = False) -> tuple:
-    """Stage ``stage``'s :func:`gradient_layouts` for its parameters ``params`` (found once a stage and layout);
-    ``gathered``: the program takes them gathered whole."""
-    key = (stage, gathered, tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(params)))
+  def layouts(self, stage: int, params: tuple) -> tuple:
+    """Stage ``stage``'s :func:`gradient_layouts` for its parameters ``params`` (found once a stage and layout):
+    named where the weights are sharded, since any program may take them whole (``jax_dos.gather_ahead``), so that
+    every program, gathering ahead or not, leaves a group's sum in the one layout, the sharded weights'."""
+    key = (stage, tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(params)))
     if key not in self._layouts:
-      self._layouts[key] = gradient_layouts(params, self.partition_gradients, gathered)
+      sharded = bool(gather_ahead.gather_targets(params))
+      self._layouts[key] = gradient_layouts(params, self.partition_gradients, gathered=sharded)
     return self._layouts[key]
 
   def loss_and_grads(
@@ -276,7 +275,8 @@ class StagedModel:
     y, saved = self.forward(i, params, x, batch)
     targets = gather_ahead.gather_targets(params)
     leaves = jax.tree.leaves(params)
-    whole = _relaid_copy(tuple(s for _, s in targets))(*(leaves[j] for j, _ in targets))
+    likes = [jax.ShapeDtypeStruct(leaves[j].shape, leaves[j].dtype, sharding=w) for j, w in targets]
+    whole = tuple(partition.relaid([leaves[j] for j, _ in targets], likes))  # gathered on the devices
     none = (None,) * len(self.stages[i].groups)
     best = {False: float("inf"), True: float("inf")}
     for run in range(reps + 1):  # the first run of each compiles
@@ -388,13 +388,6 @@ class StagedModel:
       rows.append((times.forward[-1], times.backward[-1], 0, last_temp))
       costs[p] = RematCosts(*(tuple(column) for column in zip(*rows)))
     return costs
-
-
-@functools.cache
-def _relaid_copy(shardings: tuple) -> Callable:
-  """A jitted copy of arrays into ``shardings`` (an all-gather on the devices; ``jax.device_put`` would go through the
-  host in one process of several devices)."""
-  return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
 def _device_bytes(tree: Any) -> int:

@@ -115,7 +115,7 @@ SCRIPT = textwrap.dedent(
     targets = gather_ahead.gather_targets(block)
     whole = gather_ahead.with_gathered(block, targets, [jax.device_put(jax.tree.leaves(block)[j], s)
                                                         for j, s in targets])
-    own, given, ahead = gathers(block, model.layouts(2, block)), gathers(whole, model.layouts(2, block, True)), \\
+    own, given, ahead = gathers(block, model.layouts(2, block)), gathers(whole, model.layouts(2, block)), \\
         gathers(block, model.layouts(2, block), before)
     assert given == 0 < own < ahead, (given, own, ahead)
     # The gradients of sharded weights keep their layout whether the program gathers them or takes them whole:
