@@ -166,3 +166,62 @@ def test_gathered_ahead_on_four_devices_keeps_optaxs_numbers(four_devices):
   out = four_devices.run(SCRIPT, timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert out.stdout.count("ok ") == 5, out.stdout
+
+
+USER_MODEL_SCRIPT = textwrap.dedent(
+  """
+    import jax, jax.numpy as jnp, numpy as np, sys
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sys.path.insert(0, "tests")
+    import jax_dos
+    from helpers import max_rel_diff
+    import test_nnx_stages as u
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+
+    def shard(x):  # over fsdp along the first dimension it divides, as train.parallel lays the GPT out
+        spec = [None] * x.ndim
+        d = next((d for d in range(x.ndim) if x.shape[d] % 4 == 0), None)
+        if d is not None:
+            spec[d] = "fsdp"
+        return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    rng = np.random.default_rng()
+    for stacked in (False, True):
+        model, batches = u.make_model(rng, stacked), u.make_batches(rng, 3)
+        expected = u.reference(model, batches, u.FIRES)
+        nnx.update(model, jax.tree.map(shard, nnx.state(model, nnx.Param)))
+        batches = jax.device_put(batches, NamedSharding(mesh, P()))
+        layer = u.run_layer if stacked else None
+        assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        results = {}
+        for ahead in (True, False):
+            twin = nnx.clone(model)  # the model each step is handed, its weights copies of the model's
+            nnx.update(twin, jax.tree.map(jnp.copy, nnx.state(model, nnx.Param)))
+            staged = jax_dos.nnx_stages(twin, batches[0], embed=u.embed, blocks="blocks", head=u.head, block=layer)
+            tx = jax_dos.interleaved_adamw(u.LR, b1=u.B1, b2=u.B2, weight_decay=u.WD, plan="host")
+            with jax_dos.OverlappedStep(tx, staged.stages, staged.give(twin), clip_norm=u.FIRES, micro_batches=2,
+                                        gather_ahead=ahead) as step:
+                for batch in batches:
+                    step(batch)
+                assert step.gather_ahead is ahead and any(step._gathers) is ahead, step._gathers
+                staged.update(twin, step.params)
+            got = nnx.to_pure_dict(nnx.state(twin, nnx.Param))
+            for leaf, want in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.state(model, nnx.Param))):
+                assert leaf.sharding.is_equivalent_to(want.sharding, leaf.ndim), (leaf.sharding, want.sharding)
+            assert max_rel_diff(got, expected) < 2e-5, (stacked, ahead, max_rel_diff(got, expected))
+            results[ahead] = got
+        assert max_rel_diff(results[True], results[False]) <= 1e-6, stacked
+        print("ok user model", "stack" if stacked else "list")
+  """
+)
+
+
+def test_a_users_nnx_model_sharded_over_four_devices_gathers_ahead_with_optaxs_numbers(four_devices):
+  """A user's own NNX transformer (``tests/test_nnx_stages.py``'s, its blocks a list or one scanned stack), its
+  weights sharded over ``fsdp=4``, trained through ``jax_dos.nnx_stages`` with the weights gathered ahead and
+  without: optax's numbers on the unsharded model, each parameter back in its own layout."""
+  out = four_devices.run(USER_MODEL_SCRIPT, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert out.stdout.count("ok user model") == 2, out.stdout
