@@ -64,3 +64,41 @@ def test_30b_on_a_host_of_two_h100s():
   assert said is not None and "--moments bfloat16" in said and "int8" not in said, said
   assert device_memory.host_refusal("gpt-30b", COUNT["gpt-30b"], 2, 2, 2, 1, "bfloat16", H100, TWO_H100_HOST) is None
   assert device_memory.host_refusal("gpt-30b", COUNT["gpt-30b"], 2, 2, 4, 2, "float32", H100, TWO_H100_HOST) is None
+
+
+CPU_HOST = int(23.5 * 2**30)  # the CPU machine's RAM
+
+
+def test_without_a_gpu_the_ram_holds_parameters_gradients_and_state():
+  """On the CPU backend the parameters, gradients and optimizer state share the RAM: 30B is refused before anything
+  is allocated, with the largest preset whose parameters and state fit; 1.3B's fit, and its activations (the
+  gradient step's peak beyond them) are what to cut: fewer rows, not another preset."""
+  said = device_memory.ram_refusal("gpt-30b", COUNT["gpt-30b"], 2, 1, 1, 1, "auto", "float32", CPU_HOST, PRESETS)
+  need = (2 + 2 + 12) * COUNT["gpt-30b"] / 2**30  # bfloat16 parameters and gradients, float32 master, mu and nu
+  assert f"gpt-30b (30.0 B parameters) needs {need:.1f} GiB of RAM" in said and "before any activation" in said, said
+  assert "Nothing was allocated" in said and "the largest preset whose parameters and state fit here, gpt-1.3b" in said
+  assert "--moments" not in said, said  # no compact format brings 30B within 20 GiB
+  small = device_memory.ram_refusal("gpt-1.3b", COUNT["gpt-1.3b"], 2, 1, 1, 1, "auto", "float32", CPU_HOST, PRESETS)
+  assert small is None
+  said = device_memory.ram_refusal("gpt-1.3b", COUNT["gpt-1.3b"], 2, 1, 1, 1, "auto", "float32", CPU_HOST, PRESETS,
+                                   step_bytes=100 * 2**30, rows=16)  # fmt: skip
+  assert "its gradient step's activations and temporaries for 16 rows (100.0 GiB)" in said, said
+  assert "fewer rows a micro-batch than 16" in said and "largest preset" not in said, said
+  assert "Nothing but the parameters was allocated" in said, said
+  # bfloat16 moments bring 6.7B's parameters and state (26.2 + 52.4 GiB) within a host of 100 GiB
+  said = device_memory.ram_refusal("gpt-6.7b", COUNT["gpt-6.7b"], 2, 1, 1, 1, "auto", "float32", 100 * 2**30)
+  assert "--moments bfloat16" in said, said
+
+
+def test_the_script_on_the_cpu_refuses_what_its_ram_cannot_hold(tmp_path):
+  """``python -m train.gpt`` on the CPU backend: a model too large for the RAM ends before its parameters are made;
+  a batch whose activations no such machine holds ends once the gradient step is compiled, before the state exists.
+  Both are clean exits (``SystemExit``) with the numbers, where the kernel would otherwise end the process unsaid."""
+  from train import gpt
+
+  with pytest.raises(SystemExit, match=r"gpt-30b \(.* parameters\) needs .* of RAM .* Nothing was allocated"):
+    gpt.main(["--preset", "gpt-30b", "--out", str(tmp_path / "a"), "--steps", "1", "--no-ckpt", "--quiet"])
+  tiny = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--seq-len", "128", "--quiet"]
+  with pytest.raises(SystemExit, match=r"for 262144 rows .* fewer rows a micro-batch than 262144") as e:
+    gpt.main([*tiny, "--batch", "262144", "--out", str(tmp_path / "b"), "--steps", "1", "--no-ckpt"])
+  assert "largest preset" not in str(e.value), e.value

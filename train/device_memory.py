@@ -11,6 +11,11 @@ out now (issue 50's "the largest model per machine, as the planner sees it").
 The host holds the optimizer state the GPUs do not: :func:`host_refusal` refuses a run whose state cannot fit its
 host's pinned share even with every GPU's room beside its parameters and gradients filled with state (a bound no
 plan beats: the activations are not counted), with the moment formats, GPU counts and presets that would fit.
+
+Without a GPU (the CPU backend reports no memory) the parameters, their gradients and the optimizer state all live
+in the machine's RAM: :func:`ram_refusal` refuses a run whose sum of them exceeds its share of that RAM, with the
+moment formats and presets that would fit, before the parameters are made (else the kernel ends the process, with
+no word, as it makes them).
 """
 
 from __future__ import annotations
@@ -117,11 +122,104 @@ def host_refusal(
   )
 
 
+# Of a machine's RAM, what a run on the CPU backend may take: the rest is the system's and Python's own.
+RAM_SHARE = 0.85
+
+
+def ram_need_bytes(num_params: int, param_bytes: int, fsdp: int, devices: int, local: int, offload: str,
+                   moments: str) -> int:  # fmt: skip
+  """Bytes of RAM one process of the CPU backend holds for the model before any activation: each of its ``local``
+  devices' :func:`need_bytes`, and (but with ``--offload none``, which :func:`need_bytes` counts) its ``local /
+  devices`` share of the optimizer state (``jax_dos.state_bytes_per_param(moments)`` a parameter)."""
+  need = local * need_bytes(num_params, param_bytes, fsdp, devices, offload)
+  if offload != "none":
+    need += jax_dos.state_bytes_per_param(moments) * num_params * local / devices
+  return math.ceil(need)
+
+
+def ram_refusal(
+  name: str, num_params: int, param_bytes: int, fsdp: int, devices: int, local: int, offload: str, moments: str,
+  ram_bytes: int, others: Iterable[tuple[str, int]] = (), step_bytes: int = 0, rows: int = 0,
+) -> str | None:  # fmt: skip
+  """One message where, on the CPU backend, the model's parameters, gradients and optimizer state
+  (:func:`ram_need_bytes`), and ``step_bytes`` (the gradient step's activations and temporaries on each of the
+  ``local`` devices, beyond its gradients: 0 before it is compiled) exceed :data:`RAM_SHARE` of this process's
+  ``ram_bytes``; ``None`` where they do not. Else what would fit: the compact moment formats, fewer ``rows`` a
+  micro-batch (where the model itself fits), the largest of ``others`` (``(name, params)`` presets)."""
+  room = RAM_SHARE * ram_bytes
+  need = lambda n, fmt=moments: ram_need_bytes(n, param_bytes, fsdp, devices, local, offload, fmt)  # noqa: E731
+  activations = local * step_bytes
+  if need(num_params) + activations <= room:
+    return None
+  gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+  advice = []
+  if offload != "none":
+    formats = [f for f in jax_dos.MOMENT_FORMATS if jax_dos.state_bytes_per_param(f) <
+               jax_dos.state_bytes_per_param(moments) and (f != "int8" or devices == 1) and
+               need(num_params, f) + activations <= room]  # fmt: skip
+    if formats:
+      advice.append(f"store the moments compactly (--moments {formats[0]})")
+  if activations and need(num_params) < room:
+    advice.append(f"fewer rows a micro-batch than {rows} (a smaller --batch, or a larger --grad-accum), or a shorter"
+                  " --seq-len")  # fmt: skip
+  fits = [(n, p) for n, p in others if need(p) <= room]
+  if fits and need(num_params) > room:  # the model itself does not fit (else its activations are what to cut)
+    advice.append(f"train the largest preset whose parameters and state fit here, {max(fits, key=lambda x: x[1])[0]}")
+  advice.append("train on a machine with GPUs, which hold the parameters and activations")
+  state = "" if offload == "none" else f" and its optimizer state ({moments} moments)"
+  parts = f"its parameters, their gradients{state}"
+  if activations:
+    parts = (f"{parts} ({gib(need(num_params))}) and its gradient step's activations and temporaries for {rows} rows"
+             f" ({gib(activations)})")  # fmt: skip
+  else:
+    parts += ", before any activation"
+  return (
+    f"{name} ({_millions(num_params)} parameters) needs {gib(need(num_params) + activations)} of RAM for {parts}:"
+    f" no GPU is here, and the CPU backend keeps all of them in this machine's memory, of which this process has"
+    f" {gib(ram_bytes)} and may take {RAM_SHARE:.0%} ({gib(room)}). "
+    + ("Nothing was allocated" if not activations else "Nothing but the parameters was allocated")
+    + ". To train it: "
+    + "; or ".join(advice)
+    + "."
+  )
+
+
+def _millions(n: int) -> str:
+  return f"{n / 1e9:.1f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
+
+
+def _cpu_layout(mesh: Any) -> tuple[int, int, int]:
+  """``(fsdp, devices, local)``: the mesh's fsdp degree and size, and this process's devices of it."""
+  if mesh is None:
+    return 1, 1, 1
+  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  return mesh.shape["fsdp"], mesh.devices.size, local
+
+
+def check_ram(args: TrainConfig, cfg: Any, mesh: Any, step_peak_bytes: int = 0, rows: int = 0) -> None:
+  """On the CPU backend, ends the run (``SystemExit``, :func:`ram_refusal`'s message) where this machine's RAM cannot
+  hold the model ``cfg`` and its state, and its gradient step's peak a device (``jax_dos.StepMemory.peak_bytes``, the
+  gradients in it; 0 before it is compiled) for ``rows`` rows a micro-batch."""
+  if jax.local_devices()[0].platform != "cpu":
+    return
+  arch = model_module(args)
+  others = [(name, arch.param_count(arch.get_config(name, vocab_size=cfg.vocab_size))) for name in arch.PRESETS]
+  host, num_params = jax_dos.HostMemory.here(), arch.param_count(cfg)
+  param_bytes, (fsdp, devices, local) = 4 if args.param_dtype == "float32" else 2, _cpu_layout(mesh)
+  step_bytes = max(0, step_peak_bytes - param_bytes * num_params // fsdp)  # the gradients: ram_need_bytes' already
+  message = ram_refusal(model_name(args), num_params, param_bytes, fsdp, devices, local, args.offload, args.moments,
+                        host.ram_bytes // host.processes, others, step_bytes, rows)  # fmt: skip
+  if message is not None:
+    raise SystemExit(f"error: {message}")
+
+
 def check(args: TrainConfig, cfg: Any, mesh: Any) -> None:
   """Ends the run (``SystemExit``, :func:`refusal`'s message) where the model ``cfg`` cannot fit the GPUs as ``mesh``
-  lays it out, before anything is allocated; the CPU backend reports no memory, and nothing is checked there."""
+  lays it out, or the host's RAM its state (:func:`host_refusal`), before anything is allocated; on the CPU backend,
+  which reports no memory, where the RAM cannot hold the parameters, gradients and state (:func:`ram_refusal`)."""
   stats = jax.local_devices()[0].memory_stats()
   if not stats or "bytes_limit" not in stats:
+    check_ram(args, cfg, mesh)
     return
   arch = model_module(args)
   fsdp, devices = (1, 1) if mesh is None else (mesh.shape["fsdp"], mesh.devices.size)

@@ -211,6 +211,12 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     with _setup_phase(args, "the gradient step compiled, for its memory"):
       step_memory = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum,
                                          batch_sharding=batch_layout)  # fmt: skip
+  elif jax.local_devices()[0].platform == "cpu":  # the RAM holds it all, and the kernel ends a process outgrowing it
+    with _setup_phase(args, "the gradient step compiled, for its memory"):
+      in_ram = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum,
+                                    batch_sharding=batch_layout)  # fmt: skip
+    device_memory.check_ram(args, cfg, getattr(batch_layout, "mesh", None), in_ram.peak_bytes,
+                            step_shape[0] // args.grad_accum)  # fmt: skip
   notes, (tx, schedule) = [], make_optimizer(args, step_memory)
   if step_memory is not None:
     peak, live = step_memory.peak_bytes / 2**30, step_memory.live_bytes / 2**30
