@@ -86,13 +86,31 @@ def pytest_configure(config):
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tests' programs compile quickly
   flags = os.environ.get("XLA_FLAGS", "")
   given = {f.split("=")[0] for f in flags.split()}  # a value given by the caller is kept
-  os.environ["XLA_FLAGS"] = " ".join([flags, *(f for f in COMPILE_FLAGS if f.split("=")[0] not in given)]).strip()
+  ours = [f for f in COMPILE_FLAGS if f.split("=")[0] not in given and (_on_cpu() or not f.startswith("--xla_cpu_"))]
+  os.environ["XLA_FLAGS"] = " ".join([flags, *ours]).strip()
   import jax
 
   jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+  # float32 products in float32 on every backend (a GPU's default is TF32): the tests compare to float32 rounding
+  jax.config.update("jax_default_matmul_precision", "highest")
   jax.config.update(
     "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
   )
+
+
+def _on_cpu() -> bool:
+  """Whether jax runs these tests on the CPU backend: ``JAX_PLATFORMS`` names it first, or no CUDA plugin is
+  installed. A GPU plugin's XLA ends the process on a CPU compiler flag it does not know."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return platforms.split(",")[0].strip() == "cpu"
+  try:
+    import jax_plugins
+  except ImportError:
+    return True
+  import pkgutil
+
+  return not any("cuda" in m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 def _fill_numba_cache() -> None:

@@ -160,6 +160,8 @@ def test_auto_saves_asynchronously_only_what_adds_at_most_a_batch(tmp_path, capl
   """``host_copy="auto"``: a state whose asynchronous save could add more host memory than a save's batch (twice its
   host bytes, for the guard's copy and Orbax's, plus the rest) is saved synchronously, said once; a smaller one
   asynchronously. ``save_added_bytes`` states each bound; both checkpoints restore the same state."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("counts every array as host-resident, as the CPU backend has them")
   tx = interleaved("host")
   params, state = train(tx, make_params(), tx.init(make_params()), 2)
   want = snapshot((params, state))

@@ -35,7 +35,8 @@ def test_arena_arrays_are_pinned_zero_copy_and_read_by_programs():
   view[:] = host  # written in place, as the host kernel does
   on_device = jax.device_put(a, a.sharding.with_memory_kind("device"))
   np.testing.assert_array_equal(np.asarray(on_device), host)
-  total = jax.jit(jnp.sum, in_shardings=a.sharding)(a)
+  device = a.sharding.with_memory_kind("device")
+  total = jax.jit(lambda x: jnp.sum(jax.device_put(x, device)), in_shardings=a.sharding)(a)  # read as the step's are
   # float32 sums of both signs: the rounding is relative to the sum of magnitudes, not to the sum (near 0 at times)
   np.testing.assert_allclose(float(total), host.sum(dtype=np.float64), rtol=1e-5, atol=2e-6 * np.abs(host).sum())
   assert arena.owns(a) and not arena.owns(on_device)
