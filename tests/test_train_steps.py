@@ -185,6 +185,24 @@ def test_the_step_is_chosen_by_the_plans_predictions(mode, overlapped, plain, re
     assert f"plain {overlapped['step'] - overlapped['exposed'] + plain['total']:.2f} s" in line
 
 
+def test_where_the_plain_steps_state_cannot_be_held_the_overlapped_step_is_taken_or_the_run_ends():
+  """The plain plan keeps every offloaded subgroup on the host; where the host cannot hold that (``get_plan``'s
+  ``MemoryError``) the overlapped step, which may keep more of the state on the accelerator, is taken whatever the
+  predictions say (a 13B GPT with float32 moments on one H200 and its 125.9 GiB); where it cannot be taken, the run
+  ends with a clean error, not a traceback."""
+  refused = "the offloaded Adam state does not fit this host's RAM: this process needs 164.6 GiB of pinned memory."
+  slower = _plan(2, {"step": 9.9, "exposed": 7.1})  # slower than any plain step: taken all the same
+  for mode in ("auto", "on"):
+    got, line = S.choose(mode, None, slower, None, plain_refused=refused)
+    assert got and line == "step    overlapped: the plain step's state does not fit here (the offloaded Adam state"\
+      " does not fit this host's RAM)", line  # fmt: skip
+  for mode, overlapped, refusal, why in (("off", slower, None, "--overlap off"),
+                                         ("auto", slower, "--delay 1 is a mode of the plain path", "--delay 1"),
+                                         ("auto", None, None, "no overlapped plan")):  # fmt: skip
+    with pytest.raises(SystemExit, match=r"^error: the offloaded Adam state does not fit .* not taken: " + why):
+      S.choose(mode, None, overlapped, refusal, plain_refused=refused)
+
+
 @pytest.mark.parametrize(
   "fired_s, share, chosen",
   [

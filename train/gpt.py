@@ -222,7 +222,11 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     peak, live = step_memory.peak_bytes / 2**30, step_memory.live_bytes / 2**30
     notes.append(f"memory  the gradient step needs {peak:.1f} GiB at its peak, {live:.1f} GiB through the update (left"
                  f" free); {device_memory.free_when_planned()}")  # fmt: skip
-  plain_plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)  # from shapes: no state exists yet
+  plain_refused = None  # why the plain step's state cannot be held here: the overlapped step's may
+  try:
+    plain_plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)  # from shapes: no state exists yet
+  except MemoryError as e:
+    plain_plan, plain_refused = None, str(e)
   refusal = overlapped_lib.refusal(args)
   if refusal is None and args.overlap == "auto" and jax.default_backend() != "gpu":
     refusal = "--overlap auto takes the overlapped step on a GPU only (--overlap on takes it here)"
@@ -258,10 +262,12 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   if collectives is not None:
     plain_collectives_s = collectives.plain_step_s(model_module(args).tree_size(params), args.grad_accum)
   overlapped, line = steps.choose(args.overlap, plain_plan, overlap_plan, refusal if args.overlap != "off" else None,
-                                  fired, plain_collectives_s)  # fmt: skip
+                                  fired, plain_collectives_s, plain_refused)  # fmt: skip
   # Every process of a job takes one step: each chose from its own measured plans, so any one's "plain" holds.
   plain_elsewhere = jax_dos.agreed_refusal(None if overlapped else line) is not None
   if overlapped and plain_elsewhere:
+    if plain_refused is not None:
+      raise SystemExit(f"error: {plain_refused} Another process of the job chose the plain step from its own plans.")
     overlapped, line = False, "step    plain: another process of the job chose the plain step from its own plans"
   notes.append(line)
   if not overlapped and overlap_plan is not None and overlap_plan.placements:  # what the choice turned down
@@ -285,6 +291,8 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     except MemoryError as e:
       if args.overlap == "on":
         raise SystemExit(f"--overlap on: {e}") from None
+      if plain_refused is not None:  # neither step's state fits here
+        raise SystemExit(f"error: {plain_refused} The overlapped step's does not either: {e}") from None
       notes.append(f"step    plain after all: {str(e).splitlines()[0]}")
   grad_step = make_grad_step(None if args.offload == "none" else tx, params, args.grad_flush, args.grad_accum)
   if step_memory is not None and args.grad_flush == "host":  # the split's own program, now that the plan exists

@@ -105,6 +105,7 @@ def choose(
   refusal: str | None,
   fired: tuple[float, str] = (FIRED_PRIOR, "prior"),
   plain_collectives_s: float = 0.0,
+  plain_refused: str | None = None,
 ) -> tuple[bool, str]:
   """``(overlapped?, one line saying which step and why)`` for ``--overlap mode``.
 
@@ -125,7 +126,17 @@ def choose(
   (``Plan.remat``), and the rule's figures. ``plain_collectives_s``: on a
   mesh, what the plain step's reductions and gathers add to its step
   (``jax_dos.Collectives.plain_step_s``; the overlapped plan prices its own).
+
+  ``plain_refused``: why the plain step's state cannot be held here (``jax_dos.get_plan``'s ``MemoryError``, its
+  plan keeping every offloaded subgroup on the host): the overlapped step is then taken where it can be (``on`` or
+  ``auto``, a plan, no ``refusal``), else the run ends (``SystemExit``) with that reason and the overlapped step's.
   """
+  if plain_refused is not None:
+    if refusal is not None or mode == "off" or overlapped is None:
+      why = "--overlap off" if mode == "off" else refusal or "no overlapped plan"
+      raise SystemExit(f"error: {plain_refused} The overlapped step, which may keep more of it on the accelerator, is"
+                       f" not taken: {why}.")  # fmt: skip
+    return True, f"step    overlapped: the plain step's state does not fit here ({plain_refused.split(':')[0]})"
   compute = fired_s = None
   if overlapped is not None and "step" in overlapped.predicted:  # the plain step's forward/backward, as timed
     compute = overlapped.predicted.get("compute_plain", overlapped.predicted["step"] - overlapped.predicted["exposed"])
