@@ -12,10 +12,11 @@ The host holds the optimizer state the GPUs do not: :func:`host_refusal` refuses
 host's pinned share even with every GPU's room beside its parameters and gradients filled with state (a bound no
 plan beats: the activations are not counted), with the moment formats, GPU counts and presets that would fit.
 
-Without a GPU (the CPU backend reports no memory) the parameters, their gradients and the optimizer state all live
-in the machine's RAM: :func:`ram_refusal` refuses a run whose sum of them exceeds its share of that RAM, with the
-moment formats and presets that would fit, before the parameters are made (else the kernel ends the process, with
-no word, as it makes them).
+Without a GPU (the CPU backend reports no memory) the parameters, their gradients, the optimizer state and the
+activations all live in the machine's RAM, and the kernel ends a process that outgrows it without a word:
+:func:`ram_refusal` refuses a run whose parameters, gradients and state exceed its share of that RAM before the
+parameters are made, and again once the gradient step is compiled, with its peak beside them, before the state is
+made; with the moment formats, micro-batch rows and presets that would fit.
 """
 
 from __future__ import annotations
