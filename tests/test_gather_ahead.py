@@ -212,7 +212,9 @@ USER_MODEL_SCRIPT = textwrap.dedent(
                 assert leaf.sharding.is_equivalent_to(want.sharding, leaf.ndim), (leaf.sharding, want.sharding)
             assert max_rel_diff(got, expected) < 2e-5, (stacked, ahead, max_rel_diff(got, expected))
             results[ahead] = got
-        assert max_rel_diff(results[True], results[False]) <= 1e-6, stacked
+        # float32 rounding of sums in another order, through Adam's division (1.8e-7 to 1.6e-6 in five draws)
+        apart = max_rel_diff(results[True], results[False])
+        assert apart <= 1e-5, (stacked, apart)
         print("ok user model", "stack" if stacked else "list")
   """
 )
@@ -221,7 +223,8 @@ USER_MODEL_SCRIPT = textwrap.dedent(
 def test_a_users_nnx_model_sharded_over_four_devices_gathers_ahead_with_optaxs_numbers(four_devices):
   """A user's own NNX transformer (``tests/test_nnx_stages.py``'s, its blocks a list or one scanned stack), its
   weights sharded over ``fsdp=4``, trained through ``jax_dos.nnx_stages`` with the weights gathered ahead and
-  without: optax's numbers on the unsharded model, each parameter back in its own layout."""
+  without: optax's numbers on the unsharded model (2e-5, as the NNX tests), each parameter back in its own layout,
+  the two ways within 1e-5 of each other."""
   out = four_devices.run(USER_MODEL_SCRIPT, timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert out.stdout.count("ok user model") == 2, out.stdout
