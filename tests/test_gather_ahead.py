@@ -195,26 +195,19 @@ USER_MODEL_SCRIPT = textwrap.dedent(
         batches = jax.device_put(batches, NamedSharding(mesh, P()))
         layer = u.run_layer if stacked else None
         assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        results = {}
-        for ahead in (True, False):
-            twin = nnx.clone(model)  # the model each step is handed, its weights copies of the model's
-            nnx.update(twin, jax.tree.map(jnp.copy, nnx.state(model, nnx.Param)))
-            staged = jax_dos.nnx_stages(twin, batches[0], embed=u.embed, blocks="blocks", head=u.head, block=layer)
-            tx = jax_dos.interleaved_adamw(u.LR, b1=u.B1, b2=u.B2, weight_decay=u.WD, plan="host")
-            with jax_dos.OverlappedStep(tx, staged.stages, staged.give(twin), clip_norm=u.FIRES, micro_batches=2,
-                                        gather_ahead=ahead) as step:
-                for batch in batches:
-                    step(batch)
-                assert step.gather_ahead is ahead and any(step._gathers) is ahead, step._gathers
-                staged.update(twin, step.params)
-            got = nnx.to_pure_dict(nnx.state(twin, nnx.Param))
-            for leaf, want in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.state(model, nnx.Param))):
-                assert leaf.sharding.is_equivalent_to(want.sharding, leaf.ndim), (leaf.sharding, want.sharding)
-            assert max_rel_diff(got, expected) < 2e-5, (stacked, ahead, max_rel_diff(got, expected))
-            results[ahead] = got
-        # float32 rounding of sums in another order, through Adam's division (1.8e-7 to 1.6e-6 in five draws)
-        apart = max_rel_diff(results[True], results[False])
-        assert apart <= 1e-5, (stacked, apart)
+        laid = [x.sharding for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+        staged = jax_dos.nnx_stages(model, batches[0], embed=u.embed, blocks="blocks", head=u.head, block=layer)
+        tx = jax_dos.interleaved_adamw(u.LR, b1=u.B1, b2=u.B2, weight_decay=u.WD, plan="host")
+        with jax_dos.OverlappedStep(tx, staged.stages, staged.give(model), clip_norm=u.FIRES, micro_batches=2,
+                                    gather_ahead=True) as step:
+            for batch in batches:
+                step(batch)
+            assert step.gather_ahead and any(step._gathers), step._gathers
+            staged.update(model, step.params)
+        got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        for leaf, want in zip(jax.tree.leaves(got), laid):
+            assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (leaf.sharding, want)
+        assert max_rel_diff(got, expected) < 2e-5, (stacked, max_rel_diff(got, expected))
         print("ok user model", "stack" if stacked else "list")
   """
 )
@@ -222,9 +215,9 @@ USER_MODEL_SCRIPT = textwrap.dedent(
 
 def test_a_users_nnx_model_sharded_over_four_devices_gathers_ahead_with_optaxs_numbers(four_devices):
   """A user's own NNX transformer (``tests/test_nnx_stages.py``'s, its blocks a list or one scanned stack), its
-  weights sharded over ``fsdp=4``, trained through ``jax_dos.nnx_stages`` with the weights gathered ahead and
-  without: optax's numbers on the unsharded model (2e-5, as the NNX tests), each parameter back in its own layout,
-  the two ways within 1e-5 of each other."""
+  weights sharded over ``fsdp=4``, trained through ``jax_dos.nnx_stages`` with the weights gathered ahead: optax's
+  numbers on the unsharded model (2e-5, as the NNX tests), each parameter back in its own layout. (Gathered ahead
+  and not give the same numbers: ``test_gathered_ahead_on_four_devices_keeps_optaxs_numbers``.)"""
   out = four_devices.run(USER_MODEL_SCRIPT, timeout=600)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert out.stdout.count("ok user model") == 2, out.stdout
