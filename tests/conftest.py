@@ -86,7 +86,8 @@ def pytest_configure(config):
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tests' programs compile quickly
   flags = os.environ.get("XLA_FLAGS", "")
   given = {f.split("=")[0] for f in flags.split()}  # a value given by the caller is kept
-  ours = [f for f in COMPILE_FLAGS if f.split("=")[0] not in given and (_on_cpu() or not f.startswith("--xla_cpu_"))]
+  on_cpu = _on_cpu()
+  ours = [f for f in COMPILE_FLAGS if f.split("=")[0] not in given and (on_cpu or not f.startswith("--xla_cpu_"))]
   os.environ["XLA_FLAGS"] = " ".join([flags, *ours]).strip()
   import jax
 

@@ -35,6 +35,10 @@ from train.flags import TrainConfig, model_module, model_name
 PARAMS_SHARE = 0.8
 
 
+def _gib(nbytes: float) -> str:
+  return f"{nbytes / 2**30:.1f} GiB"
+
+
 def need_bytes(num_params: int, param_bytes: int, fsdp: int, devices: int, offload: str) -> int:
   """Bytes one GPU holds for the model before any activation: its ``1/fsdp`` of the parameters and of their
   gradients' sum (``param_bytes`` each a parameter), and with ``--offload none`` its ``1/devices`` of optax's float32
@@ -56,7 +60,6 @@ def refusal(
   room = PARAMS_SHARE * device_bytes
   if need <= room:
     return None
-  gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
   advice = []
   wanted = next((f for f in range(fsdp + 1, devices + 1) if devices % f == 0 and
                  need_bytes(num_params, param_bytes, f, devices, offload) <= room), None)  # fmt: skip
@@ -70,9 +73,9 @@ def refusal(
   advice.append("use GPUs with more memory")
   state = ", with --offload none its float32 state," if offload == "none" else ""
   return (
-    f"{name} ({num_params / 1e9:.1f} B parameters) needs {gib(need)} a GPU for its parameters and their"
-    f" gradients{state} sharded over fsdp={fsdp}, before any activation; a GPU here has {gib(device_bytes)}, of"
-    f" which they may take {PARAMS_SHARE:.0%} ({gib(room)}). Nothing was allocated. To train it: "
+    f"{name} ({num_params / 1e9:.1f} B parameters) needs {_gib(need)} a GPU for its parameters and their"
+    f" gradients{state} sharded over fsdp={fsdp}, before any activation; a GPU here has {_gib(device_bytes)}, of"
+    f" which they may take {PARAMS_SHARE:.0%} ({_gib(room)}). Nothing was allocated. To train it: "
     + "; or ".join(advice)
     + "."
   )
@@ -101,12 +104,11 @@ def host_refusal(
   need = least(num_params, moments, gpus)
   if need <= cap:
     return None
-  gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
   advice = []
   formats = [f for f in jax_dos.MOMENT_FORMATS if jax_dos.state_bytes_per_param(f) < jax_dos.state_bytes_per_param(
     moments) and (f != "int8" or devices == 1) and least(num_params, f, gpus) <= cap]  # fmt: skip
   if formats:
-    advice.append(f"store the moments compactly (--moments {formats[0]}: {gib(least(num_params, formats[0], gpus))})")
+    advice.append(f"store the moments compactly (--moments {formats[0]}: {_gib(least(num_params, formats[0], gpus))})")
   more = next((g for g in range(gpus + 1, 17) if least(num_params, moments, g) <= cap), None)
   if more is not None:
     advice.append(f"train on {more} GPUs of such a host or more, each holding its share resident")
@@ -115,10 +117,10 @@ def host_refusal(
     advice.append(f"train the largest preset that fits here, {max(fits, key=lambda x: x[1])[0]}")
   advice.append("use a host with more RAM")
   return (
-    f"{name} ({num_params / 1e9:.1f} B parameters) with {moments} moments keeps at least {gib(need)} of optimizer"
-    f" state on this host (its {gib(jax_dos.state_bytes_per_param(moments) * num_params / max(1, hosts))} of state"
-    f" less what its {gpus} GPU(s) of {gib(device_bytes)} could keep beside the parameters and gradients), more than"
-    f" the {cap / ram_bytes:.0%} of its {gib(ram_bytes)} of RAM it may pin ({gib(cap)}). Nothing was"
+    f"{name} ({num_params / 1e9:.1f} B parameters) with {moments} moments keeps at least {_gib(need)} of optimizer"
+    f" state on this host (its {_gib(jax_dos.state_bytes_per_param(moments) * num_params / max(1, hosts))} of state"
+    f" less what its {gpus} GPU(s) of {_gib(device_bytes)} could keep beside the parameters and gradients), more than"
+    f" the {cap / ram_bytes:.0%} of its {_gib(ram_bytes)} of RAM it may pin ({_gib(cap)}). Nothing was"
     " allocated. To train it: " + "; or ".join(advice) + "."
   )
 
@@ -152,7 +154,6 @@ def ram_refusal(
   activations = local * step_bytes
   if need(num_params) + activations <= room:
     return None
-  gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
   advice = []
   if offload != "none":
     formats = [f for f in jax_dos.MOMENT_FORMATS if jax_dos.state_bytes_per_param(f) <
@@ -170,14 +171,14 @@ def ram_refusal(
   state = "" if offload == "none" else f" and its optimizer state ({moments} moments)"
   parts = f"its parameters, their gradients{state}"
   if activations:
-    parts = (f"{parts} ({gib(need(num_params))}) and its gradient step's activations and temporaries for {rows} rows"
-             f" ({gib(activations)})")  # fmt: skip
+    parts = (f"{parts} ({_gib(need(num_params))}) and its gradient step's activations and temporaries for {rows} rows"
+             f" ({_gib(activations)})")  # fmt: skip
   else:
     parts += ", before any activation"
   return (
-    f"{name} ({_millions(num_params)} parameters) needs {gib(need(num_params) + activations)} of RAM for {parts}:"
+    f"{name} ({_millions(num_params)} parameters) needs {_gib(need(num_params) + activations)} of RAM for {parts}:"
     f" no GPU is here, and the CPU backend keeps all of them in this machine's memory, of which this process has"
-    f" {gib(ram_bytes)} and may take {RAM_SHARE:.0%} ({gib(room)}). "
+    f" {_gib(ram_bytes)} and may take {RAM_SHARE:.0%} ({_gib(room)}). "
     + ("Nothing was allocated" if not activations else "Nothing but the parameters was allocated")
     + ". To train it: "
     + "; or ".join(advice)
@@ -197,19 +198,27 @@ def _cpu_layout(mesh: Any) -> tuple[int, int, int]:
   return mesh.shape["fsdp"], mesh.devices.size, local
 
 
+def _presets(args: TrainConfig, cfg: Any) -> list[tuple[str, int]]:
+  """``(name, parameters)`` of each preset of the run's architecture, at the run's vocabulary: what may fit instead."""
+  arch = model_module(args)
+  return [(name, arch.param_count(arch.get_config(name, vocab_size=cfg.vocab_size))) for name in arch.PRESETS]
+
+
+def _param_bytes(args: TrainConfig) -> int:
+  return 4 if args.param_dtype == "float32" else 2
+
+
 def check_ram(args: TrainConfig, cfg: Any, mesh: Any, step_peak_bytes: int = 0, rows: int = 0) -> None:
   """On the CPU backend, ends the run (``SystemExit``, :func:`ram_refusal`'s message) where this machine's RAM cannot
   hold the model ``cfg`` and its state, and its gradient step's peak a device (``jax_dos.StepMemory.peak_bytes``, the
   gradients in it; 0 before it is compiled) for ``rows`` rows a micro-batch."""
   if jax.local_devices()[0].platform != "cpu":
     return
-  arch = model_module(args)
-  others = [(name, arch.param_count(arch.get_config(name, vocab_size=cfg.vocab_size))) for name in arch.PRESETS]
-  host, num_params = jax_dos.HostMemory.here(), arch.param_count(cfg)
-  param_bytes, (fsdp, devices, local) = 4 if args.param_dtype == "float32" else 2, _cpu_layout(mesh)
+  host, num_params = jax_dos.HostMemory.here(), model_module(args).param_count(cfg)
+  param_bytes, (fsdp, devices, local) = _param_bytes(args), _cpu_layout(mesh)
   step_bytes = max(0, step_peak_bytes - param_bytes * num_params // fsdp)  # the gradients: ram_need_bytes' already
   message = ram_refusal(model_name(args), num_params, param_bytes, fsdp, devices, local, args.offload, args.moments,
-                        host.ram_bytes // host.processes, others, step_bytes, rows)  # fmt: skip
+                        host.ram_bytes // host.processes, _presets(args, cfg), step_bytes, rows)  # fmt: skip
   if message is not None:
     raise SystemExit(f"error: {message}")
 
@@ -224,8 +233,8 @@ def check(args: TrainConfig, cfg: Any, mesh: Any) -> None:
     return
   arch = model_module(args)
   fsdp, devices = (1, 1) if mesh is None else (mesh.shape["fsdp"], mesh.devices.size)
-  others = [(name, arch.param_count(arch.get_config(name, vocab_size=cfg.vocab_size))) for name in arch.PRESETS]
-  param_bytes, device_bytes = 4 if args.param_dtype == "float32" else 2, int(stats["bytes_limit"])
+  others = _presets(args, cfg)
+  param_bytes, device_bytes = _param_bytes(args), int(stats["bytes_limit"])
   message = refusal(model_name(args), arch.param_count(cfg), param_bytes, fsdp, devices, args.offload, device_bytes,
                     others)  # fmt: skip
   if message is None and args.offload not in ("none", "device"):

@@ -207,16 +207,16 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   step_shape = (args.global_batch * args.grad_accum, args.seq_len)  # one step's batch: --grad-accum micro-batches
   step_memory = None
   sized = jax.local_devices()[0].memory_stats() is not None  # not on the CPU backend, where "auto" offloads everything
-  if args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized:
+  in_ram = not sized and jax.local_devices()[0].platform == "cpu"  # the RAM holds it all; the kernel ends an overrun
+  if (args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized) or in_ram:
     with _setup_phase(args, "the gradient step compiled, for its memory"):
-      step_memory = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum,
-                                         batch_sharding=batch_layout)  # fmt: skip
-  elif jax.local_devices()[0].platform == "cpu":  # the RAM holds it all, and the kernel ends a process outgrowing it
-    with _setup_phase(args, "the gradient step compiled, for its memory"):
-      in_ram = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum,
-                                    batch_sharding=batch_layout)  # fmt: skip
-    device_memory.check_ram(args, cfg, getattr(batch_layout, "mesh", None), in_ram.peak_bytes,
-                            step_shape[0] // args.grad_accum)  # fmt: skip
+      measured = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum,
+                                      batch_sharding=batch_layout)  # fmt: skip
+    if in_ram:
+      device_memory.check_ram(args, cfg, getattr(batch_layout, "mesh", None), measured.peak_bytes,
+                              step_shape[0] // args.grad_accum)  # fmt: skip
+    else:
+      step_memory = measured
   notes, (tx, schedule) = [], make_optimizer(args, step_memory)
   if step_memory is not None:
     peak, live = step_memory.peak_bytes / 2**30, step_memory.live_bytes / 2**30
