@@ -38,6 +38,7 @@ from jax_dos.collectives import Collectives
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.host_plan import HostMemory, agreed_refusal, pool_share, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
+from jax_dos.memory import DeviceMemory
 from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
 from jax_dos.moment_formats import state_bytes_per_param
 from jax_dos.nnx_adapter import NNXStages, nnx_stages
@@ -88,6 +89,7 @@ __all__ = [
   "DEFAULT_DELAY_WARMUP",
   "DEFAULT_SUBGROUP_SIZE",
   "DELAY_PREDICTIONS",
+  "DeviceMemory",
   "MOMENT_FORMATS",
   "pool_share",
   "GRADIENT_FLUSHES",

@@ -7,8 +7,11 @@ owns it.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -85,18 +88,108 @@ def traced_put_like(x: jax.Array, ref) -> jax.Array:
   return traced_put(x, "pinned_host" if space.endswith("Host") else "device")
 
 
-def device_free_bytes() -> int | None:
-  """Smallest free accelerator memory over local devices (``bytes_limit - bytes_in_use``), or ``None``."""
-  free = []
-  for d in jax.local_devices():
+# jax's default share of a GPU's memory for XLA's allocator (``XLA_PYTHON_CLIENT_MEM_FRACTION`` unset).
+JAX_DEFAULT_MEM_FRACTION = 0.75
+
+
+def _cuda_memory(ordinal: int) -> tuple[int, int] | None:
+  """``(free, total)`` bytes of CUDA device ``ordinal`` (the driver's ``cuMemGetInfo`` in its primary context, the
+  one XLA uses), or ``None`` where the driver cannot be asked."""
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return None
+  device, context = ctypes.c_int(), ctypes.c_void_p()
+  free, total = ctypes.c_size_t(), ctypes.c_size_t()
+  if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), ordinal):
+    return None
+  if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device):
+    return None
+  try:
+    if cuda.cuCtxPushCurrent_v2(context):
+      return None
     try:
-      stats = d.memory_stats()
+      if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)):
+        return None
+    finally:
+      cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+  finally:
+    cuda.cuDevicePrimaryCtxRelease_v2(device)
+  return int(free.value), int(total.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+  """An accelerator's memory as this process may use it: ``limit_bytes`` XLA's allocator may hand out, of which
+  ``in_use_bytes`` it holds now; ``total_bytes`` the card's (``None`` where not read); ``source`` how the limit was
+  read, for the run's log.
+
+  The limit is ``memory_stats()``'s ``bytes_limit`` where XLA's allocator took its share of the card when it started
+  (jax's default, ``XLA_PYTHON_CLIENT_PREALLOCATE`` unset or true). Where it took nothing
+  (``XLA_PYTHON_CLIENT_PREALLOCATE=false``, JAX's way to share a GPU) ``bytes_limit`` reports what the allocator holds
+  so far, not what it may grow to: the limit is then ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (jax's default
+  :data:`JAX_DEFAULT_MEM_FRACTION`) of the card's memory, at most what this process holds and the card has free now
+  (another process may hold the rest), both read from the CUDA driver.
+  """
+
+  limit_bytes: int
+  in_use_bytes: int
+  total_bytes: int | None = None
+  source: str = "bytes_limit"
+
+  @property
+  def free_bytes(self) -> int:
+    return max(0, self.limit_bytes - self.in_use_bytes)
+
+  @classmethod
+  def of(cls, device: jax.Device) -> DeviceMemory | None:
+    """``device``'s memory, or ``None`` where the backend reports none (the CPU)."""
+    try:
+      stats = device.memory_stats()
     except Exception:  # some backends raise instead of returning None
       stats = None
     if not stats or "bytes_limit" not in stats:
       return None
-    free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
-  return min(free) if free else None
+    limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    preallocated = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() not in ("false", "0")
+    if preallocated or device.platform != "gpu":
+      return cls(limit, in_use)
+    cuda = _cuda_memory(device.local_hardware_id)
+    if cuda is None:
+      return cls(limit, in_use, None, "bytes_limit (XLA_PYTHON_CLIENT_PREALLOCATE=false, the card not read)")
+    free, total = cuda
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_MEM_FRACTION))
+    return cls.growing(limit, in_use, free, total, fraction)
+
+  @classmethod
+  def growing(cls, held: int, in_use: int, free: int, total: int, fraction: float) -> DeviceMemory:
+    """The memory of an allocator that took nothing when it started and grows to ``fraction`` of the card's
+    ``total`` bytes, at most what it ``held`` already (its ``bytes_limit``) and the card's ``free`` bytes now."""
+    grows_to = min(int(fraction * total), max(held, in_use) + free)
+    source = (f"XLA_PYTHON_CLIENT_PREALLOCATE=false: {fraction:g} of the card's {total / 2**30:.1f} GiB"
+              f" (XLA_PYTHON_CLIENT_MEM_FRACTION), {free / 2**30:.1f} GiB of it free now")  # fmt: skip
+    return cls(max(held, grows_to), in_use, total, source)
+
+  def describe(self) -> str:
+    """One line: the limit, what is in use, and where the limit comes from."""
+    return f"{self.limit_bytes / 2**30:.1f} GiB usable ({self.source}), {self.in_use_bytes / 2**30:.1f} GiB in use"
+
+
+def device_memories() -> list[tuple[jax.Device, DeviceMemory]] | None:
+  """Each local device's :class:`DeviceMemory`, or ``None`` where any reports none (the CPU backend)."""
+  out = []
+  for d in jax.local_devices():
+    m = DeviceMemory.of(d)
+    if m is None:
+      return None
+    out.append((d, m))
+  return out
+
+
+def device_free_bytes() -> int | None:
+  """Smallest free accelerator memory over local devices (:attr:`DeviceMemory.free_bytes`), or ``None``."""
+  memories = device_memories()
+  return min(m.free_bytes for _, m in memories) if memories else None
 
 
 @functools.lru_cache(maxsize=512)

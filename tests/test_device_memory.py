@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
+import jax_dos
 from models import gpt as gpt_model
 from train import device_memory
 
@@ -94,8 +96,6 @@ def test_the_script_on_the_cpu_refuses_what_its_ram_cannot_hold(tmp_path):
   """``python -m train.gpt`` on the CPU backend: a model too large for the RAM ends before its parameters are made;
   a batch whose activations no such machine holds ends once the gradient step is compiled, before the state exists.
   Both are clean exits (``SystemExit``) with the numbers, where the kernel would otherwise end the process unsaid."""
-  import jax
-
   from train import gpt
 
   if jax.default_backend() != "cpu":
@@ -106,3 +106,62 @@ def test_the_script_on_the_cpu_refuses_what_its_ram_cannot_hold(tmp_path):
   with pytest.raises(SystemExit, match=r"for 262144 rows .* fewer rows a micro-batch than 262144") as e:
     gpt.main([*tiny, "--batch", "262144", "--out", str(tmp_path / "b"), "--steps", "1", "--no-ckpt"])
   assert "largest preset" not in str(e.value), e.value
+
+
+CARD_24GB = int(22.5 * 2**30)  # an H100 held to a 24 GB card's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.2825)
+CARD_12GB = int(11 * 2**30)
+STAGE = {name: device_memory.largest_stage(gpt_model.abstract_params(gpt_model.get_config(name, vocab_size=50304)))
+         for name in ("gpt-6.7b", "gpt-13b")}  # fmt: skip
+
+
+def test_the_largest_stage_is_the_largest_group_of_the_models_stages():
+  """``largest_stage`` reads the parameter tree's shapes alone; it is the largest of the overlapped step's groups, but
+  for what two entries of one group add (GPT's position embeddings beside its token embeddings): a lower bound."""
+  cfg = gpt_model.get_config("tiny", vocab_size=50304)
+  groups = gpt_model.staged(cfg).split(gpt_model.abstract_params(cfg))
+  sizes = [sum(x.size for x in jax.tree.leaves(g)) for g in groups]
+  assert max(sizes) - cfg.block_size * cfg.d_model <= device_memory.largest_stage(gpt_model.abstract_params(cfg))
+  assert device_memory.largest_stage(gpt_model.abstract_params(cfg)) <= max(sizes)
+  assert STAGE["gpt-6.7b"] == 50304 * 4096  # the token embeddings (tied to the head), larger than a block
+
+
+def test_the_overlapped_step_counts_one_stages_gradients_not_all():
+  """On a 24 GB card the 6.7B's bf16 weights (12.1 GiB) and one stage's gradients fit where every gradient beside
+  them does not: refused for the plain step alone, with the smallest GPU that holds it; taken where the overlapped
+  step may run. The 13B's weights alone exceed the card, and a 12 GB card holds neither model's weights."""
+  n = COUNT["gpt-6.7b"]
+  assert device_memory.refusal("gpt-6.7b", n, 2, 1, 1, "auto", CARD_24GB, PRESETS, STAGE["gpt-6.7b"]) is None
+  said = device_memory.refusal("gpt-6.7b", n, 2, 1, 1, "auto", CARD_24GB, PRESETS)
+  assert said is not None and "for its parameters and their gradients" in said, said
+  assert f"a GPU of {4 * n / 0.8 / 2**30:.1f} GiB or more" in said and "gpt-2.7b" in said, said
+  need = device_memory.need_bytes(n, 2, 1, 1, "auto", STAGE["gpt-6.7b"])
+  assert need == 2 * (n + STAGE["gpt-6.7b"]), need
+  said = device_memory.refusal("gpt-13b", COUNT["gpt-13b"], 2, 1, 1, "auto", CARD_24GB, PRESETS, STAGE["gpt-13b"])
+  assert said is not None and "its largest stage's gradients (the overlapped step's least)" in said, said
+  assert "the largest preset that fits as laid out now, gpt-6.7b" in said, said
+  said = device_memory.refusal("gpt-6.7b", n, 2, 1, 1, "auto", CARD_12GB, PRESETS, STAGE["gpt-6.7b"])
+  smallest = 2 * (n + STAGE["gpt-6.7b"]) / 0.8 / 2**30
+  assert f"a GPU of {smallest:.1f} GiB or more" in said and "gpt-2.7b" in said, said
+
+
+def test_the_plain_step_is_refused_where_its_program_does_not_fit_beside_the_weights():
+  """The plain step's measured gradient program (every gradient and the activations: 15.5 GiB for the 6.7B at 4 rows
+  a micro-batch) against what a GPU has free once the weights are there; with the plans' margin."""
+  step = jax_dos.StepMemory(peak_bytes=int(15.5 * 2**30), live_bytes=int(12.0 * 2**30))
+  said = device_memory.plain_step_refusal(step, free_bytes=int(10.0 * 2**30))
+  assert said.startswith("the plain step's gradient program needs 15.5 GiB at its peak"), said
+  assert "6.3 GiB more than a GPU's 10.0 GiB free" in said and "--grad-accum" in said, said
+  assert device_memory.plain_step_refusal(step, free_bytes=int(70 * 2**30)) is None
+  assert step.room_beside(int(70 * 2**30)) == int(0.92 * 70 * 2**30) - step.peak_bytes
+
+
+def test_a_gpu_that_preallocated_nothing_is_read_from_the_card():
+  """``XLA_PYTHON_CLIENT_PREALLOCATE=false``: the allocator's ``bytes_limit`` is what it holds so far; the memory it
+  may use is the card's share (``XLA_PYTHON_CLIENT_MEM_FRACTION``), within what the card has free beside it."""
+  gib = 2**30
+  alone = jax_dos.DeviceMemory.growing(held=0, in_use=0, free=79 * gib, total=80 * gib, fraction=0.75)
+  assert alone.limit_bytes == 60 * gib and alone.free_bytes == 60 * gib
+  assert "XLA_PYTHON_CLIENT_PREALLOCATE=false: 0.75 of the card's 80.0 GiB" in alone.describe()
+  shared = jax_dos.DeviceMemory.growing(held=2 * gib, in_use=gib, free=10 * gib, total=80 * gib, fraction=0.75)
+  assert shared.limit_bytes == 12 * gib and shared.free_bytes == 11 * gib  # another process holds the rest
+  assert jax_dos.DeviceMemory.of(jax.devices("cpu")[0]) is None  # the CPU reports no memory

@@ -194,7 +194,7 @@ def test_where_the_plain_steps_state_cannot_be_held_the_overlapped_step_is_taken
   slower = _plan(2, {"step": 9.9, "exposed": 7.1})  # slower than any plain step: taken all the same
   for mode in ("auto", "on"):
     got, line = S.choose(mode, None, slower, None, plain_refused=refused)
-    assert got and line == "step    overlapped: the plain step's state does not fit here (the offloaded Adam state"\
+    assert got and line == "step    overlapped: the plain step does not fit here (the offloaded Adam state"\
       " does not fit this host's RAM)", line  # fmt: skip
   for mode, overlapped, refusal, why in (("off", slower, None, "--overlap off"),
                                          ("auto", slower, "--delay 1 is a mode of the plain path", "--delay 1"),

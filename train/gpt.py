@@ -222,11 +222,11 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     peak, live = step_memory.peak_bytes / 2**30, step_memory.live_bytes / 2**30
     notes.append(f"memory  the gradient step needs {peak:.1f} GiB at its peak, {live:.1f} GiB through the update (left"
                  f" free); {device_memory.free_when_planned()}")  # fmt: skip
-  plain_refused = None  # why the plain step's state cannot be held here: the overlapped step's may
+  plain_refused = None if step_memory is None else device_memory.plain_step_refusal(step_memory)  # its GPU memory
   try:
     plain_plan = None if args.offload == "none" else jax_dos.get_plan(tx, params)  # from shapes: no state exists yet
-  except MemoryError as e:
-    plain_plan, plain_refused = None, str(e)
+  except MemoryError as e:  # the plain step's state cannot be held here: the overlapped step's may
+    plain_plan, plain_refused = None, plain_refused or str(e)
   refusal = overlapped_lib.refusal(args)
   if refusal is None and args.overlap == "auto" and jax.default_backend() != "gpu":
     refusal = "--overlap auto takes the overlapped step on a GPU only (--overlap on takes it here)"
@@ -366,7 +366,7 @@ def train(args: TrainConfig) -> dict[str, Any]:
   mesh = parallel.make_mesh(args.mesh) if args.mesh is not None else None
   shardings = None if mesh is None else parallel.param_shardings(mesh, arch.abstract_params(cfg))
   batch_layout = None if mesh is None else parallel.batch_sharding(mesh)
-  device_memory.check(args, cfg, mesh)  # a model the GPUs cannot hold ends here, before anything is allocated
+  device_memory.check(args, cfg, mesh, lambda line: say(args, line))  # what no plan can hold ends here, unallocated
   with _setup_phase(args, "the parameters initialised" if args.init_from is None else "the checkpoint read"):
     graphdef, params = _init_params(args, cfg, shardings)
   num_params = arch.tree_size(params)

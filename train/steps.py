@@ -127,16 +127,18 @@ def choose(
   mesh, what the plain step's reductions and gathers add to its step
   (``jax_dos.Collectives.plain_step_s``; the overlapped plan prices its own).
 
-  ``plain_refused``: why the plain step's state cannot be held here (``jax_dos.get_plan``'s ``MemoryError``, its
-  plan keeping every offloaded subgroup on the host): the overlapped step is then taken where it can be (``on`` or
-  ``auto``, a plan, no ``refusal``), else the run ends (``SystemExit``) with that reason and the overlapped step's.
+  ``plain_refused``: why the plain step cannot run here: its state cannot be held (``jax_dos.get_plan``'s
+  ``MemoryError``, its plan keeping every offloaded subgroup on the host), or its gradient program does not fit the
+  GPU beside the parameters (it makes every gradient before the update): the overlapped step is then taken where it
+  can be (``on`` or ``auto``, a plan, no ``refusal``), else the run ends (``SystemExit``) with that reason and the
+  overlapped step's.
   """
   if plain_refused is not None:
     if refusal is not None or mode == "off" or overlapped is None:
       why = "--overlap off" if mode == "off" else refusal or "no overlapped plan"
-      raise SystemExit(f"error: {plain_refused} The overlapped step, which may keep more of it on the accelerator, is"
-                       f" not taken: {why}.")  # fmt: skip
-    return True, f"step    overlapped: the plain step's state does not fit here ({plain_refused.split(':')[0]})"
+      raise SystemExit(f"error: {plain_refused} The overlapped step, which holds less on the accelerator and may keep"
+                       f" more of the state there, is not taken: {why}.")  # fmt: skip
+    return True, f"step    overlapped: the plain step does not fit here ({plain_refused.split(':')[0]})"
   compute = fired_s = None
   if overlapped is not None and "step" in overlapped.predicted:  # the plain step's forward/backward, as timed
     compute = overlapped.predicted.get("compute_plain", overlapped.predicted["step"] - overlapped.predicted["exposed"])

@@ -77,6 +77,11 @@ class StepMemory:
     if not 0 <= self.live_bytes <= self.peak_bytes:
       raise ValueError(f"StepMemory needs 0 <= live_bytes <= peak_bytes, got {self.live_bytes}, {self.peak_bytes}.")
 
+  def room_beside(self, free_bytes: int) -> int:
+    """``(1 - STEP_MARGIN) free_bytes - peak_bytes``: what a plan may place beside the step's peak on a device with
+    ``free_bytes`` free (the budgets' ``F - P``); negative where the step itself does not fit."""
+    return int((1 - STEP_MARGIN) * free_bytes) - self.peak_bytes
+
   @classmethod
   def of(cls, compiled: Any) -> StepMemory:
     """From a compiled program (``jax.jit(f).lower(*args).compile()``): temporaries plus accelerator outputs."""
