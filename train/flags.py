@@ -448,9 +448,13 @@ def _with_backend(flags: Flags, compute_dtype: str | None, mesh: dict[str, int] 
   if mesh is not None:
     devices = mesh["data"] * mesh["fsdp"]
     if devices != jax.device_count():
+      cpu = jax.default_backend() == "cpu" and jax.process_count() == 1 and devices > jax.device_count()
+      cpu = cpu and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+      hint = (f", or --devices {devices}: on a CPU it makes {devices} CPU devices" if cpu
+              else ", or --devices to train on fewer")  # fmt: skip
       err(f"--mesh data={mesh['data']},fsdp={mesh['fsdp']} lays out {devices} devices; this job has"
           f" {jax.device_count()} ({jax.process_count()} process(es) x {jax.local_device_count()}): give sizes whose"
-          " product is that, or --devices to train on fewer.")  # fmt: skip
+          f" product is that{hint}.")  # fmt: skip
   if flags.moments == "int8" and devices > 1:
     err(f"--moments int8 keeps each parameter's moments whole on one device; this run lays its parameters over"
         f" {devices} devices (--mesh data={mesh['data']},fsdp={mesh['fsdp']}). Use --moments bfloat16 on a mesh (a"
