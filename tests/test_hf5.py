@@ -145,3 +145,16 @@ def test_flax_layout_is_read(tmp_path):
   (tmp_path / "mistral_flax" / "model.safetensors").rename(tmp_path / "mistral_flax" / "flax_model.msgpack")
   with pytest.raises(hf.CheckpointError, match=r"It holds flax_model.msgpack .*safe_serialization=True"):
     hf.load(tmp_path / "mistral_flax")
+
+
+def test_rope_parameters_another_kind_or_disagreeing_with_rope_theta_are_refused():
+  config = hf.read_config(FIXTURES / "llama3")
+  yarn = {**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
+  with pytest.raises(hf.CheckpointError, match="rope_scaling of type 'yarn'"):
+    hf.llama_config(yarn)
+  both = {**config, "rope_theta": 1e4}
+  with pytest.raises(hf.CheckpointError, match="rope_theta=10000.0 and rope_parameters' rope_theta=500000.0 differ"):
+    hf.llama_config(both)
+  per_layer = {**config, "rope_parameters": {"full_attention": config["rope_parameters"],
+                                             "sliding_attention": config["rope_parameters"]}}  # fmt: skip
+  assert hf.llama_config(per_layer) == hf.llama_config(config)
