@@ -41,10 +41,13 @@ def host_only() -> bool:
   """Makes jax's CPU backend the only one where no backend has started yet (a tool that only reads and writes
   checkpoints needs no accelerator, and the one a training run holds may have no memory to spare); returns whether
   it did (an interpreter whose backends have started keeps them)."""
-  from jax._src import xla_bridge
+  try:
+    from jax._src import xla_bridge
 
-  if xla_bridge.backends_are_initialized():
-    return False
+    if xla_bridge.backends_are_initialized():
+      return False
+  except (ImportError, AttributeError):  # a jax without it: the update below is ignored once a backend has started
+    pass
   jax.config.update("jax_platforms", "cpu")
   return True
 
