@@ -6,8 +6,8 @@ output head of its own, or the token embedding's (``tie_embeddings``)::
 
     logits = rmsnorm(x) @ W_out                      (float32; W_out = W_emb^T when tied)
 
-The same module holds the Llama family's checkpoints (Llama 2 and 3, Mistral,
-Qwen2/2.5): ``models/hf.py`` reads and writes them.
+The same module holds the Llama family's checkpoints (Llama 2, 3 and 3.2,
+Mistral, Qwen2/2.5 and Qwen3): ``models/hf.py`` reads and writes them.
 
 * attention: ``n_head`` query heads and ``n_kv_head`` key/value heads
   (grouped-query attention; ``n_kv_head = n_head`` is multi-head), rotary
@@ -15,7 +15,9 @@ Qwen2/2.5): ``models/hf.py`` reads and writes them.
   ``rope_theta``, with Llama 3's frequency scaling where ``rope_scaling_factor``
   is set: :func:`rope_frequencies`), ``jax.nn.dot_product_attention(is_causal=True)``;
   biases on the query, key and value projections with ``qkv_bias`` (Qwen2's),
-  none elsewhere;
+  none elsewhere; with ``qk_norm`` (Qwen3's) an RMSNorm over each head's
+  query and key before the rotation; each head ``head_size`` wide where set
+  (Qwen3's ``head_dim``, apart from ``d_model / n_head``);
 * the MLP is SwiGLU: ``W_down(silu(W_gate x) * W_up x)``, its width
   ``ffn_dim`` (default: ``8d/3`` rounded up to a multiple of ``multiple_of``,
   Llama's rule: 11008 at ``d = 4096``);
@@ -79,6 +81,8 @@ class LlamaConfig:
   rope_high_freq_factor: float = 4.0
   rope_original_context: int = 8192  # original_max_position_embeddings
   qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+  qk_norm: bool = False  # an RMSNorm over each head's q and k, before the rotation (Qwen3)
+  head_size: int | None = None  # each attention head's width; None: d_model / n_head (Qwen3 sets its own)
   tie_embeddings: bool = False  # the head is the token embedding's transpose
   norm_eps: float = 1e-5
   dtype: str = "float32"  # compute dtype of matmuls and the residual stream
@@ -90,7 +94,9 @@ class LlamaConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}.")
-    if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+    if self.head_size is not None and (not isinstance(self.head_size, int) or self.head_size < 2 or self.head_size % 2):
+      raise ValueError(f"LlamaConfig.head_size must be None or an even positive integer, got {self.head_size!r}.")
+    if self.head_size is None and (self.d_model % self.n_head or (self.d_model // self.n_head) % 2):
       raise ValueError(
         f"d_model={self.d_model} must be n_head={self.n_head} heads of an even width (rotary embeddings rotate pairs)."
       )
@@ -116,7 +122,8 @@ class LlamaConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.n_head
+    """Each attention head's width: ``head_size``, or ``d_model / n_head``."""
+    return self.head_size if self.head_size is not None else self.d_model // self.n_head
 
   @property
   def hidden_dim(self) -> int:
@@ -157,10 +164,11 @@ def _linear(cfg: LlamaConfig, d_in: int, d_out: int, std: float, rngs: nnx.Rngs,
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm computed in float32; returns the compute dtype (or ``out_dtype``)."""
+  """RMSNorm (over the last axis, ``dim`` wide: default ``d_model``) computed in float32; returns the compute dtype
+  (or ``out_dtype``)."""
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-    self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype,
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, dim: int | None = None):
+    self.norm = nnx.RMSNorm(dim or cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.float32, param_dtype=cfg.param_dtype,
                             rngs=rngs)  # fmt: skip
     self.out_dtype = cfg.dtype
 
@@ -203,21 +211,26 @@ class Attention(nnx.Module):
     self.rope_scaling = None if cfg.rope_scaling_factor is None else (
       cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_context
     )  # fmt: skip
-    kv = cfg.n_kv_head * cfg.head_dim
-    self.wq = _linear(cfg, cfg.d_model, cfg.d_model, 0.02, rngs, cfg.qkv_bias)
+    q_width, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    self.wq = _linear(cfg, cfg.d_model, q_width, 0.02, rngs, cfg.qkv_bias)
     self.wk = _linear(cfg, cfg.d_model, kv, 0.02, rngs, cfg.qkv_bias)
     self.wv = _linear(cfg, cfg.d_model, kv, 0.02, rngs, cfg.qkv_bias)
-    self.wo = _linear(cfg, cfg.d_model, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
+    self.wo = _linear(cfg, q_width, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
+    self.qk_norm = cfg.qk_norm
+    if cfg.qk_norm:
+      self.q_norm, self.k_norm = RMSNorm(cfg, rngs, cfg.head_dim), RMSNorm(cfg, rngs, cfg.head_dim)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    b, t, d = x.shape
+    b, t, _ = x.shape
     q = checkpoint_name(self.wq(x), "qkv_proj").reshape(b, t, self.n_head, self.head_dim)
     k = checkpoint_name(self.wk(x), "qkv_proj").reshape(b, t, self.n_kv_head, self.head_dim)
     v = checkpoint_name(self.wv(x), "qkv_proj").reshape(b, t, self.n_kv_head, self.head_dim)
+    if self.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     freq = rope_frequencies(self.head_dim, self.theta, self.rope_scaling)
     q, k = rotary(q, freq), rotary(k, freq)
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=lm.attention_impl(q))  # [b, t, h, hd]
-    return checkpoint_name(self.wo(y.reshape(b, t, d)), "out_proj")
+    return checkpoint_name(self.wo(y.reshape(b, t, self.n_head * self.head_dim)), "out_proj")
 
 
 class SwiGLU(nnx.Module):
@@ -302,26 +315,29 @@ def abstract_params(cfg: LlamaConfig) -> dict:
 def param_count(cfg: LlamaConfig) -> int:
   r"""Parameters of the model, from the config alone.
 
-  .. math:: N = e V d + L (2 d^2 + 2 d d_{kv} + 3 d f + 2 d + b) + d
+  .. math:: N = e V d + L (2 d d_q + 2 d d_{kv} + 3 d f + 2 d + b + n) + d
 
-  with ``d_kv = n_kv_head * head_dim``, ``f`` the SwiGLU width, ``e = 1`` with tied embeddings (else 2) and
-  ``b = d + 2 d_kv`` with ``qkv_bias`` (else 0): 6.74B for Llama 2 7B's shape.
+  with ``d_q = n_head * head_dim`` (``d`` unless ``head_size`` is set), ``d_kv = n_kv_head * head_dim``, ``f`` the
+  SwiGLU width, ``e = 1`` with tied embeddings (else 2), ``b = d_q + 2 d_kv`` with ``qkv_bias`` (else 0) and
+  ``n = 2 head_dim`` with ``qk_norm`` (else 0): 6.74B for Llama 2 7B's shape.
   """
-  d, f, kv = cfg.d_model, cfg.hidden_dim, cfg.n_kv_head * cfg.head_dim
-  biases = d + 2 * kv if cfg.qkv_bias else 0
+  d, f, q, kv = cfg.d_model, cfg.hidden_dim, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+  biases = q + 2 * kv if cfg.qkv_bias else 0
+  norms = 2 * cfg.head_dim if cfg.qk_norm else 0
   embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * d
-  return embeddings + cfg.n_layer * (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d + biases) + d
+  return embeddings + cfg.n_layer * (2 * d * q + 2 * d * kv + 3 * d * f + 2 * d + biases + norms) + d
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> int:
-  r"""Training FLOPs per token (forward + backward), as ``models.gpt.flops_per_token``: :math:`6 N + 12 L d T`.
+  r"""Training FLOPs per token (forward + backward), as ``models.gpt.flops_per_token``: :math:`6 N + 12 L d_q T`
+  (``d_q = n_head * head_dim``, the attention's width: ``d`` unless ``head_size`` is set).
 
   ``N`` excludes the token embedding (a lookup; the untied head is a matmul
   and counts, and a tied head counts the embedding once). Rematerialisation's extra forward pass is not counted.
   """
   t = cfg.block_size if seq_len is None else seq_len
   lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-  return 6 * (param_count(cfg) - lookup) + 12 * cfg.n_layer * cfg.d_model * t
+  return 6 * (param_count(cfg) - lookup) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * t
 
 
 def staged(cfg: LlamaConfig) -> jax_dos.NNXStages:

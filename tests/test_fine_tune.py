@@ -165,3 +165,54 @@ def test_init_from_trains_on_prompt_completion_rows_and_exports_what_transformer
   scale = float(np.max(np.abs(theirs)))
   assert float(np.max(np.abs(ours - theirs))) <= 1e-4 * scale
   assert sorted(_read(out / "model.safetensors")) == sorted(_read(model_dir / "model.safetensors"))
+
+
+def test_a_transformers5_qwen3_fine_tunes_in_bfloat16_and_exports_its_float32_master(tmp_path):
+  """A Qwen3 that transformers 5 wrote (``tests/fixtures/hf5``: q/k norms, its own head width) trains bfloat16
+  parameters with a float32 master (``--offload host``); the export defaults to the source's float32 and writes the
+  master, not the rounded parameters, keeping the family, the token ids and ``generation_config.json``; ``--dtype
+  bfloat16`` writes the parameters."""
+  import shutil
+
+  import jax_dos
+  from models import llama
+
+  fixture = Path(__file__).parent / "fixtures" / "hf5" / "qwen3"
+  model_dir = tmp_path / "qwen3"
+  shutil.copytree(fixture, model_dir, ignore=shutil.ignore_patterns("reference.npz"))
+  write_tokenizer(model_dir)
+  rng = np.random.default_rng()
+  rows = tmp_path / "rows.jsonl"
+  rows.write_text("".join(json.dumps({"prompt": "question " + sentence(rng, 6), "completion": sentence(rng, 5)})
+                          + "\n" for _ in range(100)))  # fmt: skip
+  T.main(["--init-from", str(model_dir), "--data", str(rows), "--batch", "2", "--seq-len", "16", "--steps", "3",
+          "--eval-every", "0", "--eval-batches", "1", "--offload", "host", "--param-dtype", "bfloat16", "--lr", "1e-2",
+          "--out", str(tmp_path / "run"), "--quiet"])  # fmt: skip
+  out = E.export(tmp_path / "run", tmp_path / "float32")
+  config, source = json.loads((out / "config.json").read_text()), hf.read_config(model_dir)
+  assert (config["model_type"], config["head_dim"], config["dtype"]) == ("qwen3", 16, "float32")
+  assert (config["bos_token_id"], config["eos_token_id"]) == (source["bos_token_id"], source["eos_token_id"])
+  assert json.loads((out / "generation_config.json").read_text()) == json.loads(
+    (model_dir / "generation_config.json").read_text())  # fmt: skip
+  with jax_dos.CheckpointManager(tmp_path / "run" / "ckpt") as manager:
+    cfg = llama.LlamaConfig(**manager.meta()["config"])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), llama.abstract_params(cfg))
+    master, _ = manager.restore_master(params=template)
+    params, _ = manager.restore_params(params=template)
+  assert cfg.qk_norm and cfg.param_dtype == "bfloat16"
+  written = _read(out / "model.safetensors")
+  ours = {theirs: path for path, theirs in hf.tensor_names(cfg)}
+  rounded = 0
+  for name, path in ours.items():
+    m, p = hf._get(master, path), hf._get(params, path)
+    want = np.asarray(m).T if path[-1] == hf.TRANSPOSED else np.asarray(m)
+    np.testing.assert_array_equal(written[name], want, err_msg=name)
+    rounded += not np.array_equal(np.asarray(m), np.asarray(p.astype(jnp.float32)))
+  assert rounded > 0  # the master is not the bfloat16 parameters
+  E.main([str(tmp_path / "run"), str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+  halves = _read(tmp_path / "bf16" / "model.safetensors")
+  for name, path in ours.items():
+    p = np.asarray(hf._get(params, path))
+    np.testing.assert_array_equal(halves[name], p.T if path[-1] == hf.TRANSPOSED else p, err_msg=name)
+  assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"

@@ -167,8 +167,10 @@ def test_checkpoint_directory_guards(tmp_path, capsys):
     _run(tmp_path, "run", "--steps", "2", "--data", str(tmp_path / "missing.txt"))
   out = _run(tmp_path, "run", "--steps", "2", "--eval-every", "0", "--no-ckpt")  # a second run that saves nothing
   assert out["step"] == 2 and "leaves the checkpoints" in capsys.readouterr().err
-  with pytest.raises(SystemExit, match="model differs"):
+  with pytest.raises(SystemExit, match="was trained with --d-model 32, not 64: give its flags"):
     _run(tmp_path, "run", "--steps", "2", "--resume", "--d-model", "64")
+  with pytest.raises(SystemExit, match="was trained with --arch gpt, not llama: give its flags"):
+    _run(tmp_path, "run", "--steps", "2", "--resume", "--arch", "llama")
   with pytest.raises(SystemExit, match="not found"):  # a failed --overwrite deletes nothing
     _run(tmp_path, "run", "--steps", "2", "--overwrite", "--data", str(tmp_path / "missing.txt"))
   assert os.listdir(tmp_path / "run" / "ckpt") == ["1"]

@@ -85,6 +85,7 @@ def restore(
   one line each); the run's config ``args`` comes back with the resumed run's learning-rate schedule
   (``train.flags.resumed_schedule``: a new config where it differs)."""
   ckpt_dir = manager.directory
+  refuse_another_model(manager, cfg, args)
   try:
     with damage_reported():
       params, opt_state, meta = manager.restore(params=params, opt_state=opt_state)
@@ -114,6 +115,33 @@ def restore(
     if note:
       say(args, note)
   return params, opt_state, int(meta["step"]), args
+
+
+# The flags that choose the model: a resumed run must give the values its checkpoint's run gave.
+MODEL_FLAGS = ("arch", "init_from", "preset", "n_layer", "n_head", "d_model", "vocab_size")
+
+
+def refuse_another_model(manager: jax_dos.CheckpointManager, cfg: Any, args: TrainConfig) -> None:
+  """A ``SystemExit`` naming each model flag (:data:`MODEL_FLAGS`) whose value differs from the checkpoint's run
+  (``--arch gpt, not llama``), or the model config's fields where no flag does; read from the newest complete
+  step's meta, before anything of the state is (the restore's own tree check would only say that the trees
+  differ)."""
+  try:
+    meta = manager.meta()
+  except FileNotFoundError:
+    return  # the restore says why
+  saved_args = meta.get("args", {})
+  saved_args.setdefault("arch", "gpt")
+  flags = [f"--{k.replace('_', '-')} {saved_args.get(k)}, not {getattr(args, k)}" for k in MODEL_FLAGS
+           if k in saved_args and saved_args[k] != getattr(args, k)]  # fmt: skip
+  if flags:
+    raise SystemExit(f"error: --resume: the checkpoint's run was trained with {'; '.join(flags)}: give its flags"
+                     " to resume it, or another --out for a new run.")  # fmt: skip
+  saved = meta.get("config", {})
+  fields = [k for k in cfg.to_dict() if k not in RUN_FIELDS]
+  diff = {k: (saved.get(k), getattr(cfg, k)) for k in fields if saved.get(k) != getattr(cfg, k)}
+  if diff:
+    raise SystemExit(f"error: --resume: the checkpoint's model differs from this run's (saved, now): {diff}.")
 
 
 def batch_note(args: TrainConfig, saved_args: dict[str, Any]) -> str | None:

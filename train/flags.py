@@ -42,7 +42,15 @@ OFFLOAD_MODES = ("none", "auto", "host", "stream", "device")
 
 FINE_TUNE_SEQ_LEN = 2048  # --init-from's longest sequence by default, as common fine-tuning recipes
 SHAPE_FLAGS = ("n_layer", "n_head", "d_model")  # override the preset's
-_Error = Callable[[str], NoReturn]  # argparse's parser.error: the message, usage and exit status 2
+_Error = Callable[[str], NoReturn]  # the parser's error: the message, --help's hint and exit status 2
+
+
+class Parser(argparse.ArgumentParser):
+  """An ``argparse.ArgumentParser`` whose errors are one line and ``--help``'s hint, not the whole usage first (the
+  training script's runs to 30 lines, above the line that matters)."""
+
+  def error(self, message: str) -> NoReturn:
+    self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the flags)\n")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -64,7 +72,7 @@ def preset_names() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = Parser(
     prog="python -m train.gpt",
     description="Train a GPT or a Llama-style model (Flax NNX) with jax_dos.interleaved_adam: AdamW whose state lives"
     " in host memory.",
@@ -440,9 +448,13 @@ def _with_backend(flags: Flags, compute_dtype: str | None, mesh: dict[str, int] 
   if mesh is not None:
     devices = mesh["data"] * mesh["fsdp"]
     if devices != jax.device_count():
+      cpu = jax.default_backend() == "cpu" and jax.process_count() == 1 and devices > jax.device_count()
+      cpu = cpu and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+      hint = (f", or --devices {devices}: on a CPU it makes {devices} CPU devices" if cpu
+              else ", or --devices to train on fewer")  # fmt: skip
       err(f"--mesh data={mesh['data']},fsdp={mesh['fsdp']} lays out {devices} devices; this job has"
           f" {jax.device_count()} ({jax.process_count()} process(es) x {jax.local_device_count()}): give sizes whose"
-          " product is that, or --devices to train on fewer.")  # fmt: skip
+          f" product is that{hint}.")  # fmt: skip
   if flags.moments == "int8" and devices > 1:
     err(f"--moments int8 keeps each parameter's moments whole on one device; this run lays its parameters over"
         f" {devices} devices (--mesh data={mesh['data']},fsdp={mesh['fsdp']}). Use --moments bfloat16 on a mesh (a"

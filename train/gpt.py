@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -180,6 +181,20 @@ def _load_data(args: TrainConfig) -> tuple[data_lib.Splits, int, str]:
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
   return splits, vocab, data_desc
+
+
+def hf_source(args: Flags) -> dict[str, Any]:
+  """What each checkpoint's meta keeps of ``--init-from``'s folder, for ``train.export`` to write back: its
+  ``config.json`` (``hf_config``: the family, the token ids, the dtype) and ``generation_config.json``
+  (``hf_generation_config``, where there is one). Empty without ``--init-from``."""
+  if args.init_from is None:
+    return {}
+  out = {"hf_config": hf.read_config(args.init_from)}
+  generation = os.path.join(args.init_from, hf.GENERATION)
+  if os.path.exists(generation):
+    with open(generation) as f:
+      out["hf_generation_config"] = json.load(f)
+  return out
 
 
 def _init_params(args: TrainConfig, cfg: Any, shardings: Any) -> tuple[Any, dict]:
@@ -404,9 +419,12 @@ def train(args: TrainConfig) -> dict[str, Any]:
     step.settle()  # no optimizer thread launches while the evaluation's programs first run
     return validation_loss(graphdef, step.params, val_batches)
 
+  source = hf_source(args)
+
   def meta(at: int) -> dict[str, Any]:
     data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": at, "seed": args.seed, "source": data_desc}
-    return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": dataclasses.asdict(args)}
+    return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": dataclasses.asdict(args),
+            **source}  # fmt: skip
 
   say(args, f"model   {args.arch} {model_name(args)}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
   say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")

@@ -238,10 +238,12 @@ def fmt_rate(x: float) -> str:
 
 def bar_fields(row: dict[str, Any], eta: str, val_losses: dict[int, float]) -> dict[str, str]:
   """The progress bar's fields for a logged ``row`` of the metrics, with the time left (``eta``) and the newest
-  validation loss."""
+  validation loss of the training so far: none before its first validation pass (step 0's, the starting model's,
+  is not repeated on every line until then)."""
   out = {"eta": eta, "loss": f"{row['loss']:.3f}"}
-  if val_losses:
-    out["val"] = f"{val_losses[max(val_losses)]:.3f}"
+  passes = [s for s in val_losses if s > 0]
+  if passes:
+    out["val"] = f"{val_losses[max(passes)]:.3f}"
   if "grad_norm" in row:
     out["|g|"] = f"{row['grad_norm']:.3g}" + ("*" if row.get("clipped") else "")
   if row.get("tokens_per_s"):

@@ -422,6 +422,13 @@ class CheckpointManager:
     and the template ``params`` as :meth:`restore` takes them, with the same verification and errors."""
     return reading.read_params(self._mgr, self._verified_step(step), params)
 
+  def restore_master(self, step: Optional[int] = None, *, params: Any) -> Optional[tuple[Any, dict]]:
+    """``(master, meta)`` of a step: the float32 master weights of a jax_dos optimizer state, placed like the
+    template ``params`` (its shapes and shardings; float32 whatever its dtype), without the moments; ``None`` where
+    the step holds no master (an ``optax.adamw`` run's params are its float32 weights). Verification and errors as
+    :meth:`restore_params`'."""
+    return reading.read_master(self._mgr, self._verified_step(step), params)
+
   def meta(self, step: Optional[int] = None) -> dict:
     """The ``meta`` dict saved with a step (default the newest complete one), read without verifying the step (a
     small file; what a template is made from): :meth:`restore_params` or :meth:`restore` then verifies what it

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jax_dos.checkpoint import canonical
 from jax_dos.checkpoint import moments as checkpoint_moments
@@ -34,6 +35,19 @@ def read_params(mgr: ocp.CheckpointManager, step: int, params: Any) -> tuple[Any
   items = ocp.args.Composite(params=restore_item(params), meta=ocp.args.JsonRestore())
   out = mgr.restore(step, args=items)
   return fill_empties(out["params"], params), out["meta"]
+
+
+def read_master(mgr: ocp.CheckpointManager, step: int, params: Any) -> tuple[Any, dict] | None:
+  """``(master, meta)`` of ``step``: its float32 master weights (a jax_dos state's), shaped and placed like the
+  template ``params`` but in float32, or ``None`` where the step has none (an ``optax`` checkpoint's params are its
+  weights)."""
+  fmt = mgr.restore(step, args=ocp.args.Composite(format=ocp.args.JsonRestore()))["format"]
+  if not fmt["has_master"]:
+    return None
+  template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), params)
+  check_tree("master weights", step, disk_template(template), _tree_of(mgr.item_metadata(step)["master"]))
+  out = mgr.restore(step, args=ocp.args.Composite(master=restore_item(template), meta=ocp.args.JsonRestore()))
+  return fill_empties(out["master"], template), out["meta"]
 
 
 def read_step(mgr: ocp.CheckpointManager, step: int, params_t: Any, opt_t: Any) -> tuple[Any, Any, dict]:
