@@ -91,13 +91,17 @@ class HostPath:
     low_dtypes: per leaf, the dtype its new weights are sent in (the parameter's, bfloat16 or float32).
     failure: the step's one failure event (a wait on another thread gives up once it is set).
     arena: where its buffers live (``None``: XLA's pinned pool).
+    weights_on_host: leaves whose weights live in pinned host memory: the parameters handed over with them are host
+      buffers, into which the kernel writes the new weights (no copy of them, none to the accelerator), and which go
+      back to the training thread as the new parameters.
   """
 
   def __init__(
     self, routes: Routes, hyper: Any, decay: tuple[bool, ...], state: dict[int, tuple], low_dtypes: list[Any],
-    failure: Failure, arena: PinnedArena | None = None,
+    failure: Failure, arena: PinnedArena | None = None, weights_on_host: frozenset[int] = frozenset(),
   ):  # fmt: skip
     self.routes, self.hyper, self.decay, self._failure = routes, hyper, decay, failure
+    self.weights_on_host = weights_on_host
     self.arena = arena
     self._low_dtypes = low_dtypes
     self._kernel = host.Kernel(hyper, decay)
@@ -123,11 +127,12 @@ class HostPath:
     for i in leaves:
       self.masters[i], self.mus[i], self.nus[i] = state[i]
     own = lambda i: (self.masters[i], self.mus[i], self.nus[i])  # noqa: E731
+    copied = [i for i in leaves if i not in self.weights_on_host]  # the others' new weights go into their own buffers
     if self.arena is not None:  # what the kernel writes before anything reads it: no zeros needed
-      self.lows.update({i: self.arena.array_like(self.masters[i], self._low_dtypes[i]) for i in leaves})
+      self.lows.update({i: self.arena.array_like(self.masters[i], self._low_dtypes[i]) for i in copied})
       self.spares.update({i: tuple(self.arena.array_like(a) for a in own(i)) for i in leaves})
       return
-    self.lows.update(zip(leaves, memory.zeros_like_each([(self.masters[i], self._low_dtypes[i]) for i in leaves])))
+    self.lows.update(zip(copied, memory.zeros_like_each([(self.masters[i], self._low_dtypes[i]) for i in copied])))
     spares = memory.zeros_like_each([(a, a.dtype) for i in leaves for a in own(i)])  # each in its own format
     self.spares.update({i: tuple(spares[3 * j : 3 * j + 3]) for j, i in enumerate(leaves)})
 
@@ -140,7 +145,7 @@ class HostPath:
     self.routes = routes
     out = {i: (self.masters.pop(i), self.mus.pop(i), self.nus.pop(i)) for i in leaves}
     for i in leaves:
-      for a in (self.lows.pop(i), *self.spares.pop(i)):
+      for a in ((self.lows.pop(i),) if i in self.lows else ()) + self.spares.pop(i):
         self._release(a)
     return HandOff(out, f"the host path's state of leaves {leaves}")
 
@@ -187,14 +192,21 @@ class HostPath:
     st = HostStep.of(record)
     leaves, grads = self.routes.plan.subgroups[s], st.grads[s]
     state = lambda i: (grads[i], self.masters[i], self.mus[i], self.nus[i])  # noqa: E731
+    on_host = leaves[0] in self.weights_on_host  # a subgroup lies within one group, whose weights live in one place
+    into = dict(zip(leaves, st.params[s])) if on_host else self.lows  # where the kernel writes the new weights
     with trace.span("host.kernel"):
       if final:  # the state is untouched (a speculation wrote the spare), and the step is the one that counts
-        self._kernel.step(leaves, lambda i: (*state(i), self.lows[i]), scalars)
+        self._kernel.step(leaves, lambda i: (*state(i), into[i]), scalars)
         st.in_place.add(s)
       else:
-        self._kernel.step_into(leaves, lambda i: (*state(i), *self.spares[i], self.lows[i]), scalars)
+        self._kernel.step_into(leaves, lambda i: (*state(i), *self.spares[i], into[i]), scalars)
     if final:
       self._release_grads(st, s)
+    if on_host:  # the parameters handed over are the new weights now: nothing to copy
+      st.end = time.perf_counter()
+      if final:
+        self._final(st, s)
+      return
     with trace.span("host.send"):
       sent = host.send([self.lows[i] for i in leaves], st.params[s])
     self._sending.append((record, s, sent, final))

@@ -70,6 +70,11 @@ from jax_dos.state import InterleavedAdamState
 from jax_dos.timeline import StageTimes
 from jax_dos.trees import decay_flags, leaves_with_paths
 
+WEIGHT_PLACEMENTS = ("device", "host")
+# Programs ahead of its first use that a host group's weights are copied to the accelerator: the copy runs under
+# the programs before it, and the accelerator holds the weights of the stages in flight.
+WEIGHTS_AHEAD = 2
+
 
 class OverlappedStep:
   """Training steps of a staged model whose AdamW update overlaps the backward and the next forward pass.
@@ -117,6 +122,16 @@ class OverlappedStep:
       counts one more stage's gathered weights). ``False``: each program gathers its own. ``"auto"`` (the default):
       as ``stage_times`` were measured faster (``StageTimes.gather_ahead``), else ``False``. The numbers are the same.
 
+    weights: where each group's weights live between the programs that use them: ``"device"`` (all of them, the
+      default), ``"host"``, or one of those a group. A group whose weights are ``"host"`` keeps them in pinned host
+      memory; each of its stages' programs gets a copy on the accelerator made :data:`WEIGHTS_AHEAD` programs ahead
+      (an asynchronous copy, under the programs before it) and dropped once no program within that distance uses it,
+      so the accelerator holds only the weights of the stages in flight; the host kernel writes its new weights
+      straight into their host buffers, which the training thread gives up at the hand-over (one holder a buffer),
+      and nothing copies them back from the accelerator. Such a group's subgroups must be ``"host"`` in the plan,
+      and its state laid out as its parameters (no ``fsdp`` gathering ahead, no state partitioned over ``data``);
+      their numbers are the same.
+
   A call ``step(batch) -> loss`` takes one step: the mean loss of the batch (an accelerator scalar), with the parameters
   it was computed at being the previous step's. It returns once the backward pass is dispatched; reading the loss waits
   behind the state's copies to the host, so read a few steps' losses at a time. :attr:`params` and :attr:`opt_state`
@@ -149,6 +164,7 @@ class OverlappedStep:
     speculation: str = "auto",
     pinned_memory: str = "auto",
     gather_ahead: bool | str = "auto",
+    weights: str | Sequence[str] = "device",
   ):
     if not isinstance(params, (list, tuple)):
       raise TypeError(
@@ -222,7 +238,19 @@ class OverlappedStep:
     by = lambda where: {i: (masters[i], mus[i], nus[i]) for i, p in enumerate(placement) if p == where}  # noqa: E731
     self._resident: dict[int, tuple] = by("device")  # (training thread) the resident state: leaf -> (master, mu, nu)
     self._group_start = np.cumsum([0] + [len(jax.tree.leaves(t)) for t in params]).tolist()
+    self._host_groups: frozenset[int] = frozenset()  # the groups whose weights live in pinned host memory
     self._gathers = [self.model.gathers(self._stage_params(i)) for i in range(len(self.model.stages))]  # per stage
+    self._host_groups = self._weights_on_host(weights, len(params), rebalance)
+    self._on_device: dict[int, list[jax.Array]] = {}  # (training thread) host groups' weights copied in, by group
+    host_subgroups = frozenset(s for g in self._host_groups for s in self.group_subgroups[g])
+    self.routes = dataclasses.replace(self.routes, redo_on_stream=self.routes.redo_on_stream - host_subgroups)
+    host_leaves = [i for g in sorted(self._host_groups) for i in range(self._group_start[g], self._group_start[g + 1])]
+    if host_leaves:  # the weights move to pinned host memory once; the accelerator's copies are freed
+      moved = memory.put([self._params[i] for i in host_leaves], "pinned_host")
+      jax.block_until_ready(moved)
+      for i, x in zip(host_leaves, moved):
+        self._params[i].delete()
+        self._params[i] = x
     self._pending: dict[int, Future] = {}  # (training thread) subgroup -> the future of its new parameters
     self._closed = False
     self._updating = False  # between a step's first hand-over and its decision
@@ -233,7 +261,7 @@ class OverlappedStep:
     self._dispatch = Dispatch(self.run_ahead_stages)  # run-ahead pacing; the first step's jobs held (dispatch.py)
     lows = [jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32 for x in self._params]
     self._workers = Workers(self.routes, self.hyper, self.decay, by("host"), by("stream"), lows, self._failure,
-                            self.arena, self._pinned.state_out)  # fmt: skip
+                            self.arena, self._pinned.state_out, frozenset(host_leaves))  # fmt: skip
     overlap_process.register(self)
 
   # ----------------------------------------------------------------------------- the plan and the state
@@ -286,12 +314,53 @@ class OverlappedStep:
       raise
     return losses[0] if k == 1 else sum(losses) / k
 
+  def _weights_on_host(self, weights: str | Sequence[str], groups: int, rebalance: bool) -> frozenset[int]:
+    """The groups whose weights live in pinned host memory (``weights``: one placement, or one a group), checked
+    against what this step can do with them (the class docstring)."""
+    given = [weights] * groups if isinstance(weights, str) else list(weights)
+    if len(given) != groups or any(w not in WEIGHT_PLACEMENTS for w in given):
+      raise ValueError(f"weights must be one of {WEIGHT_PLACEMENTS} or one of them for each of the {groups} groups,"
+                       f" got {weights!r}.")  # fmt: skip
+    host = frozenset(g for g, w in enumerate(given) if w == "host")
+    if not host:
+      return host
+    if self.gather_ahead or self._relayout.partitioned or rebalance:
+      why = ("gather_ahead=False" if self.gather_ahead else "rebalance=False" if rebalance else
+             "the optimizer's partition_replicated=False (each device holds its parameters' state)")  # fmt: skip
+      raise ValueError(f"weights on the host need each state laid out as its parameters and a fixed plan: pass {why}.")
+    for g in sorted(host):
+      placed = {self.plan.placements[s] for s in self.group_subgroups[g]}
+      if placed != {"host"}:
+        raise ValueError(
+          f"group {g}'s weights are on the host, but the plan places its subgroups {sorted(placed)}: the host kernel"
+          " writes a host group's new weights, so each of its subgroups must be 'host' (plan='host', or a Plan that"
+          " places them there)."
+        )
+    return host
+
   def _stage_params(self, stage: int) -> tuple:
     return tuple(self._group_tree(g) for g in self.model.stages[stage].groups)
 
   def _group_tree(self, g: int) -> Any:
     lo, hi = self._group_start[g], self._group_start[g + 1]
-    return jax.tree.unflatten(self._treedef.children()[g], self._params[lo:hi])
+    leaves = self._on_device[g] if g in self._host_groups else self._params[lo:hi]
+    return jax.tree.unflatten(self._treedef.children()[g], leaves)
+
+  def _copy_in(self, stage: int) -> None:
+    """(training thread) Copies the host weights of ``stage``'s groups to the accelerator where they are not there
+    yet: one batched, asynchronous copy from the host buffers, which stay the training thread's."""
+    for g in self.model.stages[stage].groups:
+      if g in self._host_groups and g not in self._on_device:
+        lo, hi = self._group_start[g], self._group_start[g + 1]
+        self._on_device[g] = memory.put(self._params[lo:hi], "device")
+
+  def _drop_copies(self, uses: dict[int, list[int]], j: int) -> None:
+    """(training thread) Drops the accelerator's copy of each host group that no program within
+    :data:`WEIGHTS_AHEAD` of program ``j`` uses (``uses``: each host group's programs, in order); the programs
+    dispatched with it keep their buffers until they have run."""
+    for g in list(self._on_device):
+      if not any(j < k <= j + WEIGHTS_AHEAD for k in uses[g]):
+        del self._on_device[g]
 
   def _run_programs(self, parts: list, record: StepRecord, previous: StepRecord | None) -> list[jax.Array]:
     """Dispatches the step's stage programs in ``micro_batch_order``; returns each micro-batch's loss.
@@ -311,12 +380,17 @@ class OverlappedStep:
     dys, losses, squares = [None] * k, [None] * k, []
     reached: set[int] = set()  # stages whose groups' final weights were waited for
     held = HeldWeights(programs, self._gathers)  # sharded weights gathered by the program before
+    uses = {g: [j for j, (_, i, _) in enumerate(programs) if g in self.model.stages[i].groups]
+            for g in self._host_groups}  # fmt: skip
     for j, (kind, i, m) in enumerate(programs):
       st, ahead = self.model.stages[i], held.ahead(j)
-      for stage in (i, ahead):
+      coming = {programs[k][1] for k in range(j + 1, min(len(programs), j + 1 + WEIGHTS_AHEAD))} if uses else set()
+      for stage in (i, ahead, *sorted(coming - {i, ahead})):
         if stage is not None and stage not in reached:
           self._wait_groups(self.model.stages[stage].groups)  # at once where they are final
           reached.add(stage)
+      for stage in (i, *sorted(coming)) if uses else ():
+        self._copy_in(stage)  # host weights copied in ahead of the programs that use them
       if j == window and self.routes.stream_order:
         self._dispatch.submit(self._workers.stream, self._workers.stream_path.prefetch)
       if kind == "forward":
@@ -325,6 +399,7 @@ class OverlappedStep:
         inputs[m][i + 1] = x
         trace.watch(f"forward {i}", x)
         self._dispatch.pace(x)
+        self._drop_copies(uses, j)
         continue
       last = m == k - 1
       with trace.span("overlap.backward"):
@@ -333,6 +408,7 @@ class OverlappedStep:
           saved[m][i], m, gathered=held.mine(j), ahead=None if ahead is None else self._stage_params(ahead),
         )  # fmt: skip
       held.ran(j, whole[0] if whole else None)
+      self._drop_copies(uses, j)  # before the hand-over gives the host buffers up
       inputs[m][i] = saved[m][i] = None
       losses[m] = out if out is not None else losses[m]
       for g, s in zip(st.groups, new):

@@ -32,14 +32,15 @@ class Workers:
     failure: the step's one failure event.
     arena, state_out: where the offloaded state lives and what copies the stream path's new state there (``None``:
       XLA's pinned pool).
+    weights_on_host: the host leaves whose weights live in pinned host memory (``OverlappedStep``'s ``weights``).
   """
 
   def __init__(
     self, routes: Routes, hyper: Any, decay: tuple[bool, ...], host_state: dict[int, tuple],
     stream_state: dict[int, tuple], low_dtypes: list[Any], failure: Failure, arena: PinnedArena | None,
-    state_out: CopyOut | None,
+    state_out: CopyOut | None, weights_on_host: frozenset[int] = frozenset(),
   ):  # fmt: skip
-    self.host_path = HostPath(routes, hyper, decay, host_state, low_dtypes, failure, arena)
+    self.host_path = HostPath(routes, hyper, decay, host_state, low_dtypes, failure, arena, weights_on_host)
     self.stream_path = StreamPath(routes, hyper, decay, stream_state, failure, arena, state_out)
     self.host = JobThread("jax_dos-overlap-host", failure)
     # Between jobs the stream worker tops up its slots (the one poll, docs/overlap.md), where the plan streams: a
