@@ -73,6 +73,7 @@ def batches_whose_clip_fires_sometimes(rng: np.random.Generator, n: int) -> tupl
     ("mixed", {"run_ahead_stages": 2}),
     ("host", {"micro_batch_order": "batch"}),
     ("stream", {}),
+    ("host", {"weights": "host", "run_ahead_stages": 2}),  # every weight in host memory, written by the kernel
   ],
 )
 def test_random_delays_at_every_hand_off_leave_optaxs_numbers(plan, step_kw):
