@@ -163,8 +163,8 @@ def _job(out: Path, port: int, *flags: str) -> list[subprocess.Popen]:
   ``out.<i>.err``."""
   procs = []
   for i in range(2):
-    env = cpu_devices_env(1, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                          JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))  # fmt: skip
+    coordinator = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+    env = cpu_devices_env(1, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **coordinator)
     err = open(f"{out}.{i}.err", "w")
     procs.append(subprocess.Popen([sys.executable, "-m", "train.gpt", *TINY, *SCHEDULE, "--mesh", "data=2", "--batch",
                                    "2", "--out", str(out), *flags], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,

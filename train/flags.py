@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="steps between checkpoints (0: none by steps), beside those by time and at the end")  # fmt: skip
   r.add_argument("--ckpt-every-minutes", type=float, default=stopping.DEFAULT_CKPT_MINUTES,
                  help="minutes between checkpoints by time (0: none), and never sooner than a save's measured"
-                      f" cost allows: {stopping.SAVE_SHARE:.0%} of the run's time at most"
+                      f" cost allows: {100 * stopping.SAVE_SHARE:g} percent of the run's time at most"
                       " (docs/checkpoints.md)")  # fmt: skip
   r.add_argument("--ckpt-async", choices=("auto", "on", "off"), default="auto",
                  help="write a periodic save beside the next steps: auto where the host's memory allows (the save's"
