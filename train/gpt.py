@@ -370,7 +370,8 @@ def _say_written(args: TrainConfig, written: dict[str, float] | None, clock: sto
   base, per = written["base"], written["per_step"]
   share = f" ({100 * per / base:.0f} % of a step's {1e3 * base:.1f} ms)" if base > 0 else ""
   gap = clock.gap_s
-  nxt = "" if gap is None else f"; the next by time in {gap / 60:.1f} min at the earliest"
+  when = "" if gap is None else f"{gap:.0f} s" if gap < 120 else f"{gap / 60:.1f} min"
+  nxt = f"; the next by time {when} after its start" if when else ""
   say(args, f"checkpoint written beside {written['steps']} steps in {written['seconds']:.1f} s: each step"
             f" {1e3 * per:.1f} ms slower{share}, {written['cost']:.2f} s of training in all{nxt}")  # fmt: skip
 
