@@ -203,3 +203,57 @@ def test_a_signal_to_one_process_of_a_job_stops_every_process_at_the_same_step(t
   codes, errs = _job_done(_job(out, _free_port(), "--steps", str(step + 2), "--resume"), out)
   assert codes == [0, 0], (codes, errs[0][-3000:], errs[1][-3000:])
   assert [s for s, _, _ in _losses(out)] == list(range(1, step + 3))
+
+
+def test_saves_by_time_cost_at_most_their_share_of_the_run():
+  """``SaveClock``: the first save by time after the minutes given, each next one no sooner than 20 times the last
+  one's measured cost (``SAVE_SHARE``) nor the minutes; a save written beside the steps costs what it waited for and
+  what the steps beside it took beyond their median before it."""
+  from train.stopping import SAVE_SHARE, SaveClock
+
+  clock = SaveClock(1.0, now=0.0)
+  assert not clock.due(59.9) and clock.due(60.0)
+  clock.saved(60.0, waited=10.0, beside=False)  # a save the training waited 10 s for
+  assert clock.due_at == 60.0 + 10.0 / SAVE_SHARE and clock.gap_s == 200.0
+  clock.saved(300.0, waited=1.0, beside=False)  # a short one: the minutes given
+  assert clock.due_at == 360.0
+  for _ in range(30):
+    clock.step_took(0.1)
+  clock.saved(400.0, waited=0.5, beside=True)
+  for _ in range(5):
+    clock.step_took(0.3)
+  assert not clock.due(1e9)  # not while it is being written
+  written = clock.written(410.0)
+  assert written["steps"] == 5 and abs(written["per_step"] - 0.2) < 1e-12 and abs(written["cost"] - 1.5) < 1e-12
+  assert written["seconds"] == 10.0 and clock.due_at == 460.0 and clock.written(411.0) is None
+  assert SaveClock(0.0, now=0.0).due(1e9) is False  # --ckpt-every-minutes 0: none by time
+
+
+def test_a_run_saves_by_time_and_keeps_the_newest(tmp_path):
+  """``--ckpt-every-minutes``: a save by time during the run, beside the final one; ``--keep 1`` leaves the final."""
+  from helpers import train_tiny
+
+  out = train_tiny(tmp_path, "run", *SCHEDULE, "--steps", "30", "--ckpt-every-minutes", "0.0005", "--keep", "9")
+  assert out["step"] == 30
+  with jax_dos.CheckpointManager(tmp_path / "run" / "ckpt") as manager:
+    steps = manager.complete_steps()
+  assert len(steps) >= 2 and steps[-1] == 30 and all(0 < s < 30 for s in steps[:-1]), steps
+  train_tiny(tmp_path, "run", *SCHEDULE, "--steps", "32", "--resume", "--ckpt-every-minutes", "0", "--keep", "1")
+  assert sorted(os.listdir(tmp_path / "run" / "ckpt")) == ["32"]
+
+
+def test_a_state_larger_than_the_disk_trains_on_without_checkpoints(tmp_path, monkeypatch, capsys):
+  """The disk's free space as a full disk reports it (the one stand-in here: this machine's disk has room): one line
+  at the start says checkpoints are off, and the run trains to its end, writing none."""
+  from helpers import train_tiny
+
+  from jax_dos.checkpoint import integrity
+
+  real = integrity.shutil.disk_usage
+  monkeypatch.setattr(integrity.shutil, "disk_usage", lambda path: real(path)._replace(free=4096))
+  out = train_tiny(tmp_path, "run", *SCHEDULE, "--steps", "3", "--ckpt-every", "1")
+  err = capsys.readouterr().err
+  assert out["step"] == 3 and err.count("ckpt    off: a checkpoint needs") == 1, err
+  assert "This run trains on without checkpoints" in err, err
+  ckpt = tmp_path / "run" / "ckpt"
+  assert not ckpt.exists() or not [n for n in os.listdir(ckpt) if n[0].isdigit()], os.listdir(ckpt)
