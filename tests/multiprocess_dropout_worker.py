@@ -65,7 +65,8 @@ def run(seed: int) -> None:
       optimizer = nnx.Optimizer(reference, optax.chain(optax.clip_by_global_norm(t.CLIP), optax.adamw(
         t.LR, b1=t.B1, b2=t.B2, weight_decay=t.WD)), wrt=nnx.Param)  # fmt: skip
       rngs, plain_rngs = t.call_rngs(layout), t.call_rngs(layout)
-      plain = [float(t.plain_step(reference, optimizer, batch, plain_rngs)) for batch in batches]
+      plain, grads = t.reference_steps(reference, optimizer, batches, plain_rngs)
+      plain = [float(x) for x in plain]
     # The model replicated over the processes (its RNG keys and counters too; the keys it is called with stay
     # each process's own, made from the seed); the batches' rows split.
     nnx.update(model, jax.tree.map(lambda a: on_mesh(a, replicated), nnx.state(model)))
@@ -77,7 +78,9 @@ def run(seed: int) -> None:
       staged.update(model, step.params)
     np.testing.assert_allclose([float(whole(x)) for x in losses], plain, rtol=1e-5)
     got, want = whole(t.params(model)), t.params(reference)
-    assert t.max_rel_diff(got, want) < 2e-5, (layout, t.max_rel_diff(got, want))
+    # Within the rounding the arithmetic allows each element (t.within_adam_rounding says how it is derived): a
+    # fixed 2e-5 failed on a draw whose gradient cancelled to about zero in one element (4.2e-5).
+    assert t.within_adam_rounding(got, want, grads) <= 1, (layout, t.within_adam_rounding(got, want, grads))
     listed = lambda tree: jax.tree.map(lambda a: np.asarray(a).tolist(), tree)  # noqa: E731
     assert listed(whole(t.rng_state(model))) == listed(t.rng_state(reference)), layout
     if rngs is not None:  # the keys given at call time: counted on as the plain path's

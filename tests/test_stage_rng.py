@@ -169,6 +169,58 @@ def plain_step(model, optimizer, batch, rngs=None):
   return loss
 
 
+def reference_steps(reference, optimizer, batches: list, rngs=None) -> tuple[list, list]:
+  """The plain path's steps on ``batches``: their losses and each step's gradients (taken on clones of the model and
+  of the keys, whose counters the step then advances from where they were: the same masks)."""
+  losses, grads = [], []
+  for batch in batches:
+    clone = None if rngs is None else nnx.clone(rngs)
+    grads.append(jax.tree.leaves(nnx.to_pure_dict(plain_grads(nnx.clone(reference), batch, clone))))
+    losses.append(plain_step(reference, optimizer, batch, rngs))
+  return losses, grads
+
+
+# Adam's rounding, for within_adam_rounding: float32's unit roundoff; the gradient's rounding factor (below); the
+# bounds of Adam's normalised step r = m/sqrt(v) (bias-corrected) over 3 steps of b1 = 0.9, b2 = 0.95.
+U = 2.0**-24
+GRAD_ROUNDING = 8 * ROWS * SEQ  # 192: both paths' sums of ROWS * SEQ tokens' terms, each term up to 4x the largest
+R_MAX = 1.0008  # |r| <= sqrt(sum_s w_s^2 / u_s) (Cauchy-Schwarz, w and u the moments' weights of each step's g_s)
+DR_DLOG_G = 2.01  # |g_s dr/dg_s| <= w_s / sqrt(u_s) + |r|
+
+
+def within_adam_rounding(got, want, grads: list, lr: float = LR) -> float:
+  """How far ``got`` is from ``want`` (the plain path's parameters after ``len(grads)`` AdamW steps whose gradients
+  were ``grads``: leaves by step), as a share of the rounding the two paths' arithmetic allows each element; at most
+  1 where they agree. Derived, not fitted:
+
+  - The two paths sum each gradient in another order: element ``i`` of step ``s`` differs by at most
+    ``d_s = GRAD_ROUNDING * U * G_s`` (``G_s`` the leaf's largest gradient), relatively by ``d_s / |g_si| + U`` (the
+    clip's scale, a global norm summed in another order, adds ``U``).
+  - Adam's step ``lr * r_t`` depends on the gradients through their ratios: ``r_t`` moves by at most ``DR_DLOG_G``
+    times the sum of the relative changes of ``g_1 .. g_t``, and never by more than ``2 * R_MAX`` (a sign decided by
+    rounding: an element whose gradient cancels to about zero).
+  - The parameters themselves round: 2 ulps of ``max(|p|, 1)`` a step.
+
+  Measured over 4 draws of each of the 5 layouts on one device, the differences used at most 3.4 % of what is
+  allowed, and the plain path trained with another dropout seed (other masks) went 1.1e4 to 2.1e4 times over it. A fixed
+  bound (2e-5) failed on a draw whose gradient cancelled in one element (4.2e-5 on a loaded machine): a sign there is
+  rounding's to decide, and Adam's normalised step makes it an ``lr``-sized difference."""
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got) == len(want) == len(grads[0]), (len(got), len(want), len(grads[0]))
+  worst = 0.0
+  for k, (x, y) in enumerate(zip(got, want)):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if not x.size:
+      continue
+    relative, allowed = 0.0, len(grads) * 2 * np.spacing(np.maximum(np.abs(y), 1).astype(np.float32)).astype(float)
+    for step in grads:
+      g = np.abs(np.asarray(step[k], np.float64))
+      relative = relative + GRAD_ROUNDING * U * g.max() / np.maximum(g, np.finfo(np.float64).tiny) + U
+      allowed = allowed + lr * np.minimum(2 * R_MAX, DR_DLOG_G * relative)
+    worst = max(worst, float(np.max(np.abs(x - y) / allowed)))
+  return worst
+
+
 def rng_state(model) -> dict:
   return nnx.to_pure_dict(nnx.state(model, nnx.RngCount))
 
@@ -190,7 +242,7 @@ def trains_as_the_plain_model(layout: str, batches: list, place=lambda model: mo
   reference, reference_rngs = nnx.clone(model), call_rngs(layout)
   optimizer = nnx.Optimizer(reference, optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(
     LR, b1=B1, b2=B2, weight_decay=WD)), wrt=nnx.Param)  # fmt: skip
-  expected = [plain_step(reference, optimizer, batch, reference_rngs) for batch in batches]
+  expected, grads = reference_steps(reference, optimizer, batches, reference_rngs)
 
   staged = staged_of(model, batches[0], rngs)
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD)
@@ -199,7 +251,7 @@ def trains_as_the_plain_model(layout: str, batches: list, place=lambda model: mo
     staged.update(model, step.params)
 
   np.testing.assert_allclose(jax.device_get(losses), jax.device_get(expected), rtol=1e-5)
-  assert max_rel_diff(params(model), params(reference)) < 2e-5
+  assert within_adam_rounding(params(model), params(reference), grads) <= 1
   # The counters written back: the plain path's after 3 steps of 2 forward calls (2 draws a call from the
   # model's stream, 2 from each block's; all 6 from the one stream where they share it or the call gives it).
   listed = lambda tree: jax.tree.map(lambda a: np.asarray(a).tolist(), tree)  # noqa: E731

@@ -43,7 +43,9 @@ def open_checkpoints(args: TrainConfig, ckpt_dir: str) -> tuple[jax_dos.Checkpoi
       if os.path.exists(os.path.join(args.out, name)):
         os.remove(os.path.join(args.out, name))
   barrier("overwrite")  # the other processes look at the folder once process 0 has cleared it
-  manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep)
+  manager = jax_dos.CheckpointManager(ckpt_dir, save_interval_steps=max(args.ckpt_every, 1), max_to_keep=args.keep,
+                                      async_save=args.ckpt_async != "off",
+                                      host_copy="copy" if args.ckpt_async == "on" else "auto")  # fmt: skip
   complete = manager.complete_steps()
   leftovers = os.path.isdir(ckpt_dir) and any(name != jax_dos.DAMAGED_DIR for name in os.listdir(ckpt_dir))
   if complete and not args.resume:
@@ -181,25 +183,33 @@ def host_finite(tree: Any) -> bool:
   return True
 
 
-def stop_non_finite(args: TrainConfig, manager: jax_dos.CheckpointManager | None, what: str) -> None:
-  """Ends the run with an error naming the step: nothing of this state is saved, every checkpoint is kept."""
+DIVERGED = "continue from it with --resume, with a lower --lr or more --warmup"
+
+
+def stop_non_finite(
+  args: TrainConfig, manager: jax_dos.CheckpointManager | None, what: str, advice: str = DIVERGED
+) -> None:
+  """Ends the run with an error naming the step: nothing of this state is saved, every checkpoint is kept (a save in
+  flight finishes first, with its manifest). ``advice``: how to continue from the newest checkpoint."""
   where = "no checkpoint is written (--no-ckpt)"
   if manager is not None:
-    manager.close()  # the last good save finishes and keeps its manifest
+    try:
+      manager.close()  # the last good save finishes and keeps its manifest
+    except Exception as e:  # noqa: BLE001 (that save failed: the ones before it are intact)
+      warn(f"warning: the save in flight failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     steps = manager.complete_steps()
-    where = (
-      f"the newest checkpoint is step {steps[-1]} in {manager.directory} (continue from it with --resume, with a"
-      " lower --lr or more --warmup)"
-      if steps
-      else "no checkpoint was written yet"
-    )
+    where = f"the newest checkpoint is step {steps[-1]} in {manager.directory} ({advice})" if steps else (
+      "no checkpoint was written yet")  # fmt: skip
   raise SystemExit(f"error: training stopped: {what}. Nothing of this state was saved; {where}.")
 
 
 def save(
   args: TrainConfig, manager: jax_dos.CheckpointManager, step: Any, step_no: int, meta: dict[str, Any], bar: Any
-) -> None:
-  """Saves the settled parameters and state; nothing non-finite is saved (the run stops, every checkpoint kept)."""
+) -> tuple[float, bool] | None:
+  """Saves the settled parameters and state; nothing non-finite is saved (the run stops, every checkpoint kept).
+
+  Returns ``(seconds the training waited for the save, whether it is still being written beside the next steps)``;
+  ``None`` where the disk has no room for it, said in one line: the run trains on, every checkpoint kept."""
   step.settle()
   params, opt_state = step.params, step.opt_state  # the next step consumes them: save returns once they are copied
   # With --delay 1 the parameters lag the host's last update: check its masters too.
@@ -211,7 +221,12 @@ def save(
   if nbytes >= 2**30:  # a save that takes a while says so first (a synchronous one holds the run, Ctrl-C included)
     say(args, f"checkpoint step {step_no}: saving {nbytes / 1e9:.1f} GB to {manager.directory}")
   t0 = time.perf_counter()
-  manager.save(step_no, params=params, opt_state=opt_state, meta=meta, force=True)
+  try:
+    manager.save(step_no, params=params, opt_state=opt_state, meta=meta, force=True)
+  except OSError as e:  # the disk's room, checked before anything is written: this save is skipped
+    warn(f"checkpoint step {step_no} not saved: {e}")
+    return None
   took = time.perf_counter() - t0
   if took >= 1.0:  # the time the training waited for the save (all of it where the save is synchronous)
     say(args, f"checkpoint step {step_no}: training waited {took:.1f} s for its save")
+  return took, manager.writing()

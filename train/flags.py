@@ -23,7 +23,7 @@ import jax_dos
 from models import gpt as gpt_model
 from models import hf
 from models import llama as llama_model
-from train import overlapped, parallel, progress
+from train import overlapped, parallel, progress, stopping
 from train.schedule import (
   DEFAULT_LR,
   FALLBACK_LR,
@@ -208,8 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--log-every", type=int, default=10, help="steps between metric rows / progress updates")
   r.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU; default: detected GPU")
   r.add_argument("--out", default=None, help="output directory; default runs/<preset>")
-  r.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0 = only at the end)")
-  r.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+  r.add_argument("--ckpt-every", type=int, default=0,
+                 help="steps between checkpoints (0: none by steps), beside those by time and at the end")  # fmt: skip
+  r.add_argument("--ckpt-every-minutes", type=float, default=stopping.DEFAULT_CKPT_MINUTES,
+                 help="minutes between checkpoints by time (0: none), and never sooner than a save's measured"
+                      f" cost allows: {100 * stopping.SAVE_SHARE:g} percent of the run's time at most"
+                      " (docs/checkpoints.md)")  # fmt: skip
+  r.add_argument("--ckpt-async", choices=("auto", "on", "off"), default="auto",
+                 help="write a periodic save beside the next steps: auto where the host's memory allows (the save's"
+                      " copies within 8 GiB and half the available memory), on always (its copies may need twice"
+                      " the host state), off never (training waits for each save)")  # fmt: skip
+  r.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep (the newest)")
   r.add_argument("--no-ckpt", action="store_true",
                  help="write no checkpoints (not even the final one); an earlier run's are left alone (with --resume:"
                       " continue from the newest and write no more, for a disk without room for another)")  # fmt: skip
@@ -278,6 +287,8 @@ class Flags:
   peak_flops: float | None
   out: str
   ckpt_every: int
+  ckpt_every_minutes: float
+  ckpt_async: str
   keep: int
   no_ckpt: bool
   resume: bool
@@ -325,7 +336,7 @@ def _without_backend(v: dict[str, Any], err: _Error) -> Flags:
   for name in ("batch", "grad_accum", "steps", "eval_batches", "log_every", "keep", "subgroup_size"):
     if v[name] < 1:
       err(f"{_flag(name)} must be >= 1, got {v[name]}.")
-  for name in ("eval_every", "ckpt_every", "clip", "weight_decay", "delay_warmup"):
+  for name in ("eval_every", "ckpt_every", "ckpt_every_minutes", "clip", "weight_decay", "delay_warmup"):
     if v[name] < 0:
       err(f"{_flag(name)} must be >= 0, got {v[name]}.")
   for name in ("n_layer", "n_head", "d_model", "vocab_size"):

@@ -58,6 +58,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -66,13 +67,24 @@ import numpy as np
 
 import jax_dos
 from models import hf
-from train import calibration, checkpoints, device_memory, host_memory, parallel, profiling, progress, step_log, steps
+from train import (
+  calibration,
+  checkpoints,
+  device_memory,
+  host_memory,
+  parallel,
+  profiling,
+  progress,
+  step_log,
+  steps,
+  stopping,
+)
 from train import data as data_lib
 from train import overlapped as overlapped_lib
 from train.evaluate import validation_loss
 from train.flags import Flags, TrainConfig, model_config, model_module, model_name, parse_args
 from train.gradients import check_split_flush, gradient_step_memory, make_grad_step
-from train.job import primary, say
+from train.job import primary, say, warn
 from train.optimizer import make_optimizer
 from train.tokenizer import Tokenizer
 
@@ -365,8 +377,91 @@ def plain_remat(remat: str) -> str:
   return "full" if jax.local_devices()[0].memory_stats() is not None else "none"
 
 
+def _say_written(args: TrainConfig, written: dict[str, float] | None, clock: stopping.SaveClock) -> None:
+  """The line on a save written beside the training once it is on disk: what it cost the steps beside it, and when
+  the next save by time comes."""
+  if written is None:
+    return
+  base, per = written["base"], written["per_step"]
+  share = f" ({100 * per / base:.0f} % of a step's {1e3 * base:.1f} ms)" if base > 0 else ""
+  gap = clock.gap_s
+  when = "" if gap is None else f"{gap:.0f} s" if gap < 120 else f"{gap / 60:.1f} min"
+  nxt = f"; the next by time {when} after its start" if when else ""
+  say(args, f"checkpoint written beside {written['steps']} steps in {written['seconds']:.1f} s: each step"
+            f" {1e3 * per:.1f} ms slower{share}, {written['cost']:.2f} s of training in all{nxt}")  # fmt: skip
+
+
+def _close_quietly(step: Any, timeout_s: float = 60.0) -> None:
+  """Settles and closes ``step`` after a failure, its errors dropped (they were reported), in at most
+  ``timeout_s``: no worker thread of it is left running native code while Python exits."""
+  import threading
+
+  def close() -> None:
+    try:
+      step.close()
+    except BaseException:  # noqa: BLE001
+      pass
+
+  closer = threading.Thread(target=close, name="train.gpt-close", daemon=True)
+  closer.start()
+  closer.join(timeout_s)
+
+
+def _failure_text(error: BaseException) -> str:
+  """One line naming a failure: the innermost error of its chain (a worker's, under the step's own), its type,
+  message and where it was raised."""
+  chain = [error]
+  while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+  root = chain[-1]
+  first = lambda e: (str(e).strip().splitlines() or [""])[0][:300]  # noqa: E731
+  text = f"{type(root).__name__}: {first(root)}" if first(root) else type(root).__name__
+  frames = traceback.extract_tb(root.__traceback__)
+  if frames:
+    text += f" (in {frames[-1].name}, {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+  if root is not error and first(error):
+    text += f"; {first(error)}"
+  return text
+
+
+def _failed(args: TrainConfig, manager, step: Any, step_no: int, error: BaseException) -> None:
+  """Ends the run after step ``step_no`` failed (a worker thread's error, the accelerator out of memory): one line
+  naming it, the step's threads settled, a save in flight finished, every checkpoint kept (``SystemExit``)."""
+  _close_quietly(step)
+  checkpoints.stop_non_finite(args, manager, f"step {step_no} failed: {_failure_text(error)}",
+                              advice="--resume continues from it")  # fmt: skip
+
+
+def _stop(args: TrainConfig, manager, step: Any, step_no: int, signum: int, no_room: str | None,
+          t_save: float | None) -> None:  # fmt: skip
+  """Ends the run stopped by ``signum`` at step ``step_no``, its save (begun at ``t_save``) on disk: the step's
+  threads settled and one line, exit status ``128 + signum`` (``SystemExit``)."""
+  name = stopping.signal_name(signum)
+  step.close()
+  if manager is not None:
+    manager.wait_until_finished()
+    manager.close()
+  if t_save is not None and manager is not None and step_no in manager.complete_steps():
+    where = os.path.join(args.out, "ckpt", str(step_no))
+    warn(f"stopped by {name} at step {step_no}: saved {where} in {time.perf_counter() - t_save:.1f} s; --resume"
+         " continues")  # fmt: skip
+  else:
+    why = "--no-ckpt" if no_room is None else "no room on the disk"
+    warn(f"stopped by {name} at step {step_no}: nothing saved ({why})")
+  raise SystemExit(128 + signum)
+
+
 def train(args: TrainConfig) -> dict[str, Any]:
-  """The training run ``args`` describes (:func:`parse_args`'s); returns :func:`main`'s results."""
+  """The training run ``args`` describes (:func:`parse_args`'s); returns :func:`main`'s results. SIGINT, SIGTERM and
+  SIGUSR1 stop it at a step boundary, saved (``train.stopping``)."""
+  signals = stopping.Signals(jax.process_index(), jax.process_count()).install()
+  try:
+    return _train(args, signals)
+  finally:
+    signals.uninstall()
+
+
+def _train(args: TrainConfig, signals: stopping.Signals) -> dict[str, Any]:
   ckpt_dir = os.path.abspath(os.path.join(args.out, "ckpt"))
   progress.show_library_notes(info=not args.quiet and primary())  # jax_dos's notes (calibration) as plain lines
   splits, vocab, data_desc = _load_data(args)  # its errors first: a wrong --data path is reported whatever --out holds
@@ -392,11 +487,13 @@ def train(args: TrainConfig) -> dict[str, Any]:
   if manager is not None and args.no_ckpt:  # --resume --no-ckpt: restored, nothing more is written
     manager.close()
     manager = None
+  saving, no_room = manager is not None, None  # whether this run writes checkpoints; why not, where no disk room
   if manager is not None:
     try:
-      manager.check_space(step.params, step.opt_state)  # fail now, not after the training run
+      manager.check_space(step.params, step.opt_state)  # said now, not at the first save
     except OSError as e:
-      raise SystemExit(f"{e} Or pass --no-ckpt to train without checkpoints.") from None
+      saving, no_room = False, str(e)
+  signals.saves = saving
 
   # --- output and logging
   os.makedirs(args.out, exist_ok=True)
@@ -438,10 +535,18 @@ def train(args: TrainConfig) -> dict[str, Any]:
        + (f" (weights predicted from the {args.delay_predict})" if args.delay_predict else ""))  # fmt: skip
   for line in built.notes:
     say(args, line)
-  if manager is not None:
+  if saving:
     added = manager.save_added_bytes(step.params, step.opt_state)
-    every = f"every {args.ckpt_every} steps and " if args.ckpt_every > 0 else ""
-    say(args, f"ckpt    {every}at the end to {ckpt_dir}: a save adds up to {added / 2**30:.2f} GiB of host memory")
+    every = [f"every {args.ckpt_every} steps"] if args.ckpt_every > 0 else []
+    if args.ckpt_every_minutes > 0:
+      share = f"{stopping.SAVE_SHARE:.0%}"
+      every.append(f"every {args.ckpt_every_minutes:g} min (a save at most {share} of the run's time)")
+    every = ", ".join(every) + ", " if every else ""
+    say(args, f"ckpt    {every}at the end and on a stop to {ckpt_dir}, the newest {args.keep} kept: a save adds up to"
+              f" {added / 2**30:.2f} GiB of host memory")  # fmt: skip
+  elif no_room is not None:
+    warn(f"ckpt    off: {no_room} This run trains on without checkpoints (none by time or steps, at the end or on"
+         " a stop); pass --no-ckpt to train without checkpoints on purpose.")  # fmt: skip
   if start_step:
     say(args, f"resumed from step {start_step} ({ckpt_dir})")
   if start_step >= args.steps:
@@ -460,11 +565,24 @@ def train(args: TrainConfig) -> dict[str, Any]:
   t_start = time.perf_counter()
   step_no = start_step
   profile = profiling.Profile(args.profile, os.path.join(args.out, "profile"), step, lambda line: say(args, line))
+  clock = stopping.SaveClock(args.ckpt_every_minutes if saving else 0.0, t_start)
+  stopped, _ = stopping.agree(signals.requested, False)  # a signal during the setup: no step to save
+  if stopped and start_step < args.steps:
+    bar.close()
+    step.close()
+    warn(f"stopped by {stopping.signal_name(stopped)} before the first step: nothing new to save")
+    raise SystemExit(128 + stopped)
   for it in range(start_step, args.steps):
+    t_step = time.perf_counter()
     profile.before(it + 1)
-    loss = step(get_batch(splits.train, args.global_batch * args.grad_accum, it))
+    try:
+      loss = step(get_batch(splits.train, args.global_batch * args.grad_accum, it))
+    except Exception as e:  # a worker's error, re-raised here, or the accelerator's (out of memory): one line
+      bar.close()
+      _failed(args, manager if saving else None, step, it + 1, e)
     step_no = it + 1
-    rate.returned(step_no, time.perf_counter())
+    now = time.perf_counter()
+    rate.returned(step_no, now)
     profile.after(step_no)
     record.add(step_no, loss, step.grad_norm)
     if it == start_step:  # the first step compiles: start the clocks after it
@@ -472,10 +590,16 @@ def train(args: TrainConfig) -> dict[str, Any]:
       host_memory.release_freed_heap()  # what compiling left in the C heap
       rate.start(step_no)
       eta.start(step_no, rate.t_mark)
+    else:
+      clock.step_took(now - t_step)
     last = step_no == args.steps
-    do_eval = last or (args.eval_every > 0 and step_no % args.eval_every == 0)
-    do_ckpt = manager is not None and (last or (args.ckpt_every > 0 and step_no % args.ckpt_every == 0))
-    if not (do_eval or do_ckpt or step_no % args.log_every == 0):
+    stopped, by_time = stopping.agree(signals.requested, clock.due(now))  # every process at the same step
+    if saving and not manager.writing():  # a save written beside the steps has finished: what it cost them
+      _say_written(args, clock.written(now), clock)
+    stopping_here = bool(stopped) and not last
+    do_eval = last or (args.eval_every > 0 and step_no % args.eval_every == 0 and not stopping_here)
+    do_ckpt = saving and (last or stopping_here or by_time or (args.ckpt_every > 0 and step_no % args.ckpt_every == 0))
+    if not (do_eval or do_ckpt or stopping_here or step_no % args.log_every == 0):
       continue
     rows = record.flush()  # one sync per interval
     bad = next(((r["step"], r["loss"]) for r in rows if not math.isfinite(r["loss"])), None)
@@ -496,7 +620,13 @@ def train(args: TrainConfig) -> dict[str, Any]:
     if do_eval and not args.quiet and primary():
       bar.write(f"step {step_no}: train loss {row['loss']:.4f}, val loss {val_losses[step_no]:.4f}", file=sys.stderr)
     if do_ckpt:
-      checkpoints.save(args, manager, step, step_no, meta(step_no), bar)
+      t_save = time.perf_counter()
+      saved = checkpoints.save(args, manager, step, step_no, meta(step_no), bar)
+      if saved is not None and not (last or stopping_here):
+        clock.saved(t_save, *saved)
+    if stopping_here:
+      bar.close()
+      _stop(args, manager if saving else None, step, step_no, stopped, no_room, t_save if do_ckpt else None)
     if do_eval or do_ckpt:
       rate.restart()  # tokens/s measures training only
   bar.close()

@@ -206,6 +206,12 @@ class CheckpointManager:
       if os.path.isdir(self._step_dir(step)):
         raise ValueError(f"checkpoint step {step} in {self.directory} is damaged ({damage}); delete it to save there.")
 
+  def writing(self) -> bool:
+    """Whether a save returned and is still being written (Orbax's commit or its manifest), without waiting; a
+    :meth:`wait_until_finished` then ends it (and raises its error, if it failed). Process-local: no collective."""
+    finisher = self._finisher
+    return finisher is not None and finisher.is_alive()
+
   def _finish_in_background(self) -> None:
     try:
       self._mgr.wait_until_finished()  # Orbax's own finalize thread: the step is renamed into place when it ends
