@@ -311,7 +311,9 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     try:
       with _setup_phase(args, "the overlapped step built: its state allocated in its placements"):
         step = overlapped_lib.OverlappedTraining(args, tx, staged, params, overlap_plan, opt_state, times)
-      host = f"host    the step's pinned host memory: {step.host_bytes() / 2**30:.2f} GiB at most"
+      per = step.host_bytes() / max(1, model_module(args).param_count(cfg))
+      host = f"host    the step's pinned host memory: {step.host_bytes() / 2**30:.2f} GiB at most ({per:.1f} B a"
+      host += " parameter)"
       if jax.default_backend() == "gpu":  # XLA's pinned pool and its allocators' tables: what the process holds
         host += f"; the process's resident set: about {step.resident_estimate() / 2**30:.1f} GiB"
       return _Built(step, schedule, start_step, args, [*notes, host, str(step.plan)])
