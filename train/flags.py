@@ -111,14 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
   d = p.add_argument_group("data")
   d.add_argument("--data", default=None,
                  help="a text file (read as bytes, or through the tokenizer where there is one), a nanoGPT uint16"
-                      " .bin token file, or a .jsonl of {\"text\": ...} rows (packed, an end-of-sequence token after"
-                      " each) or {\"prompt\": ..., \"completion\": ...} rows (the loss counts the completion's"
+                      " .bin token file, or a .jsonl of {\"text\": ...} rows (an end-of-sequence token after each;"
+                      " see --packing) or {\"prompt\": ..., \"completion\": ...} rows (the loss counts the completion's"
                       " tokens only); default: the Python standard library's sources")  # fmt: skip
   d.add_argument("--packing", choices=("rows", "stream"), default=None,
                  help="a .jsonl's rows as examples: rows (its default) packs them whole into sequences, each starting"
                       " at a row, the rows attending within themselves only and each placed from position 0, the"
-                      " validation split the last 10%% of the rows; stream packs them into one token stream cut into"
-                      " windows, as a text file's (the validation split its last 10%% of tokens)")  # fmt: skip
+                      " validation split the last tenth of the rows; stream packs them into one token stream cut into"
+                      " windows, as a text file's (the validation split its last tenth of tokens)")  # fmt: skip
   d.add_argument("--tokenizer", default=None, metavar="DIR",
                  help="a folder holding a Hugging Face tokenizer.json (the tokenizers library); default: the"
                       " --init-from folder; without one, text is read as bytes")  # fmt: skip
