@@ -6,9 +6,10 @@ head tied to the token embedding::
 
     logits = norm_f(x) @ wte.T                       (float32)
 
-* attention is ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``,
-  asking for cuDNN's fused kernel on a GPU in bfloat16 (jax's default is the
-  XLA implementation, which materialises the T x T scores) and XLA elsewhere;
+* attention is ``jax.nn.dot_product_attention(q, k, v, is_causal=True)``
+  (``lm.attention``: within a segment only, for packed rows), asking for
+  cuDNN's fused kernel on a GPU in bfloat16 (jax's default is the XLA
+  implementation, which materialises the T x T scores) and XLA elsewhere;
 * the MLP is ``Linear(d, 4d) -> GELU(tanh) -> Linear(4d, d)``;
 * ``param_dtype`` (storage) and ``dtype`` (compute) are separate; norms,
   logits and the loss are always computed in float32;
@@ -149,11 +150,11 @@ class CausalSelfAttention(nnx.Module):
     self.qkv = _linear(cfg, cfg.d_model, 3 * cfg.d_model, 0.02, rngs)
     self.proj = _linear(cfg, cfg.d_model, cfg.d_model, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
     b, t, d = x.shape
     qkv = checkpoint_name(self.qkv(x), "qkv_proj")
     q, k, v = (y.reshape(b, t, self.n_head, d // self.n_head) for y in jnp.split(qkv, 3, axis=-1))
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=lm.attention_impl(q))  # [b, t, h, hd]
+    y = lm.attention(q, k, v, segments)  # [b, t, h, hd]
     return checkpoint_name(self.proj(y.reshape(b, t, d)), "out_proj")
 
 
@@ -174,8 +175,9 @@ class Block(nnx.Module):
     self.ln2 = Norm(cfg, rngs)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.ln1(x))
+  def __call__(self, x: jax.Array, segments: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    """``positions`` (packed rows') are the embedding's (:meth:`GPT.embed`); read here for the interface's sake."""
+    x = x + self.attn(self.ln1(x), segments)
     return x + self.mlp(self.ln2(x))
 
 
@@ -190,11 +192,14 @@ class GPT(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layer)])
     self.ln_f = Norm(cfg, rngs)
 
-  def embed(self, tokens: jax.Array) -> jax.Array:
-    """Token plus position embeddings: the residual stream ``x[b, t, d]`` the blocks take."""
+  def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Token plus position embeddings: the residual stream ``x[b, t, d]`` the blocks take; the positions ``0 ..
+    t-1``, or ``positions[b, t]`` (packed rows': each from 0 in its row, below ``block_size``)."""
     _, t = tokens.shape
     if t > self.cfg.block_size:
       raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}.")
+    if positions is not None:
+      return self.wte(tokens) + self.wpe(positions)
     return self.wte(tokens) + self.wpe(jnp.arange(t))[None]
 
   def logits(self, x: jax.Array) -> jax.Array:
@@ -202,8 +207,12 @@ class GPT(nnx.Module):
     x = self.ln_f(x, out_dtype=jnp.float32)
     return x @ self.wte.embedding[...].astype(jnp.float32).T
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    return self.logits(lm.run_blocks(self.blocks, self.embed(tokens), self.cfg.remat))
+  def __call__(self, tokens: jax.Array, segments: jax.Array | None = None, positions: jax.Array | None = None):
+    """Logits of ``tokens``; of packed rows with their ``segments`` and ``positions`` (``train.data.pack``), each
+    row's as if alone."""
+    x = self.embed(tokens, positions)
+    rows = () if segments is None else (segments, positions)
+    return self.logits(lm.run_blocks(self.blocks, x, self.cfg.remat, *rows))
 
 
 # ----------------------------------------------------------------------------- parameters, loss
@@ -263,12 +272,13 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
 # ----------------------------------------------------------------------------- stages, for jax_dos.OverlappedStep
 
 
-def staged(cfg: GPTConfig) -> jax_dos.NNXStages:
-  """The model as ``jax_dos.OverlappedStep``'s stages (``jax_dos.nnx_stages``), from its own modules.
+def staged(cfg: GPTConfig, rows: bool = False) -> jax_dos.NNXStages:
+  """The model as ``jax_dos.OverlappedStep``'s stages (``jax_dos.nnx_stages``), from its own modules; with
+  ``rows``, of packed rows' batches (``lm.staged``).
 
   Groups ``[embeddings (wte, wpe), block 0, ..., block L-1, final norm]``;
   the head's stage uses the embeddings' group too (tied weights).
   ``staged(cfg).split(params)`` and ``.merge(groups)`` convert between
   :func:`init_params`' dict and the groups.
   """
-  return lm.staged(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), cfg.block_size)
+  return lm.staged(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), cfg.block_size, rows)

@@ -13,7 +13,8 @@ Mistral, Qwen2/2.5 and Qwen3): ``models/hf.py`` reads and writes them.
   (grouped-query attention; ``n_kv_head = n_head`` is multi-head), rotary
   position embeddings on queries and keys (the rotate-half form, base
   ``rope_theta``, with Llama 3's frequency scaling where ``rope_scaling_factor``
-  is set: :func:`rope_frequencies`), ``jax.nn.dot_product_attention(is_causal=True)``;
+  is set: :func:`rope_frequencies`), ``jax.nn.dot_product_attention(is_causal=True)``
+  (``lm.attention``: within a segment only, for packed rows);
   biases on the query, key and value projections with ``qkv_bias`` (Qwen2's),
   none elsewhere; with ``qk_norm`` (Qwen3's) an RMSNorm over each head's
   query and key before the rotation; each head ``head_size`` wide where set
@@ -193,14 +194,18 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple[float, float, f
   return jnp.where(wavelength > original / low, freq / factor, jnp.where(wavelength < original / high, freq, between))
 
 
-def rotary(x: jax.Array, freq: jax.Array) -> jax.Array:
-  """Rotary position embedding of ``x[b, t, heads, hd]`` at positions ``0 .. t-1`` (rotate-half form), in float32.
+def rotary(x: jax.Array, freq: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  """Rotary position embedding of ``x[b, t, heads, hd]`` at positions ``0 .. t-1``, or ``positions[b, t]``
+  (packed rows': each from 0 in its row), rotate-half form, in float32.
 
   Channel pairs ``(i, i + hd/2)`` turn by the angle ``pos * freq[i]`` (:func:`rope_frequencies`).
   """
-  t = x.shape[1]
-  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]  # [t, hd/2]
-  cos, sin = (f(angle)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+  if positions is None:
+    angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq[None, :]  # [t, hd/2]
+    cos, sin = (f(angle)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+  else:
+    angle = positions.astype(jnp.float32)[..., None] * freq  # [b, t, hd/2]
+    cos, sin = (f(angle)[:, :, None, :] for f in (jnp.cos, jnp.sin))
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -220,7 +225,7 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       self.q_norm, self.k_norm = RMSNorm(cfg, rngs, cfg.head_dim), RMSNorm(cfg, rngs, cfg.head_dim)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, segments: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
     b, t, _ = x.shape
     q = checkpoint_name(self.wq(x), "qkv_proj").reshape(b, t, self.n_head, self.head_dim)
     k = checkpoint_name(self.wk(x), "qkv_proj").reshape(b, t, self.n_kv_head, self.head_dim)
@@ -228,8 +233,8 @@ class Attention(nnx.Module):
     if self.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     freq = rope_frequencies(self.head_dim, self.theta, self.rope_scaling)
-    q, k = rotary(q, freq), rotary(k, freq)
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=lm.attention_impl(q))  # [b, t, h, hd]
+    q, k = rotary(q, freq, positions), rotary(k, freq, positions)
+    y = lm.attention(q, k, v, segments)  # [b, t, h, hd]
     return checkpoint_name(self.wo(y.reshape(b, t, self.n_head * self.head_dim)), "out_proj")
 
 
@@ -252,8 +257,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg, rngs)
     self.mlp = SwiGLU(cfg, rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.attn_norm(x))
+  def __call__(self, x: jax.Array, segments: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x), segments, positions)
     return x + self.mlp(self.mlp_norm(x))
 
 
@@ -269,8 +274,9 @@ class Llama(nnx.Module):
     if not cfg.tie_embeddings:
       self.head = _linear(cfg, cfg.d_model, cfg.vocab_size, 0.02, rngs)
 
-  def embed(self, tokens: jax.Array) -> jax.Array:
-    """The token embedding: the residual stream ``x[b, t, d]`` the blocks take."""
+  def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """The token embedding: the residual stream ``x[b, t, d]`` the blocks take (``positions`` rotate queries and
+    keys in the blocks; read here for the interface's sake, as ``models.gpt.GPT.embed``'s)."""
     if tokens.shape[1] > self.cfg.block_size:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds block_size {self.cfg.block_size}.")
     return self.wte(tokens)
@@ -282,8 +288,11 @@ class Llama(nnx.Module):
       return x @ self.wte.embedding[...].astype(jnp.float32).T
     return x @ self.head.kernel[...].astype(jnp.float32)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    return self.logits(lm.run_blocks(self.blocks, self.embed(tokens), self.cfg.remat))
+  def __call__(self, tokens: jax.Array, segments: jax.Array | None = None, positions: jax.Array | None = None):
+    """Logits of ``tokens``; of packed rows with their ``segments`` and ``positions`` (``train.data.pack``), each
+    row's as if alone."""
+    rows = () if segments is None else (segments, positions)
+    return self.logits(lm.run_blocks(self.blocks, self.embed(tokens), self.cfg.remat, *rows))
 
 
 # ----------------------------------------------------------------------------- parameters, counts, stages
@@ -340,10 +349,11 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> int:
   return 6 * (param_count(cfg) - lookup) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * t
 
 
-def staged(cfg: LlamaConfig) -> jax_dos.NNXStages:
-  """The model as ``jax_dos.OverlappedStep``'s stages (``jax_dos.nnx_stages``), from its own modules.
+def staged(cfg: LlamaConfig, rows: bool = False) -> jax_dos.NNXStages:
+  """The model as ``jax_dos.OverlappedStep``'s stages (``jax_dos.nnx_stages``), from its own modules; with
+  ``rows``, of packed rows' batches (``lm.staged``).
 
   Groups ``[token embedding, block 0, ..., block L-1, final norm and head]``; a tied head's stage uses the token
   embedding's group too.
   """
-  return lm.staged(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), cfg.block_size)
+  return lm.staged(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), cfg.block_size, rows)

@@ -4,6 +4,12 @@ Each model (``models/gpt.py``, ``models/llama.py``) maps ``tokens[b, t]`` to
 float32 ``logits[b, t, vocab]`` through ``model.embed(tokens)``, its
 ``model.blocks`` (an ``nnx.List``) and ``model.logits(x)``; :func:`loss` and
 :func:`staged` use only that.
+
+A batch is ``(x, y)``, or of packed rows (``train.data.pack``) ``(x, y,
+segments, positions)``: then ``model(x, segments, positions)``,
+``model.embed(x, positions)`` and each ``block(x, segments, positions)``
+attend within a segment only (:func:`attention`) and place each token at its
+position in its row.
 """
 
 from __future__ import annotations
@@ -30,15 +36,24 @@ def attention_impl(q: jax.Array) -> str | None:
   return "cudnn" if fused and q.shape[-1] <= 128 else None
 
 
-def _apply_block(block: nnx.Module, x: jax.Array) -> jax.Array:
-  return block(x)
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+  """Causal ``jax.nn.dot_product_attention`` of ``q[b, t, h, hd]`` (:func:`attention_impl`); with ``segments[b, t]``
+  (int32 ids), a query attends to the keys of its own segment only, the mask ``segments[:, :, None] ==
+  segments[:, None, :]`` beside the causal one."""
+  mask = None if segments is None else (segments[:, None, :, None] == segments[:, None, None, :])  # [b, 1, t, t]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=attention_impl(q))
 
 
-def run_blocks(blocks: nnx.List, x: jax.Array, remat: str) -> jax.Array:
-  """The residual stream through ``blocks`` in order, each under the rematerialisation policy ``remat``."""
+def _apply_block(block: nnx.Module, x: jax.Array, *rows: jax.Array) -> jax.Array:
+  return block(x, *rows)
+
+
+def run_blocks(blocks: nnx.List, x: jax.Array, remat: str, *rows: jax.Array) -> jax.Array:
+  """The residual stream through ``blocks`` in order, each under the rematerialisation policy ``remat``; ``rows``:
+  packed rows' ``(segments, positions)``, or nothing."""
   apply = _apply_block if remat == "none" else nnx.remat(_apply_block, policy=jax_dos.checkpoint_policy(remat))
   for block in blocks:
-    x = apply(block, x)
+    x = apply(block, x, *rows)
   return x
 
 
@@ -55,13 +70,14 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(counted, losses, 0.0)) / jnp.maximum(jnp.sum(counted), 1).astype(jnp.float32)
 
 
-def loss(graphdef: nnx.GraphDef, params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-  """Mean cross-entropy of the model ``merge(graphdef, params)`` on ``batch = (x, y)``; pure.
+def loss(graphdef: nnx.GraphDef, params: dict, batch: tuple[jax.Array, ...]) -> jax.Array:
+  """Mean cross-entropy of the model ``merge(graphdef, params)`` on ``batch = (x, y)``, or packed rows' ``(x, y,
+  segments, positions)``; pure.
 
   ``graphdef`` is hashable, so ``jax.jit(loss, static_argnums=0)`` compiles once per model shape.
   """
-  x, y = batch
-  return cross_entropy(nnx.merge(graphdef, params)(x), y)
+  x, y, *rows = batch
+  return cross_entropy(nnx.merge(graphdef, params)(x, *rows), y)
 
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[dict, tuple[jax.Array, jax.Array]], jax.Array]:
@@ -73,20 +89,34 @@ def _embed(model: nnx.Module, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
   return model.embed(batch[0])
 
 
+def _embed_rows(model: nnx.Module, batch: tuple[jax.Array, ...]) -> jax.Array:
+  return model.embed(batch[0], batch[3])
+
+
+def _block_rows(layer: nnx.Module, x: jax.Array, batch: tuple[jax.Array, ...]) -> jax.Array:
+  return layer(x, batch[2], batch[3])
+
+
 def _head(model: nnx.Module, x: jax.Array, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
   return cross_entropy(model.logits(x), batch[1])
 
 
-def staged(model: nnx.Module, block_size: int) -> jax_dos.NNXStages:
+def staged(model: nnx.Module, block_size: int, rows: bool = False) -> jax_dos.NNXStages:
   """``model`` (abstract: ``nnx.eval_shape``) as ``jax_dos.OverlappedStep``'s stages, through its own modules.
 
   The embedding, one stage per block, the final norm and head with the mean
   cross-entropy: the same function as :func:`loss` (each stage's
   activations are recomputed in its backward pass, as with ``remat=True``).
-  A head tied to the token embedding uses the embedding's group too.
+  A head tied to the token embedding uses the embedding's group too. With
+  ``rows``, the step's batches are packed rows' ``(x, y, segments,
+  positions)``: the embedding and every block get the segments and
+  positions.
   """
-  batch = (jax.ShapeDtypeStruct((1, block_size), jnp.int32),) * 2
-  return jax_dos.nnx_stages(model, batch, embed=_embed, blocks="blocks", head=_head)
+  if not rows:
+    batch = (jax.ShapeDtypeStruct((1, block_size), jnp.int32),) * 2
+    return jax_dos.nnx_stages(model, batch, embed=_embed, blocks="blocks", head=_head)
+  batch = (jax.ShapeDtypeStruct((1, block_size), jnp.int32),) * 4
+  return jax_dos.nnx_stages(model, batch, embed=_embed_rows, blocks="blocks", head=_head, block=_block_rows)
 
 
 def abstract_by_block(model_cls: type, cfg: Any) -> dict:

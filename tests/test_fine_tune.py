@@ -144,14 +144,14 @@ def test_init_from_trains_on_prompt_completion_rows_and_exports_what_transformer
   np.testing.assert_allclose([overlapped["losses"][s] for s in range(1, 7)], [plain["losses"][s] for s in range(1, 7)],
                              rtol=1e-5)  # fmt: skip
   # The first step's loss is the checkpoint's own model's on that batch (its weights were read, not drawn).
-  splits = D.split(D.load_tokens(str(rows), tokenizer=tok)[0])
-  x, y = D.get_batch(splits.train, 4, 16, seed=0, index=0)
+  # The rows are examples (--packing rows): the first batch is four of the training rows' packed sequences.
+  train_rows = D.split_rows(D.load_rows(str(rows), tok)[0])[0]
+  x, y, *segments = (jnp.asarray(a) for a in D.get_batch(D.pack(train_rows, 16), 4, 16, seed=0, index=0))
   start = hf.load(model_dir)
-  np.testing.assert_allclose(plain["losses"][1], float(lm.cross_entropy(start(jnp.asarray(x)), jnp.asarray(y))),
-                             rtol=1e-5)  # fmt: skip
+  np.testing.assert_allclose(plain["losses"][1], float(lm.cross_entropy(start(x, *segments), y)), rtol=1e-5)
   # Trained: the loss on that same batch falls (one step's loss on its own batch is too noisy to compare).
   trained_model = nnx.merge(nnx.graphdef(start), plain["params"])
-  trained_loss = float(lm.cross_entropy(trained_model(jnp.asarray(x)), jnp.asarray(y)))
+  trained_loss = float(lm.cross_entropy(trained_model(x, *segments), y))
   assert trained_loss < plain["losses"][1] - 0.2, (trained_loss, plain["losses"])
   # Exported: config, safetensors and the tokenizer's files; transformers' logits are the trained model's.
   out = E.export(tmp_path / "plain", tmp_path / "exported")

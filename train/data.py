@@ -18,14 +18,29 @@ Sources:
 
 A prompt's token ``t`` is stored as ``-1 - t`` (:func:`masked`): a window
 reads it as ``t`` in ``x`` and as the target ``-1`` in ``y``, which the loss
-skips (``models.lm.cross_entropy``). Rows are packed one after another and
-sequences are windows of the stream, as for text.
+skips (``models.lm.cross_entropy``).
 
-The first ``1 - val_fraction`` of the tokens is the training split, the rest
-the validation split.
+A ``.jsonl``'s rows are examples (``--packing rows``, the default for them:
+:func:`load_rows`, :func:`pack`): each sequence starts at a row, and rows
+are packed whole into sequences of ``seq_len`` tokens, in the file's order,
+a row that does not fit in what is left of one starting the next. Each
+token has a segment id (its row's, from 1 in each sequence; 0 for the
+padding that fills a sequence's end, never a target) and a position (from 0
+at its row's start): the models attend within a segment only and place the
+rotary or learned positions by it, so a row is computed as if alone. A row
+longer than ``seq_len`` tokens is cut into pieces of ``seq_len``, each a
+segment of its own. The target after a row's last input is its own last
+token: no target crosses into the next row. The last ``val_fraction`` of the
+rows is the validation split (:func:`split_rows`). ``--packing stream``
+packs the rows one after another into one token stream instead, whose
+sequences are windows of it, as for text.
+
+Otherwise the first ``1 - val_fraction`` of the tokens is the training split,
+the rest the validation split.
 
 Batches are a pure function of ``(seed, step)``: batch ``i`` draws its
-``batch`` window offsets from ``np.random.default_rng([seed, 0, i])``. The data
+``batch`` window offsets (packed rows: sequence numbers) from
+``np.random.default_rng([seed, 0, i])``. The data
 position is therefore just the step number, and a resumed run sees exactly the
 batches an uninterrupted run would have seen. Each process of a job reads only
 its rows of each batch (``rows=``), so the global batch does not depend on the
@@ -79,9 +94,9 @@ def masked(tokens: np.ndarray) -> np.ndarray:
   return -1 - np.asarray(tokens, np.int32)
 
 
-def rows_of_jsonl(path: str, tokenizer) -> tuple[np.ndarray, str]:
-  """A ``.jsonl`` file's rows as one int32 stream, and the kinds of rows it held (the module docstring);
-  ``ValueError`` naming the first line that is not a row of either kind."""
+def _jsonl_rows(path: str, tokenizer) -> tuple[list[np.ndarray], str]:
+  """A ``.jsonl`` file's rows, each an int32 array (a prompt's tokens :func:`masked`), and the kinds of rows it held
+  (the module docstring); ``ValueError`` naming the first line that is not a row of either kind."""
   parts, kinds = [], set()
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
@@ -95,8 +110,8 @@ def rows_of_jsonl(path: str, tokenizer) -> tuple[np.ndarray, str]:
         parts.append(np.asarray([*tokenizer.encode(row["text"]), tokenizer.eos_id], np.int32))
         kinds.add("text")
       elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        parts.append(masked(tokenizer.encode(row["prompt"])))
-        parts.append(np.asarray([*tokenizer.encode(row["completion"], special=False), tokenizer.eos_id], np.int32))
+        completion = np.asarray([*tokenizer.encode(row["completion"], special=False), tokenizer.eos_id], np.int32)
+        parts.append(np.concatenate([masked(tokenizer.encode(row["prompt"])), completion]))
         kinds.add("prompt/completion")
       else:
         fields = sorted(row) if isinstance(row, dict) else type(row).__name__
@@ -106,7 +121,112 @@ def rows_of_jsonl(path: str, tokenizer) -> tuple[np.ndarray, str]:
         )
   if not parts:
     raise ValueError(f"{path} holds no rows; give one JSON object a line.")
-  return np.concatenate(parts), " and ".join(sorted(kinds))
+  return parts, " and ".join(sorted(kinds))
+
+
+def rows_of_jsonl(path: str, tokenizer) -> tuple[np.ndarray, str]:
+  """A ``.jsonl`` file's rows as one int32 stream (``--packing stream``), and the kinds of rows it held."""
+  parts, kinds = _jsonl_rows(path, tokenizer)
+  return np.concatenate(parts), kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """A ``.jsonl``'s rows: row ``i`` is ``tokens[starts[i] : starts[i + 1]]`` (int32, a prompt's :func:`masked`)."""
+
+  tokens: np.ndarray
+  starts: np.ndarray  # int64, one more than the rows
+
+  def __len__(self) -> int:
+    return len(self.starts) - 1
+
+  def __getitem__(self, part: slice) -> Rows:
+    """The rows ``part`` (a slice of step 1) as :class:`Rows` of their own."""
+    lo, hi, _ = part.indices(len(self))
+    hi = max(lo, hi)
+    return Rows(self.tokens[self.starts[lo] : self.starts[hi]], self.starts[lo : hi + 1] - self.starts[lo])
+
+
+def load_rows(path: str, tokenizer) -> tuple[Rows, int, str]:
+  """``(rows, vocab_size, description)`` of a ``.jsonl`` file (``--packing rows``), with :func:`load_tokens`' checks."""
+  if not os.path.isfile(path):
+    load_tokens(path, tokenizer=tokenizer)  # its message
+  if not path.endswith(".jsonl") or tokenizer is None:
+    raise ValueError(f"{path}: rows are a .jsonl's, read through a tokenizer (--tokenizer DIR, or --init-from DIR).")
+  parts, kinds = _jsonl_rows(path, tokenizer)
+  starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+  rows = Rows(np.concatenate(parts), starts)
+  return rows, tokenizer.vocab_size, f"{path} ({len(rows):,} {kinds} rows, {len(rows.tokens):,} tokens)"
+
+
+def split_rows(rows: Rows, val_fraction: float = VAL_FRACTION) -> tuple[Rows, Rows]:
+  """The first ``1 - val_fraction`` of the rows for training, the rest for validation; ``ValueError`` unless each
+  holds a row of two tokens or more (an input and its target)."""
+  if not 0.0 < val_fraction < 1.0:
+    raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
+  n = int(len(rows) * (1.0 - val_fraction))
+  train, val = rows[:n], rows[n:]
+  for name, part, share in (("training", train, 1 - val_fraction), ("validation", val, val_fraction)):
+    if not (np.diff(part.starts) >= 2).any():
+      raise ValueError(
+        f"the data has {len(rows):,} rows; the {name} split (the {'first' if name == 'training' else 'last'}"
+        f" {share:.0%} of them, {len(part):,}) holds no row of two tokens or more (an input and its target). Give"
+        " more rows."
+      )
+  return train, val
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """Rows packed into sequences (:func:`pack`): ``x``, ``y``, ``segments`` and ``positions``, int32
+  ``[sequences, seq_len]``, and how many rows (``rows``) and row tokens (``filled``: not padding) they hold."""
+
+  x: np.ndarray
+  y: np.ndarray
+  segments: np.ndarray
+  positions: np.ndarray
+  rows: int
+  filled: int
+  cut: int  # rows longer than a sequence, cut into pieces
+
+  def __len__(self) -> int:
+    return len(self.x)
+
+  def describe(self) -> str:
+    n, t = self.x.shape
+    cut = f", {self.cut:,} rows cut into pieces of {t}" if self.cut else ""
+    return f"{self.rows:,} rows in {n:,} sequences of {t} ({self.filled / self.x.size:.0%} of their tokens rows'{cut})"
+
+
+def pack(rows: Rows, seq_len: int) -> Packed:
+  """``rows`` packed whole into sequences of ``seq_len`` inputs (the module docstring), in order: a row's inputs are
+  its tokens but the last, its targets its tokens but the first (``-1`` for a prompt's). A row of fewer than two
+  tokens is left out; one of more than ``seq_len + 1`` is cut into pieces of ``seq_len`` inputs."""
+  lengths = np.diff(rows.starts) - 1  # a row's inputs
+  items = []  # (first token, inputs) of each segment
+  for start, n in zip(rows.starts[:-1].tolist(), lengths.tolist()):
+    items.extend((start + at, min(seq_len, n - at)) for at in range(0, max(n, 0), seq_len))
+  where, sequence, used, segment = [], 0, 0, 0
+  for _, n in items:
+    if used + n > seq_len:
+      sequence, used, segment = sequence + 1, 0, 0
+    segment += 1
+    where.append((sequence, used, segment))
+    used += n
+  count = sequence + 1 if items else 0
+  x = np.zeros((count, seq_len), np.int32)
+  y = np.full((count, seq_len), -1, np.int32)
+  segments = np.zeros((count, seq_len), np.int32)
+  positions = np.zeros((count, seq_len), np.int32)
+  tokens = rows.tokens
+  for (first, n), (s, at, k) in zip(items, where):
+    inputs = tokens[first : first + n]
+    x[s, at : at + n] = np.where(inputs < 0, -1 - inputs, inputs)
+    y[s, at : at + n] = np.maximum(tokens[first + 1 : first + n + 1], -1)
+    segments[s, at : at + n] = k
+    positions[s, at : at + n] = np.arange(n)
+  return Packed(x, y, segments, positions, int((lengths >= 1).sum()), sum(n for _, n in items),
+                int((lengths > seq_len).sum()))  # fmt: skip
 
 
 def _tokenized(raw: np.ndarray, tokenizer) -> np.ndarray:
@@ -162,8 +282,8 @@ def load_tokens(
 
 @dataclasses.dataclass(frozen=True)
 class Splits:
-  train: np.ndarray
-  val: np.ndarray
+  train: np.ndarray | Packed  # a token stream, or packed rows (pack)
+  val: np.ndarray | Packed
 
 
 def split(tokens: np.ndarray, val_fraction: float = VAL_FRACTION) -> Splits:
@@ -213,16 +333,17 @@ TRAIN_STREAM, VAL_STREAM = 0, 1
 
 
 def get_batch(
-  tokens: np.ndarray,
+  tokens: np.ndarray | Packed,
   batch: int,
   seq_len: int,
   seed: int,
   index: int,
   stream: int = TRAIN_STREAM,
   rows: slice = slice(None),
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, ...]:
   """Batch number ``index``: ``(x, y)`` int32 ``[batch, seq_len]``, ``y`` = ``x`` shifted by one token, ``-1``
-  where the next token is a prompt's (:func:`masked`: not a target).
+  where the next token is a prompt's (:func:`masked`: not a target). Of :class:`Packed` rows, ``batch`` of its
+  sequences: ``(x, y, segments, positions)``.
 
   Window offsets come from ``np.random.default_rng([seed, stream, index])``, so
   the batch depends only on these three numbers (``stream`` separates training
@@ -230,6 +351,11 @@ def get_batch(
   process's share): the same windows as in the whole batch, the others unread.
   """
   rng = np.random.default_rng([seed, stream, index])
+  if isinstance(tokens, Packed):  # rows as examples: whole sequences, with their segment ids and positions
+    if tokens.x.shape[1] != seq_len:
+      raise ValueError(f"the rows are packed into sequences of {tokens.x.shape[1]}, not {seq_len}.")
+    picks = rng.integers(0, len(tokens), size=batch)[rows]
+    return tokens.x[picks], tokens.y[picks], tokens.segments[picks], tokens.positions[picks]
   starts = rng.integers(0, len(tokens) - seq_len, size=batch)[rows]
   windows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts]).astype(np.int32)
   if np.issubdtype(tokens.dtype, np.signedinteger):  # a stream with prompts' tokens in it

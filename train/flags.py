@@ -111,9 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
   d = p.add_argument_group("data")
   d.add_argument("--data", default=None,
                  help="a text file (read as bytes, or through the tokenizer where there is one), a nanoGPT uint16"
-                      " .bin token file, or a .jsonl of {\"text\": ...} rows (packed, an end-of-sequence token after"
-                      " each) or {\"prompt\": ..., \"completion\": ...} rows (the loss counts the completion's"
+                      " .bin token file, or a .jsonl of {\"text\": ...} rows (an end-of-sequence token after each;"
+                      " see --packing) or {\"prompt\": ..., \"completion\": ...} rows (the loss counts the completion's"
                       " tokens only); default: the Python standard library's sources")  # fmt: skip
+  d.add_argument("--packing", choices=("rows", "stream"), default=None,
+                 help="a .jsonl's rows as examples: rows (its default) packs them whole into sequences, each starting"
+                      " at a row, the rows attending within themselves only and each placed from position 0, the"
+                      " validation split the last tenth of the rows; stream packs them into one token stream cut into"
+                      " windows, as a text file's (the validation split its last tenth of tokens)")  # fmt: skip
   d.add_argument("--tokenizer", default=None, metavar="DIR",
                  help="a folder holding a Hugging Face tokenizer.json (the tokenizers library); default: the"
                       " --init-from folder; without one, text is read as bytes")  # fmt: skip
@@ -254,6 +259,7 @@ class Flags:
   param_dtype: str
   remat: str
   data: str | None  # None: the Python standard library's sources
+  packing: str  # rows (a .jsonl's default: rows as examples) or stream (windows of one token stream)
   tokenizer: str | None
   batch: int
   seq_len: int
@@ -342,6 +348,11 @@ def _without_backend(v: dict[str, Any], err: _Error) -> Flags:
   for name in ("n_layer", "n_head", "d_model", "vocab_size"):
     if v[name] is not None and v[name] < 1:
       err(f"{_flag(name)} must be >= 1, got {v[name]}.")
+  jsonl = v["data"] is not None and v["data"].endswith(".jsonl")
+  if v["packing"] == "rows" and not jsonl:
+    err(f"--packing rows packs a .jsonl's rows into sequences; {v['data'] or 'the default corpus'} is a token"
+        " stream (drop --packing, or give --data FILE.jsonl).")  # fmt: skip
+  v["packing"] = v["packing"] or ("rows" if jsonl else "stream")
   overrides = {k: v[k] for k in SHAPE_FLAGS if v[k] is not None}
   if v["init_from"] is not None:
     given = [_flag(name) for name in ("preset", *SHAPE_FLAGS, "vocab_size") if v[name] is not None]

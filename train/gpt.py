@@ -159,15 +159,21 @@ class _Built:
 
 
 def _load_data(args: TrainConfig) -> tuple[data_lib.Splits, int, str]:
-  """``(splits, vocab_size, description)`` of ``--data``, each problem an error that says what to change."""
+  """``(splits, vocab_size, description)`` of ``--data``, each problem an error that says what to change; with
+  ``--packing rows``, each split a ``data_lib.Packed`` of its rows (the last tenth of them the validation split)."""
   tokenizer = None
   if args.tokenizer is not None:
     try:
       tokenizer = Tokenizer(args.tokenizer)
     except (FileNotFoundError, ValueError) as e:
       raise SystemExit(f"error: --tokenizer: {e}") from None
+  rows = None
   try:
-    tokens, data_vocab, data_desc = data_lib.load_tokens(args.data, tokenizer=tokenizer)
+    if args.packing == "rows":
+      rows, data_vocab, data_desc = data_lib.load_rows(args.data, tokenizer)
+      tokens = rows.tokens
+    else:
+      tokens, data_vocab, data_desc = data_lib.load_tokens(args.data, tokenizer=tokenizer)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: --data: {e}") from None
   by_data = data_vocab if tokenizer is not None else 50304 if data_vocab > 256 else 256
@@ -187,12 +193,23 @@ def _load_data(args: TrainConfig) -> tuple[data_lib.Splits, int, str]:
     raise SystemExit(f"error: {args.data} holds token ids up to {largest}; pass --vocab-size above that.")
   if vocab < 256 and data_vocab == 256:
     raise SystemExit(f"error: byte-level data needs --vocab-size >= 256, got {vocab}.")
-  splits = data_lib.split(tokens)
   try:
-    data_lib.check_splits(splits, args.seq_len)
+    if rows is not None:
+      train_rows, val_rows = data_lib.split_rows(rows)
+      splits = data_lib.Splits(data_lib.pack(train_rows, args.seq_len), data_lib.pack(val_rows, args.seq_len))
+    else:
+      splits = data_lib.split(tokens)
+      data_lib.check_splits(splits, args.seq_len)
   except ValueError as e:
     raise SystemExit(f"error: --data: {e}") from None
   return splits, vocab, data_desc
+
+
+def _data_line(desc: str, splits: data_lib.Splits) -> str:
+  """The run's ``data`` line: the source, and what each split holds."""
+  if isinstance(splits.train, data_lib.Packed):
+    return f"data    {desc}: train {splits.train.describe()} / val {splits.val.describe()}"
+  return f"data    {desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens"
 
 
 def hf_source(args: Flags) -> dict[str, Any]:
@@ -238,7 +255,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
   if (args.offload == "auto" and None in (args.resident_gb, args.staging_gb) and sized) or in_ram:
     with _setup_phase(args, "the gradient step compiled, for its memory"):
       measured = gradient_step_memory(graphdef, params, step_shape, args.clip, args.grad_flush, args.grad_accum,
-                                      batch_sharding=batch_layout)  # fmt: skip
+                                      batch_sharding=batch_layout, parts=len(first_batch))  # fmt: skip
     if in_ram:
       device_memory.check_ram(args, cfg, getattr(batch_layout, "mesh", None), measured.peak_bytes,
                               step_shape[0] // args.grad_accum)  # fmt: skip
@@ -259,7 +276,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
     refusal = "--overlap auto takes the overlapped step on a GPU only (--overlap on takes it here)"
   overlap_plan = times = staged = collectives = norm = None
   if refusal is None and args.overlap != "off":
-    staged = model_module(args).staged(cfg)  # the model's own modules as stages
+    staged = model_module(args).staged(cfg, rows=len(first_batch) > 2)  # the model's own modules as stages
     if args.offload == "auto" and sized:
       rows = first_batch[0].shape[0] // args.grad_accum
       part = tuple(x[:rows] for x in first_batch)  # one micro-batch, laid out as the step lays it out
@@ -325,7 +342,7 @@ def _build_step(args, cfg, graphdef, params, first_batch, batch_layout, restore_
       notes.append(f"step    plain after all: {str(e).splitlines()[0]}")
   grad_step = make_grad_step(None if args.offload == "none" else tx, params, args.grad_flush, args.grad_accum)
   if step_memory is not None and args.grad_flush == "host":  # the split's own program, now that the plan exists
-    batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32, sharding=batch_layout),) * 2
+    batch = (jax.ShapeDtypeStruct(step_shape, jnp.int32, sharding=batch_layout),) * len(first_batch)
     check_split_flush(grad_step.lower(graphdef, params, batch, args.clip).compile(), step_memory)
   with _setup_phase(args, "the optimizer state allocated in the plain step's placements"):
     opt_state, start_step = tx.init(params), 0  # (its checks: a plan the host cannot hold is refused here)
@@ -521,12 +538,13 @@ def _train(args: TrainConfig, signals: stopping.Signals) -> dict[str, Any]:
   source = hf_source(args)
 
   def meta(at: int) -> dict[str, Any]:
-    data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": at, "seed": args.seed, "source": data_desc}
+    data_pos = {"sampler": "default_rng([seed, 0, step])", "next_batch": at, "seed": args.seed, "source": data_desc,
+                "packing": args.packing}  # fmt: skip
     return {"step": at, "seed": args.seed, "data": data_pos, "config": cfg.to_dict(), "args": dataclasses.asdict(args),
             **source}  # fmt: skip
 
   say(args, f"model   {args.arch} {model_name(args)}: {num_params:,} params, {flops_tok / 1e6:.1f} MFLOP/token, {cfg}")
-  say(args, f"data    {data_desc}: train {len(splits.train):,} / val {len(splits.val):,} tokens")
+  say(args, _data_line(data_desc, splits))
   say(args, parallel.mesh_line(args.mesh, args.mesh_given, args.batch, args.grad_accum, args.seq_len))
   shape = (f"warm-up {args.warmup}, cosine to {args.decay_steps}" if args.warmup < args.decay_steps else
            f"warm-up {args.warmup}, longer than the run: {schedule(args.steps - 1):.3g} at its last step")  # fmt: skip

@@ -199,7 +199,7 @@ def accumulated_grad_step(micro_batches: int, layout: tuple | None) -> Callable[
   """
 
   def grad_step(graphdef, params, batch, clip: float):
-    x, y = batch
+    x = batch[0]  # (x, y), or packed rows' (x, y, segments, positions): each split alike
     if x.shape[0] % micro_batches:
       raise ValueError(f"a batch of {x.shape[0]} rows does not split into {micro_batches} equal micro-batches.")
     sharding = getattr(x, "sharding", None)
@@ -316,6 +316,7 @@ def gradient_step_memory(
   micro_batches: int = 1,
   batch_sharding: Any = None,
   partitioned: bool = True,
+  parts: int = 2,
 ) -> jax_dos.StepMemory:
   """What the gradient step needs on the accelerator (``jax_dos.StepMemory``), from its compiled program.
 
@@ -325,11 +326,12 @@ def gradient_step_memory(
   one micro-batch's program (``batch_shape`` is the whole batch's, which it takes whole), plus the
   running sum it updates in place, which stays alive through the update. ``batch_sharding`` lays the batch's rows
   out on a mesh (the figures are then each device's, the gradients in :func:`sum_layout`'s layout, and the
-  programs compiled as the step compiles them: ``jax_dos.remat_compiler_options``).
+  programs compiled as the step compiles them: ``jax_dos.remat_compiler_options``). ``parts``: the batch's arrays,
+  2 for ``(x, y)``, 4 for packed rows' ``(x, y, segments, positions)``.
   """
   options = _options(batch_sharding)
   if micro_batches > 1:
-    batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * 2
+    batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * parts
     shards = 1 if batch_sharding is None else batch_shape[0] // batch_sharding.shard_shape(batch_shape)[0]
     layout = sum_layout(params, partitioned)
     shardings = layout or tuple(getattr(p, "sharding", None) for p in jax.tree.leaves(params))
@@ -344,7 +346,7 @@ def gradient_step_memory(
     need = jax_dos.StepMemory.of(compiled)
     sums = _device_bytes(params, layout)
     return jax_dos.StepMemory(need.peak_bytes + sums, need.live_bytes + sums)
-  batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * 2
+  batch = (jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding),) * parts
   step = jax.jit(_grad_step, static_argnums=(0, 3), out_shardings=(None, probe_shardings(params, flush, partitioned),
                  None, None), compiler_options=dict(options) or None)  # fmt: skip
   return step_memory_bound(step.lower(_static(graphdef), params, batch, clip).compile(), params, flush, partitioned)
