@@ -22,19 +22,18 @@ face) with ``accumulate`` and the package ``checkpoint/`` (Orbax; optax's state 
 ``hand_off`` (one holder a buffer between them) below them, and ``nnx_adapter`` (a Flax NNX model's stages)
 (docs/design.md).
 
-Importing it changes one thing outside itself: XLA's pinned host pool cap
-(``pinned_pool.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
+Importing it changes nothing outside itself: what XLA reads when its backend starts is set by an explicit call,
+``jax_dos.configure_process()`` (docs/api.md, "What importing jax_dos changes").
 """
 
-from jax_dos import cpu_client as _cpu_client
 from jax_dos import fired, timeline, trace
-from jax_dos import pinned_pool as _pinned_pool
 from jax_dos.accumulate import multi_steps
 from jax_dos.adam_math import AdamHyper, clip_scale
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning, TemplateMismatchError
 from jax_dos.checkpoint.integrity import DAMAGED_DIR
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.collectives import Collectives
+from jax_dos.configure import configure_process
 from jax_dos.engine import wait_for_host_updates
 from jax_dos.host_plan import HostMemory, agreed_refusal, pool_share, share_pinned_pool
 from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
@@ -110,6 +109,7 @@ __all__ = [
   "calibrate",
   "calibration_cache_dir",
   "cap_pinned_pool",
+  "configure_process",
   "checkpoint_policy",
   "clip_scale",
   "describe_remat",
@@ -149,10 +149,3 @@ __all__ = [
   "wait_for_host_updates",
 ]
 __version__ = "0.1.0"
-
-# XLA reads its pinned-host pool cap once, when the GPU client starts, which is usually before any jax_dos call:
-# import time is the last moment it can be raised. A value the user set is kept (docs/api.md).
-_pinned_pool.raise_pinned_pool_limit()
-# Several CPU devices in a process: XLA's CPU client needs more pool threads than devices, or a multi-device program
-# can hang in dispatch (cpu_client.py). Also read once, when the backend starts.
-_cpu_client.size_pool()

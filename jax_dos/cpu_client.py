@@ -18,10 +18,11 @@ runs ahead of a slower peer reaches 32 queued computations in a few steps.
 Each Python thread that dispatches can block one launch task per local device,
 and the program running holds one thread per local device; a pool of
 ``(DISPATCHING_THREADS + 1) * devices + 1`` threads always leaves one free.
-``import jax_dos`` sets ``PJRT_NPROC`` to that (or to the cores, if more) when
-the process has several CPU devices, before the backend starts, unless it is
-set. One device per process (a GPU job) launches on the calling thread and
-never takes this path.
+:func:`size_pool` (which ``jax_dos.configure_process`` calls; importing jax_dos
+does not) sets ``PJRT_NPROC`` to that (or to the cores, if more) when the
+process has several CPU devices, before the backend starts, unless it is set.
+One device per process (a GPU job) launches on the calling thread and never
+takes this path.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def forced_cpu_devices(xla_flags: str | None = None) -> int:
 def size_pool(local_devices: int | None = None) -> None:
   """Sets ``PJRT_NPROC`` to :func:`pool_threads` for this process's CPU devices, before the backend starts.
 
-  A value the user set is kept; with one device nothing is set. ``import jax_dos`` calls it.
+  A value the user set is kept; with one device nothing is set. ``jax_dos.configure_process`` calls it.
   """
   from jax._src import xla_bridge
 

@@ -1,6 +1,7 @@
-"""XLA's pinned host pool and its cap: set at import (``raise_pinned_pool_limit``) or from a run's need before jax
-starts (``cap_pinned_pool``), what the pool and its allocators' tables hold of the host's RAM (``resident_estimate``),
-and the check that a request fits both the host's RAM and the cap (``check_host_capacity``).
+"""XLA's pinned host pool and its cap: set to a share of the host's RAM (``raise_pinned_pool_limit``, which
+``jax_dos.configure_process`` calls) or from a run's need before jax starts (``cap_pinned_pool``), what the pool and
+its allocators' tables hold of the host's RAM (``resident_estimate``), and the check that a request fits both the
+host's RAM and the cap (``check_host_capacity``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ PROCESS_BYTES = 3 * 2**30
 # 109 GiB (a 2 GiB margin) ran out in the first step of a `--remat auto` plan.
 POOL_MARGIN_BYTES = 4 * 2**30
 _plan_pool_gib: int | None = None
-_our_pool_limit: str | None = None  # the cap jax_dos set last (at import, from a plan), which a plan may lower
+_our_pool_limit: str | None = None  # the cap jax_dos set last (configure_process, a plan), which a plan may lower
 
 
 def _backends_started() -> bool:
@@ -48,7 +49,7 @@ def raise_pinned_pool_limit(fraction: float = DEFAULT_POOL_FRACTION) -> None:
 
   XLA reads ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` once, when the backend starts,
   so this only acts before the first computation; a value the user set is kept.
-  ``import jax_dos`` calls it.
+  ``jax_dos.configure_process`` calls it; importing jax_dos does not.
   """
   global _our_pool_limit
   if POOL_LIMIT_ENV in os.environ or _backends_started():
@@ -75,8 +76,8 @@ def cap_pinned_pool(
   more than it uses (docs/overlap.md, "Memory"). The cap is never set below
   XLA's own default (64 GiB) nor above the host's RAM less
   ``HOST_HEADROOM_BYTES``. A value the user set is kept, and once jax's
-  backend has started nothing changes (``None`` is returned); the cap
-  ``import jax_dos`` set is replaced. Returns the cap in bytes.
+  backend has started nothing changes (``None`` is returned); a cap
+  ``jax_dos.configure_process`` set is replaced. Returns the cap in bytes.
 
   Raises ``MemoryError`` naming the numbers and ``advice`` where
   ``certain_bytes`` and ``HOST_HEADROOM_BYTES`` exceed the host's RAM
@@ -196,8 +197,9 @@ def check_host_capacity(
   if pool is not None and nbytes > pool:
     raise MemoryError(
       f"{what} needs {nbytes / 2**30:.2f} GiB of pinned host memory but XLA's pinned pool is capped at"
-      f" {pool / 2**30:.0f} GiB. Set {POOL_LIMIT_ENV} (GiB) above that before jax starts, or import jax_dos"
-      f" before running anything with jax (it raises the cap to {DEFAULT_POOL_FRACTION:.0%} of RAM). {advice}"
+      f" {pool / 2**30:.0f} GiB. Set {POOL_LIMIT_ENV} (GiB) above that before jax starts, or call"
+      f" jax_dos.configure_process() before running anything with jax (it raises the cap to"
+      f" {DEFAULT_POOL_FRACTION:.0%} of RAM). {advice}"
     )
   if host_bytes > available:
     warnings.warn(
