@@ -12,8 +12,8 @@ import numpy as np
 import optax
 
 import jax_dos
-from jax_dos import cpu_client
-from jax_dos.interleaved import find_interleaved
+from jax_dos.memory import cpu_client
+from jax_dos.optimizer.interleaved import find_interleaved
 from train import gpt
 
 SHAPES = {

@@ -7,7 +7,7 @@ import pytest
 from helpers import random_tree
 
 import jax_dos
-from jax_dos import host_ram, pinned_pool
+from jax_dos.memory import host_ram, pinned_pool
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_state_beyond_xlas_pinned_pool_is_refused_with_the_variable_to_set(monke
 
 def test_host_bytes_count_the_prediction_buffers_of_float32_parameters():
   """delay_predict keeps a float32 copy per float32 host parameter (bfloat16 ones reuse the rounded copy)."""
-  from jax_dos.interleaved import host_state_bytes
+  from jax_dos.optimizer.interleaved import host_state_bytes
 
   leaves = [jax.ShapeDtypeStruct((10,), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.bfloat16)]
   plan = jax_dos.resolve_plan("host", {"a": leaves[0], "b": leaves[1]}, 100)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import jax_dos
-from jax_dos import host_ram, pinned_pool
+from jax_dos.memory import host_ram, pinned_pool
+from jax_dos.memory.pinned_pool import BFC_TABLE_FRACTION
 from jax_dos.overlap import memory as overlap_memory
 from jax_dos.overlap import plan as overlap_plan
-from jax_dos.pinned_pool import BFC_TABLE_FRACTION
 from models import gpt as gpt_model
 from train import host_memory
 from train.flags import parse_args
@@ -29,7 +29,7 @@ CAP = textwrap.dedent(
   """
     import math, os, sys
     import jax_dos
-    from jax_dos import pinned_pool
+    from jax_dos.memory import pinned_pool
 
     need, ram = int(sys.argv[1]), int(sys.argv[2])
     env = pinned_pool.POOL_LIMIT_ENV

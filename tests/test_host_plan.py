@@ -1,5 +1,5 @@
-"""The pinned host memory of a plan, per process and per host (``jax_dos/host_plan.py``), and XLA's CPU client's pool
-(``jax_dos/cpu_client.py``): planned from shapes, nothing allocated."""
+"""The pinned host memory of a plan, per process and per host (``jax_dos/planning/host_plan.py``), and XLA's CPU
+client's pool (``jax_dos/memory/cpu_client.py``): planned from shapes, nothing allocated."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import jax_dos
-from jax_dos import cpu_client, host_plan
-from jax_dos.pinned_pool import DEFAULT_POOL_FRACTION
+from jax_dos.memory import cpu_client
+from jax_dos.memory.pinned_pool import DEFAULT_POOL_FRACTION
+from jax_dos.planning import host_plan
 from models import gpt as gpt_model
 
 GIB = 2**30
@@ -124,7 +125,7 @@ def test_each_process_pool_is_capped_at_its_share_unless_the_user_set_it():
   import subprocess
   import sys
 
-  from jax_dos.pinned_pool import POOL_LIMIT_ENV
+  from jax_dos.memory.pinned_pool import POOL_LIMIT_ENV
 
   rng = np.random.default_rng()
   host = jax_dos.HostMemory(int(rng.integers(64, 2048)) * GIB, int(rng.integers(2, 9)))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jax_dos import cpu_client, pinned_pool
+from jax_dos.memory import cpu_client, pinned_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
