@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_dos  # noqa: E402
-from jax_dos import planning  # noqa: E402
+from jax_dos.planning import cost_model  # noqa: E402
 
 
 def run_plan(params, grads, placements, leaf: int, reps: int) -> dict:
@@ -77,7 +77,7 @@ def main() -> None:
     for name, placements, interval in runs:
       k_s = placements.count("stream")
       k_h = n_leaves - k_s
-      pred = planning.predict(cal, n_host=k_h * leaf, n_stream=k_s * leaf, k_host=k_h, k_stream=k_s)["total"]
+      pred = cost_model.predict(cal, n_host=k_h * leaf, n_stream=k_s * leaf, k_host=k_h, k_stream=k_s)["total"]
       old = sys.getswitchinterval()
       if interval:
         sys.setswitchinterval(interval)

@@ -5,7 +5,7 @@
 #   default        as a user runs it (numba's workqueue layer; CUDA's context scheduling as XLA leaves it: AUTO, which
 #                  spins a thread that waits for the GPU while the process has fewer contexts than cores);
 #   blocking_sync  TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE=blocking_sync (XLA's switch of the context's flags): a thread
-#                  waiting for the GPU (XLA's own, and jax_dos.copy_out's cuStreamSynchronize) sleeps instead of
+#                  waiting for the GPU (XLA's own, and jax_dos.memory.copy_out's cuStreamSynchronize) sleeps instead of
 #                  spinning on a core the host kernel's threads share;
 #   omp            NUMBA_THREADING_LAYER=omp (OpenMP's threads spin between launches and keep their cores).
 # The first run also measures the calibration (about 60-70 s on a fresh machine). Steps 6-10 are the steady window.

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import adam_math, host_kernels
-from jax_dos import moment_formats as mf
+from jax_dos.core import adam_math
+from jax_dos.core import moment_formats as mf
+from jax_dos.kernels import host_kernels
 from jax_dos.planning.cost_model import kernel_bytes
 
 

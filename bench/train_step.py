@@ -89,9 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (llama-7b: 32000), else 50304")
   p.add_argument("--param-dtype", default="bfloat16", choices=("bfloat16", "float32"))
   p.add_argument("--remat", default="full", choices=("auto", "full", "minimal", "none", "offload"),
-                 help="block rematerialisation policy (jax_dos.remat); auto: overlap variants let the plan choose per"
-                      " block from the measured stages and the memory left (train.gpt --remat auto), the others take"
-                      " full")  # fmt: skip
+                 help="block rematerialisation policy (jax_dos.staged.remat); auto: overlap variants let the plan"
+                      " choose per block from the measured stages and the memory left (train.gpt --remat auto), the"
+                      " others take full")  # fmt: skip
   p.add_argument("--grad-flush", default=None, choices=("host", "all", "none"),  # GRADIENT_FLUSHES, none
                  help="jax_dos variants: gradients the backward pass writes to host memory (gradient_shardings'"
                       " flush; none: all stay on the GPU); default host, none with --grad-accum")  # fmt: skip

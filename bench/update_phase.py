@@ -126,7 +126,7 @@ class Bench:
     import jax
 
     import jax_dos
-    from jax_dos import host_kernels  # the kernel's thread count, shared with torch's here
+    from jax_dos.kernels import host_kernels  # the kernel's thread count, shared with torch's here
 
     self.args, self.env, self.jax = args, env, jax
     self.threads = host_kernels.set_num_threads()
@@ -221,7 +221,7 @@ class Bench:
     """Moves the state's leaves into the plan's memory kinds (untimed; the engine would in its warm-up).
 
     Done here with ``device_put`` because arrays that come out of the traced path carry a host memory
-    space in their type, which ``jax_dos.memory.copy_in`` (used by the engine) cannot yet move to the device.
+    space in their type, which ``jax_dos.memory.kinds.copy_in`` (used by the engine) cannot yet move to the device.
     """
     jax = self.jax
     kinds = plan.leaf_memory_kinds()
@@ -274,12 +274,12 @@ class Bench:
   def budget(self, frac: float, params, grads, n: int) -> dict:
     """All jax_dos variants at one resident budget (a fraction of the 12 B/param state)."""
     import jax_dos
-    from jax_dos import planning
+    from jax_dos.planning import cost_model, planner, search
 
     args, cal = self.args, self.cal
     subgroups, sizes = jax_dos.partition_leaves(params, args.subgroup_size)
     budget = int(frac * STATE_B * n)
-    device = planning.fill_resident(sizes, budget)
+    device = search.fill_resident(sizes, budget)
     rest = [i for i in range(len(sizes)) if i not in device]
     n_dev = sum(sizes[i] for i in device)
     n_off, k_rest = n - n_dev, len(rest)  # the model's fixed costs are per subgroup
@@ -289,12 +289,12 @@ class Bench:
         "floor_s": floor, "floor_stream_s": FLOOR_STREAM_B * n_off / self.bw, "variants": {},
     }  # fmt: skip
     print(f"  -- resident budget {frac:.0%}: {n_dev / n:.1%} of params resident", flush=True)
-    slots = planning.stream_slots_for(rest, sizes, self.staging)
+    slots = search.stream_slots_for(rest, sizes, self.staging)
     explicit = {
       kind: jax_dos.Plan(subgroups, tuple("device" if i in device else kind for i in range(len(sizes))), sizes, slots)
       for kind in ("host", "stream")
     }
-    auto = planning.make_plan(
+    auto = planner.make_plan(
       params, args.subgroup_size, cal, resident_budget_bytes=budget, staging_budget_bytes=self.staging
     )
     out["auto_plan"] = {
@@ -313,7 +313,7 @@ class Bench:
         pred = plan.predicted["total"]
       else:
         kw = {f"n_{name}": n_off, f"k_{name}": k_rest}
-        pred = planning.predict(cal, n_device=n_dev, stream_slots=plan.stream_slots, **kw)["total"]
+        pred = cost_model.predict(cal, n_device=n_dev, stream_slots=plan.stream_slots, **kw)["total"]
       if self.state is None:
         gc.collect()
         init_tx = jax_dos.interleaved_adam(

@@ -11,60 +11,43 @@ to JAX/XLA. Public API::
 Jit the gradient function with ``out_shardings=(None, jax_dos.gradient_shardings(tx, params))``
 to send host subgroups' gradients to host memory during the backward pass.
 
-The package, from the ground up: ``state``, ``adam_math``, ``memory`` (array placement), ``host_ram`` (the
-host's RAM) and ``pinned_pool`` (XLA's pinned host pool and its cap), ``plan``, ``trace`` and ``host_kernels``; the two
-ways to run a step, ``traced`` and ``engine`` (with ``step_ahead``); the optimizer,
-``interleaved``; the planning wing, ``planning/``; ``transform`` (the optax
-face) with ``accumulate`` and the package ``checkpoint/`` (Orbax; optax's state and back); the overlapped step,
-``stages``, ``timeline`` (with ``fired``: a step after a fired clip, and its bound) and the package ``overlap/``
-(its plan, the step, its host and stream paths, the clip decision), with
-``remat`` (the rematerialisation policies), ``job_thread`` (its worker threads and their one failure event) and
-``hand_off`` (one holder a buffer between them) below them, and ``nnx_adapter`` (a Flax NNX model's stages)
-(docs/design.md).
+The package, from the ground up (docs/design.md, "Layout"); each package's ``__init__`` lists its modules floor by
+floor::
 
-Importing it changes one thing outside itself: XLA's pinned host pool cap
-(``pinned_pool.raise_pinned_pool_limit``, docs/api.md, "What importing jax_dos changes").
+    trace.py, job_thread.py, hand_off.py   spans on request, the worker threads, one holder a buffer between them
+    subnormals.py, parallel_launch.py      one parallel numba kernel at a time in the process, subnormals flushed
+    memory/       memory kinds, the host's RAM, XLA's pinned pool and our own arena, copies, configure_process
+    core/         the state, the tree, moment formats, partition, Adam's arithmetic
+    kernels/      the host kernels
+    planning/     one performance model: the Plan, rates, the timeline, budgets, the calibration and the planner
+    staged/       stages, their programs, randomness, remat, gathering ahead, the NNX adapter
+    optimizer/    interleaved_adam: the traced update, the eager engine and its paths, accumulation
+    checkpoint/   Orbax save and restore of the offloaded state, optax's state and back
+    overlap/      the overlapped step: its plan, threads, host and stream paths, clip decision
+
+``planning``'s lower floors (the Plan, the timeline) are data the optimizer and the stages read; its calibration
+measures the real engine, so it and the planner stand above ``optimizer``'s engine, below its ``transform``.
+
+Importing it changes nothing outside itself: what XLA reads when its backend starts is set by an explicit call,
+``jax_dos.configure_process()`` (docs/api.md, "What importing jax_dos changes").
 """
 
-from jax_dos import cpu_client as _cpu_client
-from jax_dos import fired, timeline, trace
-from jax_dos import pinned_pool as _pinned_pool
-from jax_dos.accumulate import multi_steps
-from jax_dos.adam_math import AdamHyper, clip_scale
+from jax_dos import trace
 from jax_dos.checkpoint import CheckpointManager, DamagedCheckpointWarning, TemplateMismatchError
 from jax_dos.checkpoint.integrity import DAMAGED_DIR
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
-from jax_dos.collectives import Collectives
-from jax_dos.engine import wait_for_host_updates
-from jax_dos.host_plan import HostMemory, agreed_refusal, pool_share, share_pinned_pool
-from jax_dos.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
-from jax_dos.memory import DeviceMemory
-from jax_dos.moment_formats import FORMATS as MOMENT_FORMATS
-from jax_dos.moment_formats import state_bytes_per_param
-from jax_dos.nnx_adapter import NNXStages, nnx_stages
-from jax_dos.overlap.clip import resolved_speculation
-from jax_dos.overlap.memory import host_need_bound
-from jax_dos.overlap.plan import abstract_state
-from jax_dos.overlap.plan import plan_step as overlapped_plan
-from jax_dos.overlap.process import NO_COMMAND_BUFFERS
-from jax_dos.overlap.step import OverlappedStep
-from jax_dos.partition import state_shardings
-from jax_dos.pinned_pool import cap_pinned_pool, resident_estimate
-from jax_dos.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
-from jax_dos.planning.budgets import StepMemory
-from jax_dos.planning.calibration import accelerator_calibration_cached, calibrate
-from jax_dos.planning.calibration import cache_dir as calibration_cache_dir
-from jax_dos.planning.cost_model import Calibration
-from jax_dos.planning.link import measure_link, mesh_collectives
-from jax_dos.planning.planner import auto_planner, make_plan
-from jax_dos.remat import PLANNED_POLICIES as PLANNED_REMAT_POLICIES
-from jax_dos.remat import REMAT_NAMES, REMAT_POLICIES, checkpoint_policy, rematerialise
-from jax_dos.remat import compiler_options as remat_compiler_options
-from jax_dos.remat import describe as describe_remat
-from jax_dos.stages import Stage, StagedModel
-from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import PREDICTION_ERROR, RematCosts, StageTimes
-from jax_dos.transform import (
+from jax_dos.core.adam_math import AdamHyper, clip_scale
+from jax_dos.core.moment_formats import FORMATS as MOMENT_FORMATS
+from jax_dos.core.moment_formats import state_bytes_per_param
+from jax_dos.core.partition import state_shardings
+from jax_dos.core.state import InterleavedAdamState
+from jax_dos.memory.configure import configure_process
+from jax_dos.memory.kinds import DeviceMemory
+from jax_dos.memory.pinned_pool import cap_pinned_pool, resident_estimate
+from jax_dos.optimizer.accumulate import multi_steps
+from jax_dos.optimizer.engine import wait_for_host_updates
+from jax_dos.optimizer.interleaved import DELAY_PREDICTIONS, InterleavedAdamTransformation, TracedUpdateWarning
+from jax_dos.optimizer.transform import (
   DEFAULT_DELAY_WARMUP,
   DEFAULT_SUBGROUP_SIZE,
   GRADIENT_FLUSHES,
@@ -75,6 +58,29 @@ from jax_dos.transform import (
   interleaved_adamw,
   update_params,
 )
+from jax_dos.overlap.clip import resolved_speculation
+from jax_dos.overlap.memory import host_need_bound
+from jax_dos.overlap.plan import abstract_state
+from jax_dos.overlap.plan import plan_step as overlapped_plan
+from jax_dos.overlap.process import NO_COMMAND_BUFFERS
+from jax_dos.overlap.step import OverlappedStep
+from jax_dos.planning import fired, timeline
+from jax_dos.planning.budgets import StepMemory
+from jax_dos.planning.calibration import accelerator_calibration_cached, calibrate
+from jax_dos.planning.calibration import cache_dir as calibration_cache_dir
+from jax_dos.planning.collectives import Collectives
+from jax_dos.planning.cost_model import Calibration
+from jax_dos.planning.host_plan import HostMemory, agreed_refusal, pool_share, share_pinned_pool
+from jax_dos.planning.link import measure_link, mesh_collectives
+from jax_dos.planning.plan import PLACEMENTS, Plan, partition_leaves, resolve_plan
+from jax_dos.planning.planner import auto_planner, make_plan
+from jax_dos.planning.timeline import PREDICTION_ERROR, RematCosts, StageTimes
+from jax_dos.staged.nnx_adapter import NNXStages, nnx_stages
+from jax_dos.staged.remat import PLANNED_POLICIES as PLANNED_REMAT_POLICIES
+from jax_dos.staged.remat import REMAT_NAMES, REMAT_POLICIES, checkpoint_policy, rematerialise
+from jax_dos.staged.remat import compiler_options as remat_compiler_options
+from jax_dos.staged.remat import describe as describe_remat
+from jax_dos.staged.stages import Stage, StagedModel
 
 __all__ = [
   "PREDICTION_ERROR",
@@ -110,6 +116,7 @@ __all__ = [
   "calibrate",
   "calibration_cache_dir",
   "cap_pinned_pool",
+  "configure_process",
   "checkpoint_policy",
   "clip_scale",
   "describe_remat",
@@ -149,10 +156,3 @@ __all__ = [
   "wait_for_host_updates",
 ]
 __version__ = "0.1.0"
-
-# XLA reads its pinned-host pool cap once, when the GPU client starts, which is usually before any jax_dos call:
-# import time is the last moment it can be raised. A value the user set is kept (docs/api.md).
-_pinned_pool.raise_pinned_pool_limit()
-# Several CPU devices in a process: XLA's CPU client needs more pool threads than devices, or a multi-device program
-# can hang in dispatch (cpu_client.py). Also read once, when the backend starts.
-_cpu_client.size_pool()

@@ -13,7 +13,7 @@ head tied to the token embedding::
 * the MLP is ``Linear(d, 4d) -> GELU(tanh) -> Linear(4d, d)``;
 * ``param_dtype`` (storage) and ``dtype`` (compute) are separate; norms,
   logits and the loss are always computed in float32;
-* ``remat`` is each block's rematerialisation policy (``jax_dos.remat``):
+* ``remat`` is each block's rematerialisation policy (``jax_dos.staged.remat``):
   ``"none"`` keeps every activation for the backward pass, ``"full"``
   recomputes the block (``nnx.remat``), ``"minimal"`` keeps the outputs of
   the large matmuls, tagged ``qkv_proj``, ``out_proj``, ``mlp_in`` and

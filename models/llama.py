@@ -24,7 +24,7 @@ Mistral, Qwen2/2.5 and Qwen3): ``models/hf.py`` reads and writes them.
   Llama's rule: 11008 at ``d = 4096``);
 * ``param_dtype`` (storage) and ``dtype`` (compute) are separate; norms,
   logits and the loss are computed in float32; ``remat`` is each block's
-  rematerialisation policy, as the GPT's (``jax_dos.remat``: ``"none"``,
+  rematerialisation policy, as the GPT's (``jax_dos.staged.remat``: ``"none"``,
   ``"minimal"``, ``"full"``, ``"offload"``; ``True``/``False`` mean
   ``"full"``/``"none"``).
 

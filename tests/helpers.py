@@ -12,7 +12,8 @@ import numpy as np
 import optax
 
 import jax_dos
-from jax_dos.interleaved import find_interleaved
+from jax_dos.memory import cpu_client
+from jax_dos.optimizer.interleaved import find_interleaved
 from train import gpt
 
 SHAPES = {
@@ -29,9 +30,12 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--batch", "4", "-
 
 def cpu_devices_env(devices: int, **extra: str) -> dict[str, str]:
   """This process's environment for an interpreter of ``devices`` CPU devices: ``XLA_FLAGS`` keeps the run's flags
-  (``conftest.COMPILE_FLAGS``) and adds the device count."""
+  (``conftest.COMPILE_FLAGS``) and adds the device count, and XLA's CPU client gets enough pool threads for them
+  (``PJRT_NPROC``, as ``jax_dos.configure_process`` sets it: importing jax_dos sets nothing)."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+  env.setdefault(cpu_client.POOL_ENV, str(cpu_client.pool_threads(devices)))
+  return env
 
 
 def cache_calibration(home, calibration):

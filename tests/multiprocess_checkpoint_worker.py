@@ -58,7 +58,7 @@ def check_converted(params, state, expected, moments: str) -> None:
   """``params``, master and count bit-exact against ``expected`` (the float32 state saved); ``mu`` and ``nu`` equal
   the saved ones encoded in ``moments`` by ``moment_formats.host_encode`` (the step count as the seed), shard by
   shard (each process its own)."""
-  from jax_dos import moment_formats as mf
+  from jax_dos.core import moment_formats as mf
 
   count = int(np.asarray(expected["count"]).reshape(-1)[0])  # (gathered from each process)
   for name, x in flat(params, state).items():

@@ -74,7 +74,7 @@ def run(seed: int, directory: str) -> None:
   from multiprocess_worker import LOCAL_DEVICES, NUM_PROCESSES, process_local
 
   import jax_dos
-  from jax_dos import partition
+  from jax_dos.core import partition
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
   replicated = lambda x: NamedSharding(mesh, P(None, "model") if x.ndim == 2 else P("model"))  # noqa: E731

@@ -56,10 +56,12 @@ def run_checks(seed: int) -> None:
   import jax_dos
 
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
-  # XLA's CPU client got enough pool threads for this process's devices (jax_dos/cpu_client.py), or it can hang.
-  assert int(os.environ["PJRT_NPROC"]) >= jax_dos.cpu_client.pool_threads(LOCAL_DEVICES, 1), os.environ["PJRT_NPROC"]
+  # XLA's CPU client got enough pool threads for this process's devices (jax_dos/memory/cpu_client.py), or it can hang.
+  assert int(os.environ["PJRT_NPROC"]) >= jax_dos.memory.cpu_client.pool_threads(LOCAL_DEVICES, 1), os.environ[
+    "PJRT_NPROC"
+  ]
   # Both processes run on this host: its RAM must hold what both need.
-  assert jax_dos.host_ram.bytes_on_this_host(2**20 * (1 + jax.process_index())) == (3 * 2**20, NUM_PROCESSES)
+  assert jax_dos.memory.host_ram.bytes_on_this_host(2**20 * (1 + jax.process_index())) == (3 * 2**20, NUM_PROCESSES)
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(NUM_PROCESSES, LOCAL_DEVICES), ("data", "model"))
   local = jax.local_devices()[0]
   specs = {"fsdp": P("data", "model"), "rows": P("data"), "table": P(), "replicated": P(), "vec": P("model")}
@@ -180,7 +182,8 @@ def worker_programs_have_no_collectives(mesh) -> None:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jax_dos import device_steps, partition
+  from jax_dos.core import partition
+  from jax_dos.optimizer import device_steps
 
   param = jax.ShapeDtypeStruct((8, 6), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "model")))
   state = partition.state_sharding(param)

@@ -28,22 +28,22 @@ def _vector(dtype):
 
 
 def float32_state(grad, low) -> None:
-  from jax_dos import host_kernels
+  from jax_dos.kernels import host_kernels
 
   g, state, copy = _vector(grad), [_vector(np.float32) for _ in range(3)], _vector(low)
   host_kernels.adam_many([(g, *state, copy)], [True], **_hyper([-1e-3, 0.1, 0.01, 1.0]))
 
 
 def float32_into(grad, low) -> None:
-  from jax_dos import host_kernels
+  from jax_dos.kernels import host_kernels
 
   g, state, copy = _vector(grad), [_vector(np.float32) for _ in range(6)], _vector(low)
   host_kernels.adam_many_into([(g, *state, copy)], [True], **_hyper([-1e-3, 0.1, 0.01, 1.0]))
 
 
 def compact(moments, grad, low) -> None:
-  from jax_dos import host_kernels
-  from jax_dos import moment_formats as mf
+  from jax_dos.core import moment_formats as mf
+  from jax_dos.kernels import host_kernels
 
   g, p, copy = _vector(grad), _vector(np.float32), _vector(low)
   # Zeros, not host_encode's moments: the other share compiles host_encode, once.
@@ -54,8 +54,9 @@ def compact(moments, grad, low) -> None:
 def others() -> None:
   import jax.numpy as jnp
 
-  from jax_dos import host_copies, host_kernels
-  from jax_dos import moment_formats as mf
+  from jax_dos.core import moment_formats as mf
+  from jax_dos.kernels import host_kernels
+  from jax_dos.memory import host_copies
 
   for low in (ml_dtypes.bfloat16, np.float32):
     host_kernels.predict_many([(_vector(low), *(_vector(np.float32) for _ in range(3)))], [True], eps=1e-8,

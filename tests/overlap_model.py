@@ -107,4 +107,4 @@ MIXED = ["device", "host", "stream", "host", "device", "stream"] * 3
 
 
 def _subgroup_count(groups) -> int:
-  return len(jax_dos.plan.partition_groups(groups, 40)[0])
+  return len(jax_dos.planning.plan.partition_groups(groups, 40)[0])

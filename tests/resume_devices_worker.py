@@ -16,7 +16,7 @@ device), so its batches do not depend on the device count. ``STAGE``:
 
 Each resume is checked as it restores (``train.checkpoints.restore`` watched, nothing changed): the parameters and
 master weights equal the checkpoint's bit for bit (read back by Orbax alone, as numpy), and the moments too, or, where
-the format changes, equal the saved moments converted by ``jax_dos.moment_formats``' own functions (the step count
+the format changes, equal the saved moments converted by ``jax_dos.core.moment_formats``' own functions (the step count
 as the seed). The losses are compared by the test, from each run's ``metrics.jsonl``. Prints ``ok <name>`` per run.
 """
 
@@ -88,7 +88,7 @@ def watched_restore(into: list):
 
 def resume(directory: str, source: str, name: str, devices: int, moments: str, *flags: str) -> dict:
   """Resumes ``source``'s step 2 (a copy without its later step) in ``name``; checks what was restored."""
-  from jax_dos import moment_formats as mf
+  from jax_dos.core import moment_formats as mf
   from train import checkpoints
 
   shutil.copytree(os.path.join(directory, source), os.path.join(directory, name))

@@ -48,7 +48,7 @@ def test_a_buffer_dying_inside_the_check_does_not_deadlock_it():
   import concurrent.futures
   import threading
 
-  from jax_dos import engine
+  from jax_dos.optimizer import engine
 
   registry = engine._WriteRegistry()
   holder = [jax.numpy.zeros(4)]

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, optax, sys
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_dos
-    from jax_dos import partition
+    from jax_dos.core import partition
     from models import gpt
     from train import gradients
 

@@ -1,9 +1,5 @@
 """Bad input gets a clear error that says what to change."""
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +7,7 @@ import pytest
 from helpers import random_tree
 
 import jax_dos
-from jax_dos import host_ram, pinned_pool
+from jax_dos.memory import host_ram, pinned_pool
 
 
 @pytest.fixture
@@ -120,19 +116,9 @@ def test_state_beyond_xlas_pinned_pool_is_refused_with_the_variable_to_set(monke
     jax_dos.interleaved_adam(1e-3, plan="host").init(state)
 
 
-def test_import_raises_the_pinned_pool_limit_unless_the_user_set_it():
-  code = "import os, jax_dos; print(os.environ.get('XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'))"
-  env = {k: v for k, v in os.environ.items() if k != pinned_pool.POOL_LIMIT_ENV}
-  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-  assert int(out) >= pinned_pool.XLA_DEFAULT_POOL_GIB
-  env[pinned_pool.POOL_LIMIT_ENV] = "7"
-  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-  assert out.strip() == "7"
-
-
 def test_host_bytes_count_the_prediction_buffers_of_float32_parameters():
   """delay_predict keeps a float32 copy per float32 host parameter (bfloat16 ones reuse the rounded copy)."""
-  from jax_dos.interleaved import host_state_bytes
+  from jax_dos.optimizer.interleaved import host_state_bytes
 
   leaves = [jax.ShapeDtypeStruct((10,), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.bfloat16)]
   plan = jax_dos.resolve_plan("host", {"a": leaves[0], "b": leaves[1]}, 100)

@@ -1,14 +1,14 @@
-"""Sharded weights gathered one stage ahead (``jax_dos.gather_ahead``): which program gathers which stage's weights,
-how long they are held, what the programs gather, the room, and optax's numbers on meshes of 4 CPU devices."""
+"""Sharded weights gathered one stage ahead (``jax_dos.staged.gather_ahead``): which program gathers which stage's
+weights, how long they are held, what the programs gather, the room, and optax's numbers on meshes of 4 CPU devices."""
 
 import textwrap
 
 import pytest
 
-from jax_dos import gather_ahead
-from jax_dos.micro_batches import schedule
 from jax_dos.overlap.room import stage_room
-from jax_dos.timeline import StageTimes
+from jax_dos.planning.timeline import StageTimes
+from jax_dos.staged import gather_ahead
+from jax_dos.staged.micro_batches import schedule
 
 
 @pytest.mark.parametrize("order", ["stage", "batch"])
@@ -69,7 +69,7 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     sys.path.insert(0, "tests")
     import jax_dos
-    from jax_dos import gather_ahead, stage_programs
+    from jax_dos.staged import gather_ahead, stage_programs
     from helpers import max_rel_diff
     import overlap_model as t
 
@@ -120,7 +120,7 @@ SCRIPT = textwrap.dedent(
     assert given == 0 < own < ahead, (given, own, ahead)
     # The gradients of sharded weights keep their layout whether the program gathers them or takes them whole:
     # reduce-scattered into the partitioned state's, or into the parameters' own without partitioning.
-    from jax_dos import partition
+    from jax_dos.core import partition
     for partitioned, ahead in ((True, True), (True, False), (False, True), (False, False)):
         _, sums = jax_dos.StagedModel(t.STAGES, len(groups), partition_gradients=partitioned,
                                       gather_ahead=ahead).loss_and_grads(groups, batches[0], 2)

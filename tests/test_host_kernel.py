@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dos import adam_math, host_kernels
-from jax_dos import moment_formats as mf
+from jax_dos.core import adam_math
+from jax_dos.core import moment_formats as mf
+from jax_dos.kernels import host_kernels
 
 
 def test_many_buffers_match_the_shared_maths():
@@ -140,7 +141,8 @@ _TWO_THREADS = """
 import concurrent.futures
 import numba
 import numpy as np
-from jax_dos import host_kernels, moment_formats
+from jax_dos.core import moment_formats
+from jax_dos.kernels import host_kernels
 
 rng = np.random.default_rng()
 hyper = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.1)
@@ -188,7 +190,7 @@ def test_two_threads_launching_at_once_both_finish_with_one_threads_numbers():
 
 _STEP_ONCE = """
 import numpy as np
-from jax_dos import host_kernels
+from jax_dos.kernels import host_kernels
 g, p, m, v = (np.ones(64, np.float32) for _ in range(4))
 host_kernels.adam_many([(g, p, m, v)], [True], b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.1,
                        scalars=np.array([-1e-3, 0.1, 0.001], np.float32))

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import jax_dos
-from jax_dos import host_ram, pinned_pool
+from jax_dos.memory import host_ram, pinned_pool
+from jax_dos.memory.pinned_pool import BFC_TABLE_FRACTION
 from jax_dos.overlap import memory as overlap_memory
 from jax_dos.overlap import plan as overlap_plan
-from jax_dos.pinned_pool import BFC_TABLE_FRACTION
 from models import gpt as gpt_model
 from train import host_memory
 from train.flags import parse_args
@@ -29,11 +29,13 @@ CAP = textwrap.dedent(
   """
     import math, os, sys
     import jax_dos
-    from jax_dos import pinned_pool
+    from jax_dos.memory import pinned_pool
 
     need, ram = int(sys.argv[1]), int(sys.argv[2])
     env = pinned_pool.POOL_LIMIT_ENV
-    assert os.environ[env] == pinned_pool._our_pool_limit  # import's cap: 90% of RAM
+    assert env not in os.environ  # importing jax_dos sets nothing
+    jax_dos.configure_process()
+    assert os.environ[env] == pinned_pool._our_pool_limit  # configure_process's cap: 90% of RAM
     os.environ[env] = "50"  # a value the user set is kept
     assert jax_dos.cap_pinned_pool(need, host_memory_bytes=ram) is None and os.environ[env] == "50"
     os.environ[env] = pinned_pool._our_pool_limit
@@ -46,8 +48,8 @@ CAP = textwrap.dedent(
 
 def test_the_pinned_pool_is_capped_from_the_need_before_jax_starts():
   """Before the backend starts, the pool's cap is the need and its margin (never below XLA's 64 GiB, never above the
-  RAM less the headroom), replacing the cap ``import jax_dos`` set; a user's value is kept; once jax has started,
-  nothing changes."""
+  RAM less the headroom), replacing the cap ``jax_dos.configure_process`` set; a user's value is kept; once jax has
+  started, nothing changes."""
   rng = np.random.default_rng()
   ram = int(rng.integers(100, 200)) * GiB
   need = int(rng.integers(70 * GiB, ram - host_ram.HOST_HEADROOM_BYTES - pinned_pool.POOL_MARGIN_BYTES))

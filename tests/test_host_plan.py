@@ -1,5 +1,5 @@
-"""The pinned host memory of a plan, per process and per host (``jax_dos/host_plan.py``), and XLA's CPU client's pool
-(``jax_dos/cpu_client.py``): planned from shapes, nothing allocated."""
+"""The pinned host memory of a plan, per process and per host (``jax_dos/planning/host_plan.py``), and XLA's CPU
+client's pool (``jax_dos/memory/cpu_client.py``): planned from shapes, nothing allocated."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import jax_dos
-from jax_dos import cpu_client, host_plan
-from jax_dos.pinned_pool import DEFAULT_POOL_FRACTION
+from jax_dos.memory import cpu_client
+from jax_dos.memory.pinned_pool import DEFAULT_POOL_FRACTION
+from jax_dos.planning import host_plan
 from models import gpt as gpt_model
 
 GIB = 2**30
@@ -66,7 +67,7 @@ def test_13b_on_two_h200s_was_killed_by_the_pools_and_fits_with_shared_caps():
   plan = host_plan.host_plan(leaves, ["host"] * len(leaves), host)
   assert plan.state_bytes == 16 * sum(math.prod(x.shape) for x in leaves)  # 12 B of state, 4 of host buffers
   assert plan.state_bytes < DEFAULT_POOL_FRACTION * TWO_H200_HOST / 2  # the check at init passed
-  whole_host_cap = int(DEFAULT_POOL_FRACTION * TWO_H200_HOST)  # raise_pinned_pool_limit's cap, in each process
+  whole_host_cap = int(DEFAULT_POOL_FRACTION * TWO_H200_HOST)  # configure_process's cap, in each process
   assert plan.reserved_bytes(whole_host_cap) > plan.state_bytes
   assert plan.host_bytes(whole_host_cap) > TWO_H200_HOST  # killed
   assert plan.fits and plan.refusal() is None
@@ -118,18 +119,18 @@ def test_the_cpu_clients_pool_leaves_a_thread_for_every_devices_part():
 
 
 def test_each_process_pool_is_capped_at_its_share_unless_the_user_set_it():
-  """``share_pinned_pool`` (before the backend starts) replaces import's whole-host cap by the process's share; a
-  cap the user set stays."""
+  """``share_pinned_pool`` (before the backend starts) replaces ``configure_process``'s whole-host cap by the
+  process's share; a cap the user set stays."""
   import os
   import subprocess
   import sys
 
-  from jax_dos.pinned_pool import POOL_LIMIT_ENV
+  from jax_dos.memory.pinned_pool import POOL_LIMIT_ENV
 
   rng = np.random.default_rng()
   host = jax_dos.HostMemory(int(rng.integers(64, 2048)) * GIB, int(rng.integers(2, 9)))
   call = f"jax_dos.share_pinned_pool(jax_dos.HostMemory({host.ram_bytes}, {host.processes}))"
-  code = f"import os, jax_dos; {call}; print(os.environ['{POOL_LIMIT_ENV}'])"
+  code = f"import os, jax_dos; jax_dos.configure_process(); {call}; print(os.environ['{POOL_LIMIT_ENV}'])"
   env = {k: v for k, v in os.environ.items() if k != POOL_LIMIT_ENV}
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
   assert out.stdout.split() == [str(host_plan.pool_share(host) // GIB)], out.stdout + out.stderr

@@ -11,7 +11,7 @@ import pytest
 from helpers import SHAPES, random_tree
 
 import jax_dos
-from jax_dos import moment_formats as mf
+from jax_dos.core import moment_formats as mf
 
 SHAPES_BLOCKS = dict(SHAPES, big=(40, 17))  # 680 elements: three int8 blocks, the last one padded
 LR, STEPS = 1e-2, 6
@@ -68,7 +68,8 @@ def test_the_host_kernel_decodes_every_code_as_the_tables_do():
 @pytest.mark.parametrize("into", [False, True], ids=["in_place", "into"])
 def test_the_host_kernel_is_decode_float32_adam_encode(moments, into):
   """Bit for bit: the fused kernel equals host_decode, AdamW in numpy float32 (optax's order), host_encode."""
-  from jax_dos import adam_math, host_kernels
+  from jax_dos.core import adam_math
+  from jax_dos.kernels import host_kernels
 
   rng = np.random.default_rng()
   n, f = 5 * mf.BLOCK + 37, np.float32
@@ -113,7 +114,8 @@ def test_the_host_kernel_gives_the_jnp_paths_bits_for_every_flag(moments, grad, 
   """Bit for bit against code that shares nothing with the kernel: the jnp path's decode and encode and AdamW in
   numpy float32, for each set of flags the kernel has a loop for, both gradient dtypes, decay on and off, lengths
   around the blocks, zero blocks and moments far apart in size."""
-  from jax_dos import adam_math, host_kernels
+  from jax_dos.core import adam_math
+  from jax_dos.kernels import host_kernels
 
   rng = np.random.default_rng()
   f = np.float32
@@ -166,7 +168,8 @@ def test_the_int8_kernels_split_without_roots_first_gives_the_same_bits(mode, mo
   """host_compact.make_int8_kernel(roots_first=False) (nu's square root and scale in the second pass, the split
   bench/probes/host_kernel_bound.py times beside the default) against the default, byte for byte: NaN, inf and zero
   gradients, zero blocks, moments far apart in size, a partial last block."""
-  from jax_dos import adam_math, host_compact, host_kernels
+  from jax_dos.core import adam_math
+  from jax_dos.kernels import host_compact, host_kernels
 
   rng = np.random.default_rng()
   f, n = np.float32, 3 * 4096 + 256 + 37
@@ -299,11 +302,11 @@ def test_overlapped_step_follows_float32_adam_within_the_format(moments):
 
 
 def test_planner_counts_each_formats_bytes(monkeypatch):
-  from jax_dos.plan import STATE_BYTES
-  from jax_dos.planning import make_plan
   from jax_dos.planning.cost_model import Calibration, kernel_bytes
+  from jax_dos.planning.plan import STATE_BYTES
+  from jax_dos.planning.planner import make_plan
 
-  monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)
+  monkeypatch.setattr(jax_dos.memory.kinds, "device_free_bytes", lambda: None)
   g = 1e9
   cal = Calibration(host_rate=1 * g, stream_rate=1 * g, device_rate=100 * g, host_rate_concurrent=1 * g,
                     stream_rate_concurrent=1 * g)  # fmt: skip
@@ -369,7 +372,7 @@ def test_the_overlapped_plan_counts_each_formats_host_bytes():
   from jax_dos.overlap import plan as overlap_plan
 
   groups = make_groups(np.random.default_rng())
-  sizes = jax_dos.plan.partition_groups(groups, 40)[1]
+  sizes = jax_dos.planning.plan.partition_groups(groups, 40)[1]
   budget, times = 16 * sum(sizes), jax_dos.StageTimes((1.0,) * len(STAGES), (2.0,) * len(STAGES))
   layout = overlap_plan.step_layout(jax_dos.StagedModel(STAGES, len(groups)), groups, 40)
   host = {}

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jax_dos
-from jax_dos import moment_formats as mf
+from jax_dos.core import moment_formats as mf
 
 SHAPES = {"w": (40, 17), "b": (17,), "e": (0, 3)}  # w: three int8 blocks
 

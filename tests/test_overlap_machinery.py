@@ -66,17 +66,17 @@ def test_auto_plan_from_the_measured_timeline():
 def test_schedules_run_every_program_once_in_their_order():
   n, k = 4, 3
   for order in ("stage", "batch"):
-    programs = jax_dos.micro_batches.schedule(n, k, order)
+    programs = jax_dos.staged.micro_batches.schedule(n, k, order)
     assert sorted(programs) == sorted([("forward", i, m) for i in range(n - 1) for m in range(k)]
                                       + [("backward", i, m) for i in range(n) for m in range(k)])  # fmt: skip
     for m in range(k):  # each micro-batch: its forward pass, then its backward pass from the last stage
       mine = [(kind, i) for kind, i, mm in programs if mm == m]
       assert mine == [("forward", i) for i in range(n - 1)] + [("backward", i) for i in reversed(range(n))]
-  stage = jax_dos.micro_batches.schedule(n, k, "stage")
+  stage = jax_dos.staged.micro_batches.schedule(n, k, "stage")
   assert stage[:k] == [("forward", 0, m) for m in range(k)]
   assert all(kind == "backward" for kind, _, _ in stage[(n - 1) * k :])  # one backward pass of every micro-batch
   with pytest.raises(ValueError, match="micro_batch_order"):
-    jax_dos.micro_batches.schedule(n, k, "interleaved")
+    jax_dos.staged.micro_batches.schedule(n, k, "interleaved")
 
 
 @pytest.mark.parametrize("clip_norm", [FIRES, NEVER], ids=["clip_fires", "clip_silent"])
@@ -86,7 +86,7 @@ def test_streamed_speculation_is_held_to_the_host_budget(clip_norm):
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, plan="stream")
-  sizes = jax_dos.plan.partition_groups(groups, 40)[1]
+  sizes = jax_dos.planning.plan.partition_groups(groups, 40)[1]
   state_bytes = 12 * sum(sizes)
   for speculated in (0, max(sizes)):
     budget = state_bytes + 12 * speculated
@@ -150,7 +150,10 @@ def test_the_first_steps_programs_are_every_steps():
   assert not any(x.committed for x in jax.tree.leaves(groups))
   step, _ = overlapped_run(groups, batches[:1], FIRES, 2, MIXED[: _subgroup_count(groups)])
   step.settle()
-  programs_now = jax_dos.stage_programs._jit_forward._cache_size, jax_dos.stage_programs._jit_backward._cache_size
+  programs_now = (
+    jax_dos.staged.stage_programs._jit_forward._cache_size,
+    jax_dos.staged.stage_programs._jit_backward._cache_size,
+  )
   programs = tuple(f() for f in programs_now)
   for batch in batches[1:]:
     step(batch)
@@ -244,14 +247,18 @@ def test_leaving_python_with_a_stuck_worker_ends_with_a_message():
 
 def test_streamed_subgroups_in_flight_are_budgeted_beside_the_step_peak(monkeypatch):
   """With the step's needs known, resident state plus the streaming slots fit the room beside the step's peak."""
-  monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)  # the calibration's figure, on a GPU too
+  monkeypatch.setattr(jax_dos.memory.kinds, "device_free_bytes", lambda: None)  # the calibration's figure, on a GPU too
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(2)]
   elements = sum(x.size for x in jax.tree.leaves(groups))
-  largest = max(jax_dos.plan.partition_groups(groups, 40)[1])
-  free = 10 * jax_dos.plan.STATE_BYTES * elements  # the peak leaves room for half the state and one slot
+  largest = max(jax_dos.planning.plan.partition_groups(groups, 40)[1])
+  free = 10 * jax_dos.planning.plan.STATE_BYTES * elements  # the peak leaves room for half the state and one slot
   cal = jax_dos.Calibration(2e9, 3e9, 50e9, 1.8e9, 2e9, device_free_bytes=free)
-  peak = int(free * (1 - 0.08)) - jax_dos.plan.STATE_BYTES * elements // 2 - jax_dos.plan.STAGING_BYTES * largest
+  peak = (
+    int(free * (1 - 0.08))
+    - jax_dos.planning.plan.STATE_BYTES * elements // 2
+    - jax_dos.planning.plan.STAGING_BYTES * largest
+  )
   planner = jax_dos.auto_planner(cal, step_memory=jax_dos.StepMemory(peak, 0), params_in_place=True)
   tx = jax_dos.interleaved_adamw(LR, b1=B1, b2=B2, weight_decay=WD, subgroup_size=40, planner=planner)
   whole = tx.interleaved.plan_for(groups)
@@ -259,8 +266,8 @@ def test_streamed_subgroups_in_flight_are_budgeted_beside_the_step_peak(monkeypa
   step = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=NEVER,
                                 micro_batches=2)  # fmt: skip
   largest_not_resident = max(n for n, p in zip(step.plan.sizes, step.plan.placements) if p != "device")
-  slots = step.plan.stream_slots * jax_dos.plan.STAGING_BYTES * largest_not_resident
-  assert jax_dos.plan.STATE_BYTES * step.plan.elements("device") + slots <= whole.step_room_bytes
+  slots = step.plan.stream_slots * jax_dos.planning.plan.STAGING_BYTES * largest_not_resident
+  assert jax_dos.planning.plan.STATE_BYTES * step.plan.elements("device") + slots <= whole.step_room_bytes
   assert step.plan.elements("device") < whole.elements("device") or step.plan.stream_slots < STREAM_SLOTS
   for batch in batches:
     step(batch)
@@ -269,14 +276,14 @@ def test_streamed_subgroups_in_flight_are_budgeted_beside_the_step_peak(monkeypa
   times = jax_dos.StagedModel(STAGES, len(groups)).measure_times(groups, jax.tree.map(lambda x: x[: ROWS // 3],
                                                                                       batches[0]))  # fmt: skip
   assert times.boundary_bytes == BLOCKS * (ROWS // 3) * D_H * 4 + (ROWS // 3) * D_H * 4  # the inputs of stages 1..4
-  times = dataclasses.replace(times, boundary_bytes=jax_dos.plan.STATE_BYTES * elements // 8)
+  times = dataclasses.replace(times, boundary_bytes=jax_dos.planning.plan.STATE_BYTES * elements // 8)
   for order in ("batch", "stage"):
     ordered = jax_dos.OverlappedStep(tx, STAGES, jax.tree.map(jnp.copy, groups), tx.init(groups), clip_norm=NEVER,
                                      micro_batches=3, micro_batch_order=order, stage_times=times)  # fmt: skip
     extra = 2 * times.boundary_bytes if order == "stage" else 0
     largest_not_resident = max(n for n, p in zip(ordered.plan.sizes, ordered.plan.placements) if p != "device")
-    slots = ordered.plan.stream_slots * jax_dos.plan.STAGING_BYTES * largest_not_resident
-    assert jax_dos.plan.STATE_BYTES * ordered.plan.elements("device") + slots + extra <= whole.step_room_bytes
+    slots = ordered.plan.stream_slots * jax_dos.planning.plan.STAGING_BYTES * largest_not_resident
+    assert jax_dos.planning.plan.STATE_BYTES * ordered.plan.elements("device") + slots + extra <= whole.step_room_bytes
     ordered.close()
 
 
@@ -433,7 +440,7 @@ def test_the_fired_redos_share_counts_the_host_kernel_alone_where_the_calibratio
   faster kernel keeps more of them; unmeasured (0), the host path's concurrent rate sizes it."""
   from jax_dos.overlap import plan as overlap_plan
   from jax_dos.overlap import routes as overlap_routes
-  from jax_dos.stages import StagedModel
+  from jax_dos.staged.stages import StagedModel
 
   rng = np.random.default_rng()
   groups = make_groups(rng)
@@ -457,7 +464,7 @@ def test_the_fired_redo_switch_leaves_every_host_subgroup_to_the_host_kernel(mon
   with the stream path after a decision; any other value keeps the plan's share."""
   from jax_dos.overlap import plan as overlap_plan
   from jax_dos.overlap import routes as overlap_routes
-  from jax_dos.stages import StagedModel
+  from jax_dos.staged.stages import StagedModel
 
   rng = np.random.default_rng()
   groups = make_groups(rng)

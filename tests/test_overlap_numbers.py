@@ -137,8 +137,8 @@ def test_speculation_follows_the_last_steps_clip(clip_norm):
 
 def test_a_fired_clips_redo_is_shared_by_both_paths_and_deterministic():
   """With the clip firing, the stream path steps a fixed share of the host subgroups (spread through the forward
-  order, ``jax_dos.fired.fired_share``) on the accelerator while the host kernel redoes the others: optax's numbers,
-  and the same bits in two runs."""
+  order, ``jax_dos.planning.fired.fired_share``) on the accelerator while the host kernel redoes the others: optax's
+  numbers, and the same bits in two runs."""
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(3)]
   plan = ["device", "stream"] + ["host"] * (_subgroup_count(groups) - 2)
@@ -192,10 +192,10 @@ def test_kernel_into_spare_buffers_is_the_in_place_kernel(grad_dtype, low_dtype)
   outs = [np.full(n, np.nan, np.float32) for _ in range(3)]
   low, low_ref = (np.zeros(n, jnp.dtype(low_dtype)) for _ in range(2))
   kw = dict(b1=0.9, b2=0.95, eps=1e-8, eps_root=0.0, weight_decay=0.1, scalars=np.float32([-1e-2, 0.1, 0.05, 0.5]))
-  jax_dos.host_kernels.adam_many_into([(g, p, m, v, *outs, low)], [True], **kw)
+  jax_dos.kernels.host_kernels.adam_many_into([(g, p, m, v, *outs, low)], [True], **kw)
   for a, b in zip((p, m, v), old):
     np.testing.assert_array_equal(a, b)  # the state is left as it was
-  jax_dos.host_kernels.adam_many([(g, p, m, v, low_ref)], [True], **kw)
+  jax_dos.kernels.host_kernels.adam_many([(g, p, m, v, low_ref)], [True], **kw)
   for a, b in zip(outs + [low], (p, m, v, low_ref)):
     np.testing.assert_array_equal(a, b)
 
@@ -258,7 +258,7 @@ SHARDED = textwrap.dedent(
     sys.path.insert(0, "tests")
     import dataclasses
     import jax_dos
-    from jax_dos import partition
+    from jax_dos.core import partition
     from jax_dos.overlap import memory as overlap_memory
     from jax_dos.overlap import plan as overlap_plan
     import overlap_model as t

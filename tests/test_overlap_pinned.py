@@ -19,7 +19,8 @@ from overlap_model import (
 )
 
 import jax_dos
-from jax_dos import memory, pinned_pool
+from jax_dos.memory import kinds as memory
+from jax_dos.memory import pinned_pool
 from jax_dos.overlap import stream_path
 from jax_dos.overlap.host_path import HostPath
 
@@ -65,7 +66,7 @@ def test_a_stream_heavy_plans_pinned_arrays_stay_within_host_bytes(monkeypatch, 
   rng = np.random.default_rng()
   groups, batches = make_groups(rng), [make_batch(rng) for _ in range(4)]
   plan = ["device"] + ["stream"] * (_subgroup_count(groups) - 1)
-  sizes = jax_dos.plan.partition_groups(groups, 40)[1]
+  sizes = jax_dos.planning.plan.partition_groups(groups, 40)[1]
   budget = 12 * sum(sizes[1:]) + 12 * 2 * max(sizes)  # the state and speculation on two subgroups
   seen = _record_stream_puts(monkeypatch)
   step, _ = overlapped_run(groups, batches, clip_norm, 2, plan, speculation="always", stream_slots=3,

@@ -19,7 +19,7 @@ import jax_dos
 from jax_dos.overlap import plan as overlap_plan
 from jax_dos.overlap.room import TEMP_MARGIN, stage_room
 from jax_dos.planning.budgets import STEP_MARGIN, BudgetInputs, StepMemory, resolve_budgets
-from jax_dos.timeline import RematCosts, StageTimes
+from jax_dos.planning.timeline import RematCosts, StageTimes
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

@@ -124,7 +124,7 @@ SHARE_SCRIPT = textwrap.dedent(
     whole = overlap_plan.step_layout(model, groups, 8, partitioned=False)
     assert whole.device_share == 1.0 and split.device_share == 0.5, (whole.device_share, split.device_share)
     total = sum(split.sizes)
-    room = int(0.6 * jax_dos.plan.STATE_BYTES * total)  # a device holds half the state, not all of it
+    room = int(0.6 * jax_dos.planning.plan.STATE_BYTES * total)  # a device holds half the state, not all of it
     plan = jax_dos.Plan(split.subgroups, ("device",) * len(split.sizes), split.sizes, 4, step_room_bytes=room)
     kept = {name: overlap_plan.room_beside_step(plan, layout.device_share, layout.sizes, layout.forward_order, 4)[0]
             for name, layout in (("split", split), ("whole", whole))}

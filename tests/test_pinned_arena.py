@@ -1,4 +1,4 @@
-"""Pinned host memory of our own (``jax_dos.pinned_arena``) and the copies into it (``jax_dos.copy_out``).
+"""Pinned host memory of our own (``jax_dos.memory.pinned_arena``) and the copies into it (``jax_dos.memory.copy_out``).
 
 The CPU backend takes the same DLPack path as CUDA (``kDLCUDAHost`` arrays in ``pinned_host`` memory), so these
 run the arena's code as the GPU does; only the driver's copy (``cuMemcpyDtoHAsync``) is ``memmove`` here.
@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_dos.copy_out import CopyOut
 from jax_dos.hand_off import HandOffError
-from jax_dos.pinned_arena import PinnedArena
+from jax_dos.memory.copy_out import CopyOut
+from jax_dos.memory.pinned_arena import PinnedArena
 
 
 def _device_array(rng: np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:
@@ -101,8 +101,8 @@ SHARDED = textwrap.dedent(
   """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jax_dos.copy_out import CopyOut
-    from jax_dos.pinned_arena import PinnedArena
+    from jax_dos.memory.copy_out import CopyOut
+    from jax_dos.memory.pinned_arena import PinnedArena
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     rng = np.random.default_rng()

@@ -7,18 +7,11 @@ import optax
 import pytest
 
 import jax_dos
-from jax_dos.plan import STAGING_BYTES, STATE_BYTES
-from jax_dos.planning import (
-  BudgetInputs,
-  Calibration,
-  StepMemory,
-  auto_planner,
-  make_plan,
-  plan_sizes,
-  predict,
-  resolve_budgets,
-)
-from jax_dos.planning.budgets import STEP_MARGIN, UPDATE_BYTES
+from jax_dos.planning.budgets import STEP_MARGIN, UPDATE_BYTES, BudgetInputs, StepMemory, resolve_budgets
+from jax_dos.planning.cost_model import Calibration, predict
+from jax_dos.planning.plan import STAGING_BYTES, STATE_BYTES
+from jax_dos.planning.planner import auto_planner, make_plan
+from jax_dos.planning.search import plan_sizes
 
 G = 1e9
 
@@ -184,7 +177,7 @@ def _params(rng, shapes):
 @pytest.fixture
 def no_memory_stats(monkeypatch):
   """The accelerator reports no free memory, as on the CPU backend: budgets come from the calibration or are 0."""
-  monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)
+  monkeypatch.setattr(jax_dos.memory.kinds, "device_free_bytes", lambda: None)
 
 
 def test_make_plan_on_a_tree(no_memory_stats):

@@ -1,4 +1,4 @@
-"""Rematerialisation policies per stage (``jax_dos.remat``, ``Stage.remat``) and the plan that chooses them.
+"""Rematerialisation policies per stage (``jax_dos.staged.remat``, ``Stage.remat``) and the plan that chooses them.
 
 A policy changes what a stage's forward program keeps and its backward
 program recomputes, never the numbers: the staged model's losses and
@@ -20,7 +20,7 @@ from helpers import max_rel_diff
 from jax.ad_checkpoint import checkpoint_name
 
 import jax_dos
-from jax_dos.plan import STAGING_BYTES, STATE_BYTES
+from jax_dos.planning.plan import STAGING_BYTES, STATE_BYTES
 from models import gpt as G
 
 D_IN, D_H, ROWS = 6, 8, 8
@@ -73,7 +73,7 @@ def test_gpt_stages_under_every_policy_give_full_remats_loss_and_gradients():
   loss, grads = model.loss_and_grads(groups, batch, micro_batches=2)
   np.testing.assert_allclose(float(loss), float(full[0]), rtol=1e-6)
   assert max_rel_diff(grads, full[1]) < 1e-5
-  part, xs, kept = jax_dos.micro_batches.micro_batch(batch, 0, 2), [None], []
+  part, xs, kept = jax_dos.staged.micro_batches.micro_batch(batch, 0, 2), [None], []
   for i in range(4):
     x, saved = model.forward(i, (groups[i],), xs[-1], part)  # embeddings: full, nothing kept
     xs.append(x)
@@ -121,7 +121,7 @@ def hand_made_times(k_saved: int) -> jax_dos.StageTimes:
 def plan_under_memory(monkeypatch, groups, times, room: int, rate: float = 2e9, fired_share: float = 0.0):
   """The overlapped step's plan for a device whose room beside the step's peak is ``room`` bytes (the host path's
   rate ``rate`` parameters a second, the others in proportion)."""
-  monkeypatch.setattr(jax_dos.memory, "device_free_bytes", lambda: None)  # the calibration's figure
+  monkeypatch.setattr(jax_dos.memory.kinds, "device_free_bytes", lambda: None)  # the calibration's figure
   free = 10 * room
   cal = jax_dos.Calibration(rate, 1.5 * rate, 25 * rate, 0.9 * rate, rate, device_free_bytes=free)
   peak = int(free * (1 - 0.08)) - room
@@ -134,7 +134,7 @@ def plan_under_memory(monkeypatch, groups, times, room: int, rate: float = 2e9, 
 def test_the_plan_keeps_full_remat_where_nothing_else_fits_and_saves_activations_where_memory_allows(monkeypatch):
   rng = np.random.default_rng()
   groups = toy_groups(rng)
-  slot = STAGING_BYTES * max(jax_dos.plan.partition_groups(groups, 40)[1])
+  slot = STAGING_BYTES * max(jax_dos.planning.plan.partition_groups(groups, 40)[1])
   saved = int(rng.integers(1, 4)) * 10**6  # one block's "minimal" residuals, one micro-batch
   times = hand_made_times(saved)
   # Room for a streaming slot, but not for one block's minimal residuals of both micro-batches beside it.
@@ -160,7 +160,7 @@ def test_a_policy_is_taken_only_for_a_gain_beyond_the_models_error(monkeypatch, 
   step's 22 s: 0.88 s (4 %, within the model's 5 % error: ``full`` kept) or 1.2 s (5.5 %: taken)."""
   rng = np.random.default_rng()
   groups = toy_groups(rng)
-  slot = STAGING_BYTES * max(jax_dos.plan.partition_groups(groups, 40)[1])
+  slot = STAGING_BYTES * max(jax_dos.planning.plan.partition_groups(groups, 40)[1])
   saved = 10**6
 
   def costs(backward: float, saved: int) -> jax_dos.RematCosts:
@@ -188,7 +188,7 @@ def test_the_activation_memory_and_the_candidates_of_an_assignment():
   assert times.extra_activation_bytes(mixed, 3, "stage") == 3 * (2 * saved + saved) + 12 - 9
   assert times.extra_activation_bytes(mixed, 3, "batch") == 2 * saved + saved + 12 - 9
   assert times.extra_activation_bytes(("full", "minimal", "minimal", "full"), 3, "stage") == 3 * 2 * saved  # 7 < 9
-  assert jax_dos.timeline.remat_candidates(times) == [
+  assert jax_dos.planning.timeline.remat_candidates(times) == [
     ("full",) * 4,
     ("full", "full", "minimal", "full"),  # 0.5 s per saved byte: minimal first, the last block first
     ("full", "minimal", "minimal", "full"),
@@ -226,7 +226,7 @@ def test_a_plan_for_a_firing_clip_gives_the_room_to_state_where_the_silent_plan_
   is never below its bound."""
   groups = toy_groups(np.random.default_rng())
   times = hand_made_times(STATE_BYTES * 40)
-  slot = STAGING_BYTES * max(jax_dos.plan.partition_groups(groups, 40)[1])
+  slot = STAGING_BYTES * max(jax_dos.planning.plan.partition_groups(groups, 40)[1])
   room = slot + 8 * STATE_BYTES * 40
   silent = plan_under_memory(monkeypatch, groups, times, room, rate=20.0)
   fired = plan_under_memory(monkeypatch, groups, times, room, rate=20.0, fired_share=1.0)

@@ -1,12 +1,12 @@
-"""The overlapped step's timeline model (``jax_dos.timeline``): worked cases and the placements it picks."""
+"""The overlapped step's timeline model (``jax_dos.planning.timeline``): worked cases and the placements it picks."""
 
 import dataclasses
 
 import pytest
 
-from jax_dos.collectives import STREAM_DRAM_SHARE, Collectives
-from jax_dos.fired import fired_bound, fired_share, simulate_fired
-from jax_dos.timeline import (
+from jax_dos.planning.collectives import STREAM_DRAM_SHARE, Collectives
+from jax_dos.planning.fired import fired_bound, fired_share, simulate_fired
+from jax_dos.planning.timeline import (
   HostBytes,
   Rates,
   StageTimes,

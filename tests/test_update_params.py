@@ -108,12 +108,12 @@ def test_refuses_a_transformation_it_does_not_own():
 
 def test_resident_update_in_bounded_calls_matches_optax(monkeypatch):
   """Resident subgroups update in several jitted calls when they exceed the per-call size; the numbers stay optax's."""
-  monkeypatch.setattr(jax_dos.plan, "RESIDENT_CALL_ELEMENTS", 100)
+  monkeypatch.setattr(jax_dos.planning.plan, "RESIDENT_CALL_ELEMENTS", 100)
   rng = np.random.default_rng()
   params = random_tree(rng)
   tx, ref = make_tx("device"), optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
   plan = jax_dos.get_plan(tx, params)
-  engine = jax_dos.engine.Engine(tx.interleaved.hyper, plan, (False,) * len(jax.tree.leaves(params)), 0, 0)
+  engine = jax_dos.optimizer.engine.Engine(tx.interleaved.hyper, plan, (False,) * len(jax.tree.leaves(params)), 0, 0)
   calls = engine.resident_calls  # leaves, per call of Plan.resident_calls
   assert len(calls) > 1 and sorted(i for c in calls for i in c) == list(range(len(jax.tree.leaves(params))))
   ref_params, state, ref_state = jax.tree.map(jnp.copy, params), tx.init(params), ref.init(params)

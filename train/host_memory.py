@@ -46,7 +46,11 @@ def pinned_need(args: Flags, host_memory_bytes: int | None = None) -> tuple[int,
 def cap_host_memory(args: Flags, host_memory_bytes: int | None = None) -> int | None:
   """Caps XLA's pinned pool at the run's most (:func:`pinned_need`) before jax starts; returns the cap in bytes
   (``None``: unchanged, a value the user set, or jax already started). A run that cannot fit ``host_memory_bytes``
-  (default the machine's RAM) is a ``SystemExit`` naming the numbers and what to change."""
+  (default the machine's RAM) is a ``SystemExit`` naming the numbers and what to change.
+
+  First the pool may take 90 % of the host's RAM (``jax_dos.configure_process``'s cap, XLA's own is 64 GiB), which a
+  run that offloads lowers to its need."""
+  jax_dos.configure_process()  # before jax starts; with --devices, parallel.select_devices calls it again
   certain, most = pinned_need(args, host_memory_bytes)
   if not most:
     return None

@@ -180,7 +180,7 @@ def first_norm(
 def stage_times(staged: jax_dos.NNXStages, params: dict, micro: tuple, remat: str = "full") -> jax_dos.StageTimes:
   """Each stage's measured forward and backward time on ``micro``, one micro-batch laid out as the step lays it out;
   with ``remat="auto"`` also each stage's costs under the policies the plan chooses among
-  (``jax_dos.remat.PLANNED_POLICIES``)."""
+  (``jax_dos.staged.remat.PLANNED_POLICIES``)."""
   model = jax_dos.StagedModel(stages(staged, remat), staged.num_groups)
   policies = jax_dos.PLANNED_REMAT_POLICIES if remat == "auto" else ()
   return model.measure_times(staged.split(params), micro, policies)

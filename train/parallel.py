@@ -71,10 +71,15 @@ def join_from_environment(environ: dict[str, str] | None = None) -> bool:
 def select_devices(devices: int | None, environ: dict[str, str] | None = None) -> None:
   """``--devices K``: this process trains on its first ``K`` devices (GPUs, or ``K`` CPU devices on a CPU), set
   before jax starts a backend; nothing for ``None``. A job of several processes gives each process its GPUs itself
-  (``JAX_LOCAL_DEVICE_IDS``, ``CUDA_VISIBLE_DEVICES``, SLURM): ``SystemExit`` saying so."""
-  if devices is None:
-    return
-  env = os.environ if environ is None else environ
+  (``JAX_LOCAL_DEVICE_IDS``, ``CUDA_VISIBLE_DEVICES``, SLURM): ``SystemExit`` saying so. Then XLA's CPU client gets
+  enough pool threads for the process's CPU devices, however many (``jax_dos.configure_process``'s ``PJRT_NPROC``)."""
+  if devices is not None:
+    _first_devices(devices, os.environ if environ is None else environ)
+  jax_dos.configure_process()  # now that jax_num_cpu_devices is set: PJRT_NPROC for that many
+
+
+def _first_devices(devices: int, env) -> None:
+  """``--devices K`` set before jax starts: the first ``K`` GPUs, or ``K`` CPU devices on a CPU."""
   if any(env.get(v) for v in COORDINATOR_VARS) or (all(v in env for v in SLURM_VARS) and int(env["SLURM_NTASKS"]) > 1):
     raise SystemExit(
       "error: --devices picks the GPUs of one process; in a job of several processes give each process its GPUs"

@@ -2,17 +2,17 @@
 
 After a fired clip every offloaded parameter is updated after the decision ``D`` (the backward pass's end), and the
 next forward pass can hide that work only stage by stage: stage ``j`` starts no earlier than ``D + W_<=j / R``
-(``jax_dos.fired``: ``W_<=j`` the offloaded parameters of stages ``<= j``, ``R = k h_c / h + s_c`` both paths after
-the decision), nor before ``D + r + F_<j`` (the resident update ``r``, the forward pass so far). So a fired step is at
-least ``compute + max(r, max_j (W_<=j / R - F_<j))``, and the accelerator's room bounds how much can be resident.
+(``jax_dos.planning.fired``: ``W_<=j`` the offloaded parameters of stages ``<= j``, ``R = k h_c / h + s_c`` both paths
+after the decision), nor before ``D + r + F_<j`` (the resident update ``r``, the forward pass so far). So a fired step
+is at least ``compute + max(r, max_j (W_<=j / R - F_<j))``, and the accelerator's room bounds how much can be resident.
 
 This script rebuilds the 6.7B GPT's subgroups (``bench/analysis/replay_timeline.py``'s), takes the stage times of the
 committed fired benchmark (``train_step-h100/gpt6p7b_2x8_overlap_clip_fires.json``: vocab 50,304; for the README's
 command, vocab 256, its head's backward program is taken as the embedding's, 4 ms) and the rates each run printed,
 and prints for each run: the model before (the host at the plain engine's concurrent rate, the last host subgroups
 shared), the model now on the split that ran (the last ones, sized at the kernel's rate), the split now
-(``jax_dos.fired.fired_share``), the plan made for a firing clip (the resident share the room holds, every stage
-``full``) and the bound (``jax_dos.fired.fired_bound``), against the measured step::
+(``jax_dos.planning.fired.fired_share``), the plan made for a firing clip (the resident share the room holds, every
+stage ``full``) and the bound (``jax_dos.planning.fired.fired_bound``), against the measured step::
 
     python bench/analysis/fired_bound.py
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from replay_timeline import model_subgroups  # noqa: E402
 
 import jax_dos  # noqa: E402
-from jax_dos import fired, timeline  # noqa: E402
+from jax_dos.planning import fired, timeline  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 FIRED_RUN = os.path.join(RESULTS, "train_step-h100", "gpt6p7b_2x8_overlap_clip_fires.json")

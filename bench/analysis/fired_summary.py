@@ -4,7 +4,7 @@ For each moment format (``fired_<moments>`` and ``fired_<moments>_plain`` in the
 ``--overlap auto`` took and why (its ``step`` line), the seconds a step each run measured (32,768 tokens over its
 tokens/s, the mean of its windows after the first: the first holds the compilation and the first steps' allocations),
 the calibration (with the host kernel's rate on each moment format), the overlapped plan's predictions (its step
-after a fired clip and the bound on it: ``jax_dos.fired``) and the plain plan's (its forward/backward, the
+after a fired clip and the bound on it: ``jax_dos.planning.fired``) and the plain plan's (its forward/backward, the
 overlapped plan's ``compute_plain``, plus its update), how many steps the clip fired in, the measured speed-up of the
 overlapped step over the plain one and the one its bound allows, and how far the measured fired step is from its
 bound::

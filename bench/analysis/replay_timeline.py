@@ -6,7 +6,7 @@ From a ``bench/train_step.py`` JSON (an ``overlap`` variant run with ``--timelin
 * the model without the stream path's cap during the backward pass, on the placements it chooses (for runs planned
   before the cap, this should equal the run's recorded ``plan_predicted``; later runs record the capped model's own
   choice, the fourth line);
-* the model with the cap (``jax_dos.timeline.stream_rate_during_backward``) on those same placements;
+* the model with the cap (``jax_dos.planning.timeline.stream_rate_during_backward``) on those same placements;
 * the placements the capped model chooses, and their predicted step;
 * the measured step.
 
@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax_dos  # noqa: E402
-from jax_dos import timeline  # noqa: E402
+from jax_dos.planning import timeline  # noqa: E402
 from train.flags import ARCHS  # noqa: E402
 
 

@@ -15,8 +15,8 @@ either way).
 ``--rows``: rows a device a micro-batch (the README's ``--batch``). Zero weights and random activations: the time of
 the programs, not of a model.
 
-Since the prefetch was built (``jax_dos.gather_ahead``), a third backward row: the program as the overlapped step runs
-it, given its weights whole and gathering the next block's (``backward_ahead_s``); and with ``--whole PRESET`` the
+Since the prefetch was built (``jax_dos.staged.gather_ahead``), a third backward row: the program as the overlapped step
+runs it, given its weights whole and gathering the next block's (``backward_ahead_s``); and with ``--whole PRESET`` the
 whole model's choice (``StagedModel.measure_times``) and its passes timed both ways.
 """
 
@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, ".")
 import jax_dos  # noqa: E402
-from jax_dos.gather_ahead import gather_targets  # noqa: E402
+from jax_dos.staged.gather_ahead import gather_targets  # noqa: E402
 from models import gpt  # noqa: E402
 from train import parallel  # noqa: E402
 
@@ -80,7 +80,7 @@ def block(preset: str, rows: int, seq: int, reps: int) -> dict:
       return model.backward(1, p, x, batch, dy, (None,) * len(st.groups), False)[1]
 
     out[f"backward_{name}_s"] = median_s(backward, reps)
-  # The overlapped step's backward program with the weights gathered ahead (jax_dos.gather_ahead): given its own
+  # The overlapped step's backward program with the weights gathered ahead (jax_dos.staged.gather_ahead): given its own
   # weights whole by the program before it, it gathers the next block's (here the same shapes, its own shards again).
   whole = tuple(jax.tree.leaves(gathered)[j] for j, _ in gather_targets(sharded))  # the leaves a device lacks
 

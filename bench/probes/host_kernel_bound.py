@@ -60,8 +60,8 @@ import numba  # noqa: E402
 import numba.extending  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_dos import host_compact, host_kernels  # noqa: E402
-from jax_dos import moment_formats as mf  # noqa: E402
+from jax_dos.core import moment_formats as mf  # noqa: E402
+from jax_dos.kernels import host_compact, host_kernels  # noqa: E402
 from jax_dos.planning.cost_model import kernel_bytes  # noqa: E402
 
 F = np.float32

@@ -31,9 +31,10 @@ import jax.numpy as jnp  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_dos import adam_math, host_kernels  # noqa: E402
-from jax_dos import moment_formats as mf  # noqa: E402
-from jax_dos.adam_math import AdamHyper  # noqa: E402
+from jax_dos.core import adam_math  # noqa: E402
+from jax_dos.core import moment_formats as mf  # noqa: E402
+from jax_dos.core.adam_math import AdamHyper  # noqa: E402
+from jax_dos.kernels import host_kernels
 
 HYPER = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.01)
 

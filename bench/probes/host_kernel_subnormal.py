@@ -29,8 +29,9 @@ import time
 import numba
 import numpy as np
 
-from jax_dos import host_kernels, subnormals
-from jax_dos import moment_formats as mf
+from jax_dos import subnormals
+from jax_dos.core import moment_formats as mf
+from jax_dos.kernels import host_kernels
 
 
 def cpu_model() -> str:

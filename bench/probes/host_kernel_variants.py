@@ -19,8 +19,9 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
-from jax_dos import adam_math, host_compact
-from jax_dos import moment_formats as mf
+from jax_dos.core import adam_math
+from jax_dos.core import moment_formats as mf
+from jax_dos.kernels import host_compact
 
 F = np.float32
 _OPTS = dict(parallel=True, nogil=True, boundscheck=False)

@@ -20,7 +20,7 @@ import time
 import numba
 import numpy as np
 
-from jax_dos import host_kernels
+from jax_dos.kernels import host_kernels
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import jax.numpy as jnp  # noqa: E402
 
-from jax_dos import moment_formats  # noqa: E402
+from jax_dos.core import moment_formats  # noqa: E402
 from train import gpt  # noqa: E402
 
 

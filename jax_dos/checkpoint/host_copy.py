@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 import jax
 
-from jax_dos import host_copies, host_ram
 from jax_dos.checkpoint.processes import any_process
+from jax_dos.memory import host_copies, host_ram
 
 HostCopy = Literal["auto", "copy", "block"]
 

@@ -55,7 +55,7 @@ from jax_dos.checkpoint import host_copy as host_guard
 from jax_dos.checkpoint.optax_state import from_optax_adamw_state, to_optax_adamw_state
 from jax_dos.checkpoint.processes import barrier, from_primary
 from jax_dos.checkpoint.template import TemplateMismatchError, ocp
-from jax_dos.engine import wait_for_host_updates
+from jax_dos.optimizer.engine import wait_for_host_updates
 
 __all__ = [
   "FORMAT",

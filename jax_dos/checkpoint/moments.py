@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_dos import moment_formats as mf
 from jax_dos.checkpoint import template
+from jax_dos.core import moment_formats as mf
 
 VERSION = 1
 # Stored bytes of moments one read of a conversion holds (mu and nu of a group of leaves; a larger leaf is read

@@ -33,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_dos import memory, moment_formats
 from jax_dos.checkpoint import moments as checkpoint_moments
-from jax_dos.engine import wait_for_host_updates
-from jax_dos.plan import MEMORY_KIND, Plan
-from jax_dos.state import InterleavedAdamState
+from jax_dos.core import moment_formats
+from jax_dos.core.state import InterleavedAdamState
+from jax_dos.memory import kinds as memory
+from jax_dos.optimizer.engine import wait_for_host_updates
+from jax_dos.planning.plan import MEMORY_KIND, Plan
 
 _ADAM_NODES = (InterleavedAdamState, optax.ScaleByAdamState)
 

@@ -21,10 +21,10 @@ from shapes and stage times, checked against ``memory``; ``step`` allocates the 
 the clip staying silent until the decider resolves the step's decision (``clip``). The plan flows one way: the step
 never edits one, it asks ``plan`` for a new one.
 
-The modules it stands on (``stages``, ``timeline``, ``job_thread``, ``copy_out``, ``pinned_arena``, the stream and
-host mechanics of ``paths``, which the eager engine runs too, ...) stay in ``jax_dos``, and none of them imports the
-package. It exports only the step (``jax_dos`` exports it too); everything
-else is imported from its module (``jax_dos.overlap.plan``, ...).
+The modules it stands on (``staged.stages``, ``planning.timeline``, ``job_thread``, ``memory.copy_out``,
+``memory.pinned_arena``, the stream and host mechanics of ``optimizer.paths``, which the eager engine runs too, ...)
+are in the packages below it, and none of them imports this one. It exports only the step (``jax_dos`` exports it
+too); everything else is imported from its module (``jax_dos.overlap.plan``, ...).
 """
 
 from jax_dos.overlap.step import OverlappedStep

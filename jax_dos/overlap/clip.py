@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dos import trace
-from jax_dos.adam_math import clip_scale
+from jax_dos.core.adam_math import clip_scale
 from jax_dos.job_thread import hand_back
 
 SPECULATION_MODES = ("auto", "silent", "always", "never")

@@ -19,7 +19,7 @@ their untouched state, gradients, parameters and spare buffers through
 ``StepRecord.host_share``, keeping none of them (one holder a buffer), and
 takes their new state and the old one back through ``StepRecord.share_done``.
 
-With a :class:`~jax_dos.pinned_arena.PinnedArena` every buffer of the host
+With a :class:`~jax_dos.memory.pinned_arena.PinnedArena` every buffer of the host
 path (state, spare state, weight copies) is one of its arrays, outside XLA's
 pinned pool; a fired clip's share hands the stream path its spare buffers
 too, which that path's new state is copied into.
@@ -35,13 +35,16 @@ from typing import Any
 
 import jax
 
-from jax_dos import device_steps, memory, pinned_arena, trace
+from jax_dos import trace
 from jax_dos.hand_off import HandOff, receive, send
 from jax_dos.job_thread import Failure, result_of
+from jax_dos.memory import kinds as memory
+from jax_dos.memory import pinned_arena
+from jax_dos.memory.pinned_arena import PinnedArena
+from jax_dos.optimizer import device_steps
+from jax_dos.optimizer.paths import host
 from jax_dos.overlap.clip import StepRecord
 from jax_dos.overlap.routes import Routes
-from jax_dos.paths import host
-from jax_dos.pinned_arena import PinnedArena
 
 
 @dataclasses.dataclass

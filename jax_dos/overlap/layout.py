@@ -9,11 +9,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_dos import gather_ahead, memory, partition
-from jax_dos.plan import partition_groups
-from jax_dos.stages import StagedModel
-from jax_dos.timeline import Subgroup
-from jax_dos.trees import leaves_with_paths
+from jax_dos.core import partition
+from jax_dos.core.trees import leaves_with_paths
+from jax_dos.memory import kinds as memory
+from jax_dos.planning.plan import partition_groups
+from jax_dos.planning.timeline import Subgroup
+from jax_dos.staged import gather_ahead
+from jax_dos.staged.stages import StagedModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +23,7 @@ class StepLayout:
   """A staged model's parameters as the plan sees them.
 
   ``subgroups`` (leaf indices) and ``sizes`` (elements) are
-  ``jax_dos.plan.partition_groups``'; ``stages`` gives each subgroup's stage,
+  ``jax_dos.planning.plan.partition_groups``'; ``stages`` gives each subgroup's stage,
   the one whose backward pass completes its gradient; ``leaf_sizes`` and
   ``leaf_bytes`` each leaf's elements and bytes per element; ``hand_over``
   every subgroup in the order the backward pass hands them over;
@@ -35,7 +37,7 @@ class StepLayout:
   ``last_stages`` each subgroup's last stage using its group (whose backward
   pass starts its gradient's sum), its ``stages`` entry where not given;
   ``ahead_bytes`` the bytes one device holds of the largest stage's weights
-  gathered whole ahead of its backward programs (``jax_dos.gather_ahead``),
+  gathered whole ahead of its backward programs (``jax_dos.staged.gather_ahead``),
   0 where none are.
   """
 

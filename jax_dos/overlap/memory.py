@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jax_dos import host_plan, host_ram, moment_formats, pinned_pool
-from jax_dos.plan import Plan
-from jax_dos.timeline import HostBytes
+from jax_dos.core import moment_formats
+from jax_dos.memory import host_ram, pinned_pool
+from jax_dos.planning import host_plan
+from jax_dos.planning.plan import Plan
+from jax_dos.planning.timeline import HostBytes
 
 # The share of RAM the step plans its pinned host memory into where no host_budget_bytes is given (the state, spare
 # host state, streamed speculation): at 6.7B on a 125.9 GiB H100 host the process's resident set reached 97% of RAM

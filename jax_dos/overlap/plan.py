@@ -13,7 +13,7 @@ optimizer's own plan and the measured stage times, for ``jax_dos.overlap.step``:
   in flight (:func:`room_beside_step`; where the parameters are sharded, the
   peak is the stage programs', ``overlap.room``), and with stage times the split of the
   rest between the host and stream paths that the timeline model predicts
-  fastest within the host budget (``jax_dos.timeline``);
+  fastest within the host budget (``jax_dos.planning.timeline``);
 * the pinned host bytes a plan needs in this process, how many streamed
   parameters the budget lets a step speculate on, and the refusal where they
   do not fit are ``jax_dos.overlap.memory``'s;
@@ -31,25 +31,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_dos import memory, moment_formats, partition
-from jax_dos.collectives import Collectives
-from jax_dos.fired import fired_bound, simulate_fired
-from jax_dos.interleaved import InterleavedAdam, find_interleaved
+from jax_dos.core import moment_formats, partition
+from jax_dos.core.state import InterleavedAdamState
+from jax_dos.memory import kinds as memory
+from jax_dos.optimizer.interleaved import InterleavedAdam, find_interleaved
 from jax_dos.overlap.layout import StepLayout, step_layout
 from jax_dos.overlap.memory import (
   default_host_budget,
   host_bytes_per,
 )
 from jax_dos.overlap.room import device_bytes, room_beside_step, stage_room
-from jax_dos.plan import (
+from jax_dos.planning.collectives import Collectives
+from jax_dos.planning.fired import fired_bound, simulate_fired
+from jax_dos.planning.plan import (
   PLACEMENTS,
   Plan,
   agreed_step_plan,
 )
-from jax_dos.rates import Rates
-from jax_dos.stages import Stage, StagedModel
-from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import (
+from jax_dos.planning.rates import Rates
+from jax_dos.planning.timeline import (
   MICRO_BATCH_ORDERS,
   PREDICTION_ERROR,
   StageTimes,
@@ -58,6 +58,7 @@ from jax_dos.timeline import (
   stage_ordered_placements,
   stream_rate_during_backward,
 )
+from jax_dos.staged.stages import Stage, StagedModel
 
 # How many stage programs the training thread may have dispatched beyond the one the accelerator is running. The
 # workers' programs (streamed updates, the host path's copies) queue behind whatever the training thread dispatched
@@ -162,7 +163,7 @@ def plan_step(
   ``stage_times`` it holds the timeline model's predicted step
   (``plan.predicted["step"]`` and ``["exposed"]`` with the clip silent,
   ``["step_clip_fired"]`` after a fired clip and ``["step_clip_fired_bound"]``
-  the shortest such step its placements allow (``jax_dos.fired.fired_bound``),
+  the shortest such step its placements allow (``jax_dos.planning.fired.fired_bound``),
   ``["compute_plain"]`` the forward and backward passes as the plain step
   runs them: every stage ``"full"`` where the plan chose the
   rematerialisation), to compare with the plain step's plan
@@ -280,7 +281,7 @@ def make_step_plan(
       if len({where[i] for i in leaves}) > 1:
         raise ValueError(
           f"plan subgroup {s} spans two parameter groups; the overlapped step needs subgroups within groups"
-          " (jax_dos.plan.partition_groups), or use the plain path (tx.update after jax.grad)."
+          " (jax_dos.planning.plan.partition_groups), or use the plain path (tx.update after jax.grad)."
         )
     return spec
   if isinstance(spec, str) and spec == "auto":
@@ -312,7 +313,7 @@ def make_step_plan(
   if len(placements) != len(subgroups):
     raise ValueError(
       f"plan lists {len(placements)} placements but the groups pack into {len(subgroups)} subgroups"
-      " (jax_dos.plan.partition_groups); pass one placement per subgroup."
+      " (jax_dos.planning.plan.partition_groups); pass one placement per subgroup."
     )
   return Plan(subgroups, placements, sizes, max_stream_slots, source="user")
 
@@ -344,7 +345,7 @@ def _timeline_plan(
 
   The step compared is the one expected with the clip firing in a share
   ``p = fired_share`` of the steps, ``(1 - p) silent + p fired``
-  (``jax_dos.fired.simulate_fired``): a fired step can hide its offloaded
+  (``jax_dos.planning.fired.simulate_fired``): a fired step can hide its offloaded
   update only under the next forward pass, so where the clip fires the
   resident share the room holds (all ``"full"``: the most room) is worth
   more than activations that shorten a silent step.

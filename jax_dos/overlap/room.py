@@ -16,7 +16,7 @@ most by the overlapped step). There the overlapped step's room is its own (:func
   they hold the forward program's too. A policy other than ``"full"`` adds its saved residuals and any growth of
   ``T`` on top (``StageTimes.extra_activation_bytes``, as beside the plain program's peak);
 * ``A``: the largest stage's weights gathered whole ahead of its backward programs (``StepLayout.ahead_bytes``,
-  ``jax_dos.gather_ahead``): alive beside the program before it, which gathers them, and its own gathered weights
+  ``jax_dos.staged.gather_ahead``): alive beside the program before it, which gathers them, and its own gathered weights
   (those ``T`` holds as temporaries where they are gathered in the program); 0 where none are gathered ahead;
 * ``c``: the largest cotangent a micro-batch's backward pass carries between stages (``StageTimes.cotangent_bytes``),
   ``k' = k`` of them in the ``"stage"`` order (each micro-batch's is alive through the backward pass), one in the
@@ -52,9 +52,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jax_dos import moment_formats
-from jax_dos.plan import STAGING_BYTES, STATE_BYTES, Plan
-from jax_dos.timeline import StageTimes, stage_ordered_placements
+from jax_dos.core import moment_formats
+from jax_dos.planning.plan import STAGING_BYTES, STATE_BYTES, Plan
+from jax_dos.planning.timeline import StageTimes, stage_ordered_placements
 
 # Of the largest stage program's temporaries, how many more the room keeps back (the module docstring's margin).
 TEMP_MARGIN = 1

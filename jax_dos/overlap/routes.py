@@ -15,18 +15,18 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jax_dos.fired import fired_share
 from jax_dos.overlap.layout import StepLayout
 from jax_dos.overlap.memory import check_host_memory, speculation_cap
 from jax_dos.overlap.plan import REBALANCE_GAP_S
-from jax_dos.plan import Plan
-from jax_dos.rates import Rates
+from jax_dos.planning.fired import fired_share
+from jax_dos.planning.plan import Plan
+from jax_dos.planning.rates import Rates
 
 
 def stream_share_of_host(plan: Plan, layout: StepLayout) -> set[int]:
   """The host subgroups the stream path steps when the clip fires, spread through the forward order.
 
-  ``jax_dos.fired.fired_share`` at the plan's calibrated rates (equal rates
+  ``jax_dos.planning.fired.fired_share`` at the plan's calibrated rates (equal rates
   without a calibration): after the decision the gradients are in host
   memory and the host worker runs the kernel alone, at the host path's
   slowdown beside the stream path where the calibration measured the kernel

@@ -3,9 +3,9 @@
 Nothing is allocated twice: a fresh state is made in each subgroup's memory
 kind directly, and a given state (restored, or the plain step's) moves only
 the leaves whose memory kind or layout differs from the step's. With a
-:class:`~jax_dos.pinned_arena.PinnedArena`, the offloaded leaves' state lives
+:class:`~jax_dos.memory.pinned_arena.PinnedArena`, the offloaded leaves' state lives
 in it, outside XLA's pinned pool: a fresh master is copied there from the
-accelerator (:class:`~jax_dos.copy_out.CopyOut`), fresh moments are its zero
+accelerator (:class:`~jax_dos.memory.copy_out.CopyOut`), fresh moments are its zero
 pages; a given offloaded leaf on the accelerator is copied in, and one in
 XLA's pool stays there (the host and stream paths write it in place as they
 write the arena's). A given leaf in ordinary host memory (``unpinned_host``: a
@@ -23,13 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import host_copies, memory, moment_formats, partition, pinned_arena
-from jax_dos.copy_out import CopyOut
+from jax_dos.core import moment_formats, partition
+from jax_dos.core.state import InterleavedAdamState
 from jax_dos.hand_off import receive
-from jax_dos.pinned_arena import PinnedArena
-from jax_dos.plan import MEMORY_KIND, Plan
+from jax_dos.memory import host_copies, pinned_arena
+from jax_dos.memory import kinds as memory
+from jax_dos.memory.copy_out import CopyOut
+from jax_dos.memory.pinned_arena import PinnedArena
 from jax_dos.planning import calibration
-from jax_dos.state import InterleavedAdamState
+from jax_dos.planning.plan import MEMORY_KIND, Plan
 
 PINNED_MEMORY = ("auto", "arena", "pool")  # OverlappedStep(pinned_memory=...): our own mapping, or XLA's pinned pool
 

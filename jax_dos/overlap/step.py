@@ -1,6 +1,6 @@
 """The overlapped training step: the Adam update runs under the backward pass and the next forward pass.
 
-:class:`OverlappedStep` trains a staged model (``jax_dos.stages``) with an
+:class:`OverlappedStep` trains a staged model (``jax_dos.staged.stages``) with an
 ``interleaved_adam`` optimizer and ``optax.chain(clip_by_global_norm(c),
 adamw)``'s exact numbers. One call is one step::
 
@@ -35,18 +35,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import (
-  device_steps,
-  host_plan,
-  memory,
-  partition,
-  pinned_pool,
-  trace,
-)
-from jax_dos.gather_ahead import HeldWeights
+from jax_dos import trace
+from jax_dos.core import partition
+from jax_dos.core.state import InterleavedAdamState
+from jax_dos.core.trees import decay_flags, leaves_with_paths
 from jax_dos.hand_off import HandOff, Slots, receive
 from jax_dos.job_thread import Failure, result_of
-from jax_dos.micro_batches import micro_batch, schedule
+from jax_dos.memory import kinds as memory
+from jax_dos.memory import pinned_pool
+from jax_dos.optimizer import device_steps
+from jax_dos.optimizer.paths import host
 from jax_dos.overlap import memory as overlap_memory
 from jax_dos.overlap import plan as overlap_plan
 from jax_dos.overlap import process as overlap_process
@@ -63,12 +61,12 @@ from jax_dos.overlap.plan import (
   step_layout,
 )
 from jax_dos.overlap.workers import Workers
-from jax_dos.paths import host
-from jax_dos.plan import partition_groups
-from jax_dos.stages import Stage, StagedModel
-from jax_dos.state import InterleavedAdamState
-from jax_dos.timeline import StageTimes
-from jax_dos.trees import decay_flags, leaves_with_paths
+from jax_dos.planning import host_plan
+from jax_dos.planning.plan import partition_groups
+from jax_dos.planning.timeline import StageTimes
+from jax_dos.staged.gather_ahead import HeldWeights
+from jax_dos.staged.micro_batches import micro_batch, schedule
+from jax_dos.staged.stages import Stage, StagedModel
 
 WEIGHT_PLACEMENTS = ("device", "host")
 # Programs ahead of its first use that a host group's weights are copied to the accelerator: the copy runs under
@@ -82,7 +80,8 @@ class OverlappedStep:
   Args:
     tx: a ``jax_dos.interleaved_adam`` (or ``interleaved_adamw``) transformation, without ``delay`` or ``write_behind``.
       Its hyperparameters, mask and ``subgroup_size`` are used; its ``plan`` gives the placements (a placement name, one
-      per subgroup of ``jax_dos.plan.partition_groups``, a ``Plan`` whose subgroups stay within groups, or ``"auto"``).
+      per subgroup of ``jax_dos.planning.plan.partition_groups``, a ``Plan`` whose subgroups stay within groups, or
+      ``"auto"``).
     stages: the model's :class:`jax_dos.Stage` s in forward order.
     params: the parameter groups, a list of trees (``stages`` refer to them by index). Consumed: the step owns and
       updates them.
@@ -95,12 +94,12 @@ class OverlappedStep:
       update takes their mean.
     micro_batch_order: ``"stage"`` (every micro-batch through a stage before the next: the update's window is the whole
       backward pass, every micro-batch's stage inputs kept) or ``"batch"`` (micro-batch after micro-batch: the window is
-      the last one's backward pass) (``jax_dos.micro_batches.schedule``).
+      the last one's backward pass) (``jax_dos.staged.micro_batches.schedule``).
     plan: overrides ``tx``'s plan (same forms): ``jax_dos.overlapped_plan``'s, made from shapes before any state exists
       (to compare with the plain step's, and to restore a checkpoint into: ``jax_dos.abstract_state``).
     stage_times: the stages' measured times (``StagedModel.measure_times``). With them, ``"auto"`` places subgroups by
-      the step's timeline (``jax_dos.timeline``; the predicted step in ``plan.predicted``), and chooses each stage's
-      rematerialisation where they were measured with ``policies`` (``plan.remat``); without, by stage order.
+      the step's timeline (``jax_dos.planning.timeline``; the predicted step in ``plan.predicted``), and chooses each
+      stage's rematerialisation where they were measured with ``policies`` (``plan.remat``); without, by stage order.
     run_ahead_stages: stage programs the training thread may have dispatched beyond the one the accelerator runs
       (``RUN_AHEAD_STAGES``, one with one micro-batch): fewer, the workers wait less; more, the accelerator does.
     stream_slots: streamed subgroups in flight at most (``STREAM_SLOTS``; ``"auto"``: fewer where the room needs).
@@ -118,8 +117,8 @@ class OverlappedStep:
       the CPU; docs/overlap.md, "Pinned memory of our own"); ``"pool"``: XLA's pool; ``"auto"``: as
       ``overlap.state.PinnedMemory`` says. The numbers are the same.
     gather_ahead: ``True``: where a stage's parameters are sharded (``fsdp``), each backward program gathers the next
-      one's weights whole beside its compute, for all of that stage's programs (``jax_dos.gather_ahead``; the room
-      counts one more stage's gathered weights). ``False``: each program gathers its own. ``"auto"`` (the default):
+      one's weights whole beside its compute, for all of that stage's programs (``jax_dos.staged.gather_ahead``; the
+      room counts one more stage's gathered weights). ``False``: each program gathers its own. ``"auto"`` (the default):
       as ``stage_times`` were measured faster (``StageTimes.gather_ahead``), else ``False``. The numbers are the same.
 
     weights: where each group's weights live between the programs that use them: ``"device"`` (all of them, the

@@ -19,9 +19,9 @@ step; past that the worker waits for the decision. After a fired clip it
 also steps the host path's share (``StepRecord.host_share``), returning the
 new state and the old one through ``StepRecord.share_done``.
 
-With a :class:`~jax_dos.pinned_arena.PinnedArena` the streamed state lives
+With a :class:`~jax_dos.memory.pinned_arena.PinnedArena` the streamed state lives
 in it, outside XLA's pinned pool, and the new state is copied into it by a
-:class:`~jax_dos.copy_out.CopyOut` (XLA writes only buffers of its own): a
+:class:`~jax_dos.memory.copy_out.CopyOut` (XLA writes only buffers of its own): a
 subgroup stepped with the true scale into its own buffers (their copy in has
 landed once the update has run), a speculated one into new buffers, a host
 subgroup of the fired clip's share into the spare buffers the host path hands
@@ -42,15 +42,16 @@ from typing import Any
 
 import jax
 
-from jax_dos import memory, trace
-from jax_dos.copy_out import CopyOut
+from jax_dos import trace
 from jax_dos.hand_off import HandOff, receive, send
 from jax_dos.job_thread import Failure
+from jax_dos.memory import kinds as memory
+from jax_dos.memory.copy_out import CopyOut
+from jax_dos.memory.pinned_arena import PinnedArena
+from jax_dos.optimizer.paths import stream
 from jax_dos.overlap.clip import Decision, StepRecord
 from jax_dos.overlap.host_path import ShareInput
 from jax_dos.overlap.routes import Routes
-from jax_dos.paths import stream
-from jax_dos.pinned_arena import PinnedArena
 
 # How often the stream worker, while it waits (for a copy in to land, or for gradients), tops up its copies in: a slot
 # whose copy back has landed takes the next subgroup's state at once (docs/measurements.md).

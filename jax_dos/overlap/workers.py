@@ -13,13 +13,13 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from jax_dos import host_kernels
-from jax_dos.copy_out import CopyOut
 from jax_dos.job_thread import Failure, JobThread
+from jax_dos.kernels import host_kernels
+from jax_dos.memory.copy_out import CopyOut
+from jax_dos.memory.pinned_arena import PinnedArena
 from jax_dos.overlap.host_path import HostPath
 from jax_dos.overlap.routes import Routes
 from jax_dos.overlap.stream_path import IDLE_POLL_S, StreamPath
-from jax_dos.pinned_arena import PinnedArena
 
 
 class Workers:

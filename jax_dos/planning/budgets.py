@@ -48,9 +48,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from jax_dos import memory
-from jax_dos.plan import STAGING_BYTES, STATE_BYTES
+from jax_dos.memory import kinds as memory
 from jax_dos.planning.cost_model import DEFAULT_MAX_STREAM_SLOTS, Calibration
+from jax_dos.planning.plan import STAGING_BYTES, STATE_BYTES
 
 DEFAULT_RESIDENT_FRACTION = 0.4
 DEFAULT_STAGING_FRACTION = 0.5

@@ -1,7 +1,7 @@
 """Calibration: this machine's rates of each update path, measured with the real engine.
 
 The cost model (``cost_model.py``) needs the rates of a :class:`~jax_dos.planning.cost_model.Calibration`.
-They are measured here with the real optimizer (:class:`~jax_dos.interleaved.InterleavedAdam`
+They are measured here with the real optimizer (:class:`~jax_dos.optimizer.interleaved.InterleavedAdam`
 with an explicit plan, stepped eagerly, timed with ``block_until_ready``) on
 synthetic fp32 parameter trees. The rates are measured on subgroups shaped like
 transformer layers (two tiny norm leaves and four matrices of 3 : 1 : 4 : 4,
@@ -50,11 +50,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dos import adam_math, host_kernels, moment_formats
-from jax_dos.adam_math import AdamHyper
-from jax_dos.interleaved import InterleavedAdam
-from jax_dos.memory import device_free_bytes
-from jax_dos.plan import Plan, partition_leaves
+from jax_dos.core import adam_math, moment_formats
+from jax_dos.core.adam_math import AdamHyper
+from jax_dos.kernels import host_kernels
+from jax_dos.memory.kinds import device_free_bytes
+from jax_dos.optimizer.interleaved import InterleavedAdam
 from jax_dos.planning import cost_model
 from jax_dos.planning.cost_model import (
   ENV_OVERRIDE,
@@ -64,6 +64,7 @@ from jax_dos.planning.cost_model import (
   calibration_key,
   predict,
 )
+from jax_dos.planning.plan import Plan, partition_leaves
 
 log = logging.getLogger(__name__)
 # 2 GiB per fp32 array. Smaller runs are dominated by the pipeline's fill and drain (the first subgroup's

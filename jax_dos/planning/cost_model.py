@@ -76,8 +76,8 @@ import re
 from pathlib import Path
 from typing import Any, Union
 
-from jax_dos import moment_formats
-from jax_dos.plan import RESIDENT_CALL_ELEMENTS
+from jax_dos.core import moment_formats
+from jax_dos.planning.plan import RESIDENT_CALL_ELEMENTS
 
 ENV_OVERRIDE = "JAX_DOS_CALIBRATION"  # a JSON path that replaces the measured calibration
 DEFAULT_MAX_STREAM_SLOTS = 2

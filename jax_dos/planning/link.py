@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_dos.collectives import Collectives
-from jax_dos.host_plan import processes_on_this_host
+from jax_dos.planning.collectives import Collectives
+from jax_dos.planning.host_plan import processes_on_this_host
 
 LINK_PROBE_BYTES = 256 * 2**20  # each device's shard in the probe: large enough for NCCL's bus bandwidth to level off
 

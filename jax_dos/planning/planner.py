@@ -2,7 +2,7 @@
 
 ``make_plan`` sizes the budgets (``budgets.py``) for a parameter tree, searches
 the placements (``search.py``) with the calibration's rates (``cost_model.py``)
-and returns a :class:`~jax_dos.plan.Plan`; ``auto_planner`` resolves the
+and returns a :class:`~jax_dos.planning.plan.Plan`; ``auto_planner`` resolves the
 calibration once (``calibration.py``: given, ``$JAX_DOS_CALIBRATION``, cached,
 or measured) and plans every tree it is handed.
 """
@@ -14,9 +14,8 @@ from typing import Any
 
 import jax
 
-from jax_dos import moment_formats
-from jax_dos.memory import device_elements
-from jax_dos.plan import STAGING_BYTES, STATE_BYTES, Plan, partition_leaves
+from jax_dos.core import moment_formats
+from jax_dos.memory.kinds import device_elements
 from jax_dos.planning.budgets import (
   DEFAULT_RESIDENT_FRACTION,
   DEFAULT_STAGING_FRACTION,
@@ -27,6 +26,7 @@ from jax_dos.planning.budgets import (
 )
 from jax_dos.planning.calibration import get_calibration
 from jax_dos.planning.cost_model import DEFAULT_MAX_STREAM_SLOTS, Calibration, CalibrationSpec, as_calibration
+from jax_dos.planning.plan import STAGING_BYTES, STATE_BYTES, Plan, partition_leaves
 from jax_dos.planning.search import plan_sizes
 
 
@@ -46,7 +46,7 @@ def make_plan(
   moments: str = "float32",
   relayout_elements: tuple[int, int] = (0, 0),
 ) -> Plan:
-  """The model's :class:`~jax_dos.plan.Plan` for ``params``.
+  """The model's :class:`~jax_dos.planning.plan.Plan` for ``params``.
 
   Budgets as :func:`~jax_dos.planning.budgets.resolve_budgets` sizes them (explicit
   ones win), placements as :func:`~jax_dos.planning.search.plan_sizes` chooses them.

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jax_dos.plan import STAGING_BYTES, STATE_BYTES
 from jax_dos.planning.cost_model import DEFAULT_MAX_STREAM_SLOTS, Calibration, predict
+from jax_dos.planning.plan import STAGING_BYTES, STATE_BYTES
 
 _REL_TOL = 1e-9  # a candidate must beat the incumbent by this much (ties go to the simpler plan)
 _GRID = 256
