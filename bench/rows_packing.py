@@ -1,7 +1,8 @@
 """Fine-tuning speed with rows as examples (``--packing rows``) against one packed token stream (``--packing stream``),
 on the same prompt/completion rows, the same checkpoint and the same flags, in one process:
 
-    PYTHONPATH=$PWD python bench/rows_packing.py --out /tmp/rows_packing [--preset tiny --seq-len 128 --steps 40 --repeats 3]
+    PYTHONPATH=$PWD python bench/rows_packing.py --out /tmp/rows_packing \
+      [--preset tiny --seq-len 128 --steps 40 --repeats 3]
 
 ``bench/pretrained_checkpoint.py`` writes a random-weight checkpoint of ``--preset`` (float32) with a BPE tokenizer
 and rows of the built-in corpus (each top-level ``def``: its signature the prompt, its body the completion); then
@@ -89,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
   commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
   machine = {"python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
              "cpus": os.cpu_count(), "commit": commit}  # fmt: skip
-  (out / "results.json").write_text(json.dumps({"args": vars(args), "machine": machine, "runs": runs,
-                                                "median": summary, "rows_over_stream": ratio}, indent=1) + "\n")  # fmt: skip
+  results = {"args": vars(args), "machine": machine, "runs": runs, "median": summary, "rows_over_stream": ratio}
+  (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

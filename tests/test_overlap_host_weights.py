@@ -18,7 +18,7 @@ import jax_dos
 
 def _placements(groups, host_groups):
   """Per subgroup: ``"host"`` in the groups whose weights are on the host, the mixed placements elsewhere."""
-  _, _, subgroup_group = jax_dos.plan.partition_groups(groups, 40)
+  _, _, subgroup_group = jax_dos.planning.plan.partition_groups(groups, 40)
   return [("host" if g in host_groups else MIXED[s]) for s, g in enumerate(subgroup_group)]
 
 
@@ -72,7 +72,7 @@ MESH = textwrap.dedent(
     import jax_dos
 
     rng = np.random.default_rng()
-    _, _, owner = jax_dos.plan.partition_groups(t.make_groups(rng), 40)
+    _, _, owner = jax_dos.planning.plan.partition_groups(t.make_groups(rng), 40)
     placements = ["host" if g in (0, 2) else t.MIXED[s] for s, g in enumerate(owner)]
     weights = ["host" if g in (0, 2) else "device" for g in range(max(owner) + 1)]
     # Sharded over both devices ("model"), and data-parallel (replicated, each device a whole copy of its state).
