@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> None:
                    "final_loss": result["losses"][args.steps], "val_loss": result["val_losses"][args.steps],
                    "wall_s": time.perf_counter() - t0})  # fmt: skip
       r = runs[-1]
-      print(f"{packing:6s} #{repeat}: {tps:8.0f} positions/s, {r['row_tokens_per_s']:8.0f} row tokens/s,"
-            f" {r['targets_per_s']:8.0f} targets/s; loss {r['final_loss']:.3f}, val {r['val_loss']:.3f}", flush=True)
+      print(
+        f"{packing:6s} #{repeat}: {tps:8.0f} positions/s, {r['row_tokens_per_s']:8.0f} row tokens/s,"
+        f" {r['targets_per_s']:8.0f} targets/s; loss {r['final_loss']:.3f}, val {r['val_loss']:.3f}",
+        flush=True,
+      )
   summary = {}
   for packing in ("stream", "rows"):
     mine = [r for r in runs if r["packing"] == packing]
