@@ -132,7 +132,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
 
 _FAILING_KERNEL = """
 import sys
-from jax_dos import host_kernels
+from jax_dos.kernels import host_kernels
 from train import gpt
 # The host kernel's 5th call (step 5's update, in the host worker thread) fails as an allocation would.
 real, calls = host_kernels.adam_many, []
